@@ -1,0 +1,49 @@
+"""The one attention interface the model calls.
+
+`attend` runs either a dense causal attention over one sequence (the plain full-sequence forward kept for
+tests) or, given a paged KV layer and an `AttentionBatch`, scatters the new K/V into the donated cache and
+runs ragged paged attention over the flattened batch. Model code never knows which.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class AttentionBatch:
+    """Static-shape metadata of one ragged step (decodes first); see pallas_kernels for the semantics."""
+    slot_mapping: jax.Array   # [T] flat cache slot of each token; padding -> null block 0
+    cu_q_lens: jax.Array      # [S+1]
+    kv_lens: jax.Array        # [S] context length including this step's tokens
+    block_tables: jax.Array   # [S, max_blocks_per_seq]
+    num_seqs: jax.Array       # [1]
+
+
+def dense_causal_attention(q, k, v, positions, *, sm_scale: float, sliding_window: int | None):
+    """Reference attention over one sequence: q [T, Hq, D], k/v [T, Hkv, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, groups, axis=1), jnp.repeat(v, groups, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    allowed = positions[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        allowed &= positions[None, :] > positions[:, None] - sliding_window
+    p = jax.nn.softmax(jnp.where(allowed[None], s, -jnp.inf), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def attend(q, k, v, positions, kv_layer, batch: AttentionBatch | None, *, sm_scale: float,
+           sliding_window: int | None = None):
+    """Returns (out [T, Hq, D], updated kv_layer)."""
+    if kv_layer is None:
+        return dense_causal_attention(q, k, v, positions, sm_scale=sm_scale, sliding_window=sliding_window), None
+    from jaxserve.cache.kv_cache import write_kv  # TEMP until helpers land
+    from pallas_kernels import ragged_paged_attention
+    k_cache, v_cache = write_kv(*kv_layer, k, v, batch.slot_mapping)
+    out = ragged_paged_attention(q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens, batch.block_tables,
+                                 batch.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window)
+    return out, (k_cache, v_cache)

@@ -1,0 +1,113 @@
+"""GGUF files: config, tokenizer and chat template from the metadata; tensors dequantized with the `gguf`
+package (the llama.cpp project's own reader) and renamed to HF names, so one weight mapping serves both."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.errors import ModelLoadError
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+TENSOR_NAMES = {  # GGUF per-layer suffix -> HF name
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+
+
+def open_gguf(path: Path):
+    import gguf
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises bare ValueError/struct errors on corrupt files
+        raise ModelLoadError(path, f"not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(path, f"unknown architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
+    p = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    heads = p("attention.head_count")
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        arch=arch, vocab_size=p("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=p("embedding_length"), intermediate_size=p("feed_forward_length"),
+        num_layers=p("block_count"), num_heads=heads, num_kv_heads=p("attention.head_count_kv", heads),
+        head_dim=p("attention.key_length") or p("embedding_length") // heads,
+        rms_norm_eps=p("attention.layer_norm_rms_epsilon", 1e-5), rope_theta=p("rope.freq_base", 10000.0),
+        max_position_embeddings=p("context_length", 8192), tie_word_embeddings="output.weight" not in names,
+        sliding_window=p("attention.sliding_window"), attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),))
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its rope; HF uses rotate-half. Undo the permutation."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if parts[0] == "blk" and parts[2] in TENSOR_NAMES:
+        return f"model.layers.{parts[1]}.{TENSOR_NAMES[parts[2]]}"
+    return None
+
+
+def gguf_tensors(reader, cfg: ModelConfig, path: Path):
+    """Yield (hf_name, float32 array in HF layout) for every tensor, dequantizing as it goes."""
+    import gguf
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise ModelLoadError(path, f"tensor {t.name} has unsupported GGUF type {kind}; "
+                                       f"supported: {', '.join(SUPPORTED_TYPES)}")
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        w = np.asarray(w, np.float32)
+        if cfg.arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _unpermute_rope(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        yield name, w
+
+
+def gguf_tokenizer(reader, path: Path):
+    """A transformers fast tokenizer built from the GGUF vocabulary (BPE, byte-level, as llama.cpp's gpt2 model)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(path, f"tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    types = _field(reader, "tokenizer.ggml.token_type")
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    digits = [pre_tokenizers.Digits(individual_digits=True)] if _field(reader, "tokenizer.ggml.pre") == "smollm" else []
+    tok.pre_tokenizer = pre_tokenizers.Sequence(digits + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = [t for t, ty in zip(tokens, types) if ty == 3]  # llama.cpp token type 3 = control
+    ids = {k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
+    name = lambda key: None if ids[key] is None else tokens[ids[key]]  # noqa: E731
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=name("bos"), eos_token=name("eos"), unk_token=name("unknown"),
+        pad_token=name("padding"), additional_special_tokens=specials,
+        chat_template=_field(reader, "tokenizer.chat_template"))

@@ -1,0 +1,129 @@
+"""Llama-family decoder in Flax NNX: Llama 2/3 (llama3 rope scaling), SmolLM2, Mistral (sliding window),
+Qwen2 (qkv bias), Qwen3 (q/k RMSNorm). Tokens are flattened `[T]`; attention goes through `attend`."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.attention import AttentionBatch, attend
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies as transformers computes them (default and llama3 scaling)."""
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
+    if not cfg.rope_scaling:
+        return inv.astype(np.float32)
+    sc = cfg.rope_scaling
+    factor, low, high = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old_len = sc.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(is_mid, mid, scaled).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [T, H, D] with HF's rotate-half layout."""
+    freqs = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
+    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+def _linear(cfg_in, cfg_out, dtype, rngs, bias=False):
+    return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(h, cfg.num_heads * d, dtype, rngs, cfg.attention_bias)
+        self.k_proj = _linear(h, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias)
+        self.v_proj = _linear(h, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias)
+        self.o_proj = _linear(cfg.num_heads * d, h, dtype, rngs)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.cfg = cfg
+
+    def __call__(self, x, positions, kv_layer, batch):
+        cfg, t = self.cfg, x.shape[0]
+        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, kv_layer = attend(q, k, v, positions, kv_layer, batch, sm_scale=cfg.head_dim ** -0.5,
+                               sliding_window=cfg.sliding_window)
+        return self.o_proj(out.reshape(t, -1)), kv_layer
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, positions, kv_layer, batch):
+        h, kv_layer = self.self_attn(self.input_layernorm(x), positions, kv_layer, batch)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_layer
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
+        self.cfg = cfg
+
+    def __call__(self, token_ids, positions, kv_cache=None, batch: AttentionBatch | None = None):
+        """token_ids, positions [T] -> (final hidden states [T, H], updated kv_cache or None)."""
+        x = self.embed_tokens(token_ids)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, kv_layer = layer(x, positions, None if kv_cache is None else kv_cache[i], batch)
+            new_cache.append(kv_layer)
+        return self.norm(x), (None if kv_cache is None else new_cache)
+
+    def logits(self, hidden):
+        """hidden [N, H] -> f32 logits [N, V]."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> LlamaForCausalLM:
+    """Shape-only model (no memory); loaders fill its state."""
+    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)))
