@@ -1,0 +1,8 @@
+"""jaxserve: LLM serving on JAX/XLA — paged KV cache, ragged paged attention, continuous batching."""
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm import LLM, StreamDelta
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sequence import CompletionOutput, RequestOutput
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta"]

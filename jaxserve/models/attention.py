@@ -42,7 +42,7 @@ def attend(q, k, v, positions, kv_layer, batch: AttentionBatch | None, *, sm_sca
     if kv_layer is None:
         return dense_causal_attention(q, k, v, positions, sm_scale=sm_scale, sliding_window=sliding_window), None
     from jaxserve.cache.kv_cache import write_kv  # TEMP until helpers land
-    from pallas_kernels import ragged_paged_attention
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
     k_cache, v_cache = write_kv(*kv_layer, k, v, batch.slot_mapping)
     out = ragged_paged_attention(q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens, batch.block_tables,
                                  batch.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window)

@@ -1,0 +1,256 @@
+"""LLMEngine: add_request / step / abort. Each step schedules (decode-first), places new sequences in device
+slots, forks `n > 1` siblings off a finished prompt, syncs the block table incrementally, batches this step's
+copy-on-write copies into one device call, runs the jitted step and turns sampled tokens into outputs."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+import jax
+
+from jaxserve.cache.kv_cache_manager import KVCacheManager
+from jaxserve.config import EngineConfig
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.runner import ModelRunner, StepRow
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
+from jaxserve.engine.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from jaxserve.models.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
+
+
+def stable_seed(*parts) -> int:
+    """A seed for requests that gave none: stable across processes (Python's str hash is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()) % 2**63
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def check_config(cfg: EngineConfig, max_position_embeddings: int) -> None:
+    if cfg.max_num_seqs + cfg.min_prefill_chunk > cfg.max_num_batched_tokens:
+        raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} must be >= max_num_seqs "
+                         f"({cfg.max_num_seqs}) + min_prefill_chunk ({cfg.min_prefill_chunk}) so that decodes "
+                         "never starve prefill")
+    if cfg.max_model_len > max_position_embeddings:
+        raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings="
+                         f"{max_position_embeddings}")
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None):
+        self.cfg = cfg = cfg or EngineConfig()
+        check_config(cfg, loaded.config.max_position_embeddings)
+        enable_compilation_cache(cfg.compile_cache_dir)
+        self.loaded, self.tokenizer = loaded, loaded.tokenizer
+        self.runner = ModelRunner(loaded, cfg)
+        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size,
+                                 enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
+        self.scheduler = Scheduler(cfg, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self.eos_ids = set(self.runner.eos_token_ids)
+        self._seq_ids, self._request_ids = itertools.count(), itertools.count()
+        self._seed_base = cfg.seed
+        if cfg.precompile:
+            self.runner.precompile()
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
+        """Queue a request; bad input raises ValueError naming the field and changes nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        self._check_request(ids, params)
+        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        req = Request(request_id, text, ids, params)
+        seed = params.seed if params.seed is not None else stable_seed(self._seed_base, request_id)
+        seq = Sequence(next(self._seq_ids), request_id, 0, list(ids), len(ids), params, seed, priority,
+                       cache_salt=cache_salt, num_forks_pending=params.n - 1)
+        seq.detokenizer = self._detokenizer(ids, params)
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return prompt, self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.loaded.config.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.cfg.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.cfg.max_model_len} leaves no "
+                             "room to generate")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.n > self.cfg.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+
+    def _detokenizer(self, prompt_ids, params):
+        return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at once and free its blocks; False if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.finished:
+                self._finish(seq, "abort")
+            self.seqs.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        for seq in self.scheduler.take_preempted():
+            self._release_slot(seq)
+        placed = [s for s in batch.seqs if s.slot < 0]
+        for seq in placed:
+            seq.slot = self.free_slots.pop()
+        rows = [StepRow(s, s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        rows += self._fork(batch, placed)
+        if not rows:
+            return []
+        self.runner.update_block_table(self.kv.take_block_updates(), lambda i: self.seqs[i].slot)
+        self.runner.copy_blocks(*self.kv.take_copies())
+        self.runner.reset_slots(placed)
+        out = self.runner.execute(rows)
+        return self._postprocess(rows, out)
+
+    def _fork(self, batch: ScheduledBatch, placed: list[Sequence]) -> list[StepRow]:
+        """Siblings of a request whose prompt completes this step share its blocks and sample its logits."""
+        rows = []
+        for i, (parent, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if parent.num_forks_pending and parent.num_computed_tokens + n == parent.num_tokens:
+                req = self.requests[parent.request_id]
+                for _ in range(parent.num_forks_pending):
+                    child = self._make_child(parent, req)
+                    self.kv.fork(parent.seq_id, child.seq_id)
+                    placed.append(child)
+                    rows.append(StepRow(child, child.num_computed_tokens, 0, logits_from=i))
+                parent.num_forks_pending = 0
+        return rows
+
+    def _make_child(self, parent: Sequence, req: Request) -> Sequence:
+        index = len(req.seqs)
+        seed = (parent.seed + index) % 2**63 if req.params.seed is not None else stable_seed(parent.seed, index)
+        child = Sequence(next(self._seq_ids), parent.request_id, index, list(parent.token_ids),
+                         parent.num_prompt_tokens, parent.params, seed, parent.priority,
+                         status=SequenceStatus.RUNNING, num_computed_tokens=parent.num_tokens,
+                         slot=self.free_slots.pop(), block_hashes=parent.block_hashes, cache_salt=parent.cache_salt)
+        child.detokenizer = self._detokenizer(req.prompt_token_ids, req.params)
+        req.seqs.append(child)
+        self.seqs[child.seq_id] = child
+        self.scheduler.running.append(child)
+        return child
+
+    def _postprocess(self, rows: list[StepRow], out) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for i, row in enumerate(rows):
+            seq = row.seq
+            seq.num_computed_tokens = row.start + row.count
+            if seq.num_computed_tokens < seq.num_tokens or seq.finished:
+                continue
+            token = int(out.tokens[i])
+            seq.token_ids.append(token)
+            seq.first_token_time = seq.first_token_time or now
+            if seq.params.logprobs is not None:
+                top = {int(t): float(l) for t, l in zip(out.top_ids[i, :seq.params.logprobs],
+                                                      out.top_logprobs[i, :seq.params.logprobs])}
+                seq.logprobs.append({token: float(out.logprob[i]), **top})
+            self._check_stop(seq, token)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._request_output(r) for r in touched.values()]
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        stop_str = seq.detokenizer.update([token]) if seq.detokenizer is not None else None
+        if seq.num_output_tokens < p.min_tokens:
+            return
+        if token in self.eos_ids and not p.ignore_eos:
+            self._finish(seq, "stop")
+        elif token in p.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif stop_str is not None:
+            self._finish(seq, "stop", stop_str)
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
+                seq.num_tokens >= self.cfg.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish()
+        self.scheduler.remove(seq)
+        self._release_slot(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.runner.clear_slot(seq.slot)
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+
+    def _request_output(self, req: Request) -> RequestOutput:
+        outs = [self._completion(s) for s in req.seqs]
+        finished = req.finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+            for s in req.seqs:
+                self.seqs.pop(s.seq_id, None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        text = seq.detokenizer.text if seq.detokenizer is not None else ""
+        logprobs = seq.logprobs if seq.params.logprobs is not None else None
+        cum = sum(lp[t] for lp, t in zip(seq.logprobs, seq.output_token_ids)) if logprobs else None
+        return CompletionOutput(seq.index, text, list(seq.output_token_ids), cum, logprobs,
+                                seq.finish_reason, seq.stop_reason)
+
+    # ---- introspection ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_total": self.kv.num_blocks - 1, "kv_blocks_free": self.kv.num_free_blocks,
+                "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
+                "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
+                "compiled_buckets": len(self.runner.compiled_buckets)}

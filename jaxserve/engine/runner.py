@@ -1,0 +1,172 @@
+"""The model runner: device state (weights, paged KV cache, penalty state), bucketed static-shape inputs built
+incrementally on the host, and one jitted step per bucket — embed -> layers (scatter KV writes + ragged paged
+attention) -> logits of each sequence's last token -> sampling — with the cache and penalty state donated."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxserve.cache.block_table import BlockTable
+from jaxserve.cache.kv_cache import (allocate_kv_cache, copy_blocks, describe_kv_capacity, kv_bytes_per_block,
+                                     num_blocks_for_memory)
+from jaxserve.config import EngineConfig
+from jaxserve.engine.sampler import (PenaltyState, SamplerOutput, SamplingTensors, init_penalty_state,
+                                     make_sampling_tensors, reset_slots, sample)
+from jaxserve.engine.sampling_params import MAX_LOGPROBS
+from jaxserve.engine.sequence import Sequence
+from jaxserve.models.attention import AttentionBatch
+from jaxserve.models.loader import LoadedModel
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 8
+
+
+def pow2_ladder(low: int, high: int) -> tuple[int, ...]:
+    """Powers of two from low up to high, high itself always included."""
+    ladder = [low << i for i in range(max(0, math.ceil(math.log2(high / low))) + 1) if low << i < high]
+    return tuple(ladder + [high])
+
+
+def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
+    return next(b for b in ladder if b >= n)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class StepInputs:
+    token_ids: jax.Array       # [T]
+    positions: jax.Array       # [T]
+    attn: AttentionBatch
+    logits_indices: jax.Array  # [S] flat index of each row's last token
+    slot_ids: jax.Array        # [S] persistent slot of each row (padding: scratch slot)
+    sample_mask: jax.Array     # [S]
+    sampling: SamplingTensors
+
+
+@dataclass(slots=True)
+class StepRow:
+    seq: Sequence
+    start: int      # first position computed this step
+    count: int      # tokens computed this step (0 for a fork sampled from its parent's logits)
+    logits_from: int = -1   # row whose last token's logits this row samples (forks); -1: its own
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
+        self.cfg, self.model_config = cfg, loaded.config
+        self.graphdef, self.params = nnx.split(loaded.model)
+        mc, dtype = loaded.config, loaded.model.embed_tokens.embedding[...].dtype
+        self.token_buckets = cfg.token_buckets or pow2_ladder(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens)
+        self.seq_buckets = pow2_ladder(min(MIN_SEQ_BUCKET, cfg.max_num_seqs), cfg.max_num_seqs)
+        self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        self.num_blocks = cfg.num_blocks or num_blocks_for_memory(bytes_per_block, fraction=cfg.memory_fraction)
+        print(describe_kv_capacity(self.num_blocks, cfg.block_size, bytes_per_block), file=sys.stderr)
+        self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads,
+                                          mc.head_dim, dtype)
+        self.penalty = init_penalty_state(cfg.max_num_seqs, mc.vocab_size)
+        self.block_table = BlockTable(cfg.max_num_seqs, self.max_blocks_per_seq, cfg.block_size,
+                                      self.token_buckets[-1])
+        tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
+        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames="num_logprobs")
+        self.compiled_buckets: set[tuple[int, int, int]] = set()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.token_buckets) * len(self.seq_buckets)
+
+    def _step_fn(self, params, kv_cache, penalty: PenaltyState, inp: StepInputs, *, num_logprobs: int):
+        model = nnx.merge(self.graphdef, params)
+        hidden, kv_cache = model(inp.token_ids, inp.positions, kv_cache, inp.attn)
+        logits = model.logits(hidden[inp.logits_indices])
+        out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
+                              num_logprobs=num_logprobs)
+        return kv_cache, penalty, out
+
+    def precompile(self) -> None:
+        """Compile every (tokens, seqs) bucket ahead of time; the persistent cache makes restarts fast."""
+        pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets]
+        for t, s in tqdm(pairs, desc="compiling step buckets", unit="graph", file=sys.stderr, disable=None):
+            self._run(self._dummy_inputs(t, s), 0)
+
+    def _dummy_inputs(self, num_tokens: int, num_seqs: int) -> StepInputs:
+        z = lambda n: np.zeros(n, np.int32)  # noqa: E731 — all padding: writes land in the null block
+        attn = AttentionBatch(z(num_tokens), z(num_seqs + 1), z(num_seqs),
+                              np.zeros((num_seqs, self.max_blocks_per_seq), np.int32), z(1))
+        sampling = make_sampling_tensors([], [], [], num_rows=num_seqs)
+        return StepInputs(z(num_tokens), z(num_tokens), attn, z(num_seqs),
+                          np.full(num_seqs, self.cfg.max_num_seqs, np.int32), np.zeros(num_seqs, bool), sampling)
+
+    def _run(self, inp: StepInputs, num_logprobs: int) -> SamplerOutput:
+        self.compiled_buckets.add((len(inp.token_ids), len(inp.slot_ids), num_logprobs))
+        self.kv_cache, self.penalty, out = self._step(self.params, self.kv_cache, self.penalty, inp,
+                                                      num_logprobs=num_logprobs)
+        return out
+
+    def update_block_table(self, updates, slot_of) -> None:
+        for seq_id, start, ids in updates:
+            self.block_table.write(slot_of(seq_id), start, ids)
+
+    def clear_slot(self, slot: int) -> None:
+        self.block_table.clear_row(slot)
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if len(src):
+            self.kv_cache = copy_blocks(self.kv_cache, src, dst)
+
+    def reset_slots(self, seqs: list[Sequence]) -> None:
+        """Fresh penalty state for newly placed sequences (prompt mask; counts of tokens already generated)."""
+        if not seqs:
+            return
+        width = 1 << max(1, max(s.num_tokens for s in seqs) - 1).bit_length()
+        prompt, output = np.full((2, len(seqs), width), -1, np.int32)
+        for i, s in enumerate(seqs):
+            prompt[i, :s.num_prompt_tokens] = s.token_ids[:s.num_prompt_tokens]
+            output[i, :s.num_output_tokens] = s.output_token_ids
+        self.penalty = reset_slots(self.penalty, np.array([s.slot for s in seqs], np.int32), prompt, output)
+
+    def execute(self, rows: list[StepRow]) -> SamplerOutput:
+        """Run one step over rows (decodes first); returns the sampled tokens etc. as host numpy arrays."""
+        inp = self.prepare_inputs(rows)
+        want = max((s.seq.params.logprobs or 0) for s in rows)
+        out = self._run(inp, MAX_LOGPROBS if want else 0)
+        return jax.tree.map(np.asarray, out)   # the one device->host sync of a step
+
+    def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:
+        counts = np.array([r.count for r in rows], np.int32)
+        starts = np.array([r.start for r in rows], np.int32)
+        slots = np.array([r.seq.slot for r in rows], np.int32)
+        n_tok, n_rows = int(counts.sum()), len(rows)
+        t_pad, s_pad = bucket_for(max(n_tok, 1), self.token_buckets), bucket_for(n_rows, self.seq_buckets)
+        cu = np.zeros(s_pad + 1, np.int32)
+        np.cumsum(counts, out=cu[1:n_rows + 1])
+        cu[n_rows + 1:] = cu[n_rows]
+        token_ids, positions = np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32)
+        token_ids[:n_tok] = [t for r in rows for t in r.seq.token_ids[r.start:r.start + r.count]]
+        positions[:n_tok] = np.arange(n_tok) - np.repeat(cu[:n_rows] - starts, counts)
+        slot_mapping = self.block_table.compute_slot_mapping(np.repeat(slots, counts), positions[:n_tok], t_pad)
+        kv_lens = np.zeros(s_pad, np.int32)
+        kv_lens[:n_rows] = starts + counts
+        padded_slots = np.full(s_pad, self.cfg.max_num_seqs, np.int32)
+        padded_slots[:n_rows] = slots
+        logits_idx = np.zeros(s_pad, np.int32)
+        own_last = np.maximum(cu[1:n_rows + 1] - 1, 0)
+        from_row = np.array([i if r.logits_from < 0 else r.logits_from for i, r in enumerate(rows)], np.int32)
+        logits_idx[:n_rows] = own_last[from_row]
+        mask = np.zeros(s_pad, bool)
+        mask[:n_rows] = [r.start + r.count >= r.seq.num_tokens for r in rows]
+        attn = AttentionBatch(slot_mapping.copy(), cu, kv_lens, self.block_table.table[padded_slots % self.cfg.max_num_seqs],
+                              np.array([n_rows], np.int32))
+        sampling = make_sampling_tensors([r.seq.params for r in rows], [r.seq.seed for r in rows],
+                                         [r.seq.num_output_tokens for r in rows], num_rows=s_pad,
+                                         eos_token_ids=self.eos_token_ids)
+        return StepInputs(token_ids, positions, attn, logits_idx, padded_slots, mask, sampling)

@@ -1,0 +1,148 @@
+"""Engine correctness: a request's output must not depend on how it was scheduled (CPU, f32)."""
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.models.loader import load_model
+
+from test_models import PROMPTS, hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+BASE = dict(max_num_seqs=8, max_num_batched_tokens=64, min_prefill_chunk=16, max_model_len=512, num_blocks=256,
+            precompile=False)
+
+
+@pytest.fixture(scope="module")
+def smollm_llm(smollm):
+    return LLM(smollm, **BASE)
+
+
+@pytest.fixture(scope="module")
+def hf_expected(smollm, smollm_hf):
+    ids = [smollm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    return ids, [hf_greedy(smollm_hf, i, GREEDY.max_tokens) for i in ids]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_batched_greedy_matches_hf(smollm_llm, hf_expected):
+    ids, expected = hf_expected
+    assert token_ids(smollm_llm.generate(ids, GREEDY)) == expected
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(max_num_batched_tokens=24, min_prefill_chunk=8, max_num_seqs=8),   # prompts split into small chunks
+    dict(max_num_seqs=1, max_num_batched_tokens=32),                        # one sequence at a time
+    dict(num_blocks=24),                                                    # tiny pool: forced preemption
+], ids=["small-chunks", "one-seq", "preemption"])
+def test_schedule_does_not_change_greedy_output(smollm, hf_expected, knobs):
+    ids, expected = hf_expected
+    llm = LLM(smollm, **{**BASE, **knobs})
+    assert token_ids(llm.generate(ids, GREEDY)) == expected
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]     # every block came back
+    if "num_blocks" in knobs:
+        assert stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefix_caching_on_and_off_give_the_same_output(smollm, smollm_hf, prefix_caching):
+    shared = smollm.tokenizer("You are a helpful assistant. Answer briefly and precisely. " * 3)["input_ids"]
+    prompts = [shared + smollm.tokenizer(q)["input_ids"] for q in (" What is 2+2?", " Name a colour.", " Hi!")]
+    llm = LLM(smollm, **{**BASE, "enable_prefix_caching": prefix_caching})
+    first = token_ids(llm.generate(prompts[:1], GREEDY))
+    rest = token_ids(llm.generate(prompts[1:], GREEDY))
+    assert first + rest == [hf_greedy(smollm_hf, p, GREEDY.max_tokens) for p in prompts]
+    hits = llm.engine.kv.prefix_cache_hits
+    assert (hits >= 2 * (len(shared) // 16) * 16) if prefix_caching else hits == 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama checkpoint: fast to compile, for the scheduling-heavy tests."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("tiny")
+    hf.save_pretrained(path)
+    return load_model(str(path), dtype="f32"), hf
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny):
+    return LLM(tiny[0], **BASE)
+
+
+def sampled(seed, **kw):
+    return SamplingParams(temperature=1.0, top_p=0.9, seed=seed, max_tokens=16, ignore_eos=True, **kw)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llm):
+    prompt = [1, 5, 9, 13, 17]
+    alone = token_ids(tiny_llm.generate([prompt], sampled(7)))[0]
+    others = [[2, 3], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [100]]
+    mixed = token_ids(tiny_llm.generate(others[:2] + [prompt] + others[2:],
+                                        [sampled(1), sampled(2), sampled(7), sampled(3)]))
+    assert mixed[2] == alone
+    assert token_ids(tiny_llm.generate([prompt], sampled(8)))[0] != alone
+
+
+def test_forks_diverge_and_each_equals_its_seeded_single_run(tiny_llm):
+    prompt = list(range(1, 20))   # ends mid-block: the forks share a partial last block (copy-on-write)
+    out = tiny_llm.generate([prompt], sampled(11, n=3))[0]
+    forks = [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
+    assert len({tuple(f) for f in forks}) == 3
+    for i, f in enumerate(forks):
+        assert f == token_ids(tiny_llm.generate([prompt], sampled(11 + i)))[0]
+    stats = tiny_llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_tiny_model_greedy_matches_hf_with_chunking(tiny):
+    loaded, hf = tiny
+    llm = LLM(loaded, **{**BASE, "max_num_batched_tokens": 24, "min_prefill_chunk": 8})
+    prompts = [list(np.random.default_rng(i).integers(0, 128, 5 + 13 * i)) for i in range(4)]
+    prompts = [[int(t) for t in p] for p in prompts]
+    assert token_ids(llm.generate(prompts, GREEDY)) == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[1] * 600), "max_model_len"),
+    (dict(params=dict(max_tokens=0)), "max_tokens"),
+    (dict(params=dict(top_p=1.5)), "top_p"),
+    (dict(params=dict(temperature=-1.0)), "temperature"),
+    (dict(params=dict(stop=[1, 2])), "stop"),
+    (dict(prompt=[1, 2, 999]), "token ids"),
+])
+def test_bad_input_names_the_field_and_the_engine_keeps_serving(tiny_llm, bad, field):
+    engine = tiny_llm.engine
+    good = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(ValueError, match=field):
+        engine.add_request(bad.get("prompt", [1, 2, 3]), SamplingParams(**bad.get("params", {})))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(finished[good].outputs[0].token_ids) == 4
+
+
+def test_abort_frees_everything(tiny_llm):
+    engine = tiny_llm.engine
+    rid = engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.abort(rid)
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_stream_yields_the_same_text_as_generate(smollm_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    text = "".join(d.text for d in smollm_llm.stream("The capital of France is", params))
+    assert text == smollm_llm.generate(["The capital of France is"], params)[0].outputs[0].text
