@@ -90,6 +90,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     token_buckets: tuple[int, ...] | None = None   # None: powers of two from 16 to max_num_batched_tokens
+    seq_buckets: tuple[int, ...] | None = None     # None: powers of two from 8 to max_num_seqs
     seed: int = 0
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     precompile: bool = True
@@ -111,6 +112,7 @@ def load_run_config(path: str | Path) -> RunConfig:
     unknown = set(engine) - known
     if unknown:
         raise ValueError(f"{path}: unknown engine keys {sorted(unknown)}; known: {sorted(known)}")
-    if "token_buckets" in engine and engine["token_buckets"] is not None:
-        engine["token_buckets"] = tuple(engine["token_buckets"])
+    for key in ("token_buckets", "seq_buckets"):
+        if engine.get(key) is not None:
+            engine[key] = tuple(engine[key])
     return RunConfig(engine=EngineConfig(**engine), **raw)

@@ -65,7 +65,7 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(loaded.model)
         mc, dtype = loaded.config, loaded.model.embed_tokens.embedding[...].dtype
         self.token_buckets = cfg.token_buckets or pow2_ladder(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens)
-        self.seq_buckets = pow2_ladder(min(MIN_SEQ_BUCKET, cfg.max_num_seqs), cfg.max_num_seqs)
+        self.seq_buckets = cfg.seq_buckets or pow2_ladder(min(MIN_SEQ_BUCKET, cfg.max_num_seqs), cfg.max_num_seqs)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         self.num_blocks = cfg.num_blocks or num_blocks_for_memory(bytes_per_block, fraction=cfg.memory_fraction)
@@ -96,7 +96,7 @@ class ModelRunner:
         """Compile every (tokens, seqs) bucket ahead of time; the persistent cache makes restarts fast."""
         pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets]
         for t, s in tqdm(pairs, desc="compiling step buckets", unit="graph", file=sys.stderr, disable=None):
-            self._run(self._dummy_inputs(t, s), 0)
+            self.run(self._dummy_inputs(t, s), 0)
 
     def _dummy_inputs(self, num_tokens: int, num_seqs: int) -> StepInputs:
         z = lambda n: np.zeros(n, np.int32)  # noqa: E731 — all padding: writes land in the null block
@@ -106,7 +106,8 @@ class ModelRunner:
         return StepInputs(z(num_tokens), z(num_tokens), attn, z(num_seqs),
                           np.full(num_seqs, self.cfg.max_num_seqs, np.int32), np.zeros(num_seqs, bool), sampling)
 
-    def _run(self, inp: StepInputs, num_logprobs: int) -> SamplerOutput:
+    def run(self, inp: StepInputs, num_logprobs: int = 0) -> SamplerOutput:
+        """One jitted step on ready inputs (device arrays out; the caller decides when to sync)."""
         self.compiled_buckets.add((len(inp.token_ids), len(inp.slot_ids), num_logprobs))
         self.kv_cache, self.penalty, out = self._step(self.params, self.kv_cache, self.penalty, inp,
                                                       num_logprobs=num_logprobs)
@@ -138,7 +139,7 @@ class ModelRunner:
         """Run one step over rows (decodes first); returns the sampled tokens etc. as host numpy arrays."""
         inp = self.prepare_inputs(rows)
         want = max((s.seq.params.logprobs or 0) for s in rows)
-        out = self._run(inp, MAX_LOGPROBS if want else 0)
+        out = self.run(inp, MAX_LOGPROBS if want else 0)
         return jax.tree.map(np.asarray, out)   # the one device->host sync of a step
 
     def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:

@@ -1,0 +1,74 @@
+"""What every benchmark shares: timing, the two measured ceilings (copy bandwidth, matmul rate) and the
+results format `{"bench", "impl", "params", "ms", "gbps"|"tflops"|"tok_s", "device", "jax", "commit", "command"}`."""
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    if d.platform == "cpu":
+        try:
+            model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        except (OSError, StopIteration):
+            model = platform.processor()
+        return f"cpu: {model}"
+    return d.device_kind
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                      stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], stderr=subprocess.DEVNULL).returncode
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def time_ms(fn, *args, warmup: int = 3, repeats: int = 20) -> float:
+    """Median wall time of fn(*args) with block_until_ready, after warm-up."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def copy_bandwidth_gbps(nbytes: int | None = None) -> float:
+    """Device copy bandwidth, bytes read + written (the practical memory ceiling)."""
+    nbytes = nbytes or (2 << 30 if jax.default_backend() == "gpu" else 256 << 20)
+    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    ms = time_ms(jax.jit(lambda a: a * 2), x)
+    return 2 * x.nbytes / ms / 1e6
+
+
+def matmul_tflops(n: int | None = None) -> float:
+    n = n or (8192 if jax.default_backend() == "gpu" else 1024)
+    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (1, 2))
+    ms = time_ms(jax.jit(lambda a, b: a @ b), a, b)
+    return 2 * n**3 / ms / 1e9
+
+
+def write_rows(path: str | pathlib.Path, rows: list[dict], command: str) -> None:
+    """Replace this device's rows of the same benches in the results file; keep other devices' rows."""
+    path = pathlib.Path(path)
+    meta = {"device": device_name(), "jax": jax.__version__, "commit": commit(), "command": command}
+    new = [{**r, **meta} for r in rows]
+    keys = {(r["bench"], r["impl"]) for r in new}
+    old = json.loads(path.read_text()) if path.exists() else []
+    kept = [r for r in old if r.get("device") != meta["device"] or (r["bench"], r["impl"]) not in keys]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(kept + new, indent=1) + "\n")
+    print(f"wrote {len(new)} rows to {path}")

@@ -1,0 +1,204 @@
+"""Host overhead of the paged KV cache: per-step decode bookkeeping, prefix lookup, batched copy-on-write.
+
+    .venv/bin/python benchmarks/host_overhead.py   # (re)writes this device's rows of results/host_overhead.json
+
+Rows (impl "jaxserve" unless named): decode_step = one decode step of `num_seqs` sequences at `context` tokens:
+allocate 1 token each (every block_size-th step all of them take a new block and cache a full one), apply the block
+updates to the persistent table, then slot mapping, positions, cu_q_lens and kv_lens into preallocated arrays.
+Baseline "rebuild_table": the same with the block table rebuilt from every sequence's block list each step.
+prefix_lookup = lookup_prefix of a cached `context`-token prompt with its block hashes precomputed (once per
+request); hash_blocks = that one-time hashing. cow_copy = one copy_blocks call for 64 copy-on-write pairs
+(Llama-3-8B KV shape) vs. baseline "per_seq_loop" (one call per pair).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from jaxserve.cache.block_pool import extend_block_hashes  # noqa: E402
+from jaxserve.cache.block_table import BlockTable  # noqa: E402
+from jaxserve.cache import kv_cache  # noqa: E402
+from jaxserve.cache.kv_cache import allocate_kv_cache, copy_blocks, kv_bytes_per_block  # noqa: E402
+from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NUM_SEQS, CONTEXT, BLOCK_SIZE, DECODE_STEPS = 256, 4096, 16, 1024
+LOOKUP_CONTEXT, COW_PAIRS = 8192, 64
+LLAMA3_8B_KV = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+
+
+def timed(fn, repeats: int) -> np.ndarray:
+    out = np.empty(repeats)
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out[i] = time.perf_counter() - t0
+    return out * 1e3
+
+
+def start_decode_batch(rng):
+    max_blocks = (CONTEXT + DECODE_STEPS) // BLOCK_SIZE + 1
+    manager = KVCacheManager(NUM_SEQS * max_blocks + 1, BLOCK_SIZE)
+    table = BlockTable(NUM_SEQS, max_blocks, BLOCK_SIZE, max_num_tokens=NUM_SEQS)
+    tokens = [rng.integers(0, 32000, CONTEXT).tolist() for _ in range(NUM_SEQS)]
+    for seq, toks in enumerate(tokens):  # seq id == batch row
+        assert manager.allocate(seq, toks, CONTEXT)[0]
+    return manager, table, tokens
+
+
+def update_table(manager: KVCacheManager, table: BlockTable, incremental: bool) -> None:
+    updates = manager.take_block_updates()
+    if incremental:
+        for seq, start, block_ids in updates:
+            table.write(seq, start, block_ids)
+    else:
+        for seq in range(NUM_SEQS):
+            table.write(seq, 0, manager.block_ids(seq))
+
+
+def bench_decode_step(incremental: bool) -> np.ndarray:
+    manager, table, tokens = start_decode_batch(np.random.default_rng(0))
+    rows = np.arange(NUM_SEQS, dtype=np.int32)
+    kv_lens = np.full(NUM_SEQS, CONTEXT, np.int32)
+    positions = np.empty(NUM_SEQS, np.int32)
+    cu_q_lens = np.zeros(NUM_SEQS + 1, np.int32)
+    q_lens = np.ones(NUM_SEQS, np.int32)
+
+    def step():
+        for seq, toks in enumerate(tokens):
+            toks.append(7)  # the token sampled last step
+            if not manager.allocate(seq, toks, 1)[0]:
+                raise RuntimeError("benchmark pool too small")
+        update_table(manager, table, incremental)
+        manager.take_copies()
+        np.add(kv_lens, 1, out=kv_lens)
+        np.subtract(kv_lens, 1, out=positions)
+        np.cumsum(q_lens, out=cu_q_lens[1:])
+        table.compute_slot_mapping(rows, positions)
+
+    step()  # first step writes every row
+    ms = timed(step, DECODE_STEPS - 1)
+    last = table.compute_slot_mapping(rows, positions)
+    want = [manager.block_ids(s)[-1] * BLOCK_SIZE + (CONTEXT + DECODE_STEPS - 1) % BLOCK_SIZE for s in range(NUM_SEQS)]
+    assert last.tolist() == want, "slot mapping diverged from the manager"
+    return ms
+
+
+def bench_prefix_lookup() -> tuple[np.ndarray, np.ndarray]:
+    manager = KVCacheManager(LOOKUP_CONTEXT // BLOCK_SIZE + 2, BLOCK_SIZE, watermark=0)
+    prompt = np.random.default_rng(1).integers(0, 32000, LOOKUP_CONTEXT).tolist()
+    manager.allocate("warm", prompt, LOOKUP_CONTEXT)
+    manager.free("warm")
+    hash_ms = timed(lambda: extend_block_hashes([], prompt, BLOCK_SIZE), 50)
+    memo = extend_block_hashes([], prompt, BLOCK_SIZE)
+    want = (LOOKUP_CONTEXT - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert manager.lookup_prefix(prompt, block_hashes=memo) == want
+    return timed(lambda: manager.lookup_prefix(prompt, block_hashes=memo), 500), hash_ms
+
+
+def bench_cow_copy() -> tuple[np.ndarray, np.ndarray, int, int]:
+    manager = KVCacheManager(4 * COW_PAIRS + 1, BLOCK_SIZE, watermark=0)
+    prompt = list(range(BLOCK_SIZE // 2))  # a partial block, shared after the fork
+    for p in range(COW_PAIRS):
+        manager.allocate(p, prompt, len(prompt))
+        manager.fork(p, ("child", p))
+        manager.allocate(p, prompt + [1], 1)  # the parent writes first: copy-on-write
+    src, dst = manager.take_copies()
+    assert len(src) == COW_PAIRS
+    cache = allocate_kv_cache(num_blocks=4 * COW_PAIRS + 1, block_size=BLOCK_SIZE, **LLAMA3_8B_KV)
+
+    def batched():
+        nonlocal cache
+        cache = copy_blocks(cache, src, dst)
+        jax.block_until_ready(cache)
+
+    def per_seq():
+        nonlocal cache
+        for i in range(COW_PAIRS):
+            cache = copy_blocks(cache, src[i:i + 1], dst[i:i + 1])
+        jax.block_until_ready(cache)
+
+    batched(), per_seq()  # compile
+    calls = count_device_calls(batched)
+    return timed(batched, 20), timed(per_seq, 5), calls, kv_bytes_per_block(block_size=BLOCK_SIZE, **LLAMA3_8B_KV)
+
+
+def count_device_calls(fn) -> int:
+    """Executions of the jitted copy kernel (each one XLA launch) while fn runs."""
+    real, calls = kv_cache._copy_blocks, 0
+
+    def counting(*args):
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    kv_cache._copy_blocks = counting
+    try:
+        fn()
+    finally:
+        kv_cache._copy_blocks = real
+    return calls
+
+
+def device_name() -> str:
+    """Host rows measure the CPU, so a GPU run names its host CPU too."""
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               "unknown")
+    dev = jax.devices()[0]
+    return f"cpu: {cpu}" if dev.platform == "cpu" else f"{dev.platform}: {dev.device_kind} (host cpu: {cpu})"
+
+
+def commit() -> str:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--", "jaxserve/cache", "benchmarks/host_overhead.py").stdout.strip()
+    return head.stdout.strip() if head.returncode == 0 and not dirty else "uncommitted"
+
+
+def row(impl, params, ms, **metric):
+    """ms is the median; mean and max show the steps where every sequence takes a new block at once."""
+    return {"bench": "host_overhead", "impl": impl, "params": params, "ms": round(float(np.median(ms)), 5),
+            "ms_mean": round(float(ms.mean()), 5), "ms_max": round(float(ms.max()), 5), **metric,
+            "device": device_name(),
+            "jax": jax.__version__, "commit": commit(), "command": "python benchmarks/host_overhead.py"}
+
+
+def main():
+    params = {"num_seqs": NUM_SEQS, "context": CONTEXT, "block_size": BLOCK_SIZE}
+    rows = []
+    for impl, incremental in (("jaxserve", True), ("rebuild_table", False)):
+        ms = bench_decode_step(incremental)
+        rows.append(row(impl, {**params, "op": "decode_step"}, ms, tok_s=round(NUM_SEQS / np.median(ms) * 1e3)))
+    lookup_ms, hash_ms = bench_prefix_lookup()
+    lookup = {"num_seqs": 1, "context": LOOKUP_CONTEXT, "block_size": BLOCK_SIZE}
+    rows.append(row("jaxserve", {**lookup, "op": "prefix_lookup"}, lookup_ms,
+                    tok_s=round(LOOKUP_CONTEXT / np.median(lookup_ms) * 1e3)))
+    rows.append(row("jaxserve", {**lookup, "op": "hash_blocks"}, hash_ms,
+                    tok_s=round(LOOKUP_CONTEXT / np.median(hash_ms) * 1e3)))
+    cow_ms, loop_ms, calls, block_bytes = bench_cow_copy()
+    cow = {"num_seqs": COW_PAIRS, "context": BLOCK_SIZE // 2, "block_size": BLOCK_SIZE, "op": "cow_copy",
+           "kv_shape": "llama3-8b bf16", "device_calls": calls}
+    moved = 2 * COW_PAIRS * block_bytes  # read + write
+    rows.append(row("jaxserve", cow, cow_ms, gbps=round(moved / np.median(cow_ms) / 1e6, 2)))
+    rows.append(row("per_seq_loop", {**cow, "device_calls": COW_PAIRS}, loop_ms,
+                    gbps=round(moved / np.median(loop_ms) / 1e6, 2)))
+    out = ROOT / "benchmarks" / "results" / "host_overhead.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept = [r for r in json.loads(out.read_text()) if r["device"] != device_name()] if out.exists() else []
+    out.write_text(json.dumps(kept + rows, indent=1) + "\n")  # one set of rows per device
+    for r in rows:
+        print(f"{r['impl']:>14} {r['params']['op']:>14}: median {r['ms']:.4f} ms, mean {r['ms_mean']:.4f}, "
+              f"max {r['ms_max']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Offline throughput: N prompts x input_len random tokens, output_len greedy tokens each (EOS ignored).
+
+Reports output tok/s, TTFT and TPOT, and the roofline for the workload from numbers measured in the same
+run: (weights + KV) bytes of every decode step over the copy bandwidth, plus the prefill FLOPs over the
+bf16 matmul rate. `--peer transformers-cb` also runs HF transformers continuous batching on the same shapes.
+
+  python benchmarks/offline.py --config configs/llama3-8b-random.yaml            # GPU
+  python benchmarks/offline.py --num-prompts 32 --input-len 128 --output-len 32  # CPU, embedded model
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import copy_bandwidth_gbps, device_name, matmul_tflops, write_rows  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.config import EngineConfig, load_run_config, model_config_from_hf  # noqa: E402
+from jaxserve.models.loader import load_model, random_model  # noqa: E402
+
+
+def load(args):
+    run = load_run_config(args.config) if args.config else None
+    if run and run.model == "random":
+        cfg = model_config_from_hf(run.random_model)
+        return random_model(cfg, jnp.bfloat16 if run.dtype == "bf16" else jnp.float32), run.engine
+    return load_model(run.model if run else None, run.dtype if run else None), (run.engine if run else EngineConfig())
+
+
+def roofline_s(cfg, n, input_len, output_len, gbps, tflops, dtype_bytes):
+    weights = cfg.num_params * dtype_bytes
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    decode_bytes = sum(weights + n * (input_len + j) * kv_per_token for j in range(1, output_len))
+    prefill_flops = 2 * cfg.num_params * n * input_len
+    return decode_bytes / (gbps * 1e9) + prefill_flops / (tflops * 1e12)
+
+
+def run_jaxserve(loaded, engine_cfg, prompts, output_len):
+    llm = LLM(loaded, config=engine_cfg)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:min(8, len(prompts))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)   # warm-up beyond precompile: first transfers, allocator
+    engine = llm.engine
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    arrival = time.monotonic()
+    first, done = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.monotonic()
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                done[out.request_id] = now
+    wall = time.perf_counter() - start
+    ntok = len(prompts) * output_len
+    ttft = np.array([first[r] - arrival for r in ids])
+    tpot = np.array([(done[r] - first[r]) / max(output_len - 1, 1) for r in ids])
+    return wall, ntok, ttft, tpot, engine.stats()
+
+
+def run_transformers_cb(cfg, prompts, output_len):
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    hf_cfg = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads, vocab_size=cfg.vocab_size,
+                         max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+                         attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    gen = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    model.generate_batch(prompts[:8], generation_config=gen, max_new_tokens=8)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gen, max_new_tokens=output_len)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return wall, sum(len(o.generated_tokens) for o in out.values())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--peer", choices=["none", "transformers-cb"], default="none")
+    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/offline_<device>.json)")
+    args = ap.parse_args(argv)
+    command = "python benchmarks/offline.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    loaded, engine_cfg = load(args)
+    cfg = loaded.config
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, min(cfg.vocab_size, 128000), args.input_len).tolist() for _ in range(args.num_prompts)]
+    gbps, tflops = copy_bandwidth_gbps(), matmul_tflops()
+    dtype_bytes = jnp.dtype(loaded.model.embed_tokens.embedding[...].dtype).itemsize
+    roof = roofline_s(cfg, args.num_prompts, args.input_len, args.output_len, gbps, tflops, dtype_bytes)
+    wall, ntok, ttft, tpot, stats = run_jaxserve(loaded, engine_cfg, prompts, args.output_len)
+    params = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "model": "llama3-8b-random" if loaded.source == "random" else loaded.source}
+    rows = [{"bench": "offline", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": ntok / wall,
+             "wall_s": wall, "roofline_s": roof, "roofline_frac": roof / wall, "copy_gbps": gbps,
+             "matmul_tflops": tflops, "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.quantile(ttft, .99)),
+             "tpot_p50_ms": float(np.median(tpot) * 1e3), "tpot_p99_ms": float(np.quantile(tpot, .99) * 1e3),
+             "engine": stats}]
+    print(f"jaxserve: {wall:.2f} s, {ntok / wall:.0f} output tok/s, roofline {roof:.2f} s ({roof / wall:.0%})",
+          flush=True)
+    if args.peer == "transformers-cb":
+        del loaded
+        peer_wall, peer_tok = run_transformers_cb(cfg, prompts, args.output_len)
+        rows.append({"bench": "offline", "impl": "transformers-cb", "params": params, "ms": peer_wall * 1e3,
+                     "tok_s": peer_tok / peer_wall, "wall_s": peer_wall, "roofline_s": roof,
+                     "roofline_frac": roof / peer_wall})
+        print(f"transformers-cb: {peer_wall:.2f} s, {peer_tok / peer_wall:.0f} output tok/s", flush=True)
+    write_rows(args.out or f"benchmarks/results/offline_{jax.default_backend()}.json", rows, command)
+
+
+if __name__ == "__main__":
+    main()

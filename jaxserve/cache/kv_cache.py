@@ -1,0 +1,140 @@
+"""Device-side paged KV cache: per-layer K/V arrays, in-place writes by slot, batched block copies, sizing."""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim]
+
+COPY_BUCKET_MIN = 16  # copy_blocks pads N to a power of two >= this: few compiled variants
+GPU_MEMORY_FRACTION = 0.9  # share of free device memory (after weights and activations) given to KV
+CPU_MEMORY_FRACTION = 0.25  # CPU has no allocator stats: a modest share of available host RAM...
+CPU_MAX_KV_BYTES = 8 << 30  # ...capped, as CPU serving is for small models and tests
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype, sharding: jax.sharding.Sharding | None = None) -> KVCache:
+    _check_positive(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
+            for _ in range(num_layers)]
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter token t's K/V to flat slot slot_mapping[t] (= block * block_size + offset); padding uses slot 0.
+
+    Pure: call inside the jitted step with the cache donated, and XLA updates it in place.
+    """
+    return _scatter_slots(k_cache, k, slot_mapping), _scatter_slots(v_cache, v, slot_mapping)
+
+
+def _scatter_slots(cache: jax.Array, x: jax.Array, slots: jax.Array) -> jax.Array:
+    nb, bs, h, d = cache.shape
+    if x.shape != (slots.shape[0], h, d):
+        raise ValueError(f"k/v shape {x.shape} != (len(slot_mapping)={slots.shape[0]}, {h}, {d})")
+    flat = cache.reshape(nb * bs, h, d).at[slots].set(x.astype(cache.dtype), wrap_negative_indices=False)
+    return flat.reshape(nb, bs, h, d)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    # The gather reads every src before any dst is written. Padding dsts are out of bounds, so every index is
+    # unique (XLA's faster non-atomic scatter on GPU) and "drop" discards the padding.
+    return [tuple(x.at[dst].set(x[src], unique_indices=True, mode="drop") for x in kv) for kv in cache]
+
+
+def copy_blocks(cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
+    """Copy blocks src[i] -> dst[i] in every layer in one device call; the cache is donated (updated in place).
+
+    All sources are read before any destination is written. dst ids must be distinct. N is padded to a
+    power-of-two bucket (>= COPY_BUCKET_MIN) so few variants compile; N == 0 makes no device call.
+    """
+    src, dst = np.asarray(src, np.int32), np.asarray(dst, np.int32)
+    num_blocks, n = cache[0][0].shape[0], len(src)
+    if len(dst) != n:
+        raise ValueError(f"src and dst differ in length: {n} != {len(dst)}")
+    if n == 0:
+        return cache
+    if min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_blocks:
+        raise ValueError(f"src/dst block ids must be in [0, {num_blocks})")
+    if len(np.unique(dst)) != n:
+        raise ValueError("dst block ids must be distinct")
+    size = max(COPY_BUCKET_MIN, 1 << (n - 1).bit_length())
+    src_padded = np.zeros(size, np.int32)
+    dst_padded = np.arange(num_blocks, num_blocks + size, dtype=np.int32)  # out of bounds: dropped
+    src_padded[:n], dst_padded[:n] = src, dst
+    return _copy_blocks(cache, src_padded, dst_padded)
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes of one block across all layers, K and V."""
+    _check_positive(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def num_blocks_for_memory(bytes_per_block: int, *, device: jax.Device | None = None, activation_peak_bytes: int = 0,
+                          fraction: float = GPU_MEMORY_FRACTION, cpu_fraction: float = CPU_MEMORY_FRACTION,
+                          cpu_max_bytes: int = CPU_MAX_KV_BYTES) -> int:
+    """How many blocks fit: call after the weights are on the device and the activation peak is profiled.
+
+    With allocator stats (GPU): (bytes_limit - bytes_in_use - activation_peak_bytes) * fraction.
+    Without (CPU): min(available host RAM * cpu_fraction, cpu_max_bytes) - activation_peak_bytes.
+    """
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block must be > 0, got {bytes_per_block}")
+    for name, value in (("fraction", fraction), ("cpu_fraction", cpu_fraction)):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{name} must be in (0, 1], got {value}")
+    stats = (device or jax.local_devices()[0]).memory_stats()
+    if stats and "bytes_limit" in stats:
+        budget = (stats["bytes_limit"] - stats["bytes_in_use"] - activation_peak_bytes) * fraction
+    else:
+        budget = min(_available_host_bytes() * cpu_fraction, cpu_max_bytes) - activation_peak_bytes
+    num_blocks = int(budget // bytes_per_block)
+    if num_blocks < 2:
+        raise ValueError(f"KV budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of {bytes_per_block} "
+                         "bytes; need >= 2 (null block + one)")
+    return num_blocks
+
+
+def measure_activation_peak(run_step, device: jax.Device | None = None) -> int:
+    """Bytes a representative step (`run_step()`, e.g. the largest bucket) needs above what is in use before it.
+
+    The allocator's peak is a process-lifetime high-water mark, so this can over-estimate, never under.
+    0 where the device has no allocator stats (CPU).
+    """
+    device = device or jax.local_devices()[0]
+    before = device.memory_stats()
+    jax.block_until_ready(run_step())
+    after = device.memory_stats()
+    if not before or "peak_bytes_in_use" not in after:
+        return 0
+    return max(0, after["peak_bytes_in_use"] - before["bytes_in_use"])
+
+
+def describe_kv_capacity(num_blocks: int, block_size: int, bytes_per_block: int) -> str:
+    """One line for the start-up log; the null block is not usable capacity."""
+    usable = num_blocks - 1
+    return (f"KV cache: {usable:,} blocks x {block_size} = {usable * block_size:,} tokens "
+            f"({usable * bytes_per_block / 2**30:.2f} GiB)")
+
+
+def _available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):  # not Linux: free pages only, a lower bound
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")

@@ -1,0 +1,258 @@
+"""Device-side KV cache: slot writes, batched block copies, in-place donation, COW and prefix hits on real arrays."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.cache import kv_cache
+from jaxserve.cache.kv_cache import (allocate_kv_cache, copy_blocks, describe_kv_capacity, kv_bytes_per_block,
+                                     measure_activation_peak, num_blocks_for_memory, write_kv)
+from jaxserve.cache.kv_cache_manager import KVCacheManager
+
+NB, BS, H, D = 32, 4, 2, 8
+
+
+def poisoned_cache(num_layers=2, dtype=jnp.float32):
+    return [(jnp.full((NB, BS, H, D), jnp.nan, dtype), jnp.full((NB, BS, H, D), jnp.nan, dtype))
+            for _ in range(num_layers)]
+
+
+def step(cache, k, v, slots):
+    """A stand-in for the model step: every layer writes its K/V (layer-scaled) into the donated cache."""
+    return [write_kv(kc, vc, k * (i + 1), v * (i + 1), slots) for i, (kc, vc) in enumerate(cache)]
+
+
+jit_step = jax.jit(step, donate_argnums=0)
+
+
+def token_kv(token_ids, positions, seed=0):
+    """Deterministic per-(token, position) K/V: what a model would write for those tokens."""
+    rng = np.random.default_rng(seed)
+    tok_tab, pos_tab = rng.standard_normal((2, 64, H, D), dtype=np.float32)
+    k = tok_tab[np.asarray(token_ids) % 64] + pos_tab[np.asarray(positions) % 64]
+    return jnp.asarray(k), jnp.asarray(-k)
+
+
+def slots_of(manager, seq_id, start, end):
+    blocks = np.asarray(manager.block_ids(seq_id))
+    pos = np.arange(start, end)
+    return jnp.asarray(blocks[pos // BS] * BS + pos % BS, jnp.int32)
+
+
+def run_writes(cache, manager, writes):
+    """One engine step: this step's COW copies first (one call), then every (seq, tokens, start) write."""
+    src, dst = manager.take_copies()
+    cache = copy_blocks(cache, src, dst)
+    for seq_id, tokens, start in writes:
+        end = len(tokens)
+        k, v = token_kv(tokens[start:end], np.arange(start, end))
+        cache = jit_step(cache, k, v, slots_of(manager, seq_id, start, end))
+    return cache
+
+
+def seq_kv(cache, manager, seq_id, n, layer=0):
+    k = np.asarray(cache[layer][0])[np.asarray(manager.block_ids(seq_id))].reshape(-1, H, D)
+    return k[:n]
+
+
+# --- write_kv --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_kv_matches_numpy_scatter(dtype):
+    rng = np.random.default_rng(1)
+    slots = rng.choice(np.arange(BS, NB * BS), size=11, replace=False).astype(np.int32)
+    slots = np.concatenate([slots, [0, 0, 0]]).astype(np.int32)  # bucket padding -> null block
+    k, v = rng.standard_normal((2, len(slots), H, D), dtype=np.float32)
+    cache = poisoned_cache(1, dtype)
+    (kc, vc), = jit_step(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    got_k, got_v = (np.asarray(x.astype(jnp.float32)).reshape(NB * BS, H, D) for x in (kc, vc))
+    want_k = np.asarray(jnp.asarray(k).astype(dtype).astype(jnp.float32))
+    want_v = np.asarray(jnp.asarray(v).astype(dtype).astype(jnp.float32))
+    np.testing.assert_array_equal(got_k[slots[:11]], want_k[:11])
+    np.testing.assert_array_equal(got_v[slots[:11]], want_v[:11])
+    untouched = np.setdiff1d(np.arange(BS, NB * BS), slots)
+    assert np.isnan(got_k[untouched]).all() and np.isnan(got_v[untouched]).all()
+
+
+def test_write_kv_rejects_mismatched_shapes():
+    kc, vc = poisoned_cache(1)[0]
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(kc, vc, jnp.zeros((3, H, D)), jnp.zeros((3, H, D)), jnp.zeros(4, jnp.int32))
+
+
+# --- donation: the compiled step updates the cache in place -------------------------------------------------------
+
+
+def assert_cache_aliased_without_copy(hlo: str, num_leaves: int):
+    header = hlo.splitlines()[0]
+    assert "input_output_alias" in header
+    for i in range(num_leaves):  # output i reuses parameter i: the cache leaves
+        assert f"{{{i}}}: ({i}, {{}}" in header
+    cache_shape = f"[{NB},{BS},{H},{D}]"
+    copies = [line for line in hlo.splitlines() if " copy(" in line and cache_shape in line.split("copy(")[0]]
+    assert not copies, copies
+
+
+def test_step_with_write_kv_updates_donated_cache_in_place():
+    cache = poisoned_cache(2)
+    k, v = token_kv([1, 2, 3], [0, 1, 2])
+    slots = jnp.asarray([4, 5, 6], jnp.int32)
+    assert_cache_aliased_without_copy(jit_step.lower(cache, k, v, slots).compile().as_text(), 4)
+    ptrs = [x.unsafe_buffer_pointer() for layer in cache for x in layer]
+    out = jit_step(cache, k, v, slots)
+    assert all(x.is_deleted() for layer in cache for x in layer)
+    assert [x.unsafe_buffer_pointer() for layer in out for x in layer] == ptrs
+
+
+def test_copy_blocks_updates_donated_cache_in_place_in_one_call():
+    cache = poisoned_cache(2)
+    idx = jnp.zeros(kv_cache.COPY_BUCKET_MIN, jnp.int32)
+    assert_cache_aliased_without_copy(kv_cache._copy_blocks.lower(cache, idx, idx).compile().as_text(), 4)
+    ptrs = [x.unsafe_buffer_pointer() for layer in cache for x in layer]
+    out = copy_blocks(cache, np.array([1, 2], np.int32), np.array([3, 4], np.int32))
+    assert all(x.is_deleted() for layer in cache for x in layer)
+    assert [x.unsafe_buffer_pointer() for layer in out for x in layer] == ptrs
+
+
+# --- copy_blocks -----------------------------------------------------------------------------------------------
+
+
+def test_copy_blocks_matches_numpy_and_reads_all_sources_before_writing():
+    rng = np.random.default_rng(2)
+    data = rng.standard_normal((2, 2, NB, BS, H, D), dtype=np.float32)
+    cache = [(jnp.asarray(data[i, 0]), jnp.asarray(data[i, 1])) for i in range(2)]
+    src = np.array([5, 6, 7, 9, 3], np.int32)
+    dst = np.array([6, 7, 8, 10, 11], np.int32)  # 6 and 7 are read and written: every copy reads the old values
+    want = data.copy()
+    want[:, :, dst] = data[:, :, src]
+    before = kv_cache._copy_blocks._cache_size()
+    out = copy_blocks(cache, src, dst)
+    np.testing.assert_array_equal(np.stack([np.stack(layer) for layer in out]), want)
+    copy_blocks(out, src[:3], dst[:3])  # same bucket: no new compilation
+    assert kv_cache._copy_blocks._cache_size() - before <= 1
+
+
+def test_copy_blocks_empty_is_free_and_bad_input_is_rejected():
+    cache = poisoned_cache(1)
+    empty = np.zeros(0, np.int32)
+    assert copy_blocks(cache, empty, empty) is cache and not cache[0][0].is_deleted()
+    with pytest.raises(ValueError, match="src and dst"):
+        copy_blocks(cache, np.array([1], np.int32), empty)
+    with pytest.raises(ValueError, match="distinct"):
+        copy_blocks(cache, np.array([1, 2], np.int32), np.array([3, 3], np.int32))
+    with pytest.raises(ValueError, match=r"\[0, 32\)"):
+        copy_blocks(cache, np.array([1], np.int32), np.array([NB], np.int32))
+
+
+# --- manager + device arrays: copy-on-write and prefix hits -----------------------------------------------------
+
+
+def test_forked_sequences_never_see_each_others_tokens():
+    m = KVCacheManager(NB, BS, watermark=0)
+    cache = poisoned_cache(2)
+    prompt = [5, 6, 7, 8, 9, 10]  # 1.5 blocks: the partial last block is shared after the fork
+    m.allocate("p", prompt, len(prompt))
+    cache = run_writes(cache, m, [("p", prompt, 0)])
+    toks = {}
+    for child in range(3):
+        m.fork("p", child)
+    shared = m.block_ids("p")[1]
+    assert m.pool.blocks[shared].ref_cnt == 4
+    for s in ("p", 0, 1, 2):  # three decode steps, each seq sampling its own tokens
+        toks[s] = list(prompt)
+    for t in range(3):
+        writes = []
+        for s in toks:
+            toks[s].append(20 + 10 * t + (s if s != "p" else 9))
+            assert m.allocate(s, toks[s], 1)[0]
+            writes.append((s, toks[s], len(toks[s]) - 1))
+        if t == 0:
+            assert m.pool.blocks[shared].ref_cnt == 1  # the last sharer writes in place, the others copied
+            assert len(m.copies) == 3
+        cache = run_writes(cache, m, writes)
+    for s, tokens in toks.items():
+        for layer in range(2):
+            want = np.asarray(token_kv(tokens, np.arange(len(tokens)))[0]) * (layer + 1)
+            np.testing.assert_array_equal(seq_kv(cache, m, s, len(tokens), layer), want)
+
+
+def test_prefix_hit_is_bit_identical_to_recompute():
+    prompt = list(range(3, 17))  # 14 tokens: 3 full blocks, 13 // 4 = 3 can hit
+    m = KVCacheManager(NB, BS, watermark=0)
+    cache = poisoned_cache(2, jnp.bfloat16)
+    m.allocate("a", prompt, len(prompt))
+    cache = run_writes(cache, m, [("a", prompt, 0)])
+    m.free("a")
+    other = [40 + i for i in range(20)]  # unrelated traffic reuses free blocks, LRU first
+    m.allocate("b", other, len(other))
+    cache = run_writes(cache, m, [("b", other, 0)])
+    ok, cached = m.allocate("a2", prompt, len(prompt) - 12)
+    assert ok and cached == 12
+    fresh_m, fresh = KVCacheManager(NB, BS, watermark=0), poisoned_cache(2, jnp.bfloat16)
+    fresh_m.allocate("a", prompt, len(prompt))
+    fresh = run_writes(fresh, fresh_m, [("a", prompt, 0)])
+    for layer in range(2):
+        for i in range(2):
+            got = np.asarray(cache[layer][i])[m.block_ids("a2")[:3]]
+            want = np.asarray(fresh[layer][i])[fresh_m.block_ids("a")[:3]]
+            assert not np.isnan(want.astype(np.float32)).any()
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))  # bitwise
+
+
+# --- sizing --------------------------------------------------------------------------------------------------
+
+
+def test_kv_bytes_per_block_matches_allocated_arrays():
+    cache = allocate_kv_cache(3, NB, BS, H, D, jnp.bfloat16)
+    total = sum(k.nbytes + v.nbytes for k, v in cache)
+    assert kv_bytes_per_block(3, BS, H, D, jnp.bfloat16) * NB == total == 2 * 3 * NB * BS * H * D * 2
+    assert all(k.shape == (NB, BS, H, D) and not k.any() for k, _ in cache)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        kv_bytes_per_block(3, BS, 0, D, jnp.bfloat16)
+    with pytest.raises(ValueError, match="num_blocks"):
+        allocate_kv_cache(1, 1, BS, H, D, jnp.float32)
+
+
+def test_allocate_kv_cache_places_on_given_sharding():
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    (k, v), = allocate_kv_cache(1, NB, BS, H, D, jnp.float32, sharding)
+    assert k.sharding == sharding and v.sharding == sharding
+
+
+class StatsDevice:
+    """A device whose allocator reports fixed stats: checks the sizing arithmetic."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_num_blocks_from_device_memory_stats():
+    dev = StatsDevice({"bytes_limit": 80 << 30, "bytes_in_use": 16 << 30})
+    per_block = 2 << 20
+    want = int((64 << 30) - (4 << 30)) * 0.5 // per_block
+    assert num_blocks_for_memory(per_block, device=dev, activation_peak_bytes=4 << 30, fraction=0.5) == want
+    with pytest.raises(ValueError, match="need >= 2"):
+        num_blocks_for_memory(per_block, device=StatsDevice({"bytes_limit": 1 << 20, "bytes_in_use": 0}))
+    with pytest.raises(ValueError, match="fraction"):
+        num_blocks_for_memory(per_block, device=dev, fraction=0.0)
+
+
+def test_num_blocks_on_host_memory_is_a_capped_fraction(monkeypatch):
+    assert kv_cache._available_host_bytes() > 0
+    monkeypatch.setattr(kv_cache, "_available_host_bytes", lambda: 10 << 30)
+    per_block = kv_bytes_per_block(32, 16, 8, 128, jnp.bfloat16)  # Llama-3-8B: 2 MiB per block
+    cpu = StatsDevice(None)  # like a CPU device: no allocator stats
+    assert num_blocks_for_memory(per_block, device=cpu, cpu_fraction=0.25, cpu_max_bytes=100 << 30) == 1280
+    assert num_blocks_for_memory(per_block, device=cpu, cpu_fraction=0.25, cpu_max_bytes=1 << 30) == 512
+    assert num_blocks_for_memory(per_block, device=cpu, activation_peak_bytes=1 << 30, cpu_max_bytes=2 << 30) == 512
+    assert describe_kv_capacity(512, 16, per_block) == "KV cache: 511 blocks x 16 = 8,176 tokens (1.00 GiB)"
+
+
+@pytest.mark.skipif(jax.devices()[0].memory_stats() is None, reason="this device's allocator reports no stats (CPU)")
+def test_activation_peak_is_measured_on_gpu():
+    peak = measure_activation_peak(lambda: jnp.ones((64 << 20,), jnp.float32))  # a 256 MiB result
+    assert peak >= 256 << 20
