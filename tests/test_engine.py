@@ -7,7 +7,17 @@ import transformers
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.loader import load_model
 
-from test_models import PROMPTS, hf_greedy
+from test_models import PROMPTS
+from test_models import hf_greedy as _hf_greedy
+
+_HF_MEMO = {}
+
+
+def hf_greedy(model, ids, n):
+    key = (id(model), tuple(ids), n)
+    if key not in _HF_MEMO:
+        _HF_MEMO[key] = _hf_greedy(model, ids, n)
+    return _HF_MEMO[key]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 BASE = dict(max_num_seqs=8, max_num_batched_tokens=64, min_prefill_chunk=16, max_model_len=512, num_blocks=256,
@@ -37,12 +47,12 @@ def test_batched_greedy_matches_hf(smollm_llm, hf_expected):
 @pytest.mark.parametrize("knobs", [
     dict(max_num_batched_tokens=24, min_prefill_chunk=8, max_num_seqs=8),   # prompts split into small chunks
     dict(max_num_seqs=1, max_num_batched_tokens=32),                        # one sequence at a time
-    dict(num_blocks=24),                                                    # tiny pool: forced preemption
+    dict(num_blocks=20),                                                    # tiny pool: forced preemption
 ], ids=["small-chunks", "one-seq", "preemption"])
-def test_schedule_does_not_change_greedy_output(smollm, hf_expected, knobs):
-    ids, expected = hf_expected
-    llm = LLM(smollm, **{**BASE, **knobs})
-    assert token_ids(llm.generate(ids, GREEDY)) == expected
+def test_schedule_does_not_change_greedy_output(tiny, tiny_expected, knobs):
+    prompts, expected = tiny_expected
+    llm = LLM(tiny[0], **{**BASE, **knobs})
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
     stats = llm.engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]     # every block came back
     if "num_blocks" in knobs:
@@ -103,12 +113,17 @@ def test_forks_diverge_and_each_equals_its_seeded_single_run(tiny_llm):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_tiny_model_greedy_matches_hf_with_chunking(tiny):
-    loaded, hf = tiny
-    llm = LLM(loaded, **{**BASE, "max_num_batched_tokens": 24, "min_prefill_chunk": 8})
-    prompts = [list(np.random.default_rng(i).integers(0, 128, 5 + 13 * i)) for i in range(4)]
-    prompts = [[int(t) for t in p] for p in prompts]
-    assert token_ids(llm.generate(prompts, GREEDY)) == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+@pytest.fixture(scope="module")
+def tiny_expected(tiny):
+    """8 prompts of different lengths (5..96 tokens) and HF's greedy continuations."""
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 128, n)] for n in (5, 17, 33, 9, 64, 2, 96, 40)]
+    return prompts, [hf_greedy(tiny[1], p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_tiny_model_batched_greedy_matches_hf(tiny_llm, tiny_expected):
+    prompts, expected = tiny_expected
+    assert token_ids(tiny_llm.generate(prompts, GREEDY)) == expected
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -45,10 +45,11 @@ def greedy(loaded, ids, n):
 
 
 def hf_greedy(hf_model, ids, n):
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    ids = torch.tensor([ids])
+    with torch.no_grad():   # an explicit mask: HF would otherwise mask prompt tokens equal to pad_token_id
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -203,15 +203,15 @@ class LLMEngine:
         return [self._request_output(r) for r in touched.values()]
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
+        """Stop tokens end a sequence before detokenization (their text is never shown, as in vLLM)."""
         p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in self.eos_ids and not p.ignore_eos:
+                return self._finish(seq, "stop")
+            if token in p.stop_token_ids:
+                return self._finish(seq, "stop", token)
         stop_str = seq.detokenizer.update([token]) if seq.detokenizer is not None else None
-        if seq.num_output_tokens < p.min_tokens:
-            return
-        if token in self.eos_ids and not p.ignore_eos:
-            self._finish(seq, "stop")
-        elif token in p.stop_token_ids:
-            self._finish(seq, "stop", token)
-        elif stop_str is not None:
+        if stop_str is not None:
             self._finish(seq, "stop", stop_str)
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
                 seq.num_tokens >= self.cfg.max_model_len:

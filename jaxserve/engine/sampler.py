@@ -1,0 +1,212 @@
+"""In-graph sampling for the engine's jitted step, in pure JAX.
+
+Order (vLLM's): repetition/frequency/presence penalties -> min_tokens suppression -> greedy argmax,
+or temperature -> top-k -> top-p -> min-p -> Gumbel-max sampling. Returned logprobs are those of the raw
+logits (vLLM's default `raw_logprobs`).
+
+Rows are the step's sequences padded to a static S; `slot_ids` maps each row to its request's persistent
+slot in `PenaltyState` (padding rows to the scratch slot `max_num_seqs`) and `sample_mask` says which rows
+sample this step (not mid-prompt prefill chunks, not padding). A row's randomness is
+`fold_in(key(seed), gen_index)`: a seeded request draws the same tokens whatever else is in the batch.
+Costly work sits behind `lax.cond` on device predicates, so an all-greedy batch never sorts, and a batch
+without penalties never reads the penalty state.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+SUPPRESS_WIDTH = 8  # least width of `suppress_ids`; wider only as powers of two, to bound recompiles
+NEG_INF = float("-inf")
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters, all [S] unless noted; built on the host by `make_sampling_tensors`."""
+
+    temperature: jax.Array  # f32; < GREEDY_TEMPERATURE: greedy
+    top_k: jax.Array  # i32; <= 0 or >= V: off
+    top_p: jax.Array  # f32; 1: off
+    min_p: jax.Array  # f32; 0: off
+    presence_penalty: jax.Array  # f32
+    frequency_penalty: jax.Array  # f32
+    repetition_penalty: jax.Array  # f32
+    seed: jax.Array  # u32 [S, 2]: high and low words of the request's 64-bit seed (threefry key data)
+    gen_index: jax.Array  # i32: tokens the request has generated so far
+    suppress_ids: jax.Array  # i32 [S, M]: ids masked to -inf this step (EOS/stop ids under min_tokens), -1 padded
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class PenaltyState:
+    """What the penalties look at, per slot; persistent on device and donated with the KV cache."""
+
+    prompt_mask: jax.Array  # bool [max_num_seqs + 1, V]: token occurs in the prompt
+    output_counts: jax.Array  # i32 [max_num_seqs + 1, V]: times the token was generated
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class SamplerOutput:
+    tokens: jax.Array  # i32 [S]; meaningless where sample_mask is False
+    logprob: jax.Array  # f32 [S]: raw logprob of the sampled token
+    top_ids: jax.Array  # i32 [S, K]: K = num_logprobs most likely tokens, most likely first
+    top_logprobs: jax.Array  # f32 [S, K]
+
+
+def init_penalty_state(max_num_seqs: int, vocab_size: int) -> PenaltyState:
+    shape = (max_num_seqs + 1, vocab_size)  # + the scratch slot that padding rows point at
+    return PenaltyState(jnp.zeros(shape, jnp.bool_), jnp.zeros(shape, jnp.int32))
+
+
+def drop_padding(ids: jax.Array, vocab_size: int) -> jax.Array:
+    """-1 padding -> an out-of-range index that a scatter with mode="drop" skips (negatives would wrap)."""
+    return jnp.where(ids >= 0, ids, vocab_size)
+
+
+@partial(jax.jit, donate_argnums=0)
+def reset_slots(state: PenaltyState, slots: jax.Array, prompt_ids: jax.Array,
+                output_ids: jax.Array | None = None) -> PenaltyState:
+    """Start slots [N] afresh for admitted requests: prompt_ids [N, L] (-1 padded) fill the prompt mask;
+    output_ids [N, L'] (-1 padded), the tokens generated before a preemption, restore the counts."""
+    vocab_size = state.prompt_mask.shape[1]
+    rows = slots[:, None]
+    prompt_mask = state.prompt_mask.at[slots].set(False)
+    prompt_mask = prompt_mask.at[rows, drop_padding(prompt_ids, vocab_size)].set(True, mode="drop")
+    counts = state.output_counts.at[slots].set(0)
+    if output_ids is not None:
+        counts = counts.at[rows, drop_padding(output_ids, vocab_size)].add(1, mode="drop")
+    return PenaltyState(prompt_mask, counts)
+
+
+def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array,
+           sample_mask: jax.Array, *, num_logprobs: int = 0) -> tuple[SamplerOutput, PenaltyState]:
+    """Sample one token per row of logits [S, V]; count it in the row's slot where sample_mask [S] holds."""
+    logits = logits.astype(jnp.float32)
+    penalised = jax.lax.cond(any_penalty(t, sample_mask), apply_penalties, lambda x, *_: x,
+                             logits, t, state, slot_ids)
+    penalised = suppress(penalised, t.suppress_ids)
+    random_rows = sample_mask & (t.temperature >= GREEDY_TEMPERATURE)
+    tokens = jax.lax.cond(random_rows.any(), sample_random, lambda x, *_: argmax(x), penalised, t, random_rows)
+    counts = state.output_counts.at[slot_ids, tokens].add(sample_mask.astype(jnp.int32))
+    return raw_logprobs(logits, tokens, num_logprobs), PenaltyState(state.prompt_mask, counts)
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def any_penalty(t: SamplingTensors, sample_mask: jax.Array) -> jax.Array:
+    on = (t.repetition_penalty != 1.0) | (t.frequency_penalty != 0.0) | (t.presence_penalty != 0.0)
+    return (on & sample_mask).any()
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array) -> jax.Array:
+    """Repetition penalty over prompt and output tokens; frequency and presence over output tokens only."""
+    counts = state.output_counts[slot_ids]
+    generated = counts > 0
+    seen = state.prompt_mask[slot_ids] | generated
+    rep = t.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * generated
+
+
+def suppress(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, drop_padding(ids, logits.shape[1])].set(NEG_INF, mode="drop")
+
+
+def sample_random(logits: jax.Array, t: SamplingTensors, random_rows: jax.Array) -> jax.Array:
+    """Temperature, filters, then Gumbel-max on random_rows; the other rows take the plain argmax."""
+    vocab_size = logits.shape[1]
+    scaled = logits / jnp.where(random_rows, t.temperature, 1.0)[:, None]
+    top_k = effective_top_k(t.top_k, vocab_size)
+    needs_sort = (random_rows & ((top_k < vocab_size) | (t.top_p < 1.0))).any()
+    scaled = jax.lax.cond(needs_sort, filter_top_k_top_p, lambda x, *_: x, scaled, top_k, t.top_p)
+    scaled = filter_min_p(scaled, t.min_p)  # max logit survives top-k/top-p: the same as min-p on the full row
+    noise = jax.vmap(row_gumbel, in_axes=(0, 0, None))(t.seed, t.gen_index, vocab_size)
+    return argmax(scaled + jnp.where(random_rows[:, None], noise, 0.0))
+
+
+def effective_top_k(top_k: jax.Array, vocab_size: int) -> jax.Array:
+    return jnp.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+
+
+def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keep each row's top_k largest, then the fewest of those whose renormalised mass reaches top_p.
+    Cut by value, so ties with the last kept token are kept too."""
+    vocab_size = logits.shape[1]
+    ranked = -jnp.sort(-logits, axis=-1)
+    ranked = jnp.where(jnp.arange(vocab_size) < top_k[:, None], ranked, NEG_INF)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # top_p 1: no rounding may cut the tail
+    num_kept = jnp.minimum(keep.sum(axis=-1), top_k)
+    cutoff = jnp.take_along_axis(ranked, num_kept[:, None] - 1, axis=-1)
+    return jnp.where(logits >= cutoff, logits, NEG_INF)
+
+
+def filter_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Drop tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p); min_p 0 keeps all."""
+    cutoff = logits.max(axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    return jnp.where(logits >= cutoff, logits, NEG_INF)
+
+
+def row_gumbel(seed: jax.Array, gen_index: jax.Array, vocab_size: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), gen_index)
+    return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+
+def raw_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> SamplerOutput:
+    logsumexp = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - logsumexp[:, 0]
+    top_logits, top_ids = jax.lax.top_k(logits, num_logprobs)
+    return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_logits - logsumexp)
+
+
+def make_sampling_tensors(params: Sequence[SamplingParams], seeds: Sequence[int], gen_indices: Sequence[int],
+                          *, num_rows: int, eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
+    """Host-side (numpy) tensors for the first len(params) rows; the rest up to num_rows are greedy padding.
+    seeds: each request's seed (its params.seed, or one the engine drew for it). While a request has
+    generated fewer than min_tokens, its stop_token_ids and (unless ignore_eos) the EOS ids are suppressed."""
+    if not len(params) == len(seeds) == len(gen_indices) <= num_rows:
+        raise ValueError(f"params, seeds and gen_indices need one entry per row, at most num_rows={num_rows}")
+    column = partial(pad_column, params, num_rows=num_rows)
+    seed64 = np.array([s % 2**64 for s in seeds] + [0] * (num_rows - len(seeds)), np.uint64)
+    return SamplingTensors(
+        temperature=column("temperature", 0.0, np.float32), top_k=column("top_k", 0, np.int32),
+        top_p=column("top_p", 1.0, np.float32), min_p=column("min_p", 0.0, np.float32),
+        presence_penalty=column("presence_penalty", 0.0, np.float32),
+        frequency_penalty=column("frequency_penalty", 0.0, np.float32),
+        repetition_penalty=column("repetition_penalty", 1.0, np.float32),
+        seed=np.stack([seed64 >> np.uint64(32), seed64 & np.uint64(2**32 - 1)], axis=1).astype(np.uint32),
+        gen_index=np.array(list(gen_indices) + [0] * (num_rows - len(gen_indices)), np.int32),
+        suppress_ids=pad_suppressed([suppressed_ids(p, g, eos_token_ids) for p, g in zip(params, gen_indices)],
+                                    num_rows))
+
+
+def pad_column(params: Sequence[SamplingParams], name: str, fill, dtype, *, num_rows: int) -> np.ndarray:
+    return np.array([getattr(p, name) for p in params] + [fill] * (num_rows - len(params)), dtype)
+
+
+def pad_suppressed(suppressed: list[list[int]], num_rows: int) -> np.ndarray:
+    longest = max(map(len, suppressed), default=0)
+    width = max(SUPPRESS_WIDTH, 1 << max(longest - 1, 0).bit_length())
+    ids = np.full((num_rows, width), -1, np.int32)
+    for row, row_ids in enumerate(suppressed):
+        ids[row, : len(row_ids)] = row_ids
+    return ids
+
+
+def suppressed_ids(p: SamplingParams, gen_index: int, eos_token_ids: Sequence[int]) -> list[int]:
+    if gen_index >= p.min_tokens:
+        return []
+    eos = [] if p.ignore_eos else list(eos_token_ids)
+    return list(dict.fromkeys(eos + p.stop_token_ids))

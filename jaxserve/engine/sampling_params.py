@@ -1,0 +1,103 @@
+"""Per-request generation parameters, named and validated like vLLM's `SamplingParams`."""
+
+import math
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20  # most top-N logprobs a request may ask for (per token, and per prompt token)
+GREEDY_TEMPERATURE = 1e-5  # below this a request is sampled greedily (argmax)
+SEED_RANGE = (-(2**63), 2**63)  # int64, like vLLM's OpenAI front end
+
+INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+OPTIONAL_FIELDS = ("max_tokens", "logprobs", "prompt_logprobs", "seed")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None  # normalised to a list
+    stop_token_ids: list[int] | None = None  # normalised to a list
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's max length
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        check_types(self)
+        self.stop = normalise_stop(self.stop)
+        self.stop_token_ids = normalise_stop_token_ids(self.stop_token_ids)
+        check_ranges(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def check_types(p: SamplingParams) -> None:
+    """Reject wrong types (bool is an int in Python, but never a count or a float here); ints become floats."""
+    for name in INT_FIELDS + FLOAT_FIELDS + BOOL_FIELDS:
+        value = getattr(p, name)
+        if value is None and name in OPTIONAL_FIELDS:
+            continue
+        if name in BOOL_FIELDS:
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, int if name in INT_FIELDS else (int, float)) and not isinstance(value, bool)
+        if not ok:
+            kind = "a bool" if name in BOOL_FIELDS else "an int" if name in INT_FIELDS else "a number"
+            raise ValueError(f"{name} must be {kind}, got {value!r}")
+        if name in FLOAT_FIELDS:
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+            setattr(p, name, float(value))
+
+
+def normalise_stop(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty str or a list of non-empty str, got {stop!r}")
+    return list(stops)
+
+
+def normalise_stop_token_ids(ids) -> list[int]:
+    ids = [] if ids is None else ids
+    if not isinstance(ids, (list, tuple)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
+        raise ValueError(f"stop_token_ids must be a list of non-negative int, got {ids!r}")
+    return list(ids)
+
+
+def check_ranges(p: SamplingParams) -> None:
+    checks = (
+        ("n", p.n >= 1, "must be >= 1"),
+        ("temperature", p.temperature >= 0.0, "must be >= 0"),
+        ("top_p", 0.0 < p.top_p <= 1.0, "must be in (0, 1]"),
+        ("top_k", p.top_k >= -1, "must be -1, 0 (off) or positive"),
+        ("min_p", 0.0 <= p.min_p <= 1.0, "must be in [0, 1]"),
+        ("repetition_penalty", p.repetition_penalty > 0.0, "must be > 0"),
+        ("presence_penalty", -2.0 <= p.presence_penalty <= 2.0, "must be in [-2, 2]"),
+        ("frequency_penalty", -2.0 <= p.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+        ("max_tokens", p.max_tokens is None or p.max_tokens >= 1, "must be >= 1 or None"),
+        ("min_tokens", p.min_tokens >= 0, "must be >= 0"),
+        ("min_tokens", p.max_tokens is None or p.min_tokens <= p.max_tokens, "must be <= max_tokens"),
+        ("logprobs", p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+        ("prompt_logprobs", p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
+         f"must be in [0, {MAX_LOGPROBS}]"),
+        ("seed", p.seed is None or SEED_RANGE[0] <= p.seed < SEED_RANGE[1], "must fit in int64"),
+    )
+    for name, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{name} {rule}, got {getattr(p, name)!r}")

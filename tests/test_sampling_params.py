@@ -1,0 +1,51 @@
+import pytest
+
+from jaxserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens) == (1, 1.0, 1.0, 0, 0.0, 16, 0)
+    assert (p.stop, p.stop_token_ids, p.seed, p.logprobs) == ([], [], None, None)
+    assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+    assert not p.greedy
+
+
+def test_stop_str_becomes_list_and_ints_become_floats():
+    p = SamplingParams(stop="###", stop_token_ids=(3, 4), temperature=1, top_p=1)
+    assert p.stop == ["###"] and p.stop_token_ids == [3, 4]
+    assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
+    assert SamplingParams(stop=["a", "bc"]).stop == ["a", "bc"]
+
+
+@pytest.mark.parametrize("temperature, greedy", [(0.0, True), (1e-6, True), (1e-5, False), (0.7, False)])
+def test_greedy_below_threshold(temperature, greedy):
+    assert SamplingParams(temperature=temperature).greedy is greedy
+
+
+def test_edges_accepted():
+    SamplingParams(top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=-2, frequency_penalty=2,
+                   max_tokens=None, min_tokens=5, logprobs=MAX_LOGPROBS, prompt_logprobs=0, seed=-(2**63))
+    SamplingParams(max_tokens=3, min_tokens=3, top_k=1, seed=2**63 - 1, repetition_penalty=1e-3)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0), ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("min_p", -0.01), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -2.01),
+    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1),
+    ("prompt_logprobs", MAX_LOGPROBS + 1), ("seed", 2**63), ("stop", ""), ("stop", ["ok", ""]), ("stop", [1]),
+    ("stop", 5), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 3),
+    ("stop_token_ids", [True]), ("seed", 1.5), ("seed", "7"), ("temperature", "hot"), ("n", 2.0), ("n", True),
+    ("top_k", None), ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
+    ("max_tokens", 4.0), ("top_p", None),
+])
+def test_bad_value_names_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert SamplingParams(max_tokens=None, min_tokens=10_000).min_tokens == 10_000
