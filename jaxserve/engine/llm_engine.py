@@ -118,6 +118,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.n > self.cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet (logprobs of generated tokens are)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
 

@@ -42,11 +42,18 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     if arch not in GGUF_ARCHS:
         raise ModelLoadError(path, f"unknown architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
     p = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    required = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count")
+    missing = [k for k in required if p(k) is None]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if p("vocab_size") is None and tokens is None:
+        missing.append("vocab_size")
+    if missing:
+        raise ModelLoadError(path, f"GGUF metadata lacks {', '.join(f'{arch}.{k}' for k in missing)}")
     heads = p("attention.head_count")
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        arch=arch, vocab_size=p("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        arch=arch, vocab_size=p("vocab_size") or len(tokens.data),
         hidden_size=p("embedding_length"), intermediate_size=p("feed_forward_length"),
         num_layers=p("block_count"), num_heads=heads, num_kv_heads=p("attention.head_count_kv", heads),
         head_dim=p("attention.key_length") or p("embedding_length") // heads,
