@@ -78,3 +78,10 @@ def test_bad_model_gives_one_clear_line(tmp_path, case):
     lines = [l for l in run.stderr.splitlines() if l.startswith("jaxserve generate: error:")]
     assert len(lines) == 1 and str(path) in lines[0] and reason in lines[0], run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_chat_repl_answers_through_the_chat_template():
+    run = subprocess.run([sys.executable, "-m", "jaxserve.cli", "chat", "--max-tokens", "8"], input="What is 2+2?\n\n",
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip(), "the assistant printed nothing"

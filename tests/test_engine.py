@@ -161,3 +161,15 @@ def test_stream_yields_the_same_text_as_generate(smollm_llm):
     params = SamplingParams(temperature=0.0, max_tokens=20)
     text = "".join(d.text for d in smollm_llm.stream("The capital of France is", params))
     assert text == smollm_llm.generate(["The capital of France is"], params)[0].outputs[0].text
+
+
+def test_step_donates_the_cache_and_penalty_state(tiny_llm):
+    """The jitted step updates the KV cache in place: the arrays it was given are consumed, not copied."""
+    engine = tiny_llm.engine
+    engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=2))
+    old_cache, old_penalty = engine.runner.kv_cache, engine.runner.penalty
+    engine.step()
+    assert all(k.is_deleted() and v.is_deleted() for k, v in old_cache)
+    assert old_penalty.output_counts.is_deleted()
+    while engine.has_unfinished_requests():
+        engine.step()
