@@ -1,0 +1,246 @@
+"""CUDA custom calls through the XLA FFI: paged decode attention and in-place KV-cache updates.
+
+Cache layout (shared with the Pallas kernels and the engine): per layer K and V, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``; block 0 is a null block for padding
+writes; slot = block_id * block_size + offset.
+
+Each op has a pure-JAX ``*_reference`` beside it. The public functions run the CUDA
+library when ``available()`` (an NVIDIA GPU, and nvcc built or found the cached library),
+and otherwise the reference, after a one-line notice logged once naming why.
+"""
+import ctypes
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from custom_calls import build
+
+log = logging.getLogger(__name__)
+
+# FFI target name -> symbol exported by libjaxserve_cuda.so.
+TARGETS = {
+    "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention",
+    "jaxserve_reshape_and_cache": "JaxserveReshapeAndCache",
+    "jaxserve_copy_blocks": "JaxserveCopyBlocks",
+}
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+HEAD_DIMS = (64, 128, 256)
+# Split-K: aim for this many CTAs per SM, never slicing a sequence finer than
+# MIN_SPLIT_TOKENS (each split pays a fixed setup and a partial write); MAX_SPLITS
+# bounds the merge kernel.
+TARGET_CTAS_PER_SM = 4
+MIN_SPLIT_TOKENS = 128
+MAX_SPLITS = 128
+MAX_GROUP_TILE = 8  # query heads per CTA in the kernel
+
+
+def has_nvidia_gpu() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def register(path: str) -> ctypes.CDLL:
+    """Loads the library and registers its handlers for platform CUDA (works without a GPU)."""
+    library = ctypes.cdll.LoadLibrary(path)
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="CUDA")
+    return library
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the CUDA path is off (None when on); the notice is logged once per process."""
+    if not has_nvidia_gpu():
+        reason = f"no NVIDIA GPU (JAX backend is {jax.default_backend()})"
+    else:
+        try:
+            register(str(build.build_library()))
+            reason = None
+        except (build.BuildError, OSError) as err:
+            reason = f"build failed: {err}"
+    if reason:
+        log.warning("jaxserve custom_calls: %s; using the pure-JAX reference path", reason)
+    return reason
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+@functools.cache
+def sm_count() -> int:
+    return jax.devices("cuda")[0].core_count
+
+
+def choose_num_splits(batch: int, kv_heads: int, group: int, max_tokens: int, sms: int) -> int:
+    """Splits per sequence so that batch * kv_heads * head_tiles * splits fills the GPU."""
+    ctas = batch * kv_heads * math.ceil(group / MAX_GROUP_TILE)
+    wanted = math.ceil(TARGET_CTAS_PER_SM * sms / max(ctas, 1))
+    return max(1, min(wanted, math.ceil(max_tokens / MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def check_cache(k_cache, v_cache) -> None:
+    if k_cache.ndim != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, kv_heads, head_dim], got {k_cache.shape}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache {v_cache.shape} {v_cache.dtype} must match k_cache {k_cache.shape} {k_cache.dtype}")
+    if k_cache.dtype not in DTYPES:
+        raise ValueError(f"k_cache dtype must be float32, bfloat16 or float16, got {k_cache.dtype}")
+    if k_cache.shape[3] * k_cache.dtype.itemsize % 16:
+        raise ValueError(f"k_cache head_dim * itemsize must be a multiple of 16 bytes, got head_dim {k_cache.shape[3]}")
+
+
+def check_index(name: str, array, ndim: int) -> None:
+    if array.dtype != jnp.int32 or array.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-d int32 array, got {array.dtype} of shape {array.shape}")
+
+
+def check_decode_args(q, k_cache, v_cache, kv_lens, block_tables, sliding_window, soft_cap) -> None:
+    check_cache(k_cache, v_cache)
+    check_index("kv_lens", kv_lens, 1)
+    check_index("block_tables", block_tables, 2)
+    if q.ndim != 3 or q.dtype != k_cache.dtype or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q must be [batch, q_heads, {k_cache.shape[3]}] in {k_cache.dtype}, got {q.shape} {q.dtype}")
+    if q.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {q.shape[2]}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q heads {q.shape[1]} must be a multiple of kv heads {k_cache.shape[2]}")
+    if kv_lens.shape[0] != q.shape[0] or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"kv_lens {kv_lens.shape} and block_tables {block_tables.shape} must have batch {q.shape[0]}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap}")
+
+
+def paged_decode_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale,
+                                     sliding_window=None, soft_cap=None):
+    """Decode attention in f32 over each sequence's gathered pages; rows with kv_len 0 give zeros."""
+    batch, q_heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    ctx = block_tables.shape[1] * block_size
+    pages = jnp.clip(block_tables, 0, num_blocks - 1)
+    keys = k_cache[pages].reshape(batch, ctx, kv_heads, head_dim).astype(jnp.float32)
+    values = v_cache[pages].reshape(batch, ctx, kv_heads, head_dim).astype(jnp.float32)
+    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).astype(jnp.float32)
+    scores = jnp.einsum("bhgd,bthd->bhgt", queries, keys, precision=jax.lax.Precision.HIGHEST) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    lens = jnp.clip(kv_lens, 0, ctx)[:, None]
+    pos = jnp.arange(ctx)[None, :]
+    live = pos < lens
+    if sliding_window is not None:
+        live &= pos > lens - 1 - sliding_window  # key pos > query pos - window
+    scores = jnp.where(live[:, None, None, :], scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(probs, axis=-1, keepdims=True)
+    values = jnp.where(live[:, :, None, None], values, 0.0)  # unused slots may hold anything
+    out = jnp.einsum("bhgt,bthd->bhgd", probs, values, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+    return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
+
+
+def call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale, sliding_window,
+                                soft_cap, num_splits):
+    """The FFI call itself (the library must be registered)."""
+    batch, q_heads, head_dim = q.shape
+    workspace = batch * q_heads * num_splits * (head_dim + 2) if num_splits > 1 else 1
+    out, _ = jax.ffi.ffi_call(
+        "jaxserve_paged_decode_attention",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((workspace,), jnp.float32)),
+    )(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=np.float32(sm_scale),
+      sliding_window=np.int32(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+      num_splits=np.int32(num_splits))
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale, sliding_window=None,
+                           soft_cap=None, num_splits=None):
+    """Attention of q [B, Hq, D] (the token at position kv_lens[b] - 1) over its paged K/V.
+
+    kv_lens [B] int32 counts the current token; block_tables [B, max_blocks] int32.
+    Keys with pos > qpos - sliding_window are seen; soft_cap applies cap * tanh(s / cap)
+    to the scaled scores. num_splits (split-K slices per sequence) defaults to a choice
+    from the batch, kv heads and SM count.
+    """
+    check_decode_args(q, k_cache, v_cache, kv_lens, block_tables, sliding_window, soft_cap)
+    if not available():
+        return paged_decode_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=sm_scale,
+                                                sliding_window=sliding_window, soft_cap=soft_cap)
+    if num_splits is None:
+        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], q.shape[1] // k_cache.shape[2],
+                                       block_tables.shape[1] * k_cache.shape[1], sm_count())
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    return call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=sm_scale,
+                                       sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits)
+
+
+def check_write_args(k_cache, v_cache, k, v, slot_mapping) -> None:
+    check_cache(k_cache, v_cache)
+    check_index("slot_mapping", slot_mapping, 1)
+    row = (slot_mapping.shape[0], *k_cache.shape[2:])
+    for name, new in (("k", k), ("v", v)):
+        if new.shape != row or new.dtype != k_cache.dtype:
+            raise ValueError(f"{name} must be {row} in {k_cache.dtype}, got {new.shape} {new.dtype}")
+
+
+def reshape_and_cache_reference(k_cache, v_cache, k, v, slot_mapping):
+    """Writes k/v [T, Hkv, D] at slot_mapping [T]; slots outside the cache (e.g. -1) are dropped."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    slots = jnp.where((slot_mapping >= 0) & (slot_mapping < num_slots), slot_mapping, num_slots)
+
+    def write(cache, new):
+        rows = cache.reshape(num_slots, *cache.shape[2:])
+        return rows.at[slots].set(new, mode="drop").reshape(cache.shape)
+
+    return write(k_cache, k), write(v_cache, v)
+
+
+def call_in_place(target: str, k_cache, v_cache, *args):
+    """FFI call updating k_cache and v_cache in place (aliased inputs 0, 1 -> outputs 0, 1)."""
+    cache = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    k_out, v_out = jax.ffi.ffi_call(target, (cache, cache), input_output_aliases={0: 0, 1: 1})(k_cache, v_cache, *args)
+    return k_out, v_out
+
+
+def reshape_and_cache(k_cache, v_cache, k, v, slot_mapping):
+    """reshape_and_cache_reference in place on the (donated) caches; returns (k_cache, v_cache)."""
+    check_write_args(k_cache, v_cache, k, v, slot_mapping)
+    if not available():
+        return reshape_and_cache_reference(k_cache, v_cache, k, v, slot_mapping)
+    return call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, k, v, slot_mapping)
+
+
+def check_copy_args(k_cache, v_cache, src, dst) -> None:
+    check_cache(k_cache, v_cache)
+    check_index("src", src, 1)
+    check_index("dst", dst, 1)
+    if src.shape != dst.shape:
+        raise ValueError(f"src {src.shape} and dst {dst.shape} must have the same length")
+
+
+def copy_blocks_reference(k_cache, v_cache, src, dst):
+    """Block src[i] -> dst[i] in both caches (dst distinct, disjoint from src); pairs with an id outside the cache are skipped."""
+    num_blocks = k_cache.shape[0]
+    valid = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
+    targets = jnp.where(valid, dst, num_blocks)
+    sources = jnp.clip(src, 0, num_blocks - 1)
+    return (k_cache.at[targets].set(k_cache[sources], mode="drop"),
+            v_cache.at[targets].set(v_cache[sources], mode="drop"))
+
+
+def copy_blocks(k_cache, v_cache, src, dst):
+    """copy_blocks_reference in place on the (donated) caches; returns (k_cache, v_cache)."""
+    check_copy_args(k_cache, v_cache, src, dst)
+    if not available():
+        return copy_blocks_reference(k_cache, v_cache, src, dst)
+    return call_in_place("jaxserve_copy_blocks", k_cache, v_cache, src, dst)

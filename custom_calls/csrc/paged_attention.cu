@@ -1,0 +1,409 @@
+// Paged decode attention (one query per sequence) on XLA's CUDA stream.
+//
+// Grid: (kv_heads * head_tiles, num_splits, batch). A CTA owns one kv head, a
+// tile of up to G query heads sharing it (GQA: each KV page is read once for
+// the whole group) and one of num_splits even slices of the sequence's live
+// tokens (split-K, so small batches still fill the GPU). Per chunk of
+// kChunkTokens tokens the CTA caches the slots' row offsets in shared memory,
+// computes all scores (K pass), applies an online-softmax update, then
+// accumulates P·V (V pass) into per-row-group sums kept in shared memory. Each
+// token row is read by kLanes lanes with one 16-byte load each, coalesced, and
+// each lane issues kRowLoadsInFlight independent loads before first use.
+// num_splits > 1 writes unnormalised partials (acc, max, sum) to the
+// workspace and a second kernel merges them.
+#include <cfloat>
+
+#include "common.h"
+
+namespace jaxserve {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunkTokens = 256;   // tokens staged per CTA iteration
+constexpr int kRowLoadsInFlight = 8;  // independent 16-byte loads per lane
+constexpr int kMaxGroupTile = 8;    // query heads per CTA (registers bound it)
+constexpr int kMaxSplits = 128;     // bound of the merge kernel's smem
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct DecodeParams {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* kv_lens;
+  const int32_t* block_tables;
+  void* out;
+  float* partial_acc;  // [B, Hq, S, D]
+  float* partial_ml;   // [B, Hq, S, 2]: running max (log2 domain), sum
+  int num_q_heads, group, head_tiles;
+  int max_blocks, block_size, num_blocks;
+  int64_t slot_stride;  // elements between consecutive cache slots: Hkv * D
+  float q_scale;        // folds sm_scale, log2(e) and 1/soft_cap into q
+  float cap_log2e;      // soft_cap * log2(e); 0 when there is no cap
+  int window;           // 0: no sliding window
+  int num_splits;
+};
+
+__device__ __forceinline__ float WarpMax(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// Lane layout shared by the kernel's phases for element type T, head_dim D.
+template <typename T, int D>
+struct Layout {
+  static constexpr int kVec = Elem<T>::kPerVec;
+  static constexpr int kLanes = D / kVec < 32 ? D / kVec : 32;  // lanes per token row
+  static constexpr int kChunks = D / (kVec * kLanes);           // 16-byte chunks per lane
+  static constexpr int kGroups = kWarps * (32 / kLanes);        // token rows in flight per CTA
+  static constexpr int kUnroll = kRowLoadsInFlight / kChunks;
+  static constexpr int kPerLane = kChunks * kVec;               // head_dim elements per lane
+  __device__ static int Dim(int lane_in_row, int c, int e) { return (c * kLanes + lane_in_row) * kVec + e; }
+};
+
+template <typename T, int D, int G>
+struct SharedState {
+  int64_t row_offset[kChunkTokens];             // element offset of each token's K/V row
+  float score[kChunkTokens][G];                 // log2-domain scores, then probabilities
+  float acc[Layout<T, D>::kGroups][G][D];       // per row group P·V sums, kept here between
+                                                // chunks so q and acc never share registers
+  float run_max[G], run_sum[G], rescale[G];
+};
+
+template <typename T, int D, int G>
+__device__ void LoadQuery(const DecodeParams& p, int b, int head0, int heads_here, int lane_in_row,
+                          float (&qf)[G][Layout<T, D>::kPerLane]) {
+  using Lay = Layout<T, D>;
+  const T* q = static_cast<const T*>(p.q);
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int c = 0; c < Lay::kChunks; ++c) {
+      float f[Lay::kVec] = {};
+      if (g < heads_here) {
+        const T* row = q + (static_cast<int64_t>(b) * p.num_q_heads + head0 + g) * D;
+        Elem<T>::ToFloat(*reinterpret_cast<const Vec16*>(row + Lay::Dim(lane_in_row, c, 0)), f);
+      }
+#pragma unroll
+      for (int e = 0; e < Lay::kVec; ++e) qf[g][c * Lay::kVec + e] = f[e] * p.q_scale;
+    }
+  }
+}
+
+template <typename T, int D, int G>
+__device__ void LoadRows(const T* cache, const SharedState<T, D, G>& sh, int i0, int n, int lane_in_row,
+                         Vec16 (&rows)[Layout<T, D>::kUnroll][Layout<T, D>::kChunks]) {
+  using Lay = Layout<T, D>;
+#pragma unroll
+  for (int u = 0; u < Lay::kUnroll; ++u) {
+    const int i = i0 + u * Lay::kGroups;
+#pragma unroll
+    for (int c = 0; c < Lay::kChunks; ++c) {
+      rows[u][c] = make_uint4(0, 0, 0, 0);
+      if (i < n) {
+        const T* src = cache + sh.row_offset[i] + Lay::Dim(lane_in_row, c, 0);
+        rows[u][c] = __ldg(reinterpret_cast<const Vec16*>(src));
+      }
+    }
+  }
+}
+
+// K pass: score[i][g] = log2-domain logit of token i for head g.
+template <typename T, int D, int G>
+__device__ void ScoreChunk(const DecodeParams& p, SharedState<T, D, G>& sh, int n, int b, int head0,
+                           int heads_here, int row_group, int lane_in_row) {
+  using Lay = Layout<T, D>;
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  float qf[G][Lay::kPerLane];  // reloaded per chunk (L1 hit) so it is not live in the V pass
+  LoadQuery<T, D, G>(p, b, head0, heads_here, lane_in_row, qf);
+  // Warp-uniform trip count: the shuffles below need every lane of the warp.
+  for (int base = 0; base < n; base += Lay::kGroups * Lay::kUnroll) {
+    const int i0 = base + row_group;
+    Vec16 rows[Lay::kUnroll][Lay::kChunks];
+    LoadRows<T, D, G>(k_cache, sh, i0, n, lane_in_row, rows);
+#pragma unroll
+    for (int u = 0; u < Lay::kUnroll; ++u) {
+      float dot[G] = {};
+#pragma unroll
+      for (int c = 0; c < Lay::kChunks; ++c) {
+        float kf[Lay::kVec];
+        Elem<T>::ToFloat(rows[u][c], kf);
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+          for (int e = 0; e < Lay::kVec; ++e) dot[g] = fmaf(qf[g][c * Lay::kVec + e], kf[e], dot[g]);
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int off = Lay::kLanes / 2; off > 0; off >>= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], off);
+      const int i = i0 + u * Lay::kGroups;
+      if (i < n && lane_in_row == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) sh.score[i][g] = p.cap_log2e > 0.f ? p.cap_log2e * tanhf(dot[g]) : dot[g];
+      }
+    }
+  }
+}
+
+// Online softmax over one chunk: warp w owns heads w, w + kWarps, ...
+template <typename T, int D, int G>
+__device__ void SoftmaxChunk(SharedState<T, D, G>& sh, int n, int warp, int lane) {
+  for (int g = warp; g < G; g += kWarps) {
+    float chunk_max = -FLT_MAX;
+    for (int i = lane; i < n; i += 32) chunk_max = fmaxf(chunk_max, sh.score[i][g]);
+    const float old_max = sh.run_max[g];
+    const float new_max = fmaxf(old_max, WarpMax(chunk_max));
+    float sum = 0.f;
+    for (int i = lane; i < n; i += 32) {
+      const float prob = exp2f(sh.score[i][g] - new_max);
+      sh.score[i][g] = prob;
+      sum += prob;
+    }
+    sum = WarpSum(sum);
+    if (lane == 0) {
+      const float rescale = exp2f(old_max - new_max);
+      sh.rescale[g] = rescale;
+      sh.run_sum[g] = sh.run_sum[g] * rescale + sum;
+      sh.run_max[g] = new_max;
+    }
+  }
+}
+
+// This lane's slice of its row group's accumulator in shared memory.
+template <typename T, int D, int G>
+__device__ __forceinline__ float& AccAt(SharedState<T, D, G>& sh, int row_group, int lane_in_row, int g, int j) {
+  using Lay = Layout<T, D>;
+  return sh.acc[row_group][g][Lay::Dim(lane_in_row, j / Lay::kVec, j % Lay::kVec)];
+}
+
+// V pass: acc[g][:] = acc[g][:] * rescale[g] + sum_i prob[i][g] * v[i][:].
+template <typename T, int D, int G>
+__device__ void AccumulateChunk(const DecodeParams& p, SharedState<T, D, G>& sh, int n, int row_group,
+                                int lane_in_row) {
+  using Lay = Layout<T, D>;
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  float acc[G][Lay::kPerLane];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int j = 0; j < Lay::kPerLane; ++j) acc[g][j] = AccAt(sh, row_group, lane_in_row, g, j) * sh.rescale[g];
+  for (int base = 0; base < n; base += Lay::kGroups * Lay::kUnroll) {
+    const int i0 = base + row_group;
+    Vec16 rows[Lay::kUnroll][Lay::kChunks];
+    LoadRows<T, D, G>(v_cache, sh, i0, n, lane_in_row, rows);
+#pragma unroll
+    for (int u = 0; u < Lay::kUnroll; ++u) {
+      const int i = i0 + u * Lay::kGroups;
+      if (i >= n) break;
+      float prob[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) prob[g] = sh.score[i][g];
+#pragma unroll
+      for (int c = 0; c < Lay::kChunks; ++c) {
+        float vf[Lay::kVec];
+        Elem<T>::ToFloat(rows[u][c], vf);
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+          for (int e = 0; e < Lay::kVec; ++e) acc[g][c * Lay::kVec + e] = fmaf(prob[g], vf[e], acc[g][c * Lay::kVec + e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int j = 0; j < Lay::kPerLane; ++j) AccAt(sh, row_group, lane_in_row, g, j) = acc[g][j];
+}
+
+// Sums the CTA's row groups and writes the output (one split) or a partial.
+template <typename T, int D, int G>
+__device__ void WriteResult(const DecodeParams& p, const SharedState<T, D, G>& sh, int b, int head0,
+                            int heads_here, int split) {
+  for (int idx = threadIdx.x; idx < heads_here * D; idx += kThreads) {
+    const int g = idx / D, d = idx % D;
+    float sum = 0.f;
+#pragma unroll
+    for (int r = 0; r < Layout<T, D>::kGroups; ++r) sum += sh.acc[r][g][d];
+    const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + g;
+    if (p.num_splits == 1) {
+      const float denom = sh.run_sum[g];
+      static_cast<T*>(p.out)[bh * D + d] = Elem<T>::Store(denom > 0.f ? sum / denom : 0.f);
+    } else {
+      const int64_t part = bh * p.num_splits + split;
+      p.partial_acc[part * D + d] = sum;
+      if (d == 0) {
+        p.partial_ml[part * 2] = sh.run_max[g];
+        p.partial_ml[part * 2 + 1] = sh.run_sum[g];
+      }
+    }
+  }
+}
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const DecodeParams p) {
+  using Lay = Layout<T, D>;
+  __shared__ SharedState<T, D, G> sh;
+  const int kv_head = blockIdx.x / p.head_tiles, tile = blockIdx.x % p.head_tiles;
+  const int split = blockIdx.y, b = blockIdx.z;
+  const int head0 = kv_head * p.group + tile * G;
+  const int heads_here = min(G, p.group - tile * G);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane_in_row = lane % Lay::kLanes, row_group = threadIdx.x / Lay::kLanes;
+
+  // Live tokens [first, len), cut into num_splits even slices.
+  const int len = min(max(p.kv_lens[b], 0), p.max_blocks * p.block_size);
+  const int first = p.window > 0 ? max(0, len - p.window) : 0;
+  const int per_split = CeilDiv(len - first, p.num_splits);
+  const int begin = first + split * per_split;
+  const int end = min(begin + per_split, len);
+
+  for (int idx = threadIdx.x; idx < Lay::kGroups * G * D; idx += kThreads) (&sh.acc[0][0][0])[idx] = 0.f;
+  if (threadIdx.x < G) {
+    sh.run_max[threadIdx.x] = -FLT_MAX;
+    sh.run_sum[threadIdx.x] = 0.f;
+  }
+  const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks;
+  for (int start = begin; start < end; start += kChunkTokens) {
+    const int n = min(kChunkTokens, end - start);
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      const int t = start + i;
+      const int block = min(max(table[t / p.block_size], 0), p.num_blocks - 1);
+      const int64_t slot = static_cast<int64_t>(block) * p.block_size + t % p.block_size;
+      sh.row_offset[i] = slot * p.slot_stride + static_cast<int64_t>(kv_head) * D;
+    }
+    __syncthreads();
+    ScoreChunk<T, D, G>(p, sh, n, b, head0, heads_here, row_group, lane_in_row);
+    __syncthreads();
+    SoftmaxChunk<T, D, G>(sh, n, warp, lane);
+    __syncthreads();
+    AccumulateChunk<T, D, G>(p, sh, n, row_group, lane_in_row);
+    __syncthreads();
+  }
+  __syncthreads();  // zeroed acc and run state are visible even when the slice is empty
+  WriteResult<T, D, G>(p, sh, b, head0, heads_here, split);
+}
+
+// Merges num_splits partials per (sequence, head): grid B * Hq, one head each.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) MergeSplitsKernel(const DecodeParams p) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float denom;
+  const int64_t bh = blockIdx.x;
+  const float* ml = p.partial_ml + bh * p.num_splits * 2;
+  if (threadIdx.x < 32) {
+    float m = -FLT_MAX;
+    for (int s = threadIdx.x; s < p.num_splits; s += 32) m = fmaxf(m, ml[2 * s]);
+    m = WarpMax(m);
+    float sum = 0.f;
+    for (int s = threadIdx.x; s < p.num_splits; s += 32) {
+      weight[s] = exp2f(ml[2 * s] - m);
+      sum += weight[s] * ml[2 * s + 1];
+    }
+    sum = WarpSum(sum);
+    if (threadIdx.x == 0) denom = sum;
+  }
+  __syncthreads();
+  const float* acc = p.partial_acc + bh * p.num_splits * D;
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    float sum = 0.f;
+    for (int s = 0; s < p.num_splits; ++s) sum = fmaf(weight[s], acc[s * D + d], sum);
+    static_cast<T*>(p.out)[bh * D + d] = Elem<T>::Store(denom > 0.f ? sum / denom : 0.f);
+  }
+}
+
+template <typename T, int D, int G>
+void Launch(const DecodeParams& p, int batch, int kv_heads, cudaStream_t stream) {
+  const dim3 grid(kv_heads * p.head_tiles, p.num_splits, batch);
+  PagedDecodeKernel<T, D, G><<<grid, kThreads, 0, stream>>>(p);
+  if (p.num_splits > 1) MergeSplitsKernel<T, D><<<batch * p.num_q_heads, kThreads, 0, stream>>>(p);
+}
+
+template <typename T, int D>
+ffi::Error DispatchGroup(const DecodeParams& p, int group_tile, int batch, int kv_heads, cudaStream_t s) {
+  switch (group_tile) {
+    case 1: Launch<T, D, 1>(p, batch, kv_heads, s); break;
+    case 2: Launch<T, D, 2>(p, batch, kv_heads, s); break;
+    case 4: Launch<T, D, 4>(p, batch, kv_heads, s); break;
+    case 8: Launch<T, D, 8>(p, batch, kv_heads, s); break;
+    default: return ffi::Error::InvalidArgument("unsupported query-head group tile");
+  }
+  return LaunchStatus("paged_decode_attention launch");
+}
+
+template <typename T>
+ffi::Error DispatchHeadDim(const DecodeParams& p, int head_dim, int group_tile, int batch, int kv_heads,
+                           cudaStream_t s) {
+  switch (head_dim) {
+    case 64: return DispatchGroup<T, 64>(p, group_tile, batch, kv_heads, s);
+    case 128: return DispatchGroup<T, 128>(p, group_tile, batch, kv_heads, s);
+    case 256: return DispatchGroup<T, 256>(p, group_tile, batch, kv_heads, s);
+    default: return ffi::Error::InvalidArgument("head_dim must be 64, 128 or 256");
+  }
+}
+
+int GroupTile(int group) {
+  int tile = 1;
+  while (tile < group && tile < kMaxGroupTile) tile *= 2;
+  return tile;
+}
+
+ffi::Error PagedDecodeAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                                ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Buffer<ffi::S32> block_tables, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::F32>> workspace, float sm_scale,
+                                int32_t sliding_window, float soft_cap, int32_t num_splits) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("expected q [B,Hq,D], cache [N,bs,Hkv,D], block_tables [B,M]");
+  const int batch = qd[0], q_heads = qd[1], head_dim = qd[2], kv_heads = kd[2];
+  if (kd[3] != head_dim || q_heads % kv_heads != 0 || td[0] != batch)
+    return ffi::Error::InvalidArgument("inconsistent q / cache / block_tables shapes");
+  if (num_splits < 1 || num_splits > kMaxSplits)
+    return ffi::Error::InvalidArgument("num_splits must be in [1, 128]");
+  const int group = q_heads / kv_heads, group_tile = GroupTile(group);
+  const int64_t partials = int64_t{batch} * q_heads * num_splits;
+  if (num_splits > 1 && static_cast<int64_t>(workspace->element_count()) < partials * (head_dim + 2))
+    return ffi::Error::InvalidArgument("workspace too small for num_splits");
+  if (batch == 0) return ffi::Error::Success();
+  float* ws = workspace->typed_data();
+  const DecodeParams p{
+      q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(), kv_lens.typed_data(),
+      block_tables.typed_data(), out->untyped_data(), ws, ws + partials * head_dim, q_heads, group,
+      CeilDiv(group, group_tile), static_cast<int>(td[1]), static_cast<int>(kd[1]), static_cast<int>(kd[0]),
+      int64_t{kv_heads} * head_dim, soft_cap > 0.f ? sm_scale / soft_cap : sm_scale * kLog2e,
+      soft_cap > 0.f ? soft_cap * kLog2e : 0.f, sliding_window, num_splits};
+  switch (q.element_type()) {
+    case ffi::DataType::F32: return DispatchHeadDim<float>(p, head_dim, group_tile, batch, kv_heads, stream);
+    case ffi::DataType::BF16: return DispatchHeadDim<__nv_bfloat16>(p, head_dim, group_tile, batch, kv_heads, stream);
+    case ffi::DataType::F16: return DispatchHeadDim<__half>(p, head_dim, group_tile, batch, kv_heads, stream);
+    default: return ffi::Error::InvalidArgument("dtype must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+}  // namespace jaxserve
+
+// Same kernels for the same buffer addresses on every call: safe to capture.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecodeAttention, jaxserve::PagedDecodeAttention,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("num_splits"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

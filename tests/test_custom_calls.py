@@ -1,0 +1,318 @@
+"""custom_calls: CUDA FFI ops against their pure-JAX references (GPU), and on CPU the nvcc build,
+the exported FFI symbols, registration + lowering for platform CUDA, the references against
+naive loops, argument checks and the fallback with its notice."""
+import logging
+import math
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import custom_calls as cc
+from custom_calls import build
+
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU; CPU CI covers build/registration/fallback")
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
+SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks")
+
+
+def fresh_rng():
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    return seed, np.random.default_rng(seed)
+
+
+def assert_same_bits(out, ref, seed):
+    """Bit-exact equality, NaN poison included (numpy's NaN-aware compare misses bfloat16)."""
+    out, ref = np.asarray(out), np.asarray(ref)
+    bits = f"u{out.dtype.itemsize}"
+    assert out.dtype == ref.dtype and np.array_equal(out.view(bits), ref.view(bits)), f"seed {seed}"
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all(), "output holds NaN/Inf"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_paged_case(rng, *, lens, q_heads, kv_heads, head_dim, block_size=16, max_blocks=None, dtype=jnp.float32):
+    """Random q and live cache slots (t < len - 1: the step writes the token at len - 1), pages in
+    random order, every other slot (null block 0, slot tails, spare blocks) NaN-poisoned."""
+    lens = np.asarray(lens, np.int32)
+    need = [math.ceil(n / block_size) for n in lens]
+    max_blocks = max_blocks or max(max(need), 1)
+    num_blocks = 1 + sum(need) + 3
+    pages = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+    tables = np.zeros((len(lens), max_blocks), np.int32)
+    k_cache = np.full((num_blocks, block_size, kv_heads, head_dim), np.nan, np.float32)
+    v_cache = k_cache.copy()
+    used = 0
+    for b, n in enumerate(lens):
+        tables[b, :need[b]] = pages[used:used + need[b]]
+        used += need[b]
+        for t in range(max(n - 1, 0)):
+            k_cache[tables[b, t // block_size], t % block_size] = rng.standard_normal((kv_heads, head_dim))
+            v_cache[tables[b, t // block_size], t % block_size] = rng.standard_normal((kv_heads, head_dim))
+    slots = np.where(lens > 0, tables[np.arange(len(lens)), np.maximum(lens - 1, 0) // block_size] * block_size
+                     + np.maximum(lens - 1, 0) % block_size, 0).astype(np.int32)  # padding rows write the null block
+    cast = lambda a: jnp.asarray(a, dtype)
+    new_shape = (len(lens), kv_heads, head_dim)
+    return dict(q=cast(rng.standard_normal((len(lens), q_heads, head_dim))), k_cache=cast(k_cache),
+                v_cache=cast(v_cache), new_k=cast(rng.standard_normal(new_shape)), new_v=cast(rng.standard_normal(new_shape)),
+                slots=jnp.asarray(slots), kv_lens=jnp.asarray(lens), block_tables=jnp.asarray(tables))
+
+
+def naive_decode(q, k_cache, v_cache, kv_lens, block_tables, sm_scale, window, cap):
+    """Per-sequence, per-head float64 loop: the oracle for the JAX reference."""
+    q, k_cache, v_cache = (np.asarray(a, np.float64) for a in (q, k_cache, v_cache))
+    q_heads, (block_size, kv_heads) = q.shape[1], k_cache.shape[1:3]
+    out = np.zeros_like(q)
+    for b, n in enumerate(np.asarray(kv_lens)):
+        pos = np.arange(n)
+        pos = pos[pos > n - 1 - window] if window else pos
+        if not len(pos):
+            continue
+        rows = [(block_tables[b, t // block_size], t % block_size) for t in pos]
+        keys = np.stack([k_cache[blk, off] for blk, off in rows])
+        values = np.stack([v_cache[blk, off] for blk, off in rows])
+        for h in range(q_heads):
+            kvh = h // (q_heads // kv_heads)
+            s = keys[:, kvh] @ q[b, h] * sm_scale
+            s = cap * np.tanh(s / cap) if cap else s
+            p = np.exp(s - s.max())
+            out[b, h] = p @ values[:, kvh] / p.sum()
+    return out
+
+
+def decode_kwargs(head_dim, window, cap):
+    return dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
+
+
+# ---------------------------------------------------------------- CPU: references vs naive loops
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,window,cap", [
+    (4, 4, 64, None, None), (8, 2, 128, None, 30.0), (8, 1, 64, 20, None), (16, 2, 64, 7, 5.0)])
+def test_decode_reference_matches_naive_loop(q_heads, kv_heads, head_dim, window, cap):
+    seed, rng = fresh_rng()
+    case = make_paged_case(rng, lens=[37, 0, 16, 61, 1], q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                           max_blocks=5)
+    k_cache, v_cache = cc.reshape_and_cache_reference(case["k_cache"], case["v_cache"], case["new_k"],
+                                                      case["new_v"], case["slots"])
+    kw = decode_kwargs(head_dim, window, cap)
+    out = cc.paged_decode_attention_reference(case["q"], k_cache, v_cache, case["kv_lens"], case["block_tables"], **kw)
+    ref = naive_decode(case["q"], k_cache, v_cache, case["kv_lens"], np.asarray(case["block_tables"]),
+                       kw["sm_scale"], window, cap)
+    assert rel_err(out, ref) <= 1e-5, f"seed {seed}"
+    assert not np.asarray(out[1]).any(), "padding row (kv_len 0) must be zeros"
+
+
+def test_cache_write_and_copy_references_match_naive_loops():
+    seed, rng = fresh_rng()
+    shape = (9, 4, 2, 64)
+    k_cache, v_cache = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    slots = rng.choice(9 * 4, size=6, replace=False).astype(np.int32)
+    slots[2] = -1  # padding token: dropped
+    k, v = rng.standard_normal((6, 2, 64)).astype(np.float32), rng.standard_normal((6, 2, 64)).astype(np.float32)
+    k_out, v_out = cc.reshape_and_cache_reference(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)))
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            want_k[slot // 4, slot % 4], want_v[slot // 4, slot % 4] = k[t], v[t]
+    np.testing.assert_array_equal(k_out, want_k, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(v_out, want_v, err_msg=f"seed {seed}")
+
+    src, dst = np.array([1, 2, 3, 50], np.int32), np.array([6, 7, 8, 4], np.int32)  # last pair out of range
+    k_out, v_out = cc.copy_blocks_reference(*map(jnp.asarray, (k_cache, v_cache, src, dst)))
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    want_k[dst[:3]], want_v[dst[:3]] = k_cache[src[:3]], v_cache[src[:3]]
+    np.testing.assert_array_equal(k_out, want_k)
+    np.testing.assert_array_equal(v_out, want_v)
+
+
+# ---------------------------------------------------------------- CPU: argument checks and fallback
+
+@pytest.mark.parametrize("change,field", [
+    (dict(q=jnp.zeros((2, 8, 64), jnp.bfloat16)), "^q must be"),
+    (dict(q=jnp.zeros((2, 6, 64))), "q heads"),
+    (dict(kv_lens=jnp.zeros((2,), jnp.float32)), "kv_lens"),
+    (dict(block_tables=jnp.zeros((3, 4), jnp.int32)), "block_tables"),
+    (dict(v_cache=jnp.zeros((5, 16, 4, 64), jnp.float16)), "v_cache"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(soft_cap=-1.0), "soft_cap"),
+])
+def test_decode_rejects_bad_arguments(change, field):
+    args = dict(q=jnp.zeros((2, 8, 64)), k_cache=jnp.zeros((5, 16, 4, 64)), v_cache=jnp.zeros((5, 16, 4, 64)),
+                kv_lens=jnp.zeros((2,), jnp.int32), block_tables=jnp.zeros((2, 4), jnp.int32), sm_scale=0.125)
+    args.update(change)
+    with pytest.raises(ValueError, match=field):
+        cc.paged_decode_attention(**args)
+
+
+def test_cache_ops_reject_bad_arguments():
+    cache = jnp.zeros((5, 16, 4, 64))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cc.reshape_and_cache(cache, cache, jnp.zeros((3, 4, 64)), jnp.zeros((3, 4, 64)), jnp.zeros((3,), jnp.float32))
+    with pytest.raises(ValueError, match="^v must be"):
+        cc.reshape_and_cache(cache, cache, jnp.zeros((3, 4, 64)), jnp.zeros((2, 4, 64)), jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="same length"):
+        cc.copy_blocks(cache, cache, jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="k_cache dtype"):
+        cc.copy_blocks(cache.astype(jnp.int8), cache.astype(jnp.int8), jnp.zeros((1,), jnp.int32),
+                       jnp.zeros((1,), jnp.int32))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
+def test_fallback_logs_once_and_returns_reference_results(caplog):
+    cc.unavailable_reason.cache_clear()
+    seed, rng = fresh_rng()
+    case = make_paged_case(rng, lens=[20, 3], q_heads=8, kv_heads=2, head_dim=64)
+    with caplog.at_level(logging.WARNING, logger="custom_calls"):
+        k_cache, v_cache = cc.reshape_and_cache(case["k_cache"], case["v_cache"], case["new_k"], case["new_v"],
+                                                case["slots"])
+        out = cc.paged_decode_attention(case["q"], k_cache, v_cache, case["kv_lens"], case["block_tables"],
+                                        sm_scale=0.125, soft_cap=20.0)
+        cc.copy_blocks(k_cache, v_cache, jnp.array([1], jnp.int32), jnp.array([4], jnp.int32))
+    notices = [r.getMessage() for r in caplog.records if r.name == "custom_calls"]
+    assert len(notices) == 1 and "no NVIDIA GPU" in notices[0], notices
+    assert not cc.available()
+    ref_k, ref_v = cc.reshape_and_cache_reference(case["k_cache"], case["v_cache"], case["new_k"], case["new_v"],
+                                                  case["slots"])
+    ref = cc.paged_decode_attention_reference(case["q"], ref_k, ref_v, case["kv_lens"], case["block_tables"],
+                                              sm_scale=0.125, soft_cap=20.0)
+    np.testing.assert_array_equal(out, ref, err_msg=f"seed {seed}")
+
+
+# ---------------------------------------------------------------- CPU: nvcc build, symbols, registration
+
+@pytest.fixture(scope="session")
+def library(tmp_path_factory):
+    """One real nvcc build (sm_90a only, to keep CI fast) into a fresh cache directory."""
+    try:
+        build.find_nvcc()
+    except build.BuildError as err:
+        pytest.skip(f"nvcc is not installed on this machine: {err}")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JAXSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("jaxserve_cache")))
+    try:
+        yield build.build_library(archs=("sm_90a",))
+    finally:
+        mp.undo()
+
+
+def test_nvcc_build_exports_ffi_symbols_and_is_cached(library, tmp_path_factory):
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
+                              check=True).stdout
+    for symbol in SYMBOLS:
+        assert f" T {symbol}\n" in exported, f"{symbol} not exported"
+    built_at = library.stat().st_mtime_ns
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JAXSERVE_CACHE_DIR", str(library.parents[2]))
+    try:
+        assert build.build_library(archs=("sm_90a",)) == library  # same key: no rebuild
+    finally:
+        mp.undo()
+    assert library.stat().st_mtime_ns == built_at
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU available() registers the full library; this one would clash")
+def test_registers_targets_for_cuda_without_gpu(library):
+    handle = cc.register(str(library))
+    assert all(getattr(handle, symbol) for symbol in SYMBOLS)
+
+
+def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
+    seed, rng = fresh_rng()
+    case = make_paged_case(rng, lens=[5, 9], q_heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+
+    def step(k_cache, v_cache, new_k, new_v, slots, q, kv_lens, block_tables):
+        k_cache, v_cache = cc.call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, new_k, new_v, slots)
+        k_cache, v_cache = cc.call_in_place("jaxserve_copy_blocks", k_cache, v_cache, slots[:1], slots[1:])
+        out = cc.call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=0.5,
+                                             sliding_window=64, soft_cap=30.0, num_splits=3)
+        return k_cache, v_cache, out
+
+    args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
+    text = jax.jit(step, donate_argnums=(0, 1)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for target in cc.TARGETS:
+        assert f"stablehlo.custom_call @{target}(" in text
+    assert text.count("output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], "
+                      "operand_index = 0") == 2
+    for attr in ("num_splits = 3 : i32", "sliding_window = 64 : i32", "sm_scale = 5.000000e-01 : f32",
+                 "soft_cap = 3.000000e+01 : f32"):
+        assert attr in text, attr
+    assert "tensor<2x8x128xbf16>, tensor<6240xf32>" in text  # out + workspace B*Hq*S*(D+2)
+
+
+# ---------------------------------------------------------------- GPU: CUDA ops vs references
+
+def poison_device_memory(shape, dtype):
+    """Leaves NaN in freed device memory the next allocation of this size is likely to reuse."""
+    jnp.full(shape, jnp.nan, dtype).block_until_ready()
+
+
+def run_decode_step(case, kw, num_splits, cuda: bool):
+    decode = cc.paged_decode_attention if cuda else cc.paged_decode_attention_reference
+    write = cc.reshape_and_cache if cuda else cc.reshape_and_cache_reference
+    split_kw = dict(num_splits=num_splits) if cuda else {}
+
+    def step(k_cache, v_cache, new_k, new_v, slots, q, kv_lens, block_tables):
+        k_cache, v_cache = write(k_cache, v_cache, new_k, new_v, slots)
+        return k_cache, v_cache, decode(q, k_cache, v_cache, kv_lens, block_tables, **kw, **split_kw)
+
+    args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
+    args[:2] = [jnp.array(a, copy=True) for a in args[:2]]  # the step donates these
+    poison_device_memory(case["q"].shape, case["q"].dtype)
+    return jax.jit(step, donate_argnums=(0, 1))(*args)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 8), (16, 4), (16, 2), (40, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_step_matches_reference(dtype, q_heads, kv_heads, head_dim):
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    case = make_paged_case(rng, lens=[1, 77, 0, 300, 16, 1029], q_heads=q_heads, kv_heads=kv_heads,
+                           head_dim=head_dim, block_size=16, max_blocks=70, dtype=dtype)
+    kw = decode_kwargs(head_dim, None, None)
+    ref_k, ref_v, ref = run_decode_step(case, kw, None, cuda=False)
+    for splits in (None, 1, 3):
+        k_cache, v_cache, out = run_decode_step(case, kw, splits, cuda=True)
+        assert_same_bits(k_cache, ref_k, seed)
+        assert_same_bits(v_cache, ref_v, seed)
+        assert rel_err(out, ref) <= TOLERANCE[dtype], f"seed {seed} splits {splits}"
+        assert not np.asarray(out[2], np.float32).any(), "padding row must be zeros"
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("window,cap,block_size", [(100, None, 16), (None, 50.0, 8), (33, 10.0, 32)])
+def test_decode_window_and_soft_cap_match_reference(dtype, window, cap, block_size):
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    case = make_paged_case(rng, lens=[513, 5, 0, 260, 99], q_heads=32, kv_heads=8, head_dim=128,
+                           block_size=block_size, dtype=dtype)
+    kw = decode_kwargs(128, window, cap)
+    _, _, ref = run_decode_step(case, kw, None, cuda=False)
+    for splits in (None, 1, 4):
+        _, _, out = run_decode_step(case, kw, splits, cuda=True)
+        assert rel_err(out, ref) <= TOLERANCE[dtype], f"seed {seed} splits {splits}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_copy_blocks_in_place_matches_reference(dtype):
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    shape = (64, 16, 8, 128)
+    k_cache = jnp.asarray(rng.standard_normal(shape), dtype)
+    v_cache = jnp.asarray(rng.standard_normal(shape), dtype).at[0].set(jnp.nan)
+    blocks = rng.permutation(64).astype(np.int32)
+    src, dst = jnp.asarray(blocks[:10]), jnp.asarray(blocks[10:20]).at[3].set(-1)  # pair 3 skipped
+    ref_k, ref_v = cc.copy_blocks_reference(k_cache, v_cache, src, dst)
+    step = jax.jit(cc.copy_blocks, donate_argnums=(0, 1))
+    k_out, v_out = step(jnp.array(k_cache, copy=True), jnp.array(v_cache, copy=True), src, dst)
+    assert_same_bits(k_out, ref_k, seed)
+    assert_same_bits(v_out, ref_v, seed)
