@@ -75,8 +75,9 @@ def test_prefix_caching_on_and_off_give_the_same_output(smollm, smollm_hf, prefi
 def tiny(tmp_path_factory):
     """A tiny random Llama checkpoint: fast to compile, for the scheduling-heavy tests."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # GPU kernels' dims
+                                   max_position_embeddings=512)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp("tiny")
     hf.save_pretrained(path)

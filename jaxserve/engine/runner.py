@@ -9,10 +9,11 @@ import sys
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
+
+import custom_calls
 
 from jaxserve.cache.block_table import BlockTable
 from jaxserve.cache.kv_cache import (allocate_kv_cache, copy_blocks, describe_kv_capacity, kv_bytes_per_block,
@@ -37,6 +38,20 @@ def pow2_ladder(low: int, high: int) -> tuple[int, ...]:
 
 def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
     return next(b for b in ladder if b >= n)
+
+
+def choose_decode_impl(setting: str, head_dim: int) -> str:
+    """The CUDA decode kernel reads KV near copy bandwidth on H100 (benchmarks/results/attention_cuda_h100.json),
+    so decode-only steps use it wherever it is built; mixed steps always take the ragged kernel."""
+    if setting not in ("auto", "cuda", "ragged"):
+        raise ValueError(f"decode_attention must be auto, cuda or ragged, got {setting!r}")
+    if setting == "ragged":
+        return "ragged"
+    reason = (f"head_dim {head_dim} not in {custom_calls.HEAD_DIMS}" if head_dim not in custom_calls.HEAD_DIMS
+              else custom_calls.unavailable_reason())
+    if reason and setting == "cuda":
+        raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {reason}")
+    return "ragged" if reason else "cuda"
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +92,7 @@ class ModelRunner:
                                       self.token_buckets[-1])
         tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
+        self.decode_impl = choose_decode_impl(cfg.decode_attention, mc.head_dim)
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames="num_logprobs")
         self.compiled_buckets: set[tuple[int, int, int]] = set()
 
@@ -94,21 +110,24 @@ class ModelRunner:
 
     def precompile(self) -> None:
         """Compile every (tokens, seqs) bucket ahead of time; the persistent cache makes restarts fast."""
-        pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets]
-        for t, s in tqdm(pairs, desc="compiling step buckets", unit="graph", file=sys.stderr, disable=None):
-            self.run(self._dummy_inputs(t, s), 0)
+        pairs = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets]
+        if self.decode_impl != "ragged":
+            pairs += [(bucket_for(s, self.token_buckets), s, True) for s in self.seq_buckets]
+        for t, s, decode in tqdm(pairs, desc="compiling step buckets", unit="graph", file=sys.stderr, disable=None):
+            self.run(self._dummy_inputs(t, s, decode), 0)
 
-    def _dummy_inputs(self, num_tokens: int, num_seqs: int) -> StepInputs:
+    def _dummy_inputs(self, num_tokens: int, num_seqs: int, decode_only: bool = False) -> StepInputs:
         z = lambda n: np.zeros(n, np.int32)  # noqa: E731 — all padding: writes land in the null block
         attn = AttentionBatch(z(num_tokens), z(num_seqs + 1), z(num_seqs),
-                              np.zeros((num_seqs, self.max_blocks_per_seq), np.int32), z(1))
+                              np.zeros((num_seqs, self.max_blocks_per_seq), np.int32), z(1),
+                              self.decode_impl if decode_only else "ragged")
         sampling = make_sampling_tensors([], [], [], num_rows=num_seqs)
         return StepInputs(z(num_tokens), z(num_tokens), attn, z(num_seqs),
                           np.full(num_seqs, self.cfg.max_num_seqs, np.int32), np.zeros(num_seqs, bool), sampling)
 
     def run(self, inp: StepInputs, num_logprobs: int = 0) -> SamplerOutput:
         """One jitted step on ready inputs (device arrays out; the caller decides when to sync)."""
-        self.compiled_buckets.add((len(inp.token_ids), len(inp.slot_ids), num_logprobs))
+        self.compiled_buckets.add((len(inp.token_ids), len(inp.slot_ids), inp.attn.decode_impl, num_logprobs))
         self.kv_cache, self.penalty, out = self._step(self.params, self.kv_cache, self.penalty, inp,
                                                       num_logprobs=num_logprobs)
         return out
@@ -165,8 +184,10 @@ class ModelRunner:
         logits_idx[:n_rows] = own_last[from_row]
         mask = np.zeros(s_pad, bool)
         mask[:n_rows] = [r.start + r.count >= r.seq.num_tokens for r in rows]
-        attn = AttentionBatch(slot_mapping.copy(), cu, kv_lens, self.block_table.table[padded_slots % self.cfg.max_num_seqs],
-                              np.array([n_rows], np.int32))
+        decode_only = n_tok == n_rows and all(r.count == 1 for r in rows)
+        attn = AttentionBatch(slot_mapping.copy(), cu, kv_lens,
+                              self.block_table.table[padded_slots % self.cfg.max_num_seqs],
+                              np.array([n_rows], np.int32), self.decode_impl if decode_only else "ragged")
         sampling = make_sampling_tensors([r.seq.params for r in rows], [r.seq.seed for r in rows],
                                          [r.seq.num_output_tokens for r in rows], num_rows=s_pad,
                                          eos_token_ids=self.eos_token_ids)

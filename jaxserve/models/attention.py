@@ -6,10 +6,14 @@ runs ragged paged attention over the flattened batch. Model code never knows whi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+
+import custom_calls
+from jaxserve.cache.kv_cache import write_kv
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
 
@@ -22,6 +26,8 @@ class AttentionBatch:
     kv_lens: jax.Array        # [S] context length including this step's tokens
     block_tables: jax.Array   # [S, max_blocks_per_seq]
     num_seqs: jax.Array       # [1]
+    # Static: "cuda" runs a decode-only batch (one token per row, rows == tokens) through the CUDA custom call.
+    decode_impl: str = field(default="ragged", metadata=dict(static=True))
 
 
 def dense_causal_attention(q, k, v, positions, *, sm_scale: float, sliding_window: int | None):
@@ -41,9 +47,18 @@ def attend(q, k, v, positions, kv_layer, batch: AttentionBatch | None, *, sm_sca
     """Returns (out [T, Hq, D], updated kv_layer)."""
     if kv_layer is None:
         return dense_causal_attention(q, k, v, positions, sm_scale=sm_scale, sliding_window=sliding_window), None
-    from jaxserve.cache.kv_cache import write_kv  # TEMP until helpers land
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
     k_cache, v_cache = write_kv(*kv_layer, k, v, batch.slot_mapping)
-    out = ragged_paged_attention(q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens, batch.block_tables,
-                                 batch.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window)
+    if batch.decode_impl == "cuda":
+        out = cuda_decode(q, k_cache, v_cache, batch, sm_scale=sm_scale, sliding_window=sliding_window)
+    else:
+        out = ragged_paged_attention(q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens, batch.block_tables,
+                                     batch.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window)
     return out, (k_cache, v_cache)
+
+
+def cuda_decode(q, k_cache, v_cache, batch: AttentionBatch, **kw):
+    """Decode-only batch: token i is row i's query; padding rows have kv_len 0 and come out as zeros."""
+    num_tokens, num_rows = q.shape[0], batch.kv_lens.shape[0]
+    q_rows = q[:num_rows] if num_tokens >= num_rows else jnp.pad(q, ((0, num_rows - num_tokens), (0, 0), (0, 0)))
+    out = custom_calls.paged_decode_attention(q_rows, k_cache, v_cache, batch.kv_lens, batch.block_tables, **kw)
+    return out[:num_tokens] if num_rows >= num_tokens else jnp.pad(out, ((0, num_tokens - num_rows), (0, 0), (0, 0)))
