@@ -1,0 +1,420 @@
+"""Ragged paged attention: one call serves a mixed batch of chunked prefills and decodes.
+
+Cache layout per layer: K and V each `[num_blocks, block_size, num_kv_heads, head_dim]`; block 0 is the
+null block that padding writes land in.
+
+Backend: Pallas' Triton lowering, chosen over Mosaic GPU although JAX 0.11 deprecates it, because
+- a KV tile is gathered row by row from pages at random addresses: Triton does that as one pointer-tensor
+  load (coalesced head_dim rows, pipelined through shared memory), Mosaic GPU as one TMA copy plus barrier
+  per 16-row page;
+- decode has 1-8 query rows per KV head: Triton's mma pads them to 16 rows, Mosaic's wgmma to 64;
+- it runs on sm_80 and newer (Mosaic GPU wants sm_90a) and does exact float32 dots.
+Nothing in the API names the backend: a Mosaic GPU kernel can take a pallas_call's place unchanged.
+
+Three launches, with no host- or XLA-side metadata preparation (each program reads the raw
+cu_q_lens/kv_lens/block_tables):
+1. prefill, grid (kv_heads, q_blocks): a program owns `block_q` tokens x the q heads of one KV head
+   (GQA rows packed, so each KV tile is read once for the whole group); only edge tiles are masked.
+   Sequence i's q blocks start at `cu_q_lens[i] // block_q + i` (vLLM's numbering); tokens past
+   cu_q_lens[num_seqs] form one more sequence with no keys, so padding rows come out as zeros.
+   The leading run of q_len == 1 sequences (the engine orders decodes first) is left to
+2. decode, grid (kv_heads, slots): the slots are shared out among the actual decodes at run time, so a
+   small batch splits each context over several programs (flash-decoding); each writes float32
+   partials and a log2-sum-exp;
+3. combine, grid (decode slots,): merges the splits into the decodes' output rows, in place.
+"""
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.interpret import interpret_params
+from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
+
+IMPLS = ("auto", "pallas", "reference")
+LOG2E = math.log2(math.e)
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """Tile and launch shapes; defaults measured on H100, bf16, head_dim 128 (benchmarks/NOTES_attention.md)."""
+    decode_kv_tile: int = 64  # keys per loop step (rounded up to a whole page)
+    decode_num_warps: int = 4
+    decode_num_stages: int = 4
+    decode_programs: int = 528  # ~4 programs per H100 SM: enough to split small batches, few empty ones
+    decode_max_splits: int = 16
+    prefill_block_m: int = 128  # q rows per program: tokens x q heads of one KV head
+    prefill_kv_tile: int = 64
+    prefill_num_warps: int = 8
+    prefill_num_stages: int = 3
+
+
+# float32 tiles are twice the bytes: halve them to stay inside shared memory.
+F32_TUNING = Tuning(decode_kv_tile=32, decode_num_stages=3, prefill_block_m=64, prefill_kv_tile=32,
+                    prefill_num_warps=4, prefill_num_stages=2)
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Static shapes every kernel closes over."""
+    num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    max_seqs: int
+    max_blocks: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def group_pad(self) -> int:
+        return pl.next_power_of_2(self.group)
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """How logits are formed and masked."""
+    sm_scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+
+
+def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *,
+                           sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                           impl: str = "auto", interpret: bool = False, **tuning) -> jax.Array:
+    """Causal GQA attention of each sequence's new tokens over its paged KV (new tokens already cached).
+
+    q [num_tokens, num_q_heads, head_dim]; cu_q_lens [max_seqs + 1]; kv_lens [max_seqs] (context including
+    the new tokens); block_tables [max_seqs, max_blocks_per_seq]; num_seqs int32 [1] or scalar. Query j of
+    sequence i sits at position kv_lens[i] - q_len_i + j. Rows past cu_q_lens[num_seqs] come out as zeros.
+    impl: "pallas" (the GPU kernel; `interpret=True` runs it on the CPU), "reference" (pure JAX), or "auto"
+    (pallas on an sm_80+ NVIDIA GPU or when interpreting, else reference). `tuning`: fields of `Tuning`.
+    """
+    num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs,
+                            sm_scale, sliding_window, soft_cap, impl)
+    scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
+    if resolve_impl(impl, interpret) == "reference":
+        if tuning:
+            raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")
+        return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables,
+                                                num_seqs, **dataclasses.asdict(scores))
+    check_pallas_shapes(q, k_cache)
+    return pallas_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, scores=scores,
+                            tuning=make_tuning(q.dtype, tuning), interpret=interpret)
+
+
+def resolve_impl(impl: str, interpret: bool) -> str:
+    if impl != "auto":
+        return impl
+    device = jax.devices()[0]
+    on_gpu = device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) >= 8.0
+    return "pallas" if interpret or on_gpu else "reference"
+
+
+def make_tuning(dtype, overrides: dict) -> Tuning:
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(Tuning)}
+    if unknown:
+        raise ValueError(f"unknown tuning fields {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(Tuning)]}")
+    tuning = dataclasses.replace(F32_TUNING if jnp.dtype(dtype).itemsize == 4 else Tuning(), **overrides)
+    for name in ("decode_kv_tile", "prefill_block_m", "prefill_kv_tile"):
+        if getattr(tuning, name) < 16 or not is_power_of_2(getattr(tuning, name)):
+            raise ValueError(f"tuning {name}={getattr(tuning, name)} must be a power of two >= 16")
+    return tuning
+
+
+def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, sm_scale, sliding_window,
+                 soft_cap, impl):
+    """Validate shapes, dtypes and options; return num_seqs as int32 [1]."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {k_cache.shape} and {v_cache.shape}")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k_cache ({k_cache.shape[3]}) differ")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k_cache.shape[2]})")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if kv_lens.ndim != 1 or cu_q_lens.shape != (kv_lens.shape[0] + 1,):
+        raise ValueError(f"kv_lens must be [max_seqs] and cu_q_lens [max_seqs + 1], got {kv_lens.shape}, "
+                         f"{cu_q_lens.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != kv_lens.shape[0]:
+        raise ValueError(f"block_tables must be [max_seqs={kv_lens.shape[0]}, max_blocks_per_seq], "
+                         f"got {block_tables.shape}")
+    for name, x in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), ("block_tables", block_tables)):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+    num_seqs = jnp.asarray(num_seqs)
+    if num_seqs.size != 1 or not jnp.issubdtype(num_seqs.dtype, jnp.integer):
+        raise ValueError(f"num_seqs must be an integer scalar or [1] array, got {num_seqs.dtype}{num_seqs.shape}")
+    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a positive Python float, got {sm_scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0):
+        raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
+    return num_seqs.astype(jnp.int32).reshape(1)
+
+
+def check_pallas_shapes(q, k_cache):
+    head_dim, block_size = q.shape[2], k_cache.shape[1]
+    if not is_power_of_2(head_dim) or head_dim < 16:
+        raise ValueError(f"impl='pallas' needs head_dim a power of two >= 16, got {head_dim}")
+    if not is_power_of_2(block_size):
+        raise ValueError(f"impl='pallas' needs block_size a power of two, got {block_size}")
+    if q.shape[1] // k_cache.shape[2] > 16:
+        raise ValueError(f"impl='pallas' supports up to 16 q heads per kv head, got {q.shape[1] // k_cache.shape[2]}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"impl='pallas' needs q in float32/bfloat16/float16, got {q.dtype}")
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret"))
+def pallas_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
+                     tuning: Tuning, interpret: bool):
+    geo = Geometry(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
+                   kv_lens.shape[0], block_tables.shape[1])
+    meta = (num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1))
+    rows = (q.reshape(-1, geo.head_dim), k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
+    out = prefill_call(geo, scores, tuning, interpret, q.dtype)(*meta, *rows)
+    parts, lse = decode_call(geo, scores, tuning, interpret)(*meta, *rows)
+    out = combine_call(geo, tuning, interpret, q.dtype)(num_seqs, cu_q_lens, parts, lse, out)
+    return out.reshape(q.shape)
+
+
+def decode_slots(geo: Geometry, tuning: Tuning) -> int:
+    """Programs per KV head in the decode launch: one per possible decode, or more to fill the GPU."""
+    return max(min(geo.max_seqs, geo.num_tokens), -(-tuning.decode_programs // geo.num_kv_heads))
+
+
+def prefill_call(geo: Geometry, scores: Scores, tuning: Tuning, interpret: bool, dtype):
+    block_q = tuning.prefill_block_m // geo.group_pad
+    num_blocks = geo.num_tokens // block_q + geo.max_seqs + 1  # bound: every sequence may end mid-block
+    kernel = functools.partial(prefill_kernel, geo=geo, scores=scores, block_q=block_q,
+                               tile=max(tuning.prefill_kv_tile, geo.block_size), num_blocks=num_blocks)
+    return pl.pallas_call(
+        kernel, grid=(geo.num_kv_heads, num_blocks),
+        out_shape=jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.prefill_num_warps,
+                                             num_stages=tuning.prefill_num_stages),
+        interpret=interpret_params(interpret), name="ragged_paged_attention_prefill")
+
+
+def decode_call(geo: Geometry, scores: Scores, tuning: Tuning, interpret: bool):
+    slots = decode_slots(geo, tuning)
+    kernel = functools.partial(decode_kernel, geo=geo, scores=scores, slots=slots,
+                               max_splits=tuning.decode_max_splits,
+                               tile=max(tuning.decode_kv_tile, geo.block_size), rows=max(16, geo.group_pad))
+    return pl.pallas_call(
+        kernel, grid=(geo.num_kv_heads, slots),
+        out_shape=(jax.ShapeDtypeStruct((slots * geo.num_q_heads, geo.head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((slots * geo.num_q_heads,), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.decode_num_warps,
+                                             num_stages=tuning.decode_num_stages),
+        interpret=interpret_params(interpret), name="ragged_paged_attention_decode")
+
+
+def combine_call(geo: Geometry, tuning: Tuning, interpret: bool, dtype):
+    kernel = functools.partial(combine_kernel, geo=geo, slots=decode_slots(geo, tuning),
+                               max_splits=tuning.decode_max_splits)
+    return pl.pallas_call(
+        kernel, grid=(min(geo.max_seqs, geo.num_tokens),),
+        out_shape=jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), dtype),
+        input_output_aliases={4: 0}, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret_params(interpret), name="ragged_paged_attention_combine")
+
+
+def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, geo, scores,
+                   block_q, tile, num_blocks):
+    kv_head = pl.program_id(0)
+    block = num_blocks - 1 - pl.program_id(1)  # launch the last (longest causal) blocks first
+    num_seqs = num_seqs_ref[0]
+    seq, q_start, q_len, t0 = locate_block(cu_ref, num_seqs, block, geo, block_q)
+    is_decode = (seq < num_seqs) & (q_start + q_len == seq + 1)  # in the leading q_len == 1 run
+    active = (seq <= num_seqs) & ~is_decode & (t0 < q_len)
+    kv_len = jnp.where(seq < num_seqs, kv_lens_ref[jnp.minimum(seq, geo.max_seqs - 1)], 0)
+    r = jnp.arange(block_q * geo.group_pad)
+    token, head = t0 + r // geo.group_pad, r % geo.group_pad
+    row_ok = active & (token < q_len) & (head < geo.group)
+    q_row = (q_start + token) * geo.num_q_heads + kv_head * geo.group + head
+    q = load_rows(q_ref, q_row, row_ok)
+    oldest = kv_len - q_len + t0
+    newest = kv_len - q_len + jnp.minimum(t0 + block_q, q_len) - 1
+    t_hi = cdiv(jnp.where(active, jnp.maximum(newest + 1, 0), 0), tile)
+    t_lo, full_lo = 0, 0
+    if scores.sliding_window is not None:
+        t_lo = jnp.minimum(jnp.maximum(oldest - scores.sliding_window + 1, 0) // tile, t_hi)
+        full_lo = cdiv(jnp.maximum(newest - scores.sliding_window + 1, 0), tile)
+    step = functools.partial(attend_tile, q=q, q_pos=kv_len - q_len + token, seq=seq, kv_len=kv_len,
+                             kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile)
+    o, _, l = attend_range(init_carry(q.shape), t_lo, t_hi, full_lo, jnp.maximum(oldest + 1, 0) // tile, step)
+    store_rows(o_ref, q_row, row_ok, (o / safe(l)[:, None]).astype(o_ref.dtype))
+
+
+def locate_block(cu_ref, num_seqs, block, geo, block_q):
+    """(sequence, its first token, its q_len, block's first token within it) for q block `block`."""
+    i = jnp.arange(pl.next_power_of_2(geo.max_seqs + 2))
+    start = plgpu.load(cu_ref.at[jnp.minimum(i, geo.max_seqs)], mask=i <= num_seqs, other=geo.num_tokens)
+    first_block = jnp.where(i <= num_seqs + 1, start // block_q + i, INT32_MAX)
+    seq = jnp.sum((first_block <= block).astype(jnp.int32)) - 1
+    q_start = jnp.sum(jnp.where(i == seq, start, 0))
+    q_len = jnp.sum(jnp.where(i == seq + 1, start, 0)) - q_start
+    return seq, q_start, q_len, (block - jnp.sum(jnp.where(i == seq, first_block, 0))) * block_q
+
+
+def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, geo,
+                  scores, slots, max_splits, tile, rows):
+    kv_head, slot = pl.program_id(0), pl.program_id(1)
+    num_decodes = count_decodes(cu_ref, num_seqs_ref[0], geo)
+    splits = decode_splits(num_decodes, slots, max_splits)
+    seq, split = slot // splits, slot % splits
+    active = seq < num_decodes
+    kv_len = jnp.where(active, kv_lens_ref[jnp.minimum(seq, geo.max_seqs - 1)], 0)
+    r = jnp.arange(rows)
+    head = kv_head * geo.group + r
+    row_ok = active & (r < geo.group)
+    q = load_rows(q_ref, seq * geo.num_q_heads + head, row_ok)  # decode i is token i
+    first = 0 if scores.sliding_window is None else jnp.maximum(kv_len - scores.sliding_window, 0)
+    t_lo, t_hi = first // tile, cdiv(kv_len, tile)
+    per_split = cdiv(t_hi - t_lo, splits)
+    lo = jnp.minimum(t_lo + split * per_split, t_hi)
+    step = functools.partial(attend_tile, q=q, q_pos=jnp.full((rows,), kv_len - 1), seq=seq, kv_len=kv_len,
+                             kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile)
+    o, m, l = attend_range(init_carry(q.shape), lo, jnp.minimum(lo + per_split, t_hi), cdiv(first, tile),
+                           kv_len // tile, step)
+    out_row = slot * geo.num_q_heads + head
+    store_rows(o_ref, out_row, row_ok, o / safe(l)[:, None])
+    plgpu.store(lse_ref.at[jnp.where(row_ok, out_row, lse_ref.shape[0])], m + jnp.log2(l), mask=row_ok)
+
+
+def combine_kernel(num_seqs_ref, cu_ref, parts_ref, lse_ref, _, o_ref, *, geo, slots, max_splits):
+    seq = pl.program_id(0)
+    num_decodes = count_decodes(cu_ref, num_seqs_ref[0], geo)
+    splits = decode_splits(num_decodes, slots, max_splits)
+    head = jnp.arange(pl.next_power_of_2(geo.num_q_heads))
+    ok = (seq < num_decodes) & (head < geo.num_q_heads)
+
+    def merge(split, carry):
+        m, l, acc = carry
+        row = (seq * splits + split) * geo.num_q_heads + head
+        lse = plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf)
+        m_new = jnp.maximum(m, lse)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(lse - m_safe)
+        return m_new, l * alpha + weight, acc * alpha[:, None] + weight[:, None] * load_rows(parts_ref, row, ok)
+
+    acc, m, l = init_carry((head.shape[0], geo.head_dim))
+    _, l, acc = lax.fori_loop(0, jnp.where(seq < num_decodes, splits, 0), merge, (m, l, acc))
+    store_rows(o_ref, seq * geo.num_q_heads + head, ok, (acc / safe(l)[:, None]).astype(o_ref.dtype))
+
+
+def count_decodes(cu_ref, num_seqs, geo):
+    """Length of the leading run of q_len == 1 sequences: exactly where cu_q_lens[i + 1] == i + 1."""
+    i = jnp.arange(pl.next_power_of_2(geo.max_seqs))
+    ends = plgpu.load(cu_ref.at[jnp.minimum(i + 1, geo.max_seqs)], mask=i < num_seqs, other=-1)
+    return jnp.sum((ends == i + 1).astype(jnp.int32))
+
+
+def decode_splits(num_decodes, slots, max_splits):
+    """Programs per decode (per KV head): the slots shared out evenly, at most max_splits."""
+    return jnp.clip(slots // jnp.maximum(num_decodes, 1), 1, max_splits)
+
+
+def attend_range(carry, lo, hi, full_lo, full_hi, step):
+    """Run `step` over tiles [lo, hi), masking only tiles outside [full_lo, full_hi)."""
+    a = jnp.clip(full_lo, lo, hi)
+    b = jnp.clip(full_hi, a, hi)
+    carry = lax.fori_loop(lo, a, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(b, hi, functools.partial(step, masked=True), carry)
+
+
+def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, scores, tile):
+    """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page."""
+    bt_ref, k_ref, v_ref = refs
+    key = t * tile + jnp.arange(tile)
+    live = (key < kv_len) if masked else None  # past kv_len the block table may hold anything
+    col = jnp.minimum(key // geo.block_size, geo.max_blocks - 1)
+    page = gather(bt_ref.at[seq * geo.max_blocks + col], live)
+    kv_row = (page * geo.block_size + key % geo.block_size) * geo.num_kv_heads + kv_head
+    s = logits(q, load_rows(k_ref, kv_row, live), scores)
+    if masked:
+        s = jnp.where(visible(key, q_pos, scores.sliding_window), s, -jnp.inf)
+    o, m, l = carry
+    m_new = jnp.maximum(m, s.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet stays zero
+    p = jnp.exp2(s - m_safe[:, None])
+    alpha = jnp.exp2(m - m_safe)
+    v = load_rows(v_ref, kv_row, live)
+    pv = dot(p.astype(v.dtype), v, ((1,), (0,)))
+    return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
+
+
+def logits(q, k, scores: Scores):
+    """q @ k.T in float32, scaled (and soft-capped) into the log2 domain that exp2 wants."""
+    s = dot(q, k, ((1,), (1,)))
+    if scores.soft_cap is None:
+        return s * (scores.sm_scale * LOG2E)
+    return jnp.tanh(s * (scores.sm_scale / scores.soft_cap)) * (scores.soft_cap * LOG2E)
+
+
+def dot(a, b, dims):
+    """float32-accumulated dot; HIGHEST keeps float32 operands exact (Triton's DEFAULT means TF32)."""
+    return lax.dot_general(a, b, (dims, ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def visible(key, q_pos, sliding_window):
+    """Causal mask [rows, keys], and the Mistral window: key > q_pos - window."""
+    ok = key[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        ok &= key[None, :] > q_pos[:, None] - sliding_window
+    return ok
+
+
+def init_carry(shape):
+    """(o, m, l) of an online softmax over nothing."""
+    return jnp.zeros(shape, jnp.float32), jnp.full(shape[:1], -jnp.inf), jnp.zeros(shape[:1], jnp.float32)
+
+
+def gather(ref_view, mask):
+    return plgpu.load(ref_view) if mask is None else plgpu.load(ref_view, mask=mask, other=0)
+
+
+def load_rows(ref, rows, ok):
+    """ref[rows, :] as a tile; rows where `ok` is False (None: all valid) read as 0."""
+    view = ref.at[rows[:, None], jnp.arange(ref.shape[1])[None, :]]
+    if ok is None:
+        return plgpu.load(view)
+    return plgpu.load(view, mask=jnp.broadcast_to(ok[:, None], (rows.shape[0], ref.shape[1])), other=0)
+
+
+def store_rows(ref, rows, ok, val):
+    """ref[rows, :] = val where `ok`; skipped rows point past the end so the interpreter drops them too."""
+    rows = jnp.where(ok, rows, ref.shape[0])
+    plgpu.store(ref.at[rows[:, None], jnp.arange(val.shape[1])[None, :]], val,
+                mask=jnp.broadcast_to(ok[:, None], val.shape))
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def safe(l):
+    return jnp.where(l == 0, 1.0, l)

@@ -1,0 +1,75 @@
+"""Pure-JAX ragged paged attention: the reference for the kernel and the engine's CPU attention path.
+
+Every token is processed independently: it finds its sequence, then walks that sequence's block-table
+columns `kv_blocks_per_step` at a time with an online softmax. Each step gathers only those blocks for
+each token ([num_tokens, kv_blocks_per_step * block_size, kv_heads, head_dim]), never the whole context,
+and the trip count comes from the longest live sequence rather than from the block table's width.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+KV_BLOCKS_PER_STEP = 4  # keys per step = 4 * block_size: few loop trips, a small per-step gather on CPU
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_blocks_per_step"))
+def ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *,
+                                     sm_scale: float, sliding_window: int | None = None,
+                                     soft_cap: float | None = None,
+                                     kv_blocks_per_step: int = KV_BLOCKS_PER_STEP) -> jax.Array:
+    """Same contract as `ragged_paged_attention`; computes in float32, returns q's dtype."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    seq, q_pos, kv_len = locate_tokens(cu_q_lens, kv_lens, jnp.reshape(num_seqs, ()), num_tokens)
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    step = functools.partial(attend_blocks, qg=qg, k_cache=k_cache, v_cache=v_cache, seq=seq, q_pos=q_pos,
+                             kv_len=kv_len, block_tables=block_tables, sm_scale=sm_scale,
+                             sliding_window=sliding_window, soft_cap=soft_cap, blocks=kv_blocks_per_step)
+    keys_per_step = kv_blocks_per_step * k_cache.shape[1]
+    num_steps = (jnp.max(kv_len) + keys_per_step - 1) // keys_per_step
+    init = (jnp.full(qg.shape[:3], -jnp.inf), jnp.zeros(qg.shape[:3]), jnp.zeros(qg.shape))
+    _, denom, acc = lax.fori_loop(0, num_steps, step, init)
+    out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]  # tokens with no keys (padding) -> 0
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def locate_tokens(cu_q_lens, kv_lens, num_seqs, num_tokens):
+    """Per token: its sequence, its absolute position, and its sequence's kv length (0 for padding)."""
+    token = jnp.arange(num_tokens)
+    live_ends = jnp.where(jnp.arange(kv_lens.shape[0]) < num_seqs, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
+    seq = jnp.minimum(jnp.sum(live_ends[None, :] <= token[:, None], axis=1), kv_lens.shape[0] - 1)
+    is_live = token < cu_q_lens[num_seqs]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    q_pos = kv_lens[seq] - q_len + token - cu_q_lens[seq]
+    return seq, q_pos, jnp.where(is_live, kv_lens[seq], 0)
+
+
+def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_len, block_tables, sm_scale,
+                  sliding_window, soft_cap, blocks):
+    """One online-softmax step over block-table columns [step * blocks, (step + 1) * blocks)."""
+    num_tokens, num_kv_heads, _, head_dim = qg.shape
+    block_size = k_cache.shape[1]
+    cols = step * blocks + jnp.arange(blocks)
+    ids = block_tables[seq[:, None], jnp.minimum(cols, block_tables.shape[1] - 1)[None, :]]
+    ids = jnp.clip(ids, 0, k_cache.shape[0] - 1)  # entries past a sequence's end may hold anything
+    key = (cols[:, None] * block_size + jnp.arange(block_size)).reshape(-1)
+    live = key[None, :] < kv_len[:, None]  # [tokens, keys]; slots past kv_len were never written
+    k = k_cache[ids].reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
+    v = v_cache[ids].reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
+    v = jnp.where(live[..., None, None], v, 0.0)
+    s = jnp.einsum("tkgd,tnkd->tkgn", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    visible = live & (key[None, :] <= q_pos[:, None])
+    if sliding_window is not None:
+        visible &= key[None, :] > q_pos[:, None] - sliding_window
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m_prev, l_prev, acc = carry
+    m = jnp.maximum(m_prev, s.max(-1))
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # rows with nothing visible yet stay all-zero, not NaN
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m_prev - m_safe)
+    pv = jnp.einsum("tkgn,tnkd->tkgd", p, v, precision=lax.Precision.HIGHEST)
+    return m, l_prev * alpha + p.sum(-1), acc * alpha[..., None] + pv
