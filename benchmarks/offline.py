@@ -114,16 +114,17 @@ def main(argv=None):
              "matmul_tflops": tflops, "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.quantile(ttft, .99)),
              "tpot_p50_ms": float(np.median(tpot) * 1e3), "tpot_p99_ms": float(np.quantile(tpot, .99) * 1e3),
              "engine": stats}]
-    print(f"jaxserve: {wall:.2f} s, {ntok / wall:.0f} output tok/s, roofline {roof:.2f} s ({roof / wall:.0%})",
-          flush=True)
+    print(f"jaxserve: {wall:.2f} s, {ntok / wall:.0f} output tok/s, roofline {roof:.2f} s ({roof / wall:.0%}), "
+          f"TTFT p50 {rows[0]['ttft_p50_s']:.2f} s, TPOT p50 {rows[0]['tpot_p50_ms']:.1f} ms", flush=True)
+    out = args.out or f"benchmarks/results/offline_{jax.default_backend()}.json"
+    write_rows(out, rows, command)
     if args.peer == "transformers-cb":
         del loaded
         peer_wall, peer_tok = run_transformers_cb(cfg, prompts, args.output_len)
-        rows.append({"bench": "offline", "impl": "transformers-cb", "params": params, "ms": peer_wall * 1e3,
-                     "tok_s": peer_tok / peer_wall, "wall_s": peer_wall, "roofline_s": roof,
-                     "roofline_frac": roof / peer_wall})
+        peer = {"bench": "offline", "impl": "transformers-cb", "params": params, "ms": peer_wall * 1e3,
+                "tok_s": peer_tok / peer_wall, "wall_s": peer_wall, "roofline_s": roof, "roofline_frac": roof / peer_wall}
         print(f"transformers-cb: {peer_wall:.2f} s, {peer_tok / peer_wall:.0f} output tok/s", flush=True)
-    write_rows(args.out or f"benchmarks/results/offline_{jax.default_backend()}.json", rows, command)
+        write_rows(out, [peer], command)
 
 
 if __name__ == "__main__":
