@@ -89,6 +89,20 @@ def run_transformers_cb(cfg, prompts, output_len):
     return wall, sum(len(o.generated_tokens) for o in out.values())
 
 
+def make_prompts(cfg, args):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, min(cfg.vocab_size, 128000), args.input_len).tolist() for _ in range(args.num_prompts)]
+
+
+def run_peer_process(argv):
+    import subprocess
+    args = [a for a in (argv if argv is not None else sys.argv[1:])]
+    out = subprocess.run([sys.executable, __file__, *args, "--peer-only"], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"transformers-cb peer failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None)
@@ -96,13 +110,18 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--peer", choices=["none", "transformers-cb"], default="none")
+    ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/offline_<device>.json)")
     args = ap.parse_args(argv)
     command = "python benchmarks/offline.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.peer_only:   # a child process: torch cannot get GPU memory that JAX's allocator holds
+        cfg = model_config_from_hf(load_run_config(args.config).random_model)
+        print(json.dumps(run_transformers_cb(cfg, make_prompts(cfg, args), args.output_len)))
+        return
+    peer_result = run_peer_process(argv) if args.peer == "transformers-cb" else None
     loaded, engine_cfg = load(args)
     cfg = loaded.config
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, min(cfg.vocab_size, 128000), args.input_len).tolist() for _ in range(args.num_prompts)]
+    prompts = make_prompts(cfg, args)
     gbps, tflops = copy_bandwidth_gbps(), matmul_tflops()
     dtype_bytes = jnp.dtype(loaded.model.embed_tokens.embedding[...].dtype).itemsize
     roof = roofline_s(cfg, args.num_prompts, args.input_len, args.output_len, gbps, tflops, dtype_bytes)
@@ -118,9 +137,8 @@ def main(argv=None):
           f"TTFT p50 {rows[0]['ttft_p50_s']:.2f} s, TPOT p50 {rows[0]['tpot_p50_ms']:.1f} ms", flush=True)
     out = args.out or f"benchmarks/results/offline_{jax.default_backend()}.json"
     write_rows(out, rows, command)
-    if args.peer == "transformers-cb":
-        del loaded
-        peer_wall, peer_tok = run_transformers_cb(cfg, prompts, args.output_len)
+    if peer_result:
+        peer_wall, peer_tok = peer_result
         peer = {"bench": "offline", "impl": "transformers-cb", "params": params, "ms": peer_wall * 1e3,
                 "tok_s": peer_tok / peer_wall, "wall_s": peer_wall, "roofline_s": roof, "roofline_frac": roof / peer_wall}
         print(f"transformers-cb: {peer_wall:.2f} s, {peer_tok / peer_wall:.0f} output tok/s", flush=True)
