@@ -3,6 +3,7 @@ results format `{"bench", "impl", "params", "ms", "gbps"|"tflops"|"tok_s", "devi
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import platform
 import subprocess
@@ -25,6 +26,9 @@ def device_name() -> str:
 
 
 def commit() -> str:
+    """The checkout's commit; JAXSERVE_COMMIT names it where the tree travelled without .git (device runs)."""
+    if os.environ.get("JAXSERVE_COMMIT"):
+        return os.environ["JAXSERVE_COMMIT"]
     try:
         sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                       stderr=subprocess.DEVNULL).strip()
