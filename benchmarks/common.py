@@ -52,8 +52,10 @@ def time_ms(fn, *args, warmup: int = 3, repeats: int = 20) -> float:
 
 def copy_bandwidth_gbps(nbytes: int | None = None) -> float:
     """Device copy bandwidth, bytes read + written (the practical memory ceiling)."""
-    nbytes = nbytes or (2 << 30 if jax.default_backend() == "gpu" else 256 << 20)
-    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    gpu = jax.default_backend() == "gpu"
+    nbytes = nbytes or (2 << 30 if gpu else 256 << 20)
+    dtype = jnp.bfloat16 if gpu else jnp.float32   # CPUs emulate bf16 arithmetic: it would under-measure
+    x = jax.random.normal(jax.random.key(0), (nbytes // jnp.dtype(dtype).itemsize,), dtype)
     ms = time_ms(jax.jit(lambda a: a * 2), x)
     return 2 * x.nbytes / ms / 1e6
 

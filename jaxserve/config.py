@@ -92,7 +92,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None   # None: powers of two from 16 to max_num_batched_tokens
     seq_buckets: tuple[int, ...] | None = None     # None: powers of two from 8 to max_num_seqs
     seed: int = 0
-    decode_attention: str = "auto"         # decode-only steps: "auto" (CUDA custom call if built), "cuda", "ragged"
+    decode_attention: str = "auto"         # decode-only steps: "auto" (= the faster measured: ragged), "cuda", "ragged"
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     precompile: bool = True
 

@@ -11,17 +11,18 @@ Backend: Pallas' Triton lowering, chosen over Mosaic GPU although JAX 0.11 depre
 - it runs on sm_80 and newer (Mosaic GPU wants sm_90a) and does exact float32 dots.
 Nothing in the API names the backend: a Mosaic GPU kernel can take a pallas_call's place unchanged.
 
-Three launches, with no host- or XLA-side metadata preparation (each program reads the raw
+Two launches, with no host- or XLA-side metadata preparation (each program reads the raw
 cu_q_lens/kv_lens/block_tables):
-1. prefill, grid (kv_heads, q_blocks): a program owns `block_q` tokens x the q heads of one KV head
-   (GQA rows packed, so each KV tile is read once for the whole group); only edge tiles are masked.
-   Sequence i's q blocks start at `cu_q_lens[i] // block_q + i` (vLLM's numbering); tokens past
-   cu_q_lens[num_seqs] form one more sequence with no keys, so padding rows come out as zeros.
-   The leading run of q_len == 1 sequences (the engine orders decodes first) is left to
-2. decode, grid (kv_heads, slots): the slots are shared out among the actual decodes at run time, so a
-   small batch splits each context over several programs (flash-decoding); each writes float32
-   partials and a log2-sum-exp;
-3. combine, grid (decode slots,): merges the splits into the decodes' output rows, in place.
+1. decode, grid (kv_heads, slots), for the leading run of q_len == 1 sequences (the engine orders
+   decodes first): the slots are shared out among the actual decodes at run time, so a small batch
+   splits each context over several programs (flash-decoding); each writes float32 partials and a
+   log2-sum-exp.
+2. prefill, grid (kv_heads, decode rows + q blocks). The first programs merge each decode's splits into
+   its output row. The others own `block_q` tokens x the q heads of one KV head (GQA rows packed, so each
+   KV tile is read once for the whole group) and mask only edge tiles. Sequence i's q blocks start at
+   `cu_q_lens[i] // block_q + i` (vLLM's numbering); tokens past cu_q_lens[num_seqs] form one more
+   sequence with no keys, so padding rows come out as zeros.
+Fixed per-launch costs dominate small batches (benchmarks/NOTES_attention.md), hence the merge riding along.
 """
 import dataclasses
 import functools
@@ -46,19 +47,19 @@ INT32_MAX = 2**31 - 1
 class Tuning:
     """Tile and launch shapes; defaults measured on H100, bf16, head_dim 128 (benchmarks/NOTES_attention.md)."""
     decode_kv_tile: int = 64  # keys per loop step (rounded up to a whole page)
-    decode_num_warps: int = 4
+    decode_num_warps: int = 2  # light programs: several share an SM and hide each other's start-up
     decode_num_stages: int = 4
     decode_programs: int = 528  # ~4 programs per H100 SM: enough to split small batches, few empty ones
     decode_max_splits: int = 16
-    prefill_block_m: int = 128  # q rows per program: tokens x q heads of one KV head
+    prefill_block_m: int = 64  # q rows per program: tokens x q heads of one KV head
     prefill_kv_tile: int = 64
-    prefill_num_warps: int = 8
+    prefill_num_warps: int = 4
     prefill_num_stages: int = 3
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory.
-F32_TUNING = Tuning(decode_kv_tile=32, decode_num_stages=3, prefill_block_m=64, prefill_kv_tile=32,
-                    prefill_num_warps=4, prefill_num_stages=2)
+F32_TUNING = Tuning(decode_kv_tile=32, decode_num_warps=4, decode_num_stages=3, prefill_kv_tile=32,
+                    prefill_num_stages=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,11 @@ class Geometry:
     @property
     def group_pad(self) -> int:
         return pl.next_power_of_2(self.group)
+
+    @property
+    def decode_rows(self) -> int:
+        """Decodes come first and have one token each: at most this many."""
+        return min(self.max_seqs, self.num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +128,10 @@ def resolve_impl(impl: str, interpret: bool) -> str:
 
 
 def make_tuning(dtype, overrides: dict) -> Tuning:
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(Tuning)}
+    fields = [f.name for f in dataclasses.fields(Tuning)]
+    unknown = set(overrides) - set(fields)
     if unknown:
-        raise ValueError(f"unknown tuning fields {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(Tuning)]}")
+        raise ValueError(f"unknown tuning fields {sorted(unknown)}; valid: {fields}")
     tuning = dataclasses.replace(F32_TUNING if jnp.dtype(dtype).itemsize == 4 else Tuning(), **overrides)
     for name in ("decode_kv_tile", "prefill_block_m", "prefill_kv_tile"):
         if getattr(tuning, name) < 16 or not is_power_of_2(getattr(tuning, name)):
@@ -192,28 +199,14 @@ def pallas_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_
                    kv_lens.shape[0], block_tables.shape[1])
     meta = (num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1))
     rows = (q.reshape(-1, geo.head_dim), k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
-    out = prefill_call(geo, scores, tuning, interpret, q.dtype)(*meta, *rows)
     parts, lse = decode_call(geo, scores, tuning, interpret)(*meta, *rows)
-    out = combine_call(geo, tuning, interpret, q.dtype)(num_seqs, cu_q_lens, parts, lse, out)
+    out = prefill_call(geo, scores, tuning, interpret, q.dtype)(*meta, *rows, parts, lse)
     return out.reshape(q.shape)
 
 
 def decode_slots(geo: Geometry, tuning: Tuning) -> int:
     """Programs per KV head in the decode launch: one per possible decode, or more to fill the GPU."""
-    return max(min(geo.max_seqs, geo.num_tokens), -(-tuning.decode_programs // geo.num_kv_heads))
-
-
-def prefill_call(geo: Geometry, scores: Scores, tuning: Tuning, interpret: bool, dtype):
-    block_q = tuning.prefill_block_m // geo.group_pad
-    num_blocks = geo.num_tokens // block_q + geo.max_seqs + 1  # bound: every sequence may end mid-block
-    kernel = functools.partial(prefill_kernel, geo=geo, scores=scores, block_q=block_q,
-                               tile=max(tuning.prefill_kv_tile, geo.block_size), num_blocks=num_blocks)
-    return pl.pallas_call(
-        kernel, grid=(geo.num_kv_heads, num_blocks),
-        out_shape=jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.prefill_num_warps,
-                                             num_stages=tuning.prefill_num_stages),
-        interpret=interpret_params(interpret), name="ragged_paged_attention_prefill")
+    return max(geo.decode_rows, -(-tuning.decode_programs // geo.num_kv_heads))
 
 
 def decode_call(geo: Geometry, scores: Scores, tuning: Tuning, interpret: bool):
@@ -230,21 +223,39 @@ def decode_call(geo: Geometry, scores: Scores, tuning: Tuning, interpret: bool):
         interpret=interpret_params(interpret), name="ragged_paged_attention_decode")
 
 
-def combine_call(geo: Geometry, tuning: Tuning, interpret: bool, dtype):
-    kernel = functools.partial(combine_kernel, geo=geo, slots=decode_slots(geo, tuning),
-                               max_splits=tuning.decode_max_splits)
+def prefill_call(geo: Geometry, scores: Scores, tuning: Tuning, interpret: bool, dtype):
+    """Second launch: programs [0, decode_rows) merge the decode splits, the rest attend one q block each."""
+    block_q = tuning.prefill_block_m // geo.group_pad
+    num_blocks = geo.num_tokens // block_q + geo.max_seqs + 1  # bound: every sequence may end mid-block
+    kernel = functools.partial(prefill_kernel, geo=geo, scores=scores, block_q=block_q,
+                               tile=max(tuning.prefill_kv_tile, geo.block_size), num_blocks=num_blocks,
+                               slots=decode_slots(geo, tuning), max_splits=tuning.decode_max_splits)
     return pl.pallas_call(
-        kernel, grid=(min(geo.max_seqs, geo.num_tokens),),
+        kernel, grid=(geo.num_kv_heads, geo.decode_rows + num_blocks),
         out_shape=jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), dtype),
-        input_output_aliases={4: 0}, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret_params(interpret), name="ragged_paged_attention_combine")
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.prefill_num_warps,
+                                             num_stages=tuning.prefill_num_stages),
+        interpret=interpret_params(interpret), name="ragged_paged_attention_prefill")
 
 
-def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, geo, scores,
-                   block_q, tile, num_blocks):
-    kv_head = pl.program_id(0)
-    block = num_blocks - 1 - pl.program_id(1)  # launch the last (longest causal) blocks first
+def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, o_ref, *,
+                   geo, scores, block_q, tile, num_blocks, slots, max_splits):
+    kv_head, pid = pl.program_id(0), pl.program_id(1)
     num_seqs = num_seqs_ref[0]
+    refs = (cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref)
+
+    @pl.when(pid < geo.decode_rows)
+    def _():
+        combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, pid, geo, slots, max_splits)
+
+    @pl.when(pid >= geo.decode_rows)
+    def _():  # the last (longest causal) blocks first
+        attend_block(refs, num_seqs, kv_head, num_blocks - 1 - (pid - geo.decode_rows), geo, scores, block_q, tile)
+
+
+def attend_block(refs, num_seqs, kv_head, block, geo, scores, block_q, tile):
+    """Prefill role: `block_q` tokens x the q heads of one KV head; zeros for padding tokens."""
+    cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref = refs
     seq, q_start, q_len, t0 = locate_block(cu_ref, num_seqs, block, geo, block_q)
     is_decode = (seq < num_seqs) & (q_start + q_len == seq + 1)  # in the leading q_len == 1 run
     active = (seq <= num_seqs) & ~is_decode & (t0 < q_len)
@@ -265,6 +276,28 @@ def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_re
                              kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile)
     o, _, l = attend_range(init_carry(q.shape), t_lo, t_hi, full_lo, jnp.maximum(oldest + 1, 0) // tile, step)
     store_rows(o_ref, q_row, row_ok, (o / safe(l)[:, None]).astype(o_ref.dtype))
+
+
+def combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, seq, geo, slots, max_splits):
+    """Combine role: merge decode `seq`'s split partials for the q heads of one KV head into its output row."""
+    num_decodes = count_decodes(cu_ref, num_seqs, geo)
+    splits = decode_splits(num_decodes, slots, max_splits)
+    r = jnp.arange(geo.group_pad)
+    head = kv_head * geo.group + r
+    ok = (seq < num_decodes) & (r < geo.group)
+
+    def merge(split, carry):
+        m, l, acc = carry
+        row = (seq * splits + split) * geo.num_q_heads + head
+        lse = plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf)
+        m_new = jnp.maximum(m, lse)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(lse - m_safe)
+        return m_new, l * alpha + weight, acc * alpha[:, None] + weight[:, None] * load_rows(parts_ref, row, ok)
+
+    acc, m, l = init_carry((geo.group_pad, geo.head_dim))
+    _, l, acc = lax.fori_loop(0, jnp.where(seq < num_decodes, splits, 0), merge, (m, l, acc))
+    store_rows(o_ref, seq * geo.num_q_heads + head, ok, (acc / safe(l)[:, None]).astype(o_ref.dtype))
 
 
 def locate_block(cu_ref, num_seqs, block, geo, block_q):
@@ -301,27 +334,6 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref
     out_row = slot * geo.num_q_heads + head
     store_rows(o_ref, out_row, row_ok, o / safe(l)[:, None])
     plgpu.store(lse_ref.at[jnp.where(row_ok, out_row, lse_ref.shape[0])], m + jnp.log2(l), mask=row_ok)
-
-
-def combine_kernel(num_seqs_ref, cu_ref, parts_ref, lse_ref, _, o_ref, *, geo, slots, max_splits):
-    seq = pl.program_id(0)
-    num_decodes = count_decodes(cu_ref, num_seqs_ref[0], geo)
-    splits = decode_splits(num_decodes, slots, max_splits)
-    head = jnp.arange(pl.next_power_of_2(geo.num_q_heads))
-    ok = (seq < num_decodes) & (head < geo.num_q_heads)
-
-    def merge(split, carry):
-        m, l, acc = carry
-        row = (seq * splits + split) * geo.num_q_heads + head
-        lse = plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf)
-        m_new = jnp.maximum(m, lse)
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(lse - m_safe)
-        return m_new, l * alpha + weight, acc * alpha[:, None] + weight[:, None] * load_rows(parts_ref, row, ok)
-
-    acc, m, l = init_carry((head.shape[0], geo.head_dim))
-    _, l, acc = lax.fori_loop(0, jnp.where(seq < num_decodes, splits, 0), merge, (m, l, acc))
-    store_rows(o_ref, seq * geo.num_q_heads + head, ok, (acc / safe(l)[:, None]).astype(o_ref.dtype))
 
 
 def count_decodes(cu_ref, num_seqs, geo):

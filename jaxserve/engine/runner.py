@@ -41,17 +41,18 @@ def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
 
 
 def choose_decode_impl(setting: str, head_dim: int) -> str:
-    """The CUDA decode kernel reads KV near copy bandwidth on H100 (benchmarks/results/attention_cuda_h100.json),
-    so decode-only steps use it wherever it is built; mixed steps always take the ragged kernel."""
+    """Which kernel serves decode-only steps. "auto" takes the ragged Pallas kernel: in one H100 run it read KV
+    faster than the CUDA custom call at 7 of 9 decode points (benchmarks/results/attention_h100.json); "cuda"
+    forces the custom call (also an sm_80+ path that needs no Triton)."""
     if setting not in ("auto", "cuda", "ragged"):
         raise ValueError(f"decode_attention must be auto, cuda or ragged, got {setting!r}")
-    if setting == "ragged":
+    if setting != "cuda":
         return "ragged"
     reason = (f"head_dim {head_dim} not in {custom_calls.HEAD_DIMS}" if head_dim not in custom_calls.HEAD_DIMS
               else custom_calls.unavailable_reason())
-    if reason and setting == "cuda":
+    if reason:
         raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {reason}")
-    return "ragged" if reason else "cuda"
+    return "cuda"
 
 
 @jax.tree_util.register_dataclass

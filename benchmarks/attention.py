@@ -1,0 +1,446 @@
+"""Paged attention on one GPU: jaxserve's Pallas kernel against its peers, and the copy ceiling, in one run.
+
+Llama-3-8B heads (32 q / 8 kv / 128), bf16, block size 16, pages in random order. Impls:
+  jaxserve-pallas   pallas_kernels.ragged_paged_attention (our cache layout)
+  jaxserve-cuda     custom_calls.paged_decode_attention (decode rows, when custom_calls.available())
+  cudnn-contiguous  jax.nn.dot_product_attention(implementation="cudnn") on a [B, ctx, kv, d] cache
+  cudnn-paged       jax._src.cudnn.fused_attention_stablehlo.paged_attention on our cache (private API)
+  jax-pallas-paged  jax.experimental.pallas.ops.gpu.paged_attention ([kv, pages, page, d] layout)
+  xla-gather        gather each sequence's pages with XLA, then dense attention
+Every output is checked against the pure-JAX reference (max_rel_err); a row that fails gets "error".
+Each timing runs `calls` back-to-back calls inside one jitted program, rotating among cache copies when a
+cache fits in L2 (50 MB), and reports the median over repeats divided by `calls`.
+
+  python benchmarks/attention.py                 # full sweep -> benchmarks/results/attention_h100.json + .png
+  python benchmarks/attention.py --tune          # tuning variants at key points -> attention_tune.json
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
+from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference  # noqa: E402
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+DTYPE = jnp.bfloat16
+SM_SCALE = 1 / math.sqrt(HEAD_DIM)
+L2_BYTES = 50e6
+TARGET_RUN_S = 2e-3  # GPU time per timed program: long enough to hide launch and sync overhead
+MAX_CALLS = 16
+REPS = 10
+ERR_LIMIT = 2e-2
+DECODE_SWEEP = [(b, c) for b in (8, 64, 256) for c in (512, 4096, 16384)]
+TUNE_POINTS = ((8, 4096), (64, 512), (64, 4096), (8, 16384))
+TUNE_VARIANTS = {
+    "decode": [{}, {"decode_num_stages": 3}, {"decode_num_stages": 2}, {"decode_kv_tile": 32},
+               {"decode_kv_tile": 32, "decode_num_stages": 6}, {"decode_programs": 264},
+               {"decode_programs": 1056}, {"decode_num_warps": 2}],
+    "prefill": [{}, {"prefill_block_m": 64, "prefill_num_warps": 4},
+                {"prefill_block_m": 64, "prefill_num_warps": 4, "prefill_kv_tile": 128},
+                {"prefill_kv_tile": 128, "prefill_num_stages": 2}],
+}
+PROFILE_POINTS = ((1, 8, 512), (1, 64, 4096), (8192, 1, 8192))  # (q_len, batch, context), for ncu
+
+
+@dataclass(slots=True)
+class Batch:
+    """A ragged batch in our layout plus what the peers need to rebuild it."""
+    q: jax.Array
+    k_cache: jax.Array
+    v_cache: jax.Array
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    block_tables: jax.Array
+    num_seqs: jax.Array
+    q_lens: list
+    kv_bytes: float
+    flops: float
+
+    def args(self, k_cache=None, v_cache=None):
+        return (self.q, self.k_cache if k_cache is None else k_cache, self.v_cache if v_cache is None else v_cache,
+                self.cu_q_lens, self.kv_lens, self.block_tables, self.num_seqs)
+
+
+def make_batch(key, q_lens, kv_lens) -> Batch:
+    pages = [-(-n // BLOCK) for n in kv_lens]
+    width = max(pages)
+    num_blocks = sum(pages)  # no spare blocks: cuDNN's paged op wants exactly batch x width of them
+    perm = iter(np.random.default_rng(0).permutation(num_blocks))
+    tables = np.zeros((len(q_lens), width), np.int32)
+    for i, n in enumerate(pages):
+        tables[i, :n] = [next(perm) for _ in range(n)]
+    kq, kk, kv = jax.random.split(key, 3)
+    cache_shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    visible = sum(sum(min(kv - ql + j + 1, kv) for j in range(ql)) for ql, kv in zip(q_lens, kv_lens))
+    return Batch(jax.random.normal(kq, (sum(q_lens), Q_HEADS, HEAD_DIM), DTYPE),
+                 jax.random.normal(kk, cache_shape, DTYPE), jax.random.normal(kv, cache_shape, DTYPE),
+                 jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+                 jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables), jnp.asarray([len(q_lens)], jnp.int32),
+                 list(q_lens), 2 * sum(kv_lens) * KV_HEADS * HEAD_DIM * jnp.dtype(DTYPE).itemsize,
+                 4 * visible * Q_HEADS * HEAD_DIM)
+
+
+def time_calls(fn, arg_sets):
+    """Median ms per call of fn over arg_sets, all called inside one jitted program; plus the first output."""
+    program = jax.jit(lambda sets: [fn(*a) for a in sets])
+    out = jax.block_until_ready(program(arg_sets))[0]
+    times = []
+    for _ in range(REPS):
+        start = time.perf_counter()
+        jax.block_until_ready(program(arg_sets))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3 / len(arg_sets), out
+
+
+def rotation(batch: Batch, per_copy_bytes: float, make_copy):
+    """Arg sets for one timed program: enough calls to fill TARGET_RUN_S, cycling copies that overflow L2."""
+    estimate_s = max(batch.kv_bytes / 2.5e12, batch.flops / 400e12) + 5e-6
+    calls = int(np.clip(round(TARGET_RUN_S / estimate_s), 2, MAX_CALLS))
+    copies = [make_copy(i) for i in range(min(calls, math.ceil(3 * L2_BYTES / per_copy_bytes)))]
+    return [copies[i % len(copies)] for i in range(calls)], {"calls": calls, "copies": len(copies)}
+
+
+def fresh_cache_copy(batch: Batch, i: int):
+    if i == 0:
+        return batch.args()
+    k = jax.random.normal(jax.random.key(100 + i), batch.k_cache.shape, DTYPE)
+    return batch.args(k, jax.random.normal(jax.random.key(200 + i), batch.v_cache.shape, DTYPE))
+
+
+def relative_error(out, expected, rows):
+    out, expected = (np.asarray(x[:rows].astype(jnp.float32)) for x in (out, expected))
+    return float(np.abs(out - expected).max() / np.abs(expected).max())
+
+
+class Recorder:
+    """Collects rows in the project's format, saving after each so a cut-off run keeps what it measured."""
+
+    def __init__(self, path: str):
+        self.path, self.rows, self.copy_gbps = path, [], None
+        self.common = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": git_commit(),
+                       "command": " ".join(["python"] + sys.argv)}
+
+    def add(self, bench, impl, params, ms=None, batch: Batch | None = None, error=None, **extra):
+        row = {"bench": bench, "impl": impl, "params": params}
+        if error is not None:
+            row["error"] = error
+        elif batch is not None:
+            gbps = batch.kv_bytes / ms / 1e6
+            row.update(ms=ms, gbps=gbps, tflops=batch.flops / ms / 1e9,
+                       pct_copy=100 * gbps / self.copy_gbps if self.copy_gbps else None)
+        else:
+            row["ms"] = ms
+        row.update(extra, **self.common)
+        self.rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in self.common}), flush=True)
+        with open(self.path, "w") as f:
+            json.dump(self.rows, f, indent=1)
+
+    def measure(self, bench, impl, params, fn, arg_sets, batch: Batch, expected, rotation_info):
+        """Time fn, check it against the reference, record a row (or the failure)."""
+        try:
+            ms, out = time_calls(fn, arg_sets)
+            error = relative_error(out, expected, sum(batch.q_lens))
+        except Exception as exc:  # a peer that cannot run this shape is a row with the reason, not a crash
+            self.add(bench, impl, params, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            return
+        mismatch = None if error <= ERR_LIMIT else f"output mismatch: max_rel_err {error:.3g}"
+        self.add(bench, impl, {**params, **rotation_info}, ms, batch, error=mismatch, max_rel_err=error)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "uncommitted"
+
+
+def measure_copy(rec: Recorder):
+    """XLA elementwise copy of 2 GiB (read + write bytes): the bandwidth ceiling for this run."""
+    x = jax.random.normal(jax.random.key(0), (1 << 30,), DTYPE)
+    ms, _ = time_calls(lambda a: a * 2, [(x,), (x,)])
+    rec.copy_gbps = 2 * x.nbytes / ms / 1e6
+    rec.add("copy", "xla-copy", {"bytes": 2 * x.nbytes}, ms, gbps=rec.copy_gbps)
+
+
+TUNING = {}  # overrides for every jaxserve-pallas row (--tuning)
+
+
+def ours(tuning=None):
+    tuning = TUNING if tuning is None else tuning
+    return lambda *a: ragged_paged_attention(*a, sm_scale=SM_SCALE, impl="pallas", **tuning)
+
+
+def reference(batch: Batch):
+    return ragged_paged_attention_reference(*batch.args(), sm_scale=SM_SCALE)
+
+
+def cudnn_paged(q_lens, kv_lens, tables, causal):
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    page_table = tables[:, None, :, None]
+    return lambda q, k, v: fa.paged_attention(q, k, v, q_lens, kv_lens, page_table, page_table,
+                                              scale=SM_SCALE, mask_type=mask)
+
+
+def gather_attend(q, k_cache, v_cache, tables, q_pos):
+    """XLA peer: gather each sequence's pages to [B, S, kv, d], then dense masked attention in f32 softmax."""
+    b, s = tables.shape[0], tables.shape[1] * BLOCK
+    k, v = (c[tables].reshape(b, s, KV_HEADS, HEAD_DIM) for c in (k_cache, v_cache))
+    qg = q.reshape(b, -1, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * SM_SCALE
+    mask = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]
+    p = jax.nn.softmax(jnp.where(mask[:, None, None], logits, -jnp.inf), axis=-1).astype(DTYPE)
+    return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(q.shape)
+
+
+def bench_decode(rec: Recorder, batch_size, context, tunings=(None,)):
+    batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
+    expected = reference(batch)
+    params = {"batch": batch_size, "context": context}
+    sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
+    for tuning in tunings:
+        rec.measure("decode", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default"},
+                    ours(tuning), sets, batch, expected, info)
+    if tunings != (None,):
+        return
+    q4 = lambda a: (a[0][:, None], a[1], a[2])  # noqa: E731 - [B, 1, H, D] for cuDNN
+    ones, lens = jnp.ones((batch_size,), jnp.int32), batch.kv_lens
+    paged = cudnn_paged(ones, lens, batch.block_tables, causal=False)
+    rec.measure("decode", "cudnn-paged", params, lambda *a: paged(*q4(a))[:, 0], sets, batch, expected, info)
+    q_pos = (lens - 1)[:, None]
+    rec.measure("decode", "xla-gather", params, lambda *a: gather_attend(*a[:3], a[5], q_pos), sets, batch,
+                expected, info)
+    bench_cuda_decode(rec, params, sets, batch, expected, info)
+    del sets
+    bench_contiguous_decode(rec, params, batch, expected)
+    bench_jax_paged_decode(rec, params, batch, expected)
+
+
+def bench_cuda_decode(rec: Recorder, params, sets, batch: Batch, expected, info):
+    try:
+        import custom_calls
+        if not custom_calls.available():
+            return
+        fn = lambda *a: custom_calls.paged_decode_attention(a[0], a[1], a[2], a[4], a[5], sm_scale=SM_SCALE)  # noqa: E731
+    except Exception as exc:  # another engineer's module: a failure is a row, not a crash
+        rec.add("decode", "jaxserve-cuda", params, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        return
+    rec.measure("decode", "jaxserve-cuda", params, fn, sets, batch, expected, info)
+
+
+def to_contiguous(batch: Batch, k_cache, v_cache):
+    b = batch.block_tables.shape[0]
+    return tuple(c[batch.block_tables].reshape(b, -1, KV_HEADS, HEAD_DIM) for c in (k_cache, v_cache))
+
+
+def bench_contiguous_decode(rec: Recorder, params, batch: Batch, expected):
+    def copy(i):
+        k, v = to_contiguous(batch, *fresh_cache_copy(batch, i)[1:3])
+        return batch.q[:, None], k, v
+    sets, info = rotation(batch, batch.kv_bytes, copy)
+    fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SM_SCALE, implementation="cudnn")[:, 0]  # noqa: E731
+    rec.measure("decode", "cudnn-contiguous", params, fn, sets, batch, expected, info)
+
+
+def bench_jax_paged_decode(rec: Recorder, params, batch: Batch, expected):
+    """JAX's Pallas paged op wants [kv, pages, page, d] and a pre-scaled q; its two best anchor configs."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    def copy(i):
+        k, v = fresh_cache_copy(batch, i)[1:3]
+        return (batch.q * SM_SCALE).astype(DTYPE), k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)
+    sets, info = rotation(batch, batch.kv_bytes, copy)
+    for pages_per_block, splits in ((16, 8), (8, 16)):
+        fn = lambda q, k, v, p=pages_per_block, s=splits: jax_paged.paged_attention(  # noqa: E731
+            q, k, v, batch.block_tables, batch.kv_lens, block_h=16, pages_per_compute_block=p, k_splits=s)
+        rec.measure("decode", "jax-pallas-paged", {**params, "pages_per_compute_block": pages_per_block,
+                                                   "k_splits": splits}, fn, sets, batch, expected, info)
+
+
+def bench_prefill(rec: Recorder, length, tunings=(None,)):
+    batch = make_batch(jax.random.key(7), [length], [length])
+    expected = reference(batch)
+    params = {"batch": 1, "context": length}
+    sets, info = rotation(batch, 3 * L2_BYTES, lambda i: batch.args())  # compute-bound: L2 residency is real
+    for tuning in tunings:
+        rec.measure("prefill", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default"},
+                    ours(tuning), sets, batch, expected, info)
+    if tunings != (None,):
+        return
+    k, v = to_contiguous(batch, batch.k_cache, batch.v_cache)
+    fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SM_SCALE, is_causal=True,  # noqa: E731
+                                                      implementation="cudnn")[0]
+    rec.measure("prefill", "cudnn-contiguous", params, fn, [(batch.q[None], k, v)] * info["calls"], batch,
+                expected, info)
+    del k, v
+    q_pos = jnp.arange(length)[None]
+    rec.measure("prefill", "xla-gather", params, lambda *a: gather_attend(*a[:3], a[5], q_pos), sets, batch,
+                expected, info)
+    paged = cudnn_paged(jnp.asarray([length], jnp.int32), batch.kv_lens, batch.block_tables, causal=True)
+    rec.measure("prefill", "cudnn-paged", params, lambda *a: paged(a[0][None], a[1], a[2])[0], sets, batch,
+                expected, info)
+
+
+def bench_mixed(rec: Recorder, decodes, context, chunk, chunk_context):
+    """`decodes` decodes at `context` plus one `chunk`-token prefill chunk whose kv length is chunk_context."""
+    q_lens, kv_lens = [1] * decodes + [chunk], [context] * decodes + [chunk_context]
+    batch = make_batch(jax.random.key(11), q_lens, kv_lens)
+    expected = reference(batch)
+    params = {"batch": decodes + 1, "context": context, "decodes": decodes, "chunk": chunk,
+              "chunk_context": chunk_context}
+    sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
+    rec.measure("mixed", "jaxserve-pallas", {**params, "tuning": TUNING or "default"}, ours(), sets, batch,
+                expected, info)
+    dec_tables = batch.block_tables[:decodes]
+    chunk_table = batch.block_tables[decodes:, :-(-chunk_context // BLOCK)]
+    bench_cudnn_mixed(rec, params, batch, expected, dec_tables, chunk_table, chunk)
+    dec_pos = jnp.full((decodes, 1), context - 1)
+    chunk_pos = (chunk_context - chunk + jnp.arange(chunk))[None]
+
+    def gathered(q, k, v, *_):
+        return jnp.concatenate([gather_attend(q[:decodes], k, v, dec_tables, dec_pos),
+                                gather_attend(q[decodes:], k, v, chunk_table[:, :-(-chunk_context // BLOCK)],
+                                              chunk_pos)])
+    rec.measure("mixed", "xla-gather", params, gathered, sets, batch, expected, info)
+
+
+def bench_cudnn_mixed(rec: Recorder, params, batch: Batch, expected, dec_tables, chunk_table, chunk):
+    """cuDNN's paged op takes one cache per call with exactly batch x width blocks: give the decodes and the
+    chunk each their own cache (same bytes, gathered outside the timing) and make two calls."""
+    decodes = dec_tables.shape[0]
+    split = [tuple(c[t.reshape(-1)] for c in (batch.k_cache, batch.v_cache)) for t in (dec_tables, chunk_table)]
+    own_tables = [jnp.arange(t.size, dtype=jnp.int32).reshape(t.shape) for t in (dec_tables, chunk_table)]
+    dec = cudnn_paged(jnp.ones((decodes,), jnp.int32), batch.kv_lens[:decodes], own_tables[0], causal=False)
+    pre = cudnn_paged(jnp.asarray([chunk], jnp.int32), batch.kv_lens[decodes:], own_tables[1], causal=True)
+    fn = lambda q, dk, dv, ck, cv: jnp.concatenate([dec(q[:decodes, None], dk, dv)[:, 0],  # noqa: E731
+                                                   pre(q[None, decodes:], ck, cv)[0]])
+    sets, info = rotation(batch, 3 * L2_BYTES, lambda i: (batch.q, *split[0], *split[1]))
+    rec.measure("mixed", "cudnn-paged", {**params, "calls": "decode + chunk, own caches"}, fn, sets, batch,
+                expected, info)
+
+
+def fits(batch_size, context, free_bytes):
+    """Our cache plus one peer's copy of it (contiguous or transposed) must fit with headroom."""
+    return 2 * (2 * batch_size * context * KV_HEADS * HEAD_DIM * 2) < 0.8 * free_bytes
+
+
+def run_full(rec: Recorder, free_bytes):
+    measure_copy(rec)
+    for batch_size, context in DECODE_SWEEP:
+        if fits(batch_size, context, free_bytes):
+            bench_decode(rec, batch_size, context)
+        else:
+            rec.add("decode", "all", {"batch": batch_size, "context": context}, error="skipped: does not fit")
+    bench_prefill(rec, 8192)
+    bench_mixed(rec, 64, 4096, 1024, 2048)
+
+
+def run_tune(rec: Recorder):
+    measure_copy(rec)
+    for batch_size, context in TUNE_POINTS:
+        bench_decode(rec, batch_size, context, tunings=TUNE_VARIANTS["decode"])
+    bench_prefill(rec, 8192, tunings=TUNE_VARIANTS["prefill"])
+
+
+def pick_tuning(rows) -> dict:
+    """From --tune rows: per bench, the variant with the best geometric-mean time relative to the default."""
+    picked = {}
+    for bench in ("decode", "prefill"):
+        ok = [r for r in rows if r["bench"] == bench and "error" not in r and "ms" in r]
+        default = {(r["params"]["batch"], r["params"]["context"]): r["ms"] for r in ok
+                   if r["params"]["tuning"] == "default"}
+        scores = {}
+        for r in ok:
+            point = (r["params"]["batch"], r["params"]["context"])
+            if point not in default:
+                continue
+            scores.setdefault(json.dumps(r["params"]["tuning"]), []).append(math.log(r["ms"] / default[point]))
+        complete = {k: sum(v) for k, v in scores.items() if len(v) == len(default)}
+        best = min(complete, key=complete.get)
+        picked.update({} if best == '"default"' else json.loads(best))
+    return picked
+
+
+def run_profile():
+    """Run our kernel a few times at PROFILE_POINTS, untimed: the workload for `ncu -k regex:attention`."""
+    for q_len, batch_size, context in PROFILE_POINTS:
+        batch = make_batch(jax.random.key(0), [q_len] * batch_size, [context] * batch_size)
+        fn = jax.jit(ours())
+        for _ in range(3):
+            jax.block_until_ready(fn(*batch.args()))
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    decode = [r for r in rows if r["bench"] == "decode" and "gbps" in r and "error" not in r]
+    points = sorted({(r["params"]["batch"], r["params"]["context"]) for r in decode})
+    impls = sorted({r["impl"] for r in decode})
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.8 / max(len(impls), 1)
+    for j, impl in enumerate(impls):
+        best = {p: max((r["gbps"] for r in decode if r["impl"] == impl
+                        and (r["params"]["batch"], r["params"]["context"]) == p), default=0) for p in points}
+        ax.bar(np.arange(len(points)) + j * width, [best[p] for p in points], width, label=impl)
+    copy = [r["gbps"] for r in rows if r["bench"] == "copy"]
+    if copy:
+        ax.axhline(copy[0], color="k", ls="--", lw=1, label="XLA copy")
+    ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, [f"B={b}\nctx={c}" for b, c in points])
+    ax.set_ylabel("KV read GB/s")
+    ax.set_title(f"Paged decode, Llama-3-8B heads, bf16, block 16 ({rows[0]['device']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(rows):
+    print(f"\n{'bench':8} {'impl':17} {'B':>4} {'ctx':>6} {'ms':>9} {'GB/s':>7} {'TF/s':>6} {'%copy':>6} tuning / error")
+    for r in rows:
+        p = r["params"]
+        print(f"{r['bench']:8} {r['impl']:17} {p.get('batch', ''):>4} {p.get('context', ''):>6} "
+              f"{r.get('ms') or float('nan'):9.4f} {r.get('gbps') or 0:7.0f} {r.get('tflops') or 0:6.1f} "
+              f"{r.get('pct_copy') or 0:6.1f} {r.get('error', '')[:70] or p.get('tuning', '')}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tune", action="store_true", help="sweep Tuning variants at key points")
+    parser.add_argument("--profile", action="store_true", help="run PROFILE_POINTS untimed (under ncu)")
+    parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
+    parser.add_argument("--tuning", default="{}", help="JSON Tuning overrides for our rows")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention_h100.json"))
+    args = parser.parse_args()
+    if args.pick:
+        with open(args.pick) as f:
+            return print(json.dumps(pick_tuning(json.load(f))))
+    TUNING.update(json.loads(args.tuning))
+    if args.profile:
+        return run_profile()
+    rec = Recorder(args.out)
+    free = jax.devices()[0].memory_stats()["bytes_limit"] if jax.default_backend() == "gpu" else 8e9
+    if args.tune:
+        run_tune(rec)
+    else:
+        run_full(rec, free)
+        plot(rec.rows, os.path.splitext(args.out)[0] + ".png")
+    print_table(rec.rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Ragged paged attention: the reference against float64 numpy, the kernel against the reference.
+
+On CPU the kernel runs in Pallas interpret mode, on an NVIDIA GPU compiled. The KV cache is NaN everywhere
+no live token was written, block-table entries past a sequence's end are garbage, and (on GPU) freed NaN
+buffers poison the allocator: reading anything unwritten, or leaving an output row unwritten, shows up
+as NaN. Padding rows must come out exactly zero.
+"""
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+@dataclass(slots=True)
+class Batch:
+    q: jax.Array
+    k_cache: jax.Array
+    v_cache: jax.Array
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    block_tables: jax.Array
+    num_seqs: jax.Array
+    live_tokens: int
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.cu_q_lens, self.kv_lens, self.block_tables,
+                self.num_seqs)
+
+
+GEOMETRY = {"q_heads": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16, "max_seqs": 8, "num_tokens": 64,
+            "max_blocks": 8, "num_blocks": 48}  # shared so one compile serves every mix
+
+
+def make_batch(rng, q_lens, kv_lens, *, q_heads, kv_heads, head_dim, block_size, max_seqs, num_tokens, max_blocks,
+               num_blocks, dtype=jnp.float32) -> Batch:
+    """Random batch: sequences' pages in random order, NaN in every cache slot no live token wrote."""
+    num_seqs, live_tokens = len(q_lens), sum(q_lens)
+    pages = [-(-n // block_size) for n in kv_lens]
+    assert num_seqs <= max_seqs and live_tokens <= num_tokens and max(pages) <= max_blocks < num_blocks
+    order = iter(rng.permutation(np.arange(1, num_blocks)))
+    tables = rng.integers(-5, 1 << 20, (max_seqs, max_blocks)).astype(np.int32)  # garbage past the end
+    cache = np.full((2, num_blocks, block_size, kv_heads, head_dim), np.nan, np.float32)
+    for i, n in enumerate(kv_lens):
+        for j in range(pages[i]):
+            tables[i, j] = next(order)
+            filled = min(block_size, n - j * block_size)
+            cache[:, tables[i, j], :filled] = rng.standard_normal((2, filled, kv_heads, head_dim))
+    cu = np.full(max_seqs + 1, live_tokens, np.int32)
+    cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    lens = rng.integers(1 << 20, 1 << 21, max_seqs).astype(np.int32)  # garbage past num_seqs
+    lens[:num_seqs] = kv_lens
+    q = rng.standard_normal((num_tokens, q_heads, head_dim)).astype(np.float32)
+    return Batch(jnp.asarray(q, dtype), jnp.asarray(cache[0], dtype), jnp.asarray(cache[1], dtype),
+                 jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(tables), jnp.asarray([num_seqs], jnp.int32),
+                 live_tokens)
+
+
+def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=None) -> np.ndarray:
+    """Per-sequence dense attention in float64 numpy, written from the spec."""
+    q, cu, kv_lens, tables = (np.asarray(x) for x in (batch.q.astype(jnp.float32), batch.cu_q_lens,
+                                                        batch.kv_lens, batch.block_tables))
+    k_cache, v_cache = (np.asarray(x.astype(jnp.float32), np.float64) for x in (batch.k_cache, batch.v_cache))
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = np.zeros(q.shape)
+    for i in range(int(batch.num_seqs[0])):
+        kv_len, qs = kv_lens[i], q[cu[i]:cu[i + 1]].astype(np.float64)
+        pages = tables[i, : -(-kv_len // block_size)]
+        k, v = (np.repeat(c[pages].reshape(-1, kv_heads, q.shape[2])[:kv_len], q.shape[1] // kv_heads, axis=1)
+                for c in (k_cache, v_cache))
+        s = np.einsum("qhd,khd->hqk", qs, k) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * np.tanh(s / soft_cap)
+        q_pos, key = kv_len - len(qs) + np.arange(len(qs)), np.arange(kv_len)
+        mask = key[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= key[None, :] > q_pos[:, None] - sliding_window
+        s = np.where(mask, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[cu[i]:cu[i + 1]] = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v)
+    return out
+
+
+def check_close(out, expected, batch: Batch, dtype, label=""):
+    """Live rows finite and within tolerance (max abs error / max abs value); padding rows exactly zero."""
+    out = np.asarray(out.astype(jnp.float32))
+    live = out[: batch.live_tokens]
+    assert np.isfinite(live).all(), f"{label}: non-finite output in live rows"
+    assert (out[batch.live_tokens:] == 0).all(), f"{label}: padding rows must be zeros"
+    expected = np.asarray(expected, np.float64)[: batch.live_tokens]
+    error = np.abs(live - expected).max() / np.abs(expected).max()
+    assert error <= TOLERANCE[dtype], f"{label}: relative error {error:.3g} > {TOLERANCE[dtype]}"
+
+
+def poison_allocator(batch: Batch):
+    """On GPU, free a few NaN buffers of the output's size so an unwritten output row likely reads NaN."""
+    if ON_GPU:
+        for _ in range(3):
+            jnp.full(batch.q.shape, jnp.nan, batch.q.dtype).block_until_ready().delete()
+
+
+# The interpreter runs programs one by one: launch fewer decode programs there (still several splits each).
+INTERPRET_TUNING = {"decode_programs": 16} if INTERPRET else {}
+
+
+def check_kernel(batch: Batch, dtype, label="", tuning=None, **options):
+    expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125, **options)
+    poison_allocator(batch)
+    out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
+                                 **options, **(tuning or INTERPRET_TUNING))
+    check_close(out, expected, batch, dtype, label)
+
+
+# (q_lens, kv_lens): decodes first (the engine's order), then chunked prefills; kv not multiples of 16.
+MIXES = {
+    "decodes": ([1, 1, 1, 1, 1], [1, 17, 40, 64, 99]),
+    "prefill": ([45], [45]),
+    "mixed": ([1, 1, 1, 13, 30, 7], [33, 5, 80, 13, 71, 50]),
+    "decode_after_prefill": ([1, 9, 1, 1], [30, 40, 17, 64]),  # never from the engine; must still work
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 20}, {"soft_cap": 5.0}])
+def test_reference_matches_float64(mix, options):
+    batch = make_batch(np.random.default_rng(0), *MIXES[mix], **GEOMETRY)
+    out = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125, **options)
+    check_close(out, naive_attention(batch, sm_scale=0.125, **options), batch, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype, options", [
+    (jnp.float32, {}),
+    (jnp.float32, {"sliding_window": 20, "soft_cap": 5.0}),  # windows shorter than most contexts
+    (jnp.bfloat16, {}),
+    (jnp.bfloat16, {"sliding_window": 33}),
+])
+def test_kernel_matches_reference(dtype, options):
+    rng = np.random.default_rng(1)
+    for name, (q_lens, kv_lens) in MIXES.items():
+        check_kernel(make_batch(rng, q_lens, kv_lens, **GEOMETRY, dtype=dtype), dtype, name, **options)
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, block_size", [
+    (2, 2, 128, 16),  # GQA ratio 1, head_dim 128
+    (6, 2, 64, 8),  # ratio 3: q rows padded to a power of two
+    (8, 1, 64, 32),  # ratio 8, pages larger than a kv tile
+])
+def test_kernel_gqa_and_shapes(q_heads, kv_heads, head_dim, block_size):
+    shape = {**GEOMETRY, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size,
+             "max_blocks": 128 // block_size}
+    batch = make_batch(np.random.default_rng(3), *MIXES["mixed"], **shape, dtype=jnp.bfloat16)
+    check_kernel(batch, jnp.bfloat16)
+
+
+def test_split_k_decode():
+    """Few decodes over long contexts: contexts split over up to 16 programs, some of them empty."""
+    shape = {**GEOMETRY, "max_blocks": 16}
+    tuning = {"decode_kv_tile": 16, "decode_programs": 64, "decode_max_splits": 16}
+    rng = np.random.default_rng(4)
+    for q_lens, kv_lens in (([1, 1, 1], [250, 7, 161]), ([1], [203])):
+        check_kernel(make_batch(rng, q_lens, kv_lens, **shape), jnp.float32, str(kv_lens), tuning,
+                     sliding_window=100)
+
+
+def test_random_mixes():
+    """Random ragged mixes: q lengths 1..chunk, decodes first, random contexts."""
+    rng = np.random.default_rng(6)
+    for i in range(6):
+        q_lens = [1] * int(rng.integers(0, 4)) + [int(n) for n in rng.integers(2, 17, rng.integers(0, 3))]
+        q_lens = q_lens or [int(rng.integers(1, 33))]
+        kv_lens = [q + int(rng.integers(0, 128 - q)) for q in q_lens]
+        batch = make_batch(rng, q_lens, kv_lens, **GEOMETRY, dtype=jnp.bfloat16)
+        check_kernel(batch, jnp.bfloat16, f"mix {i}: {q_lens} {kv_lens}", sliding_window=33)
+
+
+def test_auto_picks_a_correct_impl():
+    """impl='auto' runs the kernel on a GPU and the reference elsewhere; either way it matches."""
+    batch = make_batch(np.random.default_rng(7), *MIXES["mixed"], **GEOMETRY)
+    out = ragged_paged_attention(*batch.args(), sm_scale=0.125)
+    check_close(out, ragged_paged_attention_reference(*batch.args(), sm_scale=0.125), batch, jnp.float32)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"q": jnp.zeros((4, 64))}, "q"),
+    ({"v_cache": jnp.zeros((5, 16, 2, 64))}, "v_cache"),
+    ({"q": jnp.zeros((64, 3, 64))}, "num_q_heads"),
+    ({"kv_lens": jnp.zeros((3,), jnp.int32)}, "cu_q_lens"),
+    ({"block_tables": jnp.zeros((8, 4), jnp.float32)}, "block_tables"),
+    ({"num_seqs": jnp.zeros((2,), jnp.int32)}, "num_seqs"),
+    ({"sm_scale": -1.0}, "sm_scale"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"soft_cap": 0.0}, "soft_cap"),
+    ({"impl": "triton"}, "impl"),
+    ({"decode_kv_tile": 24}, "decode_kv_tile"),
+    ({"bogus_knob": 1}, "bogus_knob"),
+])
+def test_rejects_bad_input(change, field):
+    batch = make_batch(np.random.default_rng(8), *MIXES["mixed"], **GEOMETRY)
+    args = dict(zip(["q", "k_cache", "v_cache", "cu_q_lens", "kv_lens", "block_tables", "num_seqs"], batch.args()))
+    kwargs = {"sm_scale": 0.125, "impl": "pallas", "interpret": INTERPRET}
+    for name, value in change.items():
+        (args if name in args else kwargs)[name] = value
+    with pytest.raises(ValueError, match=field):
+        ragged_paged_attention(*args.values(), **kwargs)

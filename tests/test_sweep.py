@@ -1,0 +1,215 @@
+"""The bucket sweep's machinery on a tiny random model: synthetic batches are what the engine would build,
+rows carry the fields the results format needs, the ladder analysis prices padding consistently (CPU, no timing
+assertions)."""
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.sweep import (SWEEP_SAMPLING, SweepCase, Traffic, assign_blocks, case_layout, config_ladders,
+                              ladder_candidates, ladder_rows, pad_to, padding_waste, run_sweep, simulate_steps,
+                              step_cost, synthetic_inputs)
+from jaxserve.cli import main as cli_main
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.runner import ModelRunner, StepRow
+from jaxserve.engine.sequence import Sequence
+from jaxserve.models.loader import random_model
+
+TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+CFG = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, min_prefill_chunk=16,
+                   token_buckets=(16, 32, 64), seq_buckets=(4, 8), num_blocks=160, precompile=False)
+ROW_FIELDS = {"bench", "impl", "params", "ms", "tok_s", "compile_s", "bytes", "flops", "roofline_frac"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(TINY, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny):
+    return ModelRunner(tiny, CFG)
+
+
+def engine_inputs(runner, syn):
+    """The engine's own prepare_inputs for the rows a synthetic batch describes (same tokens, blocks, seeds)."""
+    n, bs = int(syn.attn.num_seqs[0]), runner.cfg.block_size
+    cu, kv_lens = syn.attn.cu_q_lens, syn.attn.kv_lens
+    rows = []
+    for i in range(n):
+        count = int(cu[i + 1] - cu[i])
+        tokens = np.zeros(kv_lens[i], np.int32)
+        tokens[kv_lens[i] - count:] = syn.token_ids[cu[i]:cu[i + 1]]
+        seq = Sequence(i, str(i), 0, tokens.tolist(), int(kv_lens[i]), SWEEP_SAMPLING, seed=i, slot=i)
+        runner.block_table.write(i, 0, syn.attn.block_tables[i, :-(-kv_lens[i] // bs)].tolist())
+        rows.append(StepRow(seq, int(kv_lens[i]) - count, count))
+    return runner.prepare_inputs(rows)
+
+
+@pytest.mark.parametrize("case", [SweepCase(16, 8, 40, "decode"), SweepCase(16, 4, 200, "decode"),
+                                  SweepCase(32, 8, 40, "mixed"), SweepCase(64, 4, 20, "mixed")], ids=str)
+def test_synthetic_inputs_are_what_the_engine_builds(runner, case):
+    syn = synthetic_inputs(runner, case, np.random.default_rng(0))
+    n = int(syn.attn.num_seqs[0])
+    try:
+        eng = engine_inputs(runner, syn)
+        np.testing.assert_array_equal(eng.attn.block_tables[:n], syn.attn.block_tables[:n])
+        eng.attn.block_tables = syn.attn.block_tables   # padding rows: the engine repeats row 0, unread either way
+        jax.tree.map(np.testing.assert_array_equal, eng, syn)
+        out_eng = jax.tree.map(np.asarray, runner.run(eng))
+        out_syn = jax.tree.map(np.asarray, runner.run(syn))
+    finally:
+        for i in range(n):
+            runner.clear_slot(i)
+    assert np.isfinite(out_syn.logprob[:n]).all()
+    np.testing.assert_array_equal(out_syn.tokens[:n], out_eng.tokens[:n])
+    np.testing.assert_array_equal(out_syn.logprob[:n], out_eng.logprob[:n])
+
+
+def test_padded_decode_bucket_is_consistent(runner):
+    """A bucket the engine would not pick for the batch (8 decodes in 64 tokens) is still a valid batch."""
+    case = SweepCase(64, 8, 100, "decode")
+    syn = synthetic_inputs(runner, case, np.random.default_rng(1))
+    a, bs = syn.attn, runner.cfg.block_size
+    assert int(a.num_seqs[0]) == 8 and (a.kv_lens == 100).all() and (np.diff(a.cu_q_lens) == 1).all()
+    assert (syn.positions[:8] == 99).all() and (syn.positions[8:] == 0).all()
+    np.testing.assert_array_equal(a.slot_mapping[:8] // bs, a.block_tables[np.arange(8), 99 // bs])
+    np.testing.assert_array_equal(a.slot_mapping[:8] % bs, 99 % bs)
+    assert (a.slot_mapping[8:] == 0).all()
+    used = a.block_tables[a.block_tables > 0]
+    assert len(used) == 8 * math.ceil(100 / bs) == len(np.unique(used))
+    np.testing.assert_array_equal(syn.logits_indices, np.arange(8))
+    assert (runner.cfg.max_num_seqs > syn.slot_ids).all() and syn.sample_mask.all()
+
+
+def test_case_layout_fills_the_bucket():
+    assert case_layout(SweepCase(16, 32, 100, "decode"), 2048) is None     # 32 decodes can't fit 16 tokens
+    for t, s, c in [(64, 8, 100), (256, 32, 20), (16, 1, 500), (2048, 256, 2048)]:
+        starts, counts = case_layout(SweepCase(t, s, c, "mixed"), 2048)
+        decodes = len(counts) - 1
+        assert counts.sum() == t and len(counts) <= s and decodes <= t // 2
+        assert (counts[:decodes] == 1).all() and (starts[:decodes] + 1 == c).all()
+        assert starts[-1] + counts[-1] == max(c, counts[-1])       # chunk ends at the context, or is a whole prompt
+
+
+def test_assign_blocks_distinct_or_evenly_reused():
+    rng = np.random.default_rng(0)
+    kv_lens = rng.integers(1, 200, 12)
+    per_seq = -(-kv_lens // 16)
+    for pool in (per_seq.sum() + 5, 20):
+        table = assign_blocks(kv_lens, 16, 13, pool + 1, rng)
+        used = np.arange(13) < per_seq[:, None]
+        assert (table[used] >= 1).all() and (table[used] <= pool).all() and (table[~used] == 0).all()
+        counts = np.bincount(table[used], minlength=pool + 1)[1:]
+        assert counts.max() - counts.min() <= 1 if per_seq.sum() > pool else counts.max() == 1
+
+
+def test_step_cost_counts_causal_and_windowed_keys():
+    itemsize, kv_token = 4, 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4
+    layers = TINY.num_params - 2 * TINY.vocab_size * TINY.hidden_size
+    per_key = 4 * TINY.num_layers * TINY.num_heads * TINY.head_dim
+    starts, counts = np.array([9, 4, 4]), np.array([3, 1, 1])        # a 3-token chunk at 9..11, two decodes at 4
+    nbytes, flops = step_cost(TINY, itemsize, starts, counts)
+    head = TINY.vocab_size * TINY.hidden_size
+    assert flops == 2 * 5 * layers + 2 * 3 * head + per_key * (10 + 11 + 12 + 5 + 5)
+    assert nbytes == (layers + head + 5 * TINY.hidden_size) * itemsize + kv_token * (12 + 5 + 5 + 5)
+    _, flops_w = step_cost(dataclasses.replace(TINY, sliding_window=4), itemsize, starts, counts)
+    assert flops_w == 2 * 5 * layers + 2 * 3 * head + per_key * (4 * 3 + 4 + 4)
+
+
+def test_run_sweep_rows(tiny):
+    rows = run_sweep(tiny, CFG, token_buckets=(4, 16), seq_buckets=(8,), contexts=(24,), warmup=1, repeats=2)
+    assert [(r["params"]["num_tokens"], r["params"]["kind"]) for r in rows] == [(4, "mixed"), (16, "decode"),
+                                                                                  (16, "mixed")]
+    for r in rows:
+        assert ROW_FIELDS <= set(r) and set(r["params"]) == {"num_tokens", "num_seqs", "context", "kind"}
+        assert r["ms"] > 0 and r["compile_s"] > 0 and 0 < r["roofline_frac"] and math.isfinite(r["roofline_frac"])
+        starts, counts = case_layout(SweepCase(**r["params"]), CFG.max_model_len)
+        assert (r["bytes"], r["flops"]) == step_cost(TINY, 4, starts, counts)
+        assert r["tok_s"] == pytest.approx(counts.sum() / r["ms"] * 1e3)
+    assert rows[1]["compile_s"] == rows[2]["compile_s"]   # one compile per bucket, shared by its cases
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(contexts=(0,)), "contexts"), (dict(seq_buckets=(16,)), "seq_buckets"),
+                                           (dict(kinds=("prefill",)), "kinds"), (dict(repeats=0), "repeats")])
+def test_run_sweep_rejects_bad_arguments(tiny, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        run_sweep(tiny, CFG, **kwargs)
+
+
+def test_config_ladders_are_the_runners(tiny, runner):
+    assert config_ladders(CFG) == (runner.token_buckets, runner.seq_buckets)
+    default = EngineConfig(num_blocks=4, precompile=False)
+    r = ModelRunner(tiny, default)
+    assert config_ladders(default) == (r.token_buckets, r.seq_buckets)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 256), min_size=1, max_size=200), st.sets(st.integers(1, 255), max_size=8),
+       st.integers(1, 255))
+def test_padding_waste_is_the_padded_share_and_more_buckets_never_hurt(counts, ladder, extra):
+    counts, ladder = np.array(counts), sorted(ladder | {256})
+    padded = [min(b for b in ladder if b >= n) for n in counts]
+    assert padding_waste(ladder, counts) == pytest.approx(1 - counts.sum() / sum(padded))
+    assert padding_waste(sorted(set(ladder) | {extra}), counts) <= padding_waste(ladder, counts) + 1e-12
+
+
+def test_pad_to_rejects_a_ladder_that_does_not_cover_the_steps():
+    with pytest.raises(ValueError, match="ladder"):
+        pad_to([8], np.array([9]))
+
+
+def test_simulated_steps_respect_the_budget():
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128, min_prefill_chunk=32)
+    steps = simulate_steps(cfg, Traffic(prompt_median=100, output_median=40, num_steps=600, warmup_steps=100),
+                           np.random.default_rng(0))
+    tokens, seqs = steps[:, 0], steps[:, 1]
+    assert len(steps) > 500 and (tokens <= 128).all() and (seqs <= 16).all() and (tokens >= seqs).all()
+    assert (tokens == seqs).any() and (tokens > seqs).any() and tokens.max() == 128   # decode-only, mixed, full
+
+
+def test_ladder_rows_price_candidates_consistently():
+    sweep = [{"params": {"num_tokens": t}, "ms": 1.0 + t / 16, "compile_s": 2.0, "code_bytes": 100.0}
+             for t in (16, 32, 64, 128)]
+    steps = np.random.default_rng(0).integers(1, 129, (500, 2))
+    steps[:, 1] = np.minimum(steps[:, 0], 8)
+    rows = {r["params"]["ladder"]: r for r in ladder_rows(sweep, steps, (16, 32, 64, 128), (4, 8), Traffic())}
+    assert set(rows) == set(ladder_candidates((16, 32, 64, 128)))
+    chosen = rows["chosen"]
+    assert chosen["saved_ms_per_step"] == 0 and chosen["break_even_steps"] is None
+    assert chosen["compile_s"] == 2 * 4 * 2.0 and chosen["num_graphs"] == 8 and chosen["code_bytes"] == 800
+    for name, r in rows.items():
+        more = len(r["params"]["token_buckets"]) - 4
+        assert r["extra_compile_s"] == pytest.approx(2 * more * 2.0)
+        assert np.sign(r["saved_ms_per_step"]) in (np.sign(more), 0)           # more buckets: less padding time
+        assert (r["token_waste_frac"] <= chosen["token_waste_frac"]) == (r["ms"] <= chosen["ms"])
+        if r["break_even_steps"] is not None:
+            assert r["break_even_steps"] == pytest.approx(r["extra_compile_s"] * 1e3 / r["saved_ms_per_step"])
+    assert rows["every 16"]["token_waste_frac"] < chosen["token_waste_frac"] < rows["single"]["token_waste_frac"]
+
+
+def test_cli_bench_sweep_writes_rows_and_plots(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps({"model": "random", "dtype": "f32", "random_model": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512},
+        "engine": {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64, "min_prefill_chunk": 16,
+                   "num_blocks": 64}}))
+    out = tmp_path / "sweep_test.json"
+    assert cli_main(["bench", "sweep", "--config", str(config), "--token-buckets", "16", "--seq-buckets", "8",
+                     "--contexts", "24", "--kinds", "mixed", "--warmup", "0", "--repeats", "1", "--num-steps", "300",
+                     "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["bench"] for r in rows} == {"sweep", "ladder"}
+    for r in rows:
+        assert {"bench", "impl", "params", "ms", "tok_s", "device", "jax", "commit", "command"} <= set(r)
+    assert ROW_FIELDS <= set(next(r for r in rows if r["bench"] == "sweep"))
+    for name in ("tok_s", "roofline_frac", "compile_s", "ladder"):
+        assert (tmp_path / f"sweep_test_{name}.png").read_bytes()[:4] == b"\x89PNG"
