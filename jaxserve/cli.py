@@ -5,7 +5,10 @@ import argparse
 import json
 import sys
 
+from benchmarks import cli as bench_cli
 from jaxserve.models.errors import ModelLoadError
+from jaxserve.serve import client as serve_client
+from jaxserve.serve import server as serve_server
 from jaxserve.models.loader import DEFAULT_MODEL
 
 
@@ -94,12 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst")
     conv.add_argument("--dtype", choices=["f32", "bf16"], default=None)
     conv.set_defaults(func=cmd_convert)
-    for name, module in (("serve", "jaxserve.serve.server"), ("client", "jaxserve.serve.client"),
-                         ("bench", "benchmarks.cli")):
-        try:
-            __import__(module, fromlist=["add_parser"]).add_parser(sub)
-        except ImportError:
-            continue
+    serve_server.add_parser(sub)
+    serve_client.add_parser(sub)
+    bench_cli.add_parser(sub)
     return parser
 
 

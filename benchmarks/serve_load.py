@@ -1,0 +1,329 @@
+"""Online serving load through the gRPC server, like `vllm bench serve`: requests arrive as a Poisson process
+(--request-rate, `inf`: all at once) under a cap on requests in flight (--max-concurrency); each point of the
+sweep (rate x concurrency) reports throughput and TTFT / TPOT / ITL / end-to-end latency p50 / p99.
+
+Datasets are built and iterated with grain: `random` (uniform lengths around --input-len / --output-len),
+`prefix` (one --prefix-len shared prefix + a random --input-len suffix: the prefix cache at work) or
+`sharegpt` (a ShareGPT-format JSON file: first human turn as prompt, the reply's token count as output length).
+Outputs are greedy with EOS ignored so that every request generates exactly its output length.
+
+The script starts `jaxserve serve` itself (--config / --model / --server-args pass through; its engine
+precompiles before the ready line) and stops it with SIGTERM, unless --target names a running server.
+
+  python benchmarks/serve_load.py --num-prompts 64 --input-len 128 --output-len 32 --max-concurrency 1 4 8 \
+      --server-args "--max-num-seqs 16 --max-model-len 1024 --num-blocks 512"                  # CPU, SmolLM2
+  python benchmarks/serve_load.py --config configs/llama3-8b-random.yaml --num-prompts 512 --input-len 512 \
+      --output-len 128 --max-concurrency 256 --request-rate 4 16 inf                          # one H100
+
+Per request: TTFT = first token - send; TPOT = (last - first token) / (output tokens - 1); ITL = gap between
+consecutive messages, split evenly over the tokens a message carries. Rows: benchmarks/results/serve_<backend>.json
+(`ms` = wall time of the point, `tok_s` = output tokens / wall) and a PNG beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import pathlib
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+SERVER_ENV = dict(os.environ)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # this process must not claim the server's GPU
+
+import grain  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import write_rows  # noqa: E402
+from jaxserve.client import Client  # noqa: E402
+from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
+
+READY_TIMEOUT_S = 3600            # an 8B model loads and precompiles its buckets before the ready line
+MIN_SHAREGPT_PROMPT_TOKENS = 4
+MIN_OUTPUT_TOKENS = 2             # TPOT needs two tokens
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+# ---- datasets (grain) ---------------------------------------------------------------------------------
+def spread(rng: np.random.Generator, length: int, ratio: float, low: int) -> int:
+    return int(rng.integers(max(low, int(length * (1 - ratio))), max(low, int(length * (1 + ratio))) + 1))
+
+
+def random_dataset(args, vocab: int) -> grain.MapDataset:
+    def make(i, rng):
+        n = spread(rng, args.input_len, args.range_ratio, 1)
+        return BenchRequest(rng.integers(0, vocab, n).tolist(), n,
+                            spread(rng, args.output_len, args.range_ratio, MIN_OUTPUT_TOKENS))
+    return grain.MapDataset.range(args.num_prompts).seed(args.seed).random_map(make)
+
+
+def prefix_dataset(args, vocab: int) -> grain.MapDataset:
+    prefix = np.random.default_rng(args.seed).integers(0, vocab, args.prefix_len).tolist()
+
+    def make(i, rng):
+        suffix = rng.integers(0, vocab, args.input_len).tolist()
+        return BenchRequest(prefix + suffix, args.prefix_len + args.input_len, args.output_len)
+    return grain.MapDataset.range(args.num_prompts).seed(args.seed + 1).random_map(make)
+
+
+def first_exchange(conversation: dict) -> tuple[str, str] | None:
+    turns = conversation.get("conversations") or []
+    if len(turns) < 2 or turns[0].get("from") != "human":
+        return None
+    return turns[0]["value"], turns[1]["value"]
+
+
+async def sharegpt_requests(args, client: Client, max_model_len: int) -> list[BenchRequest]:
+    """Shuffled first exchanges whose prompt and reply fit; token counts come from the server's tokenizer."""
+    data = json.loads(pathlib.Path(args.dataset_path).read_text())
+    pairs = grain.MapDataset.source(data).shuffle(seed=args.seed).map(first_exchange).filter(lambda p: p is not None)
+    out = []
+    for prompt, reply in pairs:
+        n_in, n_out = len(await client.tokenize(prompt)), len(await client.tokenize(reply))
+        if n_in >= MIN_SHAREGPT_PROMPT_TOKENS and n_out >= MIN_OUTPUT_TOKENS and n_in + n_out < max_model_len:
+            out.append(BenchRequest(prompt, n_in, n_out))
+        if len(out) == args.num_prompts:
+            return out
+    raise ValueError(f"dataset_path: only {len(out)} usable conversations, --num-prompts is {args.num_prompts}")
+
+
+async def build_requests(args, client: Client) -> list[BenchRequest]:
+    info = await client.model_info()
+    if args.dataset == "sharegpt":
+        if not info.has_tokenizer:
+            raise ValueError("dataset: sharegpt needs a model with a tokenizer")
+        return await sharegpt_requests(args, client, info.max_model_len)
+    make = random_dataset if args.dataset == "random" else prefix_dataset
+    requests = list(make(args, info.vocab_size))
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    if longest >= info.max_model_len:
+        raise ValueError(f"input_len/output_len: requests up to {longest} tokens exceed max_model_len="
+                         f"{info.max_model_len}")
+    return requests
+
+
+# ---- load ---------------------------------------------------------------------------------------------
+async def send(client: Client, req: BenchRequest, limit: asyncio.Semaphore) -> RequestResult:
+    params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+    async with limit:
+        start = last = time.perf_counter()
+        result = RequestResult(ok=True)
+        try:
+            async for response in client.generate(req.prompt, params):
+                now, new = time.perf_counter(), sum(len(c.token_ids) for c in response.outputs)
+                if new and not result.output_tokens:
+                    result.ttft = now - start
+                elif new:
+                    result.itl += [(now - last) / new] * new
+                result.output_tokens += new
+                last = now if new else last
+        except Exception as e:  # a failed request is counted, not fatal
+            return RequestResult(ok=False, error=f"{type(e).__name__}: {e}")
+        result.e2e = last - start
+        return result
+
+
+async def run_point(client: Client, requests: list[BenchRequest], rate: float, concurrency: int, seed: int):
+    """Send every request (Poisson arrivals at `rate`, at most `concurrency` in flight); wall seconds, results."""
+    gaps = np.random.default_rng(seed).exponential(1 / rate, len(requests)) if math.isfinite(rate) else \
+        np.zeros(len(requests))
+    limit = asyncio.Semaphore(concurrency)
+    start, tasks = time.perf_counter(), []
+    for req, gap in zip(requests, gaps):
+        tasks.append(asyncio.create_task(send(client, req, limit)))
+        await asyncio.sleep(gap)
+    results = await asyncio.gather(*tasks)
+    return time.perf_counter() - start, results
+
+
+def percentiles(name: str, values_s: list[float]) -> dict:
+    ms = np.asarray(values_s) * 1e3 if values_s else np.full(1, np.nan)
+    return {f"{name}_mean_ms": float(ms.mean()), f"{name}_p50_ms": float(np.median(ms)),
+            f"{name}_p99_ms": float(np.quantile(ms, 0.99))}
+
+
+def summarize(params: dict, wall: float, results: list[RequestResult], requests: list[BenchRequest],
+              before, after) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(q.prompt_len for q, r in zip(requests, results) if r.ok)
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    return {"bench": "serve", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": out_tokens / wall,
+            "req_s": len(ok) / wall, "total_tok_s": (in_tokens + out_tokens) / wall, "completed": len(ok),
+            "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
+            "output_tokens": out_tokens, "prompt_tokens": in_tokens,
+            **percentiles("ttft", [r.ttft for r in ok]),
+            **percentiles("tpot", [r.tpot for r in ok if r.output_tokens > 1]),
+            **percentiles("itl", [x for r in ok for x in r.itl]), **percentiles("e2e", [r.e2e for r in ok]),
+            "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
+            "preemptions": after.preemptions - before.preemptions}
+
+
+async def sweep(args, target: str) -> tuple[list[dict], str]:
+    async with Client(target) as client:
+        requests = await build_requests(args, client)
+        info = await client.model_info()
+        model = pathlib.Path(args.config).stem if args.config else info.model
+        if args.warmup_prompts:   # first transfers, allocator, any bucket the server compiles lazily
+            await run_point(client, requests[:args.warmup_prompts], math.inf, max(args.max_concurrency), args.seed)
+        rows = []
+        for rate in args.request_rate:
+            for concurrency in args.max_concurrency:
+                before = await client.server_stats()
+                wall, results = await run_point(client, requests, rate, concurrency, args.seed)
+                params = {"dataset": args.dataset, "num_prompts": len(requests), "input_len": args.input_len,
+                          "output_len": args.output_len, "prefix_len": args.prefix_len if args.dataset == "prefix"
+                          else 0, "request_rate": rate if math.isfinite(rate) else "inf",
+                          "max_concurrency": concurrency, "model": model}
+                rows.append(summarize(params, wall, results, requests, before, await client.server_stats()))
+                print_row(rows[-1])
+        return rows, info.device
+
+
+def print_row(row: dict) -> None:
+    p = row["params"]
+    print(f"rate {p['request_rate']:>4} conc {p['max_concurrency']:>4}: {row['tok_s']:8.1f} out tok/s "
+          f"{row['req_s']:6.2f} req/s | TTFT p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms | "
+          f"TPOT p50 {row['tpot_p50_ms']:7.1f} p99 {row['tpot_p99_ms']:7.1f} ms | ITL p50 {row['itl_p50_ms']:7.1f} "
+          f"p99 {row['itl_p99_ms']:7.1f} ms | failed {row['failed']}", flush=True)
+
+
+# ---- the server ---------------------------------------------------------------------------------------
+def start_server(args, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics",
+           "--max-waiting", str(max(512, args.num_prompts)), *shlex.split(args.server_args)]
+    cmd += ["--config", args.config] if args.config else []
+    cmd += ["--model", args.model] if args.model else []
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=SERVER_ENV)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not (match := re.search(r"ready grpc=(\S+)", log.read_text())):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"jaxserve serve did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return proc, match.group(1)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+# ---- results ------------------------------------------------------------------------------------------
+def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"rate {r['params']['request_rate']}\nconc {r['params']['max_concurrency']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, (ax_tok, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_tok.bar(x, [r["tok_s"] for r in rows], color="tab:blue")
+    ax_tok.set(title="output throughput", ylabel="tok/s", xticks=x, xticklabels=labels)
+    for i, (metric, color) in enumerate((("ttft", "tab:orange"), ("tpot", "tab:green"), ("itl", "tab:red"))):
+        for q, alpha in (("p50", 1.0), ("p99", 0.45)):
+            ax_lat.bar(x + (i - 1) * 0.27, [r[f"{metric}_{q}_ms"] for r in rows], 0.25, color=color, alpha=alpha,
+                       label=f"{metric.upper()} {q}", zorder=3 if q == "p50" else 2)
+    ax_lat.set(title="latency (p50 solid, p99 light)", ylabel="ms", xticks=x, xticklabels=labels, yscale="log")
+    ax_lat.legend(fontsize=8, ncol=3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="host:port of a running server (default: start one)")
+    p.add_argument("--config", default=None, help="YAML run config for the server it starts")
+    p.add_argument("--model", default=None, help="model for the server it starts")
+    p.add_argument("--server-args", default="", help="extra `jaxserve serve` flags, one string")
+    p.add_argument("--dataset", choices=["random", "prefix", "sharegpt"], default="random")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--range-ratio", type=float, default=0.25, help="random: lengths uniform in len * (1 -/+ r)")
+    p.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], help="requests/s; inf: all at once")
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=[8])
+    p.add_argument("--warmup-prompts", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/serve_<backend>.json)")
+
+
+def check_args(args) -> None:
+    if args.dataset == "sharegpt" and not args.dataset_path:
+        raise ValueError("dataset_path: --dataset sharegpt needs --dataset-path")
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be >= 1")
+    if min(args.max_concurrency) < 1 or min(args.request_rate) <= 0:
+        raise ValueError("max_concurrency must be >= 1 and request_rate > 0")
+
+
+def cmd_serve_load(args, command: str) -> None:
+    check_args(args)
+    proc = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.target is None:
+            proc, target = start_server(args, pathlib.Path(tmp) / "server.log")
+        try:
+            rows, device = asyncio.run(sweep(args, args.target or target))
+        finally:
+            if proc is not None:
+                stop_server(proc)
+    # Only now touch this process's device: on a GPU machine the server had it to itself.
+    out = pathlib.Path(args.out or ROOT / f"benchmarks/results/serve_{jax.default_backend()}.json")
+    write_rows(out, rows, command)
+    p = rows[0]["params"]
+    plot(rows, out.with_suffix(".png"), f"jaxserve serve: {p['model']} on {device}, {p['dataset']} prompts, "
+         f"{p['num_prompts']} requests x {p['input_len']} in / {p['output_len']} out (greedy)")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    args = ap.parse_args(argv)
+    command = "python benchmarks/serve_load.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    try:
+        cmd_serve_load(args, command)
+    except ValueError as e:
+        sys.exit(f"serve_load: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

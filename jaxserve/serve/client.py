@@ -1,0 +1,122 @@
+"""The Python client of `jaxserve serve` (asyncio) and the `jaxserve client` command.
+
+    async with Client("127.0.0.1:50051") as client:
+        async for response in client.generate("Once upon a time", SamplingParams(max_tokens=32)):
+            print(response.outputs[0].text, end="")
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.serve import jaxserve_pb2 as pb
+from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+
+
+def sampling_options(params: SamplingParams) -> pb.SamplingOptions:
+    """Every field of params that is not None (the server rebuilds the same SamplingParams)."""
+    values = {f.name: getattr(params, f.name) for f in pb.SamplingOptions.DESCRIPTOR.fields}
+    return pb.SamplingOptions(**{k: v for k, v in values.items() if v is not None})
+
+
+def generate_request(prompt: str | list[int], params: SamplingParams | None, priority: int,
+                     cache_salt: str | None) -> pb.GenerateRequest:
+    text, ids = (prompt, []) if isinstance(prompt, str) else ("", list(prompt))
+    return pb.GenerateRequest(prompt=text, prompt_token_ids=ids, sampling=sampling_options(params or SamplingParams()),
+                              priority=priority, cache_salt=cache_salt)
+
+
+class Client:
+    """One channel to a server. Calls raise grpc.aio.AioRpcError (code() and details() say why)."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, root_certificates: bytes | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if root_certificates is None:
+            self.channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self.channel = grpc.aio.secure_channel(target, creds, options=options)
+        self.stub = pb_grpc.JaxServeStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None, timeout: float | None = None
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream text/token deltas; leaving the loop early cancels the request on the server."""
+        call = self.stub.Generate(generate_request(prompt, params, priority, cache_salt), timeout=timeout)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None, timeout: float | None = None) -> pb.GenerateResponse:
+        return await self.stub.Complete(generate_request(prompt, params, priority, cache_salt), timeout=timeout)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        response = await self.stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens))
+        return list(response.token_ids)
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self.stub.Detokenize(request)).text
+
+    async def model_info(self) -> pb.ModelInfoResponse:
+        return await self.stub.ModelInfo(pb.ModelInfoRequest())
+
+    async def server_stats(self) -> pb.ServerStatsResponse:
+        return await self.stub.ServerStats(pb.ServerStatsRequest())
+
+    async def health(self, service: str = "") -> str:
+        """"SERVING", "NOT_SERVING", ... of the server ("") or of one service (e.g. "jaxserve.v1.JaxServe")."""
+        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+async def stream_to_stdout(args) -> None:
+    from jaxserve.cli import sampling_params
+    root = open(args.tls_ca, "rb").read() if args.tls_ca else None
+    async with Client(f"{args.host}:{args.port}", root_certificates=root) as client:
+        async for response in client.generate(args.prompt, sampling_params(args), timeout=args.timeout):
+            for chunk in response.outputs:
+                print(chunk.text, end="", flush=True)
+    print(flush=True)
+
+
+def cmd_client(args) -> None:
+    try:
+        asyncio.run(stream_to_stdout(args))
+    except grpc.aio.AioRpcError as e:
+        raise SystemExit(f"jaxserve client: error: {e.code().name}: {e.details()}") from None
+
+
+def add_parser(sub) -> None:
+    from jaxserve.cli import add_sampling_args
+    p = sub.add_parser("client", help="stream a completion from a running `jaxserve serve`")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--tls-ca", default=None, help="PEM root certificate: connect with TLS")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_sampling_args(p)
+    p.add_argument("prompt", metavar="PROMPT")
+    p.set_defaults(func=cmd_client)

@@ -1,0 +1,110 @@
+"""Prometheus metrics of the gRPC server: per-request latency histograms observed by the handlers, and engine
+gauges read at scrape time from the engine loop's latest stats snapshot (so scraping never touches the engine)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# Bucket edges in seconds: TTFT spans queueing + prefill; per-token latencies span one engine step.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+# (metric name, help, key of the stats snapshot, is a counter)
+ENGINE_METRICS = (
+    ("jaxserve_num_requests_running", "Sequences in the running batch.", "running", False),
+    ("jaxserve_num_requests_waiting", "Sequences queued in the engine.", "waiting", False),
+    ("jaxserve_num_requests_pending", "Requests with no token yet (the backpressure count).", "pending", False),
+    ("jaxserve_kv_cache_usage", "Fraction of KV-cache blocks in use.", "kv_usage", False),
+    ("jaxserve_kv_blocks_used", "KV-cache blocks in use.", "kv_blocks_used", False),
+    ("jaxserve_kv_blocks_free", "KV-cache blocks free (cached prefixes included).", "kv_blocks_free", False),
+    ("jaxserve_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up.",
+     "prefix_cache_hit_rate", False),
+    ("jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries", True),
+    ("jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits", True),
+    ("jaxserve_preemptions", "Sequences preempted for lack of KV blocks.", "preemptions", True),
+    ("jaxserve_compiled_buckets", "Step graphs compiled so far.", "compiled_buckets", False),
+    ("jaxserve_engine_steps", "Engine steps run.", "engine_steps", True),
+    ("jaxserve_serving", "1 while the engine is healthy and the server accepts requests.", "serving", False),
+)
+
+
+class EngineStatsCollector:
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        stats = self.snapshot()
+        for name, doc, key, is_counter in ENGINE_METRICS:
+            family = CounterMetricFamily if is_counter else GaugeMetricFamily
+            yield family(name, doc, value=float(stats.get(key, 0)))
+
+
+class ServerMetrics:
+    """One registry per server (not the process-global one), so several servers can live in one process."""
+
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Request arrival to its first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("jaxserve_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (tokens - 1).", buckets=TOKEN_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("jaxserve_inter_token_latency_seconds", "Time between consecutive tokens.",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Request arrival to its last token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter("jaxserve_requests", "Requests by outcome.", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated.", registry=r)
+        r.register(EngineStatsCollector(snapshot))
+        self.http_server = None
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Expose /metrics over HTTP in a daemon thread; returns the bound port (port 0 picks a free one)."""
+        self.http_server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self.http_server.server_port
+
+    def shutdown(self) -> None:
+        if self.http_server is not None:
+            self.http_server.shutdown()
+            self.http_server.server_close()
+
+
+@dataclass(slots=True)
+class RequestTimer:
+    """Latency bookkeeping of one request, fed with its cumulative token count as outputs arrive."""
+    metrics: ServerMetrics
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    num_tokens: int = 0        # tokens of the longest output so far (n > 1 outputs advance together)
+
+    def observe(self, num_tokens: int) -> None:
+        new = num_tokens - self.num_tokens
+        if new <= 0:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            for _ in range(new):   # tokens coalesced into one message share the interval
+                self.metrics.itl.observe((now - self.last) / new)
+        self.last, self.num_tokens = now, num_tokens
+
+    def finish(self, outcome: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
+        m = self.metrics
+        m.requests.labels(outcome).inc()
+        m.generation_tokens.inc(generated_tokens)
+        if outcome != "finished":
+            return
+        m.prompt_tokens.inc(prompt_tokens)
+        m.e2e.observe(time.perf_counter() - self.start)
+        if self.num_tokens > 1:
+            m.tpot.observe((self.last - self.first) / (self.num_tokens - 1))

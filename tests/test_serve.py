@@ -1,0 +1,420 @@
+"""`jaxserve serve` end to end: one real server subprocess on loopback (embedded SmolLM2, small engine, lazy
+compile) driven through the Python client and the CLI; in-process servers over a fresh engine for TLS, the
+message-size limit and an injected engine failure. The SIGTERM test stops the shared server: it stays last."""
+import asyncio
+import contextlib
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
+from jaxserve.client import Client
+from jaxserve.serve import jaxserve_pb2 as pb
+from jaxserve.serve.server import SERVICE_NAME, ServeOptions, Server
+
+REPO = Path(__file__).resolve().parents[1]
+KNOBS = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=128, num_blocks=256)
+MAX_WAITING = 48
+GRACE_S = 20
+READY_TIMEOUT_S = 300
+IDLE_TIMEOUT_S = 60
+SHARED = "You are a helpful assistant. Answer in one short sentence, and be precise. "   # > 1 KV block
+PROMPTS = [(SHARED if i % 2 else "") + f"Question {i}: what is {i} plus {i * 7 % 13}, and why?" for i in range(32)]
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=10) for i in range(32)]
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)   # never finishes during a test
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    log: Path
+    target: str = ""
+    metrics_url: str = ""
+
+    def wait_ready(self) -> str:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.target:
+            match = re.search(r"ready grpc=(\S+) metrics=(\S+)", self.log.read_text())
+            if match:
+                self.target, self.metrics_url = match.groups()
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server did not start:\n{self.log.read_text()[-3000:]}")
+            else:
+                time.sleep(0.2)
+        return self.target
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    flags = [a for k, v in KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--metrics-port", "0", "--no-precompile",
+           "--max-waiting", str(MAX_WAITING), "--grace-period", str(GRACE_S), *flags]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    yield ServerProcess(proc, log)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(GRACE_S + 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def offline(server, smollm):
+    """The offline API over the same model and knobs (built while the server subprocess starts)."""
+    return LLM(smollm, precompile=False, **KNOBS)
+
+
+@pytest.fixture(scope="module")
+def reference(offline):
+    return offline.generate(PROMPTS, SAMPLED, use_tqdm=False)
+
+
+def run(scenario, target: str):
+    async def main():
+        async with Client(target) as client:
+            return await scenario(client)
+    return asyncio.run(main())
+
+
+@dataclass
+class Collected:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    messages: list = field(default_factory=list)
+
+
+async def collect(responses, stop_after: int | None = None) -> Collected:
+    """Concatenate the deltas of output 0; stop_after: leave (cancelling the call) after that many messages."""
+    got = Collected()
+    async with contextlib.aclosing(responses) as stream:
+        async for r in stream:
+            got.messages.append(r)
+            for chunk in r.outputs:
+                got.text += chunk.text
+                got.token_ids += chunk.token_ids
+                got.finish_reason = chunk.finish_reason or got.finish_reason
+            if len(got.messages) == stop_after:
+                break
+    return got
+
+
+async def wait_idle(client: Client) -> pb.ServerStatsResponse:
+    """Stats once nothing runs, waits or holds KV blocks (or the last seen, after IDLE_TIMEOUT_S)."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while True:
+        s = await client.server_stats()
+        if not (s.running or s.waiting or s.pending or s.kv_blocks_used) or time.monotonic() > deadline:
+            return s
+        await asyncio.sleep(0.1)
+
+
+def assert_no_leak(stats: pb.ServerStatsResponse) -> None:
+    assert (stats.running, stats.waiting, stats.pending) == (0, 0, 0)
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == stats.kv_blocks_total > 0
+
+
+def test_concurrent_streams_match_offline_while_others_cancel(server, reference):
+    rng = random.Random(0)
+    cancel_after = [rng.randint(1, 4) for _ in range(8)]
+
+    async def scenario(c: Client):
+        full = [collect(c.generate(p, s)) for p, s in zip(PROMPTS, SAMPLED)]
+        cut = [collect(c.generate(f"Tell a long story number {i}.", LONG), n) for i, n in enumerate(cancel_after)]
+        mixed = full + cut
+        order = rng.sample(range(len(mixed)), len(mixed))    # interleave the cancelled calls with the rest
+        results = dict(zip(order, await asyncio.gather(*(mixed[i] for i in order))))
+        return [results[i] for i in range(len(mixed))], await wait_idle(c)
+
+    results, stats = run(scenario, server.wait_ready())
+    for got, want in zip(results, reference):
+        c = want.outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (c.text, c.token_ids, c.finish_reason)
+        last = got.messages[-1]
+        assert last.finished and last.usage.completion_tokens == len(c.token_ids)
+        assert last.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert max(len(g.messages) for g in results[:32]) > 1                  # streamed, not sent in one piece
+    for got, n in zip(results[32:], cancel_after):
+        assert len(got.messages) == n and not got.messages[-1].finished
+    assert_no_leak(stats)
+
+
+def test_complete_matches_stream_and_offline_logprobs(server, offline):
+    prompt, params = PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+
+    async def scenario(c: Client):
+        return await c.complete(prompt, params), await collect(c.generate(prompt, params))
+
+    full, streamed = run(scenario, server.wait_ready())
+    want = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    out = full.outputs[0]
+    assert full.finished and (out.text, list(out.token_ids), out.finish_reason) == (want.text, want.token_ids, "length")
+    assert (streamed.text, streamed.token_ids) == (want.text, want.token_ids)
+    assert [lp.token_id for lp in out.logprobs] == want.token_ids
+    for lp, expected in zip(out.logprobs, want.logprobs):
+        assert {t.token_id: t.logprob for t in lp.top} == pytest.approx(expected, abs=1e-4)
+        assert lp.top[0].token_id == lp.token_id and lp.logprob == max(t.logprob for t in lp.top) <= 0  # greedy
+
+
+def test_n_outputs_stream_per_index_with_stop_strings(server, offline):
+    prompt, params = PROMPTS[5], SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, stop=["."])
+
+    async def scenario(c: Client):
+        streamed: dict[int, list] = {}
+        async for r in c.generate(prompt, params):
+            for chunk in r.outputs:
+                text, ids, _ = streamed.get(chunk.index, ("", [], ""))
+                streamed[chunk.index] = (text + chunk.text, ids + list(chunk.token_ids), chunk.finish_reason)
+        return streamed, await c.complete(prompt, params)
+
+    streamed, full = run(scenario, server.wait_ready())
+    want = {c.index: c for c in offline.generate([prompt], params, use_tqdm=False)[0].outputs}
+    assert sorted(streamed) == sorted(o.index for o in full.outputs) == sorted(want) == [0, 1, 2]
+    for out in full.outputs:
+        w = want[out.index]
+        assert streamed[out.index] == (w.text, w.token_ids, w.finish_reason)
+        assert (out.text, list(out.token_ids), out.finish_reason) == (w.text, w.token_ids, w.finish_reason)
+        assert (out.stop_str if out.WhichOneof("stop_reason") == "stop_str" else None) == \
+               (w.stop_reason if isinstance(w.stop_reason, str) else None)
+
+
+def test_tokenize_detokenize_and_model_info(server, smollm):
+    text = "Hello world, this is jaxserve."
+
+    async def scenario(c: Client):
+        ids = await c.tokenize(text)
+        return ids, await c.detokenize(ids), await c.tokenize(text, add_special_tokens=True), await c.model_info()
+
+    ids, back, _, info = run(scenario, server.wait_ready())
+    assert ids == smollm.tokenizer(text, add_special_tokens=False)["input_ids"] and back == text
+    cfg = smollm.config
+    assert (info.vocab_size, info.num_layers, info.num_kv_heads, info.head_dim) == \
+           (cfg.vocab_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    assert (info.max_model_len, info.max_num_seqs, info.has_tokenizer) == (512, 16, True)
+
+
+BAD_INPUTS = {
+    "temperature": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(temperature=-1)), "temperature"),
+    "top_p": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(top_p=0)), "top_p"),
+    "n": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(n=0)), "n must"),
+    "n>max_num_seqs": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(n=17)), "n=17"),
+    "max_tokens": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(max_tokens=0)), "max_tokens"),
+    "min_tokens": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(min_tokens=5, max_tokens=2)),
+                   "min_tokens"),
+    "logprobs": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(logprobs=21)), "logprobs"),
+    "stop_token_ids": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(stop_token_ids=[-1])),
+                       "stop_token_ids"),
+    "prompt-empty": (pb.GenerateRequest(prompt=""), "prompt is empty"),
+    "prompt-both": (pb.GenerateRequest(prompt="Hi", prompt_token_ids=[1]), "prompt and prompt_token_ids"),
+    "prompt-vocab": (pb.GenerateRequest(prompt_token_ids=[1, 2**40]), "prompt token ids"),
+    "prompt-too-long": (pb.GenerateRequest(prompt_token_ids=[1] * 600), "max_model_len"),
+}
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "Complete"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_invalid_argument_naming_the_field(server, case, rpc):
+    request, field_name = BAD_INPUTS[case]
+
+    async def scenario(c: Client):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            call = getattr(c.stub, rpc)(request)
+            await call if rpc == "Complete" else [r async for r in call]
+        return err.value, await c.health(), await c.health(SERVICE_NAME), await c.server_stats()
+
+    err, health, service_health, stats = run(scenario, server.wait_ready())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field_name in err.details()
+    assert (health, service_health, stats.serving) == ("SERVING", "SERVING", True)
+
+
+def test_detokenize_rejects_ids_outside_the_vocabulary(server, smollm):
+    async def scenario(c: Client):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.detokenize([5, smollm.config.vocab_size])
+        return err.value, await c.health()
+
+    err, health = run(scenario, server.wait_ready())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in err.details()
+    assert health == "SERVING"
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_cancel_or_deadline_aborts_the_request_and_frees_its_blocks(server, how):
+    async def scenario(c: Client):
+        before = await wait_idle(c)
+        if how == "cancel":
+            got = await collect(c.generate("Count to a thousand:", LONG), stop_after=3)
+            assert len(got.token_ids) >= 3 and not got.messages[-1].finished
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(c.generate("Count to a thousand:", LONG, timeout=3.0))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return before, await wait_idle(c)
+
+    before, after = run(scenario, server.wait_ready())
+    assert_no_leak(after)
+    assert after.engine_steps - before.engine_steps < LONG.max_tokens // 2   # aborted, not run to max_tokens
+
+
+def test_resource_exhausted_past_max_waiting(server):
+    short = SamplingParams(temperature=0.0, max_tokens=2)
+
+    async def scenario(c: Client):
+        async def seat(i):   # a long stream holding one of the max_num_seqs running seats until cancelled
+            stream = c.generate(f"Story {i}:", LONG)
+            await anext(stream)
+            return stream
+        seats = await asyncio.gather(*(seat(i) for i in range(KNOBS["max_num_seqs"])))
+        queued = [asyncio.ensure_future(c.complete(f"Queued {i}:", short)) for i in range(MAX_WAITING)]
+        while (await c.server_stats()).pending < MAX_WAITING:
+            await asyncio.sleep(0.05)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.complete("One too many", short)
+        for stream in seats:
+            await stream.aclose()
+        done = await asyncio.gather(*queued)
+        return err.value, done, await wait_idle(c), await c.health()
+
+    err, done, stats, health = run(scenario, server.wait_ready())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting" in err.details()
+    assert all(r.finished and len(r.outputs[0].token_ids) == 2 for r in done)   # the queued ones still ran
+    assert_no_leak(stats)
+    assert health == "SERVING"
+
+
+def test_prometheus_metrics(server):
+    async def scenario(c: Client):
+        await c.complete("Metrics, please:", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        return await c.server_stats()
+
+    stats = run(scenario, server.wait_ready())
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]  # noqa: E731
+    for histogram in ("time_to_first_token", "time_per_output_token", "inter_token_latency"):
+        assert value(f"jaxserve_{histogram}_seconds_count") >= 1
+    assert value("jaxserve_requests_total", outcome="finished") >= 1
+    assert value("jaxserve_compiled_buckets") >= 1
+    assert value("jaxserve_kv_blocks_free") == stats.kv_blocks_free
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_hit_rate",
+                  "preemptions_total", "serving"):
+        assert f"jaxserve_{gauge}" in {name for name, _ in samples}
+
+
+def test_reflection_lists_the_services(server):
+    with grpc.insecure_channel(server.wait_ready()) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+
+
+def test_cli_client_streams_the_offline_text(server, reference):
+    host, port = server.wait_ready().rsplit(":", 1)
+    s = SAMPLED[0]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "client", "--host", host, "--port", port, "--max-tokens",
+           str(s.max_tokens), "--temperature", str(s.temperature), "--top-p", str(s.top_p), "--seed", str(s.seed),
+           PROMPTS[0]]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == reference[0].outputs[0].text + "\n"
+
+
+# ---- in-process servers over a fresh engine (no compile needed: nothing here runs a step) ----------------
+@contextlib.asynccontextmanager
+async def in_process(smollm, **opts):
+    server = Server(LLMEngine(smollm, EngineConfig(precompile=False, **KNOBS)),
+                    ServeOptions(port=0, metrics_port=None, grace_period_s=1.0, **opts), "smollm2")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_and_message_size_limit(smollm, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=jaxserve",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+
+    async def scenario():
+        async with in_process(smollm, tls_cert=str(cert), tls_key=str(key), max_message_bytes=4096) as server:
+            target = f"127.0.0.1:{server.port}"
+            async with Client(target, root_certificates=cert.read_bytes()) as c:
+                ids = await c.tokenize("Hello over TLS")
+                with pytest.raises(grpc.aio.AioRpcError) as too_big:
+                    await c.tokenize("word " * 2000)
+            async with Client(target) as plain:
+                with pytest.raises(grpc.aio.AioRpcError) as no_tls:
+                    await asyncio.wait_for(plain.model_info(), 10)
+            return ids, too_big.value, no_tls.value
+
+    ids, too_big, no_tls = asyncio.run(scenario())
+    assert ids == smollm.tokenizer("Hello over TLS", add_special_tokens=False)["input_ids"]
+    assert too_big.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert no_tls.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_engine_failure_is_unavailable_and_not_serving(smollm):
+    async def scenario():
+        async with in_process(smollm) as server:
+            def broken_step():
+                raise RuntimeError("injected device failure")
+            server.engine_loop.engine.step = broken_step
+            async with Client(f"127.0.0.1:{server.port}") as c:
+                healthy = await c.health()
+                errors = []
+                for call in (c.complete("Hello", SamplingParams(max_tokens=4)),   # hits the failing step
+                             collect(c.generate("Hello again")), c.tokenize("Hi")):   # after it
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await asyncio.wait_for(call, 30)
+                    errors.append(err.value)
+                return healthy, errors, await c.health(), await c.health(SERVICE_NAME), await c.server_stats()
+
+    healthy, errors, health, service_health, stats = asyncio.run(scenario())
+    assert healthy == "SERVING"
+    assert all(e.code() == grpc.StatusCode.UNAVAILABLE and "injected device failure" in e.details() for e in errors)
+    assert (health, service_health, stats.serving) == ("NOT_SERVING", "NOT_SERVING", False)
+
+
+# ---- last: stops the shared server ---------------------------------------------------------------------
+def test_sigterm_drains_the_in_flight_stream_and_exits_zero(server):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def scenario(c: Client):
+        watch = c.health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        statuses = [(await watch.read()).status]
+        stream = c.generate(PROMPTS[1], params)
+        first = await anext(stream)
+        server.proc.send_signal(signal.SIGTERM)
+        statuses.append((await watch.read()).status)
+        watch.cancel()
+        rest = await collect(stream)
+        return statuses, first, rest
+
+    statuses, first, rest = run(scenario, server.wait_ready())
+    assert statuses == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert rest.messages[-1].finished and rest.finish_reason == "length"
+    assert sum(len(c.token_ids) for c in first.outputs) + len(rest.token_ids) == params.max_tokens
+    assert server.proc.wait(timeout=GRACE_S + 10) == 0
+    assert "jaxserve serve: stopped" in server.log.read_text()
