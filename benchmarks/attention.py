@@ -19,7 +19,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import commit  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference  # noqa: E402
 
@@ -130,7 +130,7 @@ class Recorder:
 
     def __init__(self, path: str):
         self.path, self.rows, self.copy_gbps = path, [], None
-        self.common = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": git_commit(),
+        self.common = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": commit(),
                        "command": " ".join(["python"] + sys.argv)}
 
     def add(self, bench, impl, params, ms=None, batch: Batch | None = None, error=None, **extra):
@@ -159,14 +159,6 @@ class Recorder:
             return
         mismatch = None if error <= ERR_LIMIT else f"output mismatch: max_rel_err {error:.3g}"
         self.add(bench, impl, {**params, **rotation_info}, ms, batch, error=mismatch, max_rel_err=error)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
 
 
 def measure_copy(rec: Recorder):

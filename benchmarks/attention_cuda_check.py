@@ -8,7 +8,6 @@ num_splits sweep. Rows go to $OUT/attention_cuda.json (or --out).
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import custom_calls as cc  # noqa: E402
+from benchmarks.common import commit  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 BATCHES, CONTEXTS = (8, 64, 256), (512, 4096, 16384)
@@ -31,14 +31,6 @@ MAX_CALLS = 100          # calls unrolled into one jitted function (no loop over
 REPEATS = 7
 TOLERANCE = 2e-2         # bf16, relative L2 error against the f32 reference
 COPY_ELEMS = 1 << 30     # 2 GiB of bf16 for the copy ceiling
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
 
 
 def median_seconds(fn, *args) -> float:

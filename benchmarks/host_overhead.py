@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.common import commit  # noqa: E402
 from jaxserve.cache.block_pool import extend_block_hashes  # noqa: E402
 from jaxserve.cache.block_table import BlockTable  # noqa: E402
 from jaxserve.cache import kv_cache  # noqa: E402
@@ -154,14 +154,6 @@ def device_name() -> str:
                "unknown")
     dev = jax.devices()[0]
     return f"cpu: {cpu}" if dev.platform == "cpu" else f"{dev.platform}: {dev.device_kind} (host cpu: {cpu})"
-
-
-def commit() -> str:
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = git("status", "--porcelain", "--", "jaxserve/cache", "benchmarks/host_overhead.py").stdout.strip()
-    return head.stdout.strip() if head.returncode == 0 and not dirty else "uncommitted"
 
 
 def row(impl, params, ms, **metric):

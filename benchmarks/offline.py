@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth_gbps, device_name, matmul_tflops, write_rows  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import copy_bandwidth_gbps, matmul_tflops, write_rows  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.config import EngineConfig, load_run_config, model_config_from_hf  # noqa: E402

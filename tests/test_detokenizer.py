@@ -78,7 +78,7 @@ def test_any_text_streams_back_exactly(gpt2_like, text, prompt):
 
 def test_leading_space_of_first_output_token_kept(sentencepiece_like):
     tok = sentencepiece_like
-    prompt, output = encode(tok, "Hi"), encode(tok, "Hi there world")[len(encode(tok, "Hi")):]
+    output = encode(tok, "Hi there world")[len(encode(tok, "Hi")):]
     assert tok.decode(output) == "there world"  # decoded alone, the first token loses its space
     detok, texts = stream(tok, "Hi", output)
     assert detok.finish() == " there world"

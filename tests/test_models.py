@@ -1,5 +1,4 @@
 """Oracle tests: every model family against HF transformers (PyTorch CPU, same weights, f32)."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

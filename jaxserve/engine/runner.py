@@ -4,7 +4,6 @@ attention) -> logits of each sequence's last token -> sampling — with the cach
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 
