@@ -109,7 +109,8 @@ def load_gguf(path: Path, dtype) -> LoadedModel:
     reader = gguf.open_gguf(path)
     cfg = gguf.gguf_config(reader, path)
     model = build_model(cfg, dtype, gguf.gguf_tensors(reader, cfg, path), path, total=len(reader.tensors))
-    return LoadedModel(cfg, model, gguf.gguf_tokenizer(reader, path), str(path))
+    has_vocab = "tokenizer.ggml.tokens" in reader.fields
+    return LoadedModel(cfg, model, gguf.gguf_tokenizer(reader, path) if has_vocab else None, str(path))
 
 
 def _safetensors(path: Path):
