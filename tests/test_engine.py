@@ -174,3 +174,16 @@ def test_step_donates_the_cache_and_penalty_state(tiny_llm):
     assert old_penalty.output_counts.is_deleted()
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_kv_sizing_reserves_the_profiled_activation_peak(tiny, monkeypatch):
+    from jaxserve.engine import runner as runner_module
+    seen = {}
+
+    def sized(bytes_per_block, *, activation_peak_bytes, fraction):
+        seen.update(peak=activation_peak_bytes, bytes_per_block=bytes_per_block)
+        return 64
+    monkeypatch.setattr(runner_module, "num_blocks_for_memory", sized)
+    llm = LLM(tiny[0], **{**BASE, "num_blocks": None})
+    assert llm.engine.runner.num_blocks == 64
+    assert seen["peak"] > 0 and seen["peak"] == llm.engine.runner.activation_bytes(np.float32)

@@ -82,11 +82,6 @@ class ModelRunner:
         self.token_buckets = cfg.token_buckets or pow2_ladder(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens)
         self.seq_buckets = cfg.seq_buckets or pow2_ladder(min(MIN_SEQ_BUCKET, cfg.max_num_seqs), cfg.max_num_seqs)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-        bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        self.num_blocks = cfg.num_blocks or num_blocks_for_memory(bytes_per_block, fraction=cfg.memory_fraction)
-        print(describe_kv_capacity(self.num_blocks, cfg.block_size, bytes_per_block), file=sys.stderr)
-        self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads,
-                                          mc.head_dim, dtype)
         self.penalty = init_penalty_state(cfg.max_num_seqs, mc.vocab_size)
         self.block_table = BlockTable(cfg.max_num_seqs, self.max_blocks_per_seq, cfg.block_size,
                                       self.token_buckets[-1])
@@ -94,7 +89,26 @@ class ModelRunner:
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
         self.decode_impl = choose_decode_impl(cfg.decode_attention, mc.head_dim)
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames="num_logprobs")
-        self.compiled_buckets: set[tuple[int, int, int]] = set()
+        self.compiled_buckets: set[tuple] = set()
+        bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        self.num_blocks = cfg.num_blocks or num_blocks_for_memory(
+            bytes_per_block, activation_peak_bytes=self.activation_bytes(dtype), fraction=cfg.memory_fraction)
+        print(describe_kv_capacity(self.num_blocks, cfg.block_size, bytes_per_block), file=sys.stderr)
+        self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads,
+                                          mc.head_dim, dtype)
+
+    def activation_bytes(self, dtype) -> int:
+        """XLA's temp memory for the largest bucket's step, compiled against a 2-block stand-in cache (temp
+        memory does not depend on the cache's size): reserved before the KV cache takes what is left."""
+        mc = self.model_config
+        block = jax.ShapeDtypeStruct((2, self.cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype)
+        inp = self._dummy_inputs(self.token_buckets[-1], self.seq_buckets[-1])
+        compiled = self._step.lower(self.params, [(block, block)] * mc.num_layers, self.penalty, inp,
+                                    num_logprobs=MAX_LOGPROBS).compile()
+        analysis = compiled.memory_analysis()
+        peak = analysis.temp_size_in_bytes if analysis is not None else 0
+        print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
+        return peak
 
     @property
     def num_graphs(self) -> int:
