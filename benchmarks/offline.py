@@ -23,16 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import copy_bandwidth_gbps, matmul_tflops, write_rows  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.config import EngineConfig, load_run_config, model_config_from_hf  # noqa: E402
-from jaxserve.models.loader import load_model, random_model  # noqa: E402
-
-
-def load(args):
-    run = load_run_config(args.config) if args.config else None
-    if run and run.model == "random":
-        cfg = model_config_from_hf(run.random_model)
-        return random_model(cfg, jnp.bfloat16 if run.dtype == "bf16" else jnp.float32), run.engine
-    return load_model(run.model if run else None, run.dtype if run else None), (run.engine if run else EngineConfig())
+from jaxserve.config import load_run_config, model_config_from_hf  # noqa: E402
+from jaxserve.models.loader import load_run  # noqa: E402
 
 
 def roofline_s(cfg, n, input_len, output_len, gbps, tflops, dtype_bytes):
@@ -119,7 +111,7 @@ def main(argv=None):
         print(json.dumps(run_transformers_cb(cfg, make_prompts(cfg, args), args.output_len)))
         return
     peer_result = run_peer_process(argv) if args.peer == "transformers-cb" else None
-    loaded, engine_cfg = load(args)
+    loaded, engine_cfg = load_run(None, args.config)
     cfg = loaded.config
     prompts = make_prompts(cfg, args)
     gbps, tflops = copy_bandwidth_gbps(), matmul_tflops()

@@ -31,13 +31,13 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.common import copy_bandwidth_gbps, matmul_tflops, time_ms, write_rows  # noqa: E402
-from benchmarks.offline import load  # noqa: E402
 from jaxserve.cache.kv_cache import kv_bytes_per_block, num_blocks_for_memory  # noqa: E402
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxserve.engine.runner import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepInputs, pow2_ladder  # noqa: E402
 from jaxserve.engine.sampler import make_sampling_tensors  # noqa: E402
 from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.models.loader import load_run  # noqa: E402
 from jaxserve.engine.scheduler import Scheduler  # noqa: E402
 from jaxserve.engine.sequence import Sequence, SequenceStatus  # noqa: E402
 from jaxserve.models.attention import AttentionBatch  # noqa: E402
@@ -397,7 +397,7 @@ def invocation(args) -> str:
 
 
 def cmd_sweep(args) -> None:
-    loaded, cfg = load(args)
+    loaded, cfg = load_run(None, args.config)
     rows = run_sweep(loaded, cfg, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets,
                      contexts=args.contexts, kinds=args.kinds, warmup=args.warmup, repeats=args.repeats, seed=args.seed)
     if not rows:

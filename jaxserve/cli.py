@@ -34,13 +34,10 @@ def sampling_params(args):
 
 
 def make_llm(args, **engine_kwargs):
-    from jaxserve.config import load_run_config
     from jaxserve.engine.llm import LLM
-    if args.config:
-        run = load_run_config(args.config)
-        return LLM(args.model if args.model != DEFAULT_MODEL else run.model, args.dtype or run.dtype,
-                   config=run.engine, **engine_kwargs)
-    return LLM(args.model, args.dtype, **engine_kwargs)
+    from jaxserve.models.loader import load_run
+    loaded, engine = load_run(args.model, args.config, args.dtype)
+    return LLM(loaded, config=engine, **engine_kwargs)
 
 
 def cmd_generate(args) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxserve.config import ModelConfig, model_config_from_hf
+from jaxserve.config import EngineConfig, ModelConfig, RunConfig, load_run_config, model_config_from_hf
 from jaxserve.models import gguf
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.llama import LlamaForCausalLM, abstract_model
@@ -155,6 +155,19 @@ def load_model(name_or_path: str | None = None, dtype=None) -> LoadedModel:
     if (path / "config.json").exists():
         return load_hf(path, dtype)
     raise ModelLoadError(path, f"directory has neither config.json (HF checkpoint) nor {CONVERTED_META} (orbax)")
+
+
+def load_run(model: str | None = None, config: str | None = None, dtype=None) -> tuple[LoadedModel, EngineConfig]:
+    """--model / --config / --dtype as every entry point reads them: the config's model unless --model names
+    another; `model: random` builds random weights of the config's `random_model` shapes (benchmarks)."""
+    run = load_run_config(config) if config else RunConfig()
+    name = run.model if config and model in (None, DEFAULT_MODEL) else model
+    dtype = dtype or run.dtype
+    if name != "random":
+        return load_model(name, dtype), run.engine
+    if not run.random_model:
+        raise ValueError("model: 'random' needs a config with a random_model section (see configs/)")
+    return random_model(model_config_from_hf(run.random_model), parse_dtype(dtype)), run.engine
 
 
 def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:

@@ -25,11 +25,11 @@ import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.config import EngineConfig, RunConfig, load_run_config, model_config_from_hf
+from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
-from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, parse_dtype, random_model
+from jaxserve.models.loader import LoadedModel, load_run
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serve.metrics import RequestTimer, ServerMetrics
@@ -454,19 +454,12 @@ class Server:
 def load_served_model(args) -> tuple[LoadedModel, EngineConfig, str]:
     """The model and engine config from --model / --config (whose `model: random` builds random weights)
     with the engine flags on top."""
-    run = load_run_config(args.config) if args.config else RunConfig()
-    name = run.model if args.config and args.model == DEFAULT_MODEL else args.model
-    dtype = args.dtype or run.dtype
-    if name == "random":
-        if not run.random_model:
-            raise ValueError("model: 'random' needs a --config with a random_model section")
-        loaded = random_model(model_config_from_hf(run.random_model), parse_dtype(dtype))
-    else:
-        loaded = load_model(name, dtype)
+    loaded, engine = load_run(args.model, args.config, args.dtype)
+    name = loaded.source if args.config else args.model
     knobs = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     if args.no_precompile:
         knobs["precompile"] = False
-    return loaded, replace(run.engine, **knobs), name
+    return loaded, replace(engine, **knobs), name
 
 
 def serve_options(args) -> ServeOptions:
