@@ -13,7 +13,7 @@ KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), each [num_block
 COPY_BUCKET_MIN = 16  # copy_blocks pads N to a power of two >= this: few compiled variants
 GPU_MEMORY_FRACTION = 0.9  # share of free device memory (after weights and activations) given to KV
 CPU_MEMORY_FRACTION = 0.25  # CPU has no allocator stats: a modest share of available host RAM...
-CPU_MAX_KV_BYTES = 8 << 30  # ...capped, as CPU serving is for small models and tests
+CPU_MAX_KV_BYTES = 1 << 30  # ...capped: CPU serving is for small models and tests (1 GiB: ~23K SmolLM2 f32 tokens)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
