@@ -126,7 +126,8 @@ def synthetic_inputs(runner: ModelRunner, case: SweepCase, rng: np.random.Genera
     sampling = make_sampling_tensors([SWEEP_SAMPLING] * n, list(range(n)), [0] * n, num_rows=s,
                                      eos_token_ids=runner.eos_token_ids)
     attn = AttentionBatch(slot_mapping, cu, kv_lens, tables, np.array([n], np.int32))
-    return StepInputs(token_ids, positions, attn, logits_indices, slot_ids, np.arange(s) < n, sampling)
+    return StepInputs(token_ids, positions, attn, logits_indices, slot_ids, np.arange(s) < n, sampling,
+                      np.full(len(token_ids), -1, np.int32))
 
 
 # ---- cost model and measurement ----------------------------------------------------------------------------
@@ -168,7 +169,8 @@ def sweep_runner(loaded, cfg: EngineConfig, cases: list[SweepCase]) -> ModelRunn
 def compile_step(runner: ModelRunner, inp: StepInputs):
     """AOT-compile the runner's jitted step for inp's bucket: (executable, seconds, temp bytes, code bytes)."""
     start = time.perf_counter()
-    compiled = runner._step.lower(runner.params, runner.kv_cache, runner.penalty, inp, num_logprobs=0).compile()
+    compiled = runner._step.lower(runner.params, runner.kv_cache, runner.penalty, runner.last_tokens, inp,
+                                  num_logprobs=0).compile()
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     return compiled, seconds, getattr(mem, "temp_size_in_bytes", 0), getattr(mem, "generated_code_size_in_bytes", 0)
@@ -177,7 +179,8 @@ def compile_step(runner: ModelRunner, inp: StepInputs):
 def time_step(runner: ModelRunner, compiled, inp: StepInputs, warmup: int, repeats: int) -> float:
     """Median ms of the compiled step, the donated cache and penalty state threaded through like the engine's."""
     def step():
-        runner.kv_cache, runner.penalty, out = compiled(runner.params, runner.kv_cache, runner.penalty, inp)
+        runner.kv_cache, runner.penalty, out, runner.last_tokens = compiled(
+            runner.params, runner.kv_cache, runner.penalty, runner.last_tokens, inp)
         return out
     return time_ms(step, warmup=warmup, repeats=repeats)
 

@@ -92,6 +92,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None   # None: powers of two from 16 to max_num_batched_tokens
     seq_buckets: tuple[int, ...] | None = None     # None: powers of two from 8 to max_num_seqs
     seed: int = 0
+    async_scheduling: bool = True          # launch step N+1 before step N's samples reach the host
     decode_attention: str = "auto"         # decode-only steps: "auto" (= the faster measured: ragged), "cuda", "ragged"
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     precompile: bool = True

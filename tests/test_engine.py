@@ -187,3 +187,35 @@ def test_kv_sizing_reserves_the_profiled_activation_peak(tiny, monkeypatch):
     llm = LLM(tiny[0], **{**BASE, "num_blocks": None})
     assert llm.engine.runner.num_blocks == 64
     assert seen["peak"] > 0 and seen["peak"] == llm.engine.runner.activation_bytes(np.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_sync_llm(tiny):
+    return LLM(tiny[0], **BASE, async_scheduling=False)
+
+
+def test_async_scheduling_gives_the_same_outputs_as_sync(tiny_llm, tiny_sync_llm, tiny_expected):
+    prompts, _ = tiny_expected
+    mixed = [SamplingParams(temperature=0.0, max_tokens=3 + i, ignore_eos=True) for i in range(4)] + \
+            [sampled(i) for i in range(4)]
+    sync = tiny_sync_llm.generate(prompts, mixed)
+    # a stop token that really occurs mid-stream: async must stop at the same place despite running ahead
+    stop = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[o.outputs[0].token_ids[2]])
+            for o in sync]
+    for params in (mixed, stop):
+        expected = tiny_sync_llm.generate(prompts, params)
+        got = tiny_llm.generate(prompts, params)
+        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got] == \
+               [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in expected]
+    stats = tiny_llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_async_step_hands_back_the_previous_steps_tokens(tiny_llm):
+    """Step N+1 is launched before step N's samples are read: outputs trail the launches by one step."""
+    engine = tiny_llm.engine
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert engine.step() == []
+    assert [len(o.outputs[0].token_ids) for o in engine.step()] == [1]
+    while engine.has_unfinished_requests():
+        engine.step()

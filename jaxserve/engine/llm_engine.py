@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 from jaxserve.cache.kv_cache_manager import KVCacheManager
 from jaxserve.config import EngineConfig
@@ -17,7 +18,8 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner, StepRow
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
-from jaxserve.engine.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from jaxserve.engine.sampler import SamplerOutput
+from jaxserve.engine.sequence import PENDING, CompletionOutput, RequestOutput, Sequence, SequenceStatus
 from jaxserve.models.loader import LoadedModel
 
 
@@ -33,6 +35,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
+
+
+@dataclass(slots=True)
+class Launched:
+    samples: list[tuple[int, Sequence, int]]   # (row, sequence, position its sampled token takes)
+    out: SamplerOutput                          # device arrays
 
 
 def stable_seed(*parts) -> int:
@@ -72,6 +80,7 @@ class LLMEngine:
         self.eos_ids = set(self.runner.eos_token_ids)
         self._seq_ids, self._request_ids = itertools.count(), itertools.count()
         self._seed_base = cfg.seed
+        self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
         if cfg.precompile:
             self.runner.precompile()
 
@@ -138,10 +147,20 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        inflight = self._inflight is not None and any(not seq.finished for _, seq, _ in self._inflight.samples)
+        return self.scheduler.has_work() or inflight
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launch step N+1, then finish step N while the device runs N+1 (async scheduling: the host work of
+        a step hides behind the device's); synchronous: launch and finish the same step."""
+        launched = self._launch()
+        if not self.cfg.async_scheduling:
+            return self._complete(launched)
+        done, self._inflight = self._inflight, launched
+        return self._complete(done)
+
+    def _launch(self) -> Launched | None:
         batch = self.scheduler.schedule()
         for seq in self.scheduler.take_preempted():
             self._release_slot(seq)
@@ -151,12 +170,20 @@ class LLMEngine:
         rows = [StepRow(s, s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
         rows += self._fork(batch, placed)
         if not rows:
-            return []
+            return None
         self.runner.update_block_table(self.kv.take_block_updates(), lambda i: self.seqs[i].slot)
         self.runner.copy_blocks(*self.kv.take_copies())
         self.runner.reset_slots(placed)
-        out = self.runner.execute(rows)
-        return self._postprocess(rows, out)
+        out = self.runner.launch(rows)
+        samples = []
+        for i, row in enumerate(rows):
+            seq = row.seq
+            seq.num_computed_tokens = row.start + row.count
+            if seq.num_computed_tokens >= seq.num_tokens:      # this row samples the sequence's next token
+                samples.append((i, seq, seq.num_tokens))
+                seq.token_ids.append(PENDING)
+                seq.pending_row = i
+        return Launched(samples, out)
 
     def _fork(self, batch: ScheduledBatch, placed: list[Sequence]) -> list[StepRow]:
         """Siblings of a request whose prompt completes this step share its blocks and sample its logits."""
@@ -185,29 +212,32 @@ class LLMEngine:
         self.scheduler.running.append(child)
         return child
 
-    def _postprocess(self, rows: list[StepRow], out) -> list[RequestOutput]:
+    def _complete(self, launched: Launched | None) -> list[RequestOutput]:
+        """Bring a step's samples to the host (the step's one device->host sync) and act on them."""
+        if launched is None:
+            return []
+        out = jax.tree.map(np.asarray, launched.out)
         touched: dict[str, Request] = {}
         now = time.monotonic()
-        for i, row in enumerate(rows):
-            seq = row.seq
-            seq.num_computed_tokens = row.start + row.count
-            if seq.num_computed_tokens < seq.num_tokens or seq.finished:
+        for i, seq, pos in launched.samples:
+            if seq.finished:
                 continue
             token = int(out.tokens[i])
-            seq.token_ids.append(token)
+            seq.token_ids[pos] = token
             seq.first_token_time = seq.first_token_time or now
             if seq.params.logprobs is not None:
                 top = {int(t): float(l) for t, l in zip(out.top_ids[i, :seq.params.logprobs],
                                                       out.top_logprobs[i, :seq.params.logprobs])}
                 seq.logprobs.append({token: float(out.logprob[i]), **top})
-            self._check_stop(seq, token)
+            self._check_stop(seq, token, pos + 1)
             touched[seq.request_id] = self.requests[seq.request_id]
         return [self._request_output(r) for r in touched.values()]
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        """Stop tokens end a sequence before detokenization (their text is never shown, as in vLLM)."""
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+    def _check_stop(self, seq: Sequence, token: int, length: int) -> None:
+        """Stop tokens end a sequence before detokenization (their text is never shown, as in vLLM).
+        length: tokens up to and including this one (later, still pending ones do not count)."""
+        p, num_out = seq.params, length - seq.num_prompt_tokens
+        if num_out >= p.min_tokens:
             if token in self.eos_ids and not p.ignore_eos:
                 return self._finish(seq, "stop")
             if token in p.stop_token_ids:
@@ -215,12 +245,12 @@ class LLMEngine:
         stop_str = seq.detokenizer.update([token]) if seq.detokenizer is not None else None
         if stop_str is not None:
             self._finish(seq, "stop", stop_str)
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
-                seq.num_tokens >= self.cfg.max_model_len:
+        elif (p.max_tokens is not None and num_out >= p.max_tokens) or length >= self.cfg.max_model_len:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        del seq.token_ids[seq.num_prompt_tokens + len(seq.confirmed_output_ids):]   # tokens computed past the end
         if seq.detokenizer is not None:
             seq.detokenizer.finish()
         self.scheduler.remove(seq)
@@ -245,8 +275,8 @@ class LLMEngine:
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = seq.detokenizer.text if seq.detokenizer is not None else ""
         logprobs = seq.logprobs if seq.params.logprobs is not None else None
-        cum = sum(lp[t] for lp, t in zip(seq.logprobs, seq.output_token_ids)) if logprobs else None
-        return CompletionOutput(seq.index, text, list(seq.output_token_ids), cum, logprobs,
+        cum = sum(lp[t] for lp, t in zip(seq.logprobs, seq.confirmed_output_ids)) if logprobs else None
+        return CompletionOutput(seq.index, text, seq.confirmed_output_ids, cum, logprobs,
                                 seq.finish_reason, seq.stop_reason)
 
     # ---- introspection ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -21,7 +22,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.sampler import (PenaltyState, SamplerOutput, SamplingTensors, init_penalty_state,
                                      make_sampling_tensors, reset_slots, sample)
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.models.attention import AttentionBatch
 from jaxserve.models.loader import LoadedModel
 
@@ -64,6 +65,7 @@ class StepInputs:
     slot_ids: jax.Array        # [S] persistent slot of each row (padding: scratch slot)
     sample_mask: jax.Array     # [S]
     sampling: SamplingTensors
+    prev_index: jax.Array      # [T] row of the previous step whose sampled token this input is; -1: token_ids has it
 
 
 @dataclass(slots=True)
@@ -89,6 +91,7 @@ class ModelRunner:
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
         self.decode_impl = choose_decode_impl(cfg.decode_attention, mc.head_dim)
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames="num_logprobs")
+        self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)   # the previous step's samples, on device
         self.compiled_buckets: set[tuple] = set()
         bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         self.num_blocks = cfg.num_blocks or num_blocks_for_memory(
@@ -103,8 +106,8 @@ class ModelRunner:
         mc = self.model_config
         block = jax.ShapeDtypeStruct((2, self.cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype)
         inp = self._dummy_inputs(self.token_buckets[-1], self.seq_buckets[-1])
-        compiled = self._step.lower(self.params, [(block, block)] * mc.num_layers, self.penalty, inp,
-                                    num_logprobs=MAX_LOGPROBS).compile()
+        compiled = self._step.lower(self.params, [(block, block)] * mc.num_layers, self.penalty, self.last_tokens,
+                                    inp, num_logprobs=MAX_LOGPROBS).compile()
         analysis = compiled.memory_analysis()
         peak = analysis.temp_size_in_bytes if analysis is not None else 0
         print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
@@ -114,13 +117,15 @@ class ModelRunner:
     def num_graphs(self) -> int:
         return len(self.token_buckets) * len(self.seq_buckets)
 
-    def _step_fn(self, params, kv_cache, penalty: PenaltyState, inp: StepInputs, *, num_logprobs: int):
+    def _step_fn(self, params, kv_cache, penalty: PenaltyState, last_tokens, inp: StepInputs, *, num_logprobs: int):
         model = nnx.merge(self.graphdef, params)
-        hidden, kv_cache = model(inp.token_ids, inp.positions, kv_cache, inp.attn)
+        # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
+        token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
+        hidden, kv_cache = model(token_ids, inp.positions, kv_cache, inp.attn)
         logits = model.logits(hidden[inp.logits_indices])
         out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
                               num_logprobs=num_logprobs)
-        return kv_cache, penalty, out
+        return kv_cache, penalty, out, jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens)
 
     def precompile(self) -> None:
         """Compile every (tokens, seqs) bucket ahead of time; the persistent cache makes restarts fast."""
@@ -137,13 +142,14 @@ class ModelRunner:
                               self.decode_impl if decode_only else "ragged")
         sampling = make_sampling_tensors([], [], [], num_rows=num_seqs)
         return StepInputs(z(num_tokens), z(num_tokens), attn, z(num_seqs),
-                          np.full(num_seqs, self.cfg.max_num_seqs, np.int32), np.zeros(num_seqs, bool), sampling)
+                          np.full(num_seqs, self.cfg.max_num_seqs, np.int32), np.zeros(num_seqs, bool), sampling,
+                          np.full(num_tokens, -1, np.int32))
 
     def run(self, inp: StepInputs, num_logprobs: int = 0) -> SamplerOutput:
         """One jitted step on ready inputs (device arrays out; the caller decides when to sync)."""
         self.compiled_buckets.add((len(inp.token_ids), len(inp.slot_ids), inp.attn.decode_impl, num_logprobs))
-        self.kv_cache, self.penalty, out = self._step(self.params, self.kv_cache, self.penalty, inp,
-                                                      num_logprobs=num_logprobs)
+        self.kv_cache, self.penalty, out, self.last_tokens = self._step(
+            self.params, self.kv_cache, self.penalty, self.last_tokens, inp, num_logprobs=num_logprobs)
         return out
 
     def update_block_table(self, updates, slot_of) -> None:
@@ -168,12 +174,10 @@ class ModelRunner:
             output[i, :s.num_output_tokens] = s.output_token_ids
         self.penalty = reset_slots(self.penalty, np.array([s.slot for s in seqs], np.int32), prompt, output)
 
-    def execute(self, rows: list[StepRow]) -> SamplerOutput:
-        """Run one step over rows (decodes first); returns the sampled tokens etc. as host numpy arrays."""
-        inp = self.prepare_inputs(rows)
-        want = max((s.seq.params.logprobs or 0) for s in rows)
-        out = self.run(inp, MAX_LOGPROBS if want else 0)
-        return jax.tree.map(np.asarray, out)   # the one device->host sync of a step
+    def launch(self, rows: list[StepRow]) -> SamplerOutput:
+        """Dispatch one step over rows (decodes first); returns device arrays at once (no sync)."""
+        want = max((r.seq.params.logprobs or 0) for r in rows)
+        return self.run(self.prepare_inputs(rows), MAX_LOGPROBS if want else 0)
 
     def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:
         counts = np.array([r.count for r in rows], np.int32)
@@ -186,6 +190,10 @@ class ModelRunner:
         cu[n_rows + 1:] = cu[n_rows]
         token_ids, positions = np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32)
         token_ids[:n_tok] = [t for r in rows for t in r.seq.token_ids[r.start:r.start + r.count]]
+        prev_index = np.full(t_pad, -1, np.int32)
+        for i in np.flatnonzero(token_ids[:n_tok] == PENDING):   # only a row's last token can still be pending
+            prev_index[i] = rows[np.searchsorted(cu[1:n_rows + 1], i, side="right")].seq.pending_row
+        token_ids[prev_index >= 0] = 0
         positions[:n_tok] = np.arange(n_tok) - np.repeat(cu[:n_rows] - starts, counts)
         slot_mapping = self.block_table.compute_slot_mapping(np.repeat(slots, counts), positions[:n_tok], t_pad)
         kv_lens = np.zeros(s_pad, np.int32)
@@ -205,4 +213,4 @@ class ModelRunner:
         sampling = make_sampling_tensors([r.seq.params for r in rows], [r.seq.seed for r in rows],
                                          [r.seq.num_output_tokens for r in rows], num_rows=s_pad,
                                          eos_token_ids=self.eos_token_ids)
-        return StepInputs(token_ids, positions, attn, logits_idx, padded_slots, mask, sampling)
+        return StepInputs(token_ids, positions, attn, logits_idx, padded_slots, mask, sampling, prev_index)

@@ -54,7 +54,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch(), self.cfg.max_num_batched_tokens
-        for seq in [s for s in self.running if not s.is_prefill]:
+        decodes = [s for s in self.running if not s.is_prefill and not s.done_once_pending_lands(self.cfg.max_model_len)]
+        for seq in decodes:
             if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, batch):
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(1)

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from jaxserve.engine.sampling_params import SamplingParams
 
 
+PENDING = -1   # a sampled token still on the device (async scheduling): always at the tail of token_ids
+
+
 class SequenceStatus(enum.Enum):
     WAITING = 0
     RUNNING = 1
@@ -36,6 +39,7 @@ class Sequence:
     stop_reason: int | str | None = None
     detokenizer: object | None = None
     first_token_time: float | None = None
+    pending_row: int = -1          # row of the latest launched step that samples this sequence's next token
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +52,20 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def confirmed_output_ids(self) -> list[int]:
+        """Output tokens already back on the host (pending ones sit at the tail)."""
+        out = self.token_ids[self.num_prompt_tokens:]
+        while out and out[-1] == PENDING:
+            out.pop()
+        return out
+
+    def done_once_pending_lands(self, max_model_len: int) -> bool:
+        """Its pending token reaches max_tokens or max_model_len: never schedule it again."""
+        p = self.params
+        return (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) or \
+            self.num_tokens >= max_model_len
 
     @property
     def is_prefill(self) -> bool:
