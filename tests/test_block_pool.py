@@ -229,11 +229,6 @@ def test_block_table_incremental_rows_and_slot_mapping():
     slots = t.compute_slot_mapping(rows, pos, num_padded=6)
     assert slots.tolist() == [5 * BS + 3, 8 * BS + 0, 7 * BS + 0, 9 * BS + 2, 0, 0]
     assert np.shares_memory(slots, t.slot_mapping)
-    t.swap_rows(0, 2)
-    assert t.table[[0, 2]].tolist() == [[7, 9, 0], [5, 8, 0]] and t.num_blocks[[0, 2]].tolist() == [2, 2]
-    t.write(1, 0, [4, 4, 4])
-    t.move_row(1, 0)
-    assert t.table[:2].tolist() == [[4, 4, 4], [0, 0, 0]] and t.num_blocks[:2].tolist() == [3, 0]
     t.clear_row(2)
     assert t.table[2].tolist() == [0, 0, 0] and t.num_blocks[2] == 0
     with pytest.raises(ValueError, match="max_blocks_per_seq"):

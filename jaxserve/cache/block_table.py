@@ -1,4 +1,5 @@
-"""Persistent per-step block table, indexed by batch row and updated cell by cell."""
+"""Persistent block table, one row per device slot (stable for a sequence's life), updated cell by cell; each step
+gathers its rows in batch order."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -31,21 +32,6 @@ class BlockTable:
     def clear_row(self, row: int) -> None:
         self.table[row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
-
-    def move_row(self, src: int, dst: int) -> None:
-        """Move a seq to another row (batch reorder/compaction); `src` is left empty, `dst` overwritten."""
-        if src == dst:
-            return
-        self.clear_row(dst)
-        n = self.num_blocks[src]
-        self.table[dst, :n] = self.table[src, :n]
-        self.num_blocks[dst] = n
-        self.clear_row(src)
-
-    def swap_rows(self, a: int, b: int) -> None:
-        n = max(self.num_blocks[a], self.num_blocks[b])
-        self.table[[a, b], :n] = self.table[[b, a], :n]
-        self.num_blocks[[a, b]] = self.num_blocks[[b, a]]
 
     def compute_slot_mapping(self, rows: np.ndarray, positions: np.ndarray,
                              num_padded: int | None = None) -> np.ndarray:

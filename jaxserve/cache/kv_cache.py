@@ -104,21 +104,6 @@ def num_blocks_for_memory(bytes_per_block: int, *, device: jax.Device | None = N
     return num_blocks
 
 
-def measure_activation_peak(run_step, device: jax.Device | None = None) -> int:
-    """Bytes a representative step (`run_step()`, e.g. the largest bucket) needs above what is in use before it.
-
-    The allocator's peak is a process-lifetime high-water mark, so this can over-estimate, never under.
-    0 where the device has no allocator stats (CPU).
-    """
-    device = device or jax.local_devices()[0]
-    before = device.memory_stats()
-    jax.block_until_ready(run_step())
-    after = device.memory_stats()
-    if not before or "peak_bytes_in_use" not in after:
-        return 0
-    return max(0, after["peak_bytes_in_use"] - before["bytes_in_use"])
-
-
 def describe_kv_capacity(num_blocks: int, block_size: int, bytes_per_block: int) -> str:
     """One line for the start-up log; the null block is not usable capacity."""
     usable = num_blocks - 1

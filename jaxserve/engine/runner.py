@@ -113,10 +113,6 @@ class ModelRunner:
         print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
         return peak
 
-    @property
-    def num_graphs(self) -> int:
-        return len(self.token_buckets) * len(self.seq_buckets)
-
     def _step_fn(self, params, kv_cache, penalty: PenaltyState, last_tokens, inp: StepInputs, *, num_logprobs: int):
         model = nnx.merge(self.graphdef, params)
         # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
