@@ -120,6 +120,7 @@ def main(argv=None):
     wall, ntok, ttft, tpot, stats = run_jaxserve(loaded, engine_cfg, prompts, args.output_len)
     params = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "decode_attention": engine_cfg.decode_attention, "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
+              "token_buckets": list(engine_cfg.token_buckets or []), "async_scheduling": engine_cfg.async_scheduling,
               "model": "llama3-8b-random" if loaded.source == "random" else loaded.source}
     rows = [{"bench": "offline", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": ntok / wall,
              "wall_s": wall, "roofline_s": roof, "roofline_frac": roof / wall, "copy_gbps": gbps,
