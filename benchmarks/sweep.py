@@ -127,7 +127,7 @@ def synthetic_inputs(runner: ModelRunner, case: SweepCase, rng: np.random.Genera
                                      eos_token_ids=runner.eos_token_ids)
     attn = AttentionBatch(slot_mapping, cu, kv_lens, tables, np.array([n], np.int32))
     return StepInputs(token_ids, positions, attn, logits_indices, slot_ids, np.arange(s) < n, sampling,
-                      np.full(len(token_ids), -1, np.int32))
+                      np.full(len(token_ids), -1, np.int32), np.full(len(token_ids), -1, np.int32))
 
 
 # ---- cost model and measurement ----------------------------------------------------------------------------

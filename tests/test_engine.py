@@ -219,3 +219,17 @@ def test_async_step_hands_back_the_previous_steps_tokens(tiny_llm):
     assert [len(o.outputs[0].token_ids) for o in engine.step()] == [1]
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache(tiny, tiny_llm):
+    _, hf = tiny
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 128, 150)]   # > the 64-token budget: 3 chunks
+    tiny_llm.generate([prompt], GREEDY)      # now cached: prompt logprobs must still compute every position
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        entry = out.prompt_logprobs[p]
+        assert abs(entry[prompt[p]] - ref[p - 1, prompt[p]]) < 1e-4
+        assert set(np.argsort(ref[p - 1])[-3:]) <= set(entry)

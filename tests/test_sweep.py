@@ -63,8 +63,8 @@ def test_synthetic_inputs_are_what_the_engine_builds(runner, case):
         np.testing.assert_array_equal(eng.attn.block_tables[:n], syn.attn.block_tables[:n])
         eng.attn.block_tables = syn.attn.block_tables   # padding rows: the engine repeats row 0, unread either way
         jax.tree.map(np.testing.assert_array_equal, eng, syn)
-        out_eng = jax.tree.map(np.asarray, runner.run(eng))
-        out_syn = jax.tree.map(np.asarray, runner.run(syn))
+        out_eng = jax.tree.map(np.asarray, runner.run(eng)[0])
+        out_syn = jax.tree.map(np.asarray, runner.run(syn)[0])
     finally:
         for i in range(n):
             runner.clear_slot(i)

@@ -18,7 +18,6 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner, StepRow
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
-from jaxserve.engine.sampler import SamplerOutput
 from jaxserve.engine.sequence import PENDING, CompletionOutput, RequestOutput, Sequence, SequenceStatus
 from jaxserve.models.loader import LoadedModel
 
@@ -40,7 +39,8 @@ class Request:
 @dataclass(slots=True)
 class Launched:
     samples: list[tuple[int, Sequence, int]]   # (row, sequence, position its sampled token takes)
-    out: SamplerOutput                          # device arrays
+    prompt_rows: list[tuple[Sequence, int, int, int]]   # (sequence, first flat token, first position, count)
+    out: tuple                                  # (SamplerOutput, PromptLogprobs | None) as device arrays
 
 
 def stable_seed(*parts) -> int:
@@ -98,8 +98,12 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(request_id, text, ids, params)
         seed = params.seed if params.seed is not None else stable_seed(self._seed_base, request_id)
-        seq = Sequence(next(self._seq_ids), request_id, 0, list(ids), len(ids), params, seed, priority,
-                       cache_salt=cache_salt, num_forks_pending=params.n - 1)
+        seq_id = next(self._seq_ids)
+        if params.prompt_logprobs is not None:   # every prompt position must be computed: no prefix-cache hits
+            cache_salt = f"{cache_salt}/prompt-logprobs-{seq_id}"
+        seq = Sequence(seq_id, request_id, 0, list(ids), len(ids), params, seed, priority,
+                       cache_salt=cache_salt, num_forks_pending=params.n - 1,
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
         seq.detokenizer = self._detokenizer(ids, params)
         req.seqs.append(seq)
         self.requests[request_id] = req
@@ -127,8 +131,6 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.n > self.cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet (logprobs of generated tokens are)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
 
@@ -175,15 +177,18 @@ class LLMEngine:
         self.runner.copy_blocks(*self.kv.take_copies())
         self.runner.reset_slots(placed)
         out = self.runner.launch(rows)
-        samples = []
+        samples, prompt_rows, flat = [], [], 0
         for i, row in enumerate(rows):
+            if row.seq.prompt_logprobs is not None and row.start < row.seq.num_prompt_tokens:
+                prompt_rows.append((row.seq, flat, row.start, row.count))
+            flat += row.count
             seq = row.seq
             seq.num_computed_tokens = row.start + row.count
             if seq.num_computed_tokens >= seq.num_tokens:      # this row samples the sequence's next token
                 samples.append((i, seq, seq.num_tokens))
                 seq.token_ids.append(PENDING)
                 seq.pending_row = i
-        return Launched(samples, out)
+        return Launched(samples, prompt_rows, out)
 
     def _fork(self, batch: ScheduledBatch, placed: list[Sequence]) -> list[StepRow]:
         """Siblings of a request whose prompt completes this step share its blocks and sample its logits."""
@@ -216,7 +221,9 @@ class LLMEngine:
         """Bring a step's samples to the host (the step's one device->host sync) and act on them."""
         if launched is None:
             return []
-        out = jax.tree.map(np.asarray, launched.out)
+        out, prompt_lp = jax.tree.map(np.asarray, launched.out)
+        for seq, flat, start, count in launched.prompt_rows:
+            self._record_prompt_logprobs(seq, prompt_lp, flat, start, count)
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for i, seq, pos in launched.samples:
@@ -232,6 +239,14 @@ class LLMEngine:
             self._check_stop(seq, token, pos + 1)
             touched[seq.request_id] = self.requests[seq.request_id]
         return [self._request_output(r) for r in touched.values()]
+
+    def _record_prompt_logprobs(self, seq: Sequence, lp, flat: int, start: int, count: int) -> None:
+        """Input token at position p predicts prompt token p + 1: its logprob and the top-k there."""
+        k = seq.params.prompt_logprobs
+        for j in range(min(count, seq.num_prompt_tokens - 1 - start)):
+            target = seq.token_ids[start + j + 1]
+            top = {int(t): float(v) for t, v in zip(lp.top_ids[flat + j, :k], lp.top_logprobs[flat + j, :k])}
+            seq.prompt_logprobs[start + j + 1] = {target: float(lp.logprob[flat + j]), **top}
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> None:
         """Stop tokens end a sequence before detokenization (their text is never shown, as in vLLM).
@@ -270,7 +285,8 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
             for s in req.seqs:
                 self.seqs.pop(s.seq_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
+                             req.seqs[0].prompt_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = seq.detokenizer.text if seq.detokenizer is not None else ""

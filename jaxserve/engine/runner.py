@@ -19,7 +19,7 @@ from jaxserve.cache.block_table import BlockTable
 from jaxserve.cache.kv_cache import (allocate_kv_cache, copy_blocks, describe_kv_capacity, kv_bytes_per_block,
                                      num_blocks_for_memory)
 from jaxserve.config import EngineConfig
-from jaxserve.engine.sampler import (PenaltyState, SamplerOutput, SamplingTensors, init_penalty_state,
+from jaxserve.engine.sampler import (PenaltyState, SamplingTensors, init_penalty_state,
                                      make_sampling_tensors, reset_slots, sample)
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.sequence import PENDING, Sequence
@@ -66,6 +66,16 @@ class StepInputs:
     sample_mask: jax.Array     # [S]
     sampling: SamplingTensors
     prev_index: jax.Array      # [T] row of the previous step whose sampled token this input is; -1: token_ids has it
+    next_prompt_ids: jax.Array  # [T] the prompt token after each input token (prompt logprobs); -1: none
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Per input token: logprob of the next prompt token and the top-K, from all-position logits."""
+    logprob: jax.Array   # [T]
+    top_ids: jax.Array   # [T, K]
+    top_logprobs: jax.Array
 
 
 @dataclass(slots=True)
@@ -74,6 +84,14 @@ class StepRow:
     start: int      # first position computed this step
     count: int      # tokens computed this step (0 for a fork sampled from its parent's logits)
     logits_from: int = -1   # row whose last token's logits this row samples (forks); -1: its own
+
+
+def prompt_logprob_of(model, hidden, inp: StepInputs) -> PromptLogprobs:
+    """All-position logits ([T, V]: only compiled into steps that serve a prompt_logprobs request)."""
+    logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+    target = jnp.take_along_axis(logprobs, jnp.maximum(inp.next_prompt_ids, 0)[:, None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    return PromptLogprobs(target, ids.astype(jnp.int32), top)
 
 
 class ModelRunner:
@@ -90,7 +108,7 @@ class ModelRunner:
         tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
         self.decode_impl = choose_decode_impl(cfg.decode_attention, mc.head_dim)
-        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames="num_logprobs")
+        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("num_logprobs", "prompt_logprobs"))
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)   # the previous step's samples, on device
         self.compiled_buckets: set[tuple] = set()
         bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
@@ -113,7 +131,8 @@ class ModelRunner:
         print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
         return peak
 
-    def _step_fn(self, params, kv_cache, penalty: PenaltyState, last_tokens, inp: StepInputs, *, num_logprobs: int):
+    def _step_fn(self, params, kv_cache, penalty: PenaltyState, last_tokens, inp: StepInputs, *, num_logprobs: int,
+                 prompt_logprobs: bool = False):
         model = nnx.merge(self.graphdef, params)
         # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
         token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
@@ -121,7 +140,8 @@ class ModelRunner:
         logits = model.logits(hidden[inp.logits_indices])
         out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
                               num_logprobs=num_logprobs)
-        return kv_cache, penalty, out, jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens)
+        last_tokens = jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens)
+        return kv_cache, penalty, (out, prompt_logprob_of(model, hidden, inp) if prompt_logprobs else None), last_tokens
 
     def precompile(self) -> None:
         """Compile every (tokens, seqs) bucket ahead of time; the persistent cache makes restarts fast."""
@@ -139,13 +159,15 @@ class ModelRunner:
         sampling = make_sampling_tensors([], [], [], num_rows=num_seqs)
         return StepInputs(z(num_tokens), z(num_tokens), attn, z(num_seqs),
                           np.full(num_seqs, self.cfg.max_num_seqs, np.int32), np.zeros(num_seqs, bool), sampling,
-                          np.full(num_tokens, -1, np.int32))
+                          np.full(num_tokens, -1, np.int32), np.full(num_tokens, -1, np.int32))
 
-    def run(self, inp: StepInputs, num_logprobs: int = 0) -> SamplerOutput:
-        """One jitted step on ready inputs (device arrays out; the caller decides when to sync)."""
-        self.compiled_buckets.add((len(inp.token_ids), len(inp.slot_ids), inp.attn.decode_impl, num_logprobs))
+    def run(self, inp: StepInputs, num_logprobs: int = 0, prompt_logprobs: bool = False):
+        """One jitted step on ready inputs: (SamplerOutput, PromptLogprobs | None) as device arrays, no sync."""
+        self.compiled_buckets.add((len(inp.token_ids), len(inp.slot_ids), inp.attn.decode_impl, num_logprobs,
+                                   prompt_logprobs))
         self.kv_cache, self.penalty, out, self.last_tokens = self._step(
-            self.params, self.kv_cache, self.penalty, self.last_tokens, inp, num_logprobs=num_logprobs)
+            self.params, self.kv_cache, self.penalty, self.last_tokens, inp, num_logprobs=num_logprobs,
+            prompt_logprobs=prompt_logprobs)
         return out
 
     def update_block_table(self, updates, slot_of) -> None:
@@ -170,10 +192,11 @@ class ModelRunner:
             output[i, :s.num_output_tokens] = s.output_token_ids
         self.penalty = reset_slots(self.penalty, np.array([s.slot for s in seqs], np.int32), prompt, output)
 
-    def launch(self, rows: list[StepRow]) -> SamplerOutput:
+    def launch(self, rows: list[StepRow]):
         """Dispatch one step over rows (decodes first); returns device arrays at once (no sync)."""
         want = max((r.seq.params.logprobs or 0) for r in rows)
-        return self.run(self.prepare_inputs(rows), MAX_LOGPROBS if want else 0)
+        prompt = any(r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
+        return self.run(self.prepare_inputs(rows), MAX_LOGPROBS if want else 0, prompt)
 
     def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:
         counts = np.array([r.count for r in rows], np.int32)
@@ -190,6 +213,11 @@ class ModelRunner:
         for i in np.flatnonzero(token_ids[:n_tok] == PENDING):   # only a row's last token can still be pending
             prev_index[i] = rows[np.searchsorted(cu[1:n_rows + 1], i, side="right")].seq.pending_row
         token_ids[prev_index >= 0] = 0
+        next_prompt_ids = np.full(t_pad, -1, np.int32)
+        for r, lo in zip(rows, cu[:n_rows]):
+            if r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens:
+                nxt = r.seq.token_ids[r.start + 1:min(r.start + r.count + 1, r.seq.num_prompt_tokens)]
+                next_prompt_ids[lo:lo + len(nxt)] = nxt
         positions[:n_tok] = np.arange(n_tok) - np.repeat(cu[:n_rows] - starts, counts)
         slot_mapping = self.block_table.compute_slot_mapping(np.repeat(slots, counts), positions[:n_tok], t_pad)
         kv_lens = np.zeros(s_pad, np.int32)
@@ -209,4 +237,5 @@ class ModelRunner:
         sampling = make_sampling_tensors([r.seq.params for r in rows], [r.seq.seed for r in rows],
                                          [r.seq.num_output_tokens for r in rows], num_rows=s_pad,
                                          eos_token_ids=self.eos_token_ids)
-        return StepInputs(token_ids, positions, attn, logits_idx, padded_slots, mask, sampling, prev_index)
+        return StepInputs(token_ids, positions, attn, logits_idx, padded_slots, mask, sampling, prev_index,
+                          next_prompt_ids)

@@ -40,6 +40,7 @@ class Sequence:
     detokenizer: object | None = None
     first_token_time: float | None = None
     pending_row: int = -1          # row of the latest launched step that samples this sequence's next token
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt position (vLLM's shape)
 
     @property
     def num_tokens(self) -> int:
@@ -97,4 +98,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict = field(default_factory=dict)
