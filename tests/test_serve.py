@@ -174,6 +174,21 @@ def test_complete_matches_stream_and_offline_logprobs(server, offline):
         assert lp.top[0].token_id == lp.token_id and lp.logprob == max(t.logprob for t in lp.top) <= 0  # greedy
 
 
+def test_prompt_logprobs_come_back_with_the_last_message(server, offline):
+    prompt, params = PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+
+    async def scenario(c: Client):
+        return await c.complete(prompt, params), [r async for r in c.generate(prompt, params)]
+
+    full, stream = run(scenario, server.wait_ready())
+    want = offline.generate([prompt], params, use_tqdm=False)[0]
+    for got in (full.prompt_logprobs, stream[-1].prompt_logprobs):
+        assert [lp.token_id for lp in got] == want.prompt_token_ids[1:]
+        for lp, expected in zip(got, want.prompt_logprobs[1:]):
+            assert {t.token_id: t.logprob for t in lp.top} == pytest.approx(expected, abs=1e-4)
+    assert not any(r.prompt_logprobs for r in stream[:-1])
+
+
 def test_n_outputs_stream_per_index_with_stop_strings(server, offline):
     prompt, params = PROMPTS[5], SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, stop=["."])
 

@@ -290,12 +290,21 @@ def delta_response(out: RequestOutput, sent: dict[int, tuple[int, int, bool]]) -
             sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
     if out.finished:
         response.usage.CopyFrom(usage(out))
+        response.prompt_logprobs.extend(prompt_logprobs(out))
     return response
 
 
 def full_response(out: RequestOutput) -> pb.GenerateResponse:
     return pb.GenerateResponse(request_id=out.request_id, finished=out.finished,
-                               outputs=[completion_chunk(c) for c in out.outputs], usage=usage(out))
+                               outputs=[completion_chunk(c) for c in out.outputs], usage=usage(out),
+                               prompt_logprobs=prompt_logprobs(out))
+
+
+def prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprobs]:
+    """Prompt tokens from the second on (the first has no context), each with its top-k."""
+    if out.prompt_logprobs is None:
+        return []
+    return [token_logprobs(t, lp) for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
 
 
 def tokenize(engine: LLMEngine, text: str, add_special_tokens: bool) -> list[int]:
