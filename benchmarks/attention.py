@@ -272,8 +272,6 @@ def bench_prefill(rec: Recorder, length, tunings=(None,)):
     for tuning in tunings:
         rec.measure("prefill", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default"},
                     ours(tuning), sets, batch, expected, info)
-    if tunings != (None,):
-        return
     k, v = to_contiguous(batch, batch.k_cache, batch.v_cache)
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SM_SCALE, is_causal=True,  # noqa: E731
                                                       implementation="cudnn")[0]
@@ -339,6 +337,13 @@ def run_full(rec: Recorder, free_bytes):
         else:
             rec.add("decode", "all", {"batch": batch_size, "context": context}, error="skipped: does not fit")
     bench_prefill(rec, 8192)
+    bench_mixed(rec, 64, 4096, 1024, 2048)
+
+
+def run_prefill(rec: Recorder):
+    """Prefill backends against the peers, and the mixed batch: the Hopper kernel's check."""
+    measure_copy(rec)
+    bench_prefill(rec, 8192, tunings=(None, {"prefill_backend": "triton"}, {"mosaic_block_kv": 64}))
     bench_mixed(rec, 64, 4096, 1024, 2048)
 
 
@@ -414,6 +419,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="sweep Tuning variants at key points")
     parser.add_argument("--profile", action="store_true", help="run PROFILE_POINTS untimed (under ncu)")
+    parser.add_argument("--prefill", action="store_true", help="prefill backends and the mixed batch only")
     parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
     parser.add_argument("--tuning", default="{}", help="JSON Tuning overrides for our rows")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention_h100.json"))
@@ -428,6 +434,8 @@ def main():
     free = jax.devices()[0].memory_stats()["bytes_limit"] if jax.default_backend() == "gpu" else 8e9
     if args.tune:
         run_tune(rec)
+    elif args.prefill:
+        run_prefill(rec)
     else:
         run_full(rec, free)
         plot(rec.rows, os.path.splitext(args.out)[0] + ".png")

@@ -94,8 +94,12 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = True          # launch step N+1 before step N's samples reach the host
     decode_attention: str = "auto"         # decode-only steps: "auto" (= the faster measured: ragged), "cuda", "ragged"
+    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: 1.6x Triton on an 8K prompt, but every
+    # layer's copy of it compiles separately: an 8B model's 6 graphs did not precompile in 200 s on an H100)
+    prefill_attention: str = "triton"
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     precompile: bool = True
+    precompile_sampler_modes: tuple[str, ...] = ("greedy", "sample", "sort")   # others compile on first use
 
 
 @dataclass(slots=True)
@@ -114,7 +118,7 @@ def load_run_config(path: str | Path) -> RunConfig:
     unknown = set(engine) - known
     if unknown:
         raise ValueError(f"{path}: unknown engine keys {sorted(unknown)}; known: {sorted(known)}")
-    for key in ("token_buckets", "seq_buckets"):
+    for key in ("token_buckets", "seq_buckets", "precompile_sampler_modes"):
         if engine.get(key) is not None:
             engine[key] = tuple(engine[key])
     return RunConfig(engine=EngineConfig(**engine), **raw)

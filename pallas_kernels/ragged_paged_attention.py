@@ -3,13 +3,13 @@
 Cache layout per layer: K and V each `[num_blocks, block_size, num_kv_heads, head_dim]`; block 0 is the
 null block that padding writes land in.
 
-Backend: Pallas' Triton lowering, chosen over Mosaic GPU although JAX 0.11 deprecates it, because
-- a KV tile is gathered row by row from pages at random addresses: Triton does that as one pointer-tensor
-  load (coalesced head_dim rows, pipelined through shared memory), Mosaic GPU as one TMA copy plus barrier
-  per 16-row page;
-- decode has 1-8 query rows per KV head: Triton's mma pads them to 16 rows, Mosaic's wgmma to 64;
-- it runs on sm_80 and newer (Mosaic GPU wants sm_90a) and does exact float32 dots.
-Nothing in the API names the backend: a Mosaic GPU kernel can take a pallas_call's place unchanged.
+Backends, per role:
+- decode: Pallas' Triton lowering, kept although JAX 0.11 deprecates it: decode has 1-8 query rows per KV
+  head (Triton's mma pads them to 16 rows, Mosaic's wgmma to 64), each KV tile is gathered from pages at
+  random addresses as one pointer-tensor load, and it runs on sm_80+ with exact float32 dots.
+- prefill: on Hopper (sm_90) with bf16/f16, `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page copies,
+  wgmma, warp specialisation), 1.6x the Triton prefill; elsewhere the Triton prefill kernel below.
+Nothing in the API names the backend (`prefill_backend` only overrides the choice).
 
 Two launches, with no host- or XLA-side metadata preparation (each program reads the raw
 cu_q_lens/kv_lens/block_tables):
@@ -23,6 +23,8 @@ cu_q_lens/kv_lens/block_tables):
    `cu_q_lens[i] // block_q + i` (vLLM's numbering); tokens past cu_q_lens[num_seqs] form one more
    sequence with no keys, so padding rows come out as zeros.
 Fixed per-launch costs dominate small batches (benchmarks/NOTES_attention.md), hence the merge riding along.
+With the Mosaic prefill, launch 2 is that kernel and a third, merge-only launch writes the decode rows into
+its output in place.
 """
 import dataclasses
 import functools
@@ -35,10 +37,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paged_prefill_attention_mgpu as mgpu_prefill
 from pallas_kernels.interpret import interpret_params
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 IMPLS = ("auto", "pallas", "reference")
+PREFILL_BACKENDS = ("auto", "triton", "mosaic")
 LOG2E = math.log2(math.e)
 INT32_MAX = 2**31 - 1
 
@@ -55,6 +59,7 @@ class Tuning:
     prefill_kv_tile: int = 64
     prefill_num_warps: int = 4
     prefill_num_stages: int = 3
+    mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory.
@@ -97,17 +102,20 @@ class Scores:
 
 def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                           impl: str = "auto", interpret: bool = False, **tuning) -> jax.Array:
+                           impl: str = "auto", prefill_backend: str = "auto", interpret: bool = False,
+                           **tuning) -> jax.Array:
     """Causal GQA attention of each sequence's new tokens over its paged KV (new tokens already cached).
 
     q [num_tokens, num_q_heads, head_dim]; cu_q_lens [max_seqs + 1]; kv_lens [max_seqs] (context including
     the new tokens); block_tables [max_seqs, max_blocks_per_seq]; num_seqs int32 [1] or scalar. Query j of
     sequence i sits at position kv_lens[i] - q_len_i + j. Rows past cu_q_lens[num_seqs] come out as zeros.
     impl: "pallas" (the GPU kernel; `interpret=True` runs it on the CPU), "reference" (pure JAX), or "auto"
-    (pallas on an sm_80+ NVIDIA GPU or when interpreting, else reference). `tuning`: fields of `Tuning`.
+    (pallas on an sm_80+ NVIDIA GPU or when interpreting, else reference). prefill_backend, for the pallas
+    impl's non-decode rows: "mosaic" (the Hopper wgmma/TMA kernel), "triton", or "auto" (mosaic on sm_90 when
+    it supports the shapes, else triton). `tuning`: fields of `Tuning`.
     """
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs,
-                            sm_scale, sliding_window, soft_cap, impl)
+                            sm_scale, sliding_window, soft_cap, impl, prefill_backend)
     scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
     if resolve_impl(impl, interpret) == "reference":
         if tuning:
@@ -115,8 +123,28 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
         return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables,
                                                 num_seqs, **dataclasses.asdict(scores))
     check_pallas_shapes(q, k_cache)
-    return pallas_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, scores=scores,
-                            tuning=make_tuning(q.dtype, tuning), interpret=interpret)
+    tuning = make_tuning(q.dtype, tuning)
+    mosaic = prefill_on_mosaic(q, k_cache, scores, tuning, prefill_backend, interpret)
+    # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
+    # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
+    run = attention_launches if mosaic is not None and interpret else pallas_attention
+    return run(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, scores=scores, tuning=tuning,
+               interpret=interpret, mosaic=mosaic)
+
+
+def prefill_on_mosaic(q, k_cache, scores: Scores, tuning: Tuning, backend: str,
+                      interpret: bool) -> mgpu_prefill.PrefillTuning | None:
+    """The Mosaic GPU prefill tuning when that kernel serves the prefill rows, else None (Triton does)."""
+    prefill_tuning = mgpu_prefill.PrefillTuning(block_kv=tuning.mosaic_block_kv)
+    why_not = mgpu_prefill.supported(q, k_cache, scores.soft_cap, prefill_tuning)
+    if backend == "mosaic" and why_not:
+        raise ValueError(f"prefill_backend='mosaic' cannot serve this call: {why_not}")
+    if backend == "triton" or why_not:
+        return None
+    device = jax.devices()[0]
+    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"):
+        return None
+    return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
 
 
 def resolve_impl(impl: str, interpret: bool) -> str:
@@ -140,10 +168,12 @@ def make_tuning(dtype, overrides: dict) -> Tuning:
 
 
 def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, sm_scale, sliding_window,
-                 soft_cap, impl):
+                 soft_cap, impl, prefill_backend):
     """Validate shapes, dtypes and options; return num_seqs as int32 [1]."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if prefill_backend not in PREFILL_BACKENDS:
+        raise ValueError(f"prefill_backend must be one of {PREFILL_BACKENDS}, got {prefill_backend!r}")
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
@@ -192,16 +222,24 @@ def is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret"))
-def pallas_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
-                     tuning: Tuning, interpret: bool):
+def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
+                     tuning: Tuning, interpret: bool, mosaic: mgpu_prefill.PrefillTuning | None):
     geo = Geometry(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
                    kv_lens.shape[0], block_tables.shape[1])
     meta = (num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1))
     rows = (q.reshape(-1, geo.head_dim), k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
     parts, lse = decode_call(geo, scores, tuning, interpret)(*meta, *rows)
-    out = prefill_call(geo, scores, tuning, interpret, q.dtype)(*meta, *rows, parts, lse)
+    if mosaic is None:
+        out = prefill_call(geo, scores, tuning, interpret, q.dtype)(*meta, *rows, parts, lse)
+        return out.reshape(q.shape)
+    out = mgpu_prefill.paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs,
+                                               sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
+                                               tuning=mosaic, interpret=interpret)
+    out = merge_call(geo, tuning, interpret, q.dtype)(num_seqs, cu_q_lens, parts, lse, out.reshape(-1, geo.head_dim))
     return out.reshape(q.shape)
+
+
+pallas_attention = jax.jit(attention_launches, static_argnames=("scores", "tuning", "interpret", "mosaic"))
 
 
 def decode_slots(geo: Geometry, tuning: Tuning) -> int:
@@ -236,6 +274,22 @@ def prefill_call(geo: Geometry, scores: Scores, tuning: Tuning, interpret: bool,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.prefill_num_warps,
                                              num_stages=tuning.prefill_num_stages),
         interpret=interpret_params(interpret), name="ragged_paged_attention_prefill")
+
+
+def merge_call(geo: Geometry, tuning: Tuning, interpret: bool, dtype):
+    """Second launch beside the Mosaic prefill kernel: write the decode rows into its output, in place."""
+    kernel = functools.partial(merge_kernel, geo=geo, slots=decode_slots(geo, tuning),
+                               max_splits=tuning.decode_max_splits)
+    return pl.pallas_call(
+        kernel, grid=(geo.num_kv_heads, geo.decode_rows),
+        out_shape=jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), dtype),
+        input_output_aliases={4: 0}, compiler_params=plgpu.CompilerParams(num_warps=tuning.prefill_num_warps),
+        interpret=interpret_params(interpret), name="ragged_paged_attention_merge")
+
+
+def merge_kernel(num_seqs_ref, cu_ref, parts_ref, lse_ref, _, o_ref, *, geo, slots, max_splits):
+    combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs_ref[0], pl.program_id(0), pl.program_id(1), geo,
+                   slots, max_splits)
 
 
 def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, o_ref, *,

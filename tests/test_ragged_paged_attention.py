@@ -199,6 +199,7 @@ def test_auto_picks_a_correct_impl():
     ({"sliding_window": 0}, "sliding_window"),
     ({"soft_cap": 0.0}, "soft_cap"),
     ({"impl": "triton"}, "impl"),
+    ({"prefill_backend": "cuda"}, "prefill_backend"),
     ({"decode_kv_tile": 24}, "decode_kv_tile"),
     ({"bogus_knob": 1}, "bogus_knob"),
 ])
@@ -210,3 +211,36 @@ def test_rejects_bad_input(change, field):
         (args if name in args else kwargs)[name] = value
     with pytest.raises(ValueError, match=field):
         ragged_paged_attention(*args.values(), **kwargs)
+
+
+HOPPER = ON_GPU and getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+# Long prompts and chunks over cached context: several 128-row tiles per sequence, partial last tiles.
+MOSAIC_MIXES = {
+    "mixed": ([1, 1, 1, 13, 30, 7], [33, 5, 80, 13, 71, 50]),
+    "long": ([1, 70, 130, 5], [20, 100, 200, 40]),
+    "one_prompt": ([190], [190]),
+}
+
+
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="the Mosaic GPU prefill kernel needs sm_90 (H100/H200)")
+@pytest.mark.parametrize("dtype, q_heads, kv_heads, head_dim, options", [
+    (jnp.bfloat16, 4, 2, 64, {}),
+    (jnp.bfloat16, 8, 1, 128, {"sliding_window": 37}),  # GQA 8, head_dim 128, window inside the tiles
+    (jnp.float16, 2, 2, 64, {}),  # GQA 1
+])
+def test_mosaic_prefill_matches_reference(dtype, q_heads, kv_heads, head_dim, options):
+    """The Hopper (wgmma/TMA) prefill kernel inside the ragged entry point, decodes merged beside it."""
+    shape = {**GEOMETRY, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "num_tokens": 256,
+             "max_blocks": 16, "num_blocks": 64}
+    rng = np.random.default_rng(10)
+    for name, (q_lens, kv_lens) in MOSAIC_MIXES.items():
+        batch = make_batch(rng, q_lens, kv_lens, **shape, dtype=dtype)
+        check_kernel(batch, jnp.bfloat16, name, {**INTERPRET_TUNING, "prefill_backend": "mosaic",
+                                                  "mosaic_block_kv": 64}, **options)
+
+
+def test_mosaic_prefill_refuses_what_it_cannot_serve():
+    batch = make_batch(np.random.default_rng(11), *MIXES["mixed"], **GEOMETRY)  # float32
+    with pytest.raises(ValueError, match="prefill_backend='mosaic'.*dtype"):
+        ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
+                               prefill_backend="mosaic")

@@ -8,12 +8,12 @@ import pytest
 from scipy import special, stats
 
 from jaxserve.engine.sampler import (SamplingTensors, apply_penalties, filter_min_p, filter_top_k_top_p,
-                                     init_penalty_state, make_sampling_tensors, reset_slots, sample)
+                                     init_penalty_state, make_sampling_tensors, mode_for, reset_slots, sample)
 from jaxserve.engine.sampling_params import SamplingParams
 
 V = 256
 MAX_SEQS = 8
-sample_jit = jax.jit(sample, static_argnames="num_logprobs")
+sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "mode"))
 
 
 def tensors(params, seeds=None, gen=None, num_rows=None, eos=()):
@@ -275,3 +275,29 @@ def test_make_sampling_tensors_pads_and_splits_seeds():
         make_sampling_tensors(params, [1], [0, 0], num_rows=4)
     with pytest.raises(ValueError, match="num_rows"):
         make_sampling_tensors(params, [1, 2], [0, 0], num_rows=1)
+
+
+@pytest.mark.parametrize("params, mode", [
+    ([SamplingParams(temperature=0.0)] * 3, "greedy"),
+    ([SamplingParams(temperature=0.0, top_k=5, top_p=0.5)] * 3, "greedy"),  # filters cannot move an argmax
+    ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=3.0)] * 2, "sample"),
+    ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, min_p=0.05)], "sample"),
+    ([SamplingParams(temperature=0.9, top_k=V)] * 2, "sample"),  # top_k = vocab filters nothing
+    ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8)], "sort"),
+])
+def test_cheapest_mode_gives_the_full_samplers_tokens(params, mode):
+    """The host picks a compiled variant per step: it must sample exactly what the all-features one does."""
+    assert mode_for(params, V) == mode
+    rng = np.random.default_rng(9)
+    logits, n = random_logits(rng, len(params)), len(params)
+    prompt = np.concatenate([logits.argmax(1)[:, None], rng.integers(0, V, (n, 5))], 1).astype(np.int32)
+    state = reset_slots(init_penalty_state(MAX_SEQS, V), np.arange(n, dtype=np.int32), prompt,
+                        rng.integers(0, V, (n, 6)).astype(np.int32))  # each row's argmax is a seen token
+    args = (jnp.asarray(logits), tensors(params, seeds=[7] * n, gen=[3] * n), state, np.arange(n, dtype=np.int32),
+            np.ones(n, bool))
+    cheap, cheap_state = sample_jit(*args, mode=mode)
+    full, full_state = sample_jit(*args, mode="sort")
+    np.testing.assert_array_equal(cheap.tokens, full.tokens)
+    np.testing.assert_array_equal(cheap_state.output_counts, full_state.output_counts)
+    if any(p.repetition_penalty != 1.0 for p in params):  # the penalty case would break under "greedy"
+        assert not np.array_equal(sample_jit(*args, mode="greedy")[0].tokens, full.tokens)

@@ -19,7 +19,7 @@ from jaxserve.cache.block_table import BlockTable
 from jaxserve.cache.kv_cache import (allocate_kv_cache, copy_blocks, describe_kv_capacity, kv_bytes_per_block,
                                      num_blocks_for_memory)
 from jaxserve.config import EngineConfig
-from jaxserve.engine.sampler import (PenaltyState, SamplingTensors, init_penalty_state,
+from jaxserve.engine.sampler import (MODES, PenaltyState, SamplingTensors, init_penalty_state, mode_for,
                                      make_sampling_tensors, reset_slots, sample)
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.sequence import PENDING, Sequence
@@ -108,7 +108,9 @@ class ModelRunner:
         tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
         self.decode_impl = choose_decode_impl(cfg.decode_attention, mc.head_dim)
-        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("num_logprobs", "prompt_logprobs"))
+        if cfg.prefill_attention not in ("triton", "mosaic"):
+            raise ValueError(f"prefill_attention must be triton or mosaic, got {cfg.prefill_attention!r}")
+        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("num_logprobs", "prompt_logprobs", "mode"))
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)   # the previous step's samples, on device
         self.compiled_buckets: set[tuple] = set()
         bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
@@ -125,49 +127,55 @@ class ModelRunner:
         block = jax.ShapeDtypeStruct((2, self.cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype)
         inp = self._dummy_inputs(self.token_buckets[-1], self.seq_buckets[-1])
         compiled = self._step.lower(self.params, [(block, block)] * mc.num_layers, self.penalty, self.last_tokens,
-                                    inp, num_logprobs=MAX_LOGPROBS).compile()
+                                    inp, num_logprobs=MAX_LOGPROBS, mode="sort").compile()
         analysis = compiled.memory_analysis()
         peak = analysis.temp_size_in_bytes if analysis is not None else 0
         print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
         return peak
 
     def _step_fn(self, params, kv_cache, penalty: PenaltyState, last_tokens, inp: StepInputs, *, num_logprobs: int,
-                 prompt_logprobs: bool = False):
+                 prompt_logprobs: bool = False, mode: str = "sort"):
         model = nnx.merge(self.graphdef, params)
         # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
         token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
         hidden, kv_cache = model(token_ids, inp.positions, kv_cache, inp.attn)
         logits = model.logits(hidden[inp.logits_indices])
         out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
-                              num_logprobs=num_logprobs)
+                              num_logprobs=num_logprobs, mode=mode)
         last_tokens = jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens)
         return kv_cache, penalty, (out, prompt_logprob_of(model, hidden, inp) if prompt_logprobs else None), last_tokens
 
     def precompile(self) -> None:
-        """Compile every (tokens, seqs) bucket ahead of time; the persistent cache makes restarts fast."""
+        """Compile every (tokens, seqs) bucket and sampler mode ahead of time; the persistent cache makes
+        restarts fast. Logprob variants compile on first use."""
         pairs = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets]
         if self.decode_impl != "ragged":
             pairs += [(bucket_for(s, self.token_buckets), s, True) for s in self.seq_buckets]
-        for t, s, decode in tqdm(pairs, desc="compiling step buckets", unit="graph", file=sys.stderr, disable=None):
-            self.run(self._dummy_inputs(t, s, decode), 0)
+        unknown = set(self.cfg.precompile_sampler_modes) - set(MODES)
+        if unknown:
+            raise ValueError(f"precompile_sampler_modes: unknown {sorted(unknown)}; known: {list(MODES)}")
+        graphs = [(*pair, mode) for pair in pairs for mode in self.cfg.precompile_sampler_modes]
+        for t, s, decode, mode in tqdm(graphs, desc="compiling step graphs", unit="graph", file=sys.stderr,
+                                       disable=None):
+            self.run(self._dummy_inputs(t, s, decode), 0, mode=mode)
 
     def _dummy_inputs(self, num_tokens: int, num_seqs: int, decode_only: bool = False) -> StepInputs:
         z = lambda n: np.zeros(n, np.int32)  # noqa: E731 — all padding: writes land in the null block
         attn = AttentionBatch(z(num_tokens), z(num_seqs + 1), z(num_seqs),
                               np.zeros((num_seqs, self.max_blocks_per_seq), np.int32), z(1),
-                              self.decode_impl if decode_only else "ragged")
+                              self.decode_impl if decode_only else "ragged", self.cfg.prefill_attention)
         sampling = make_sampling_tensors([], [], [], num_rows=num_seqs)
         return StepInputs(z(num_tokens), z(num_tokens), attn, z(num_seqs),
                           np.full(num_seqs, self.cfg.max_num_seqs, np.int32), np.zeros(num_seqs, bool), sampling,
                           np.full(num_tokens, -1, np.int32), np.full(num_tokens, -1, np.int32))
 
-    def run(self, inp: StepInputs, num_logprobs: int = 0, prompt_logprobs: bool = False):
+    def run(self, inp: StepInputs, num_logprobs: int = 0, prompt_logprobs: bool = False, mode: str = "sort"):
         """One jitted step on ready inputs: (SamplerOutput, PromptLogprobs | None) as device arrays, no sync."""
         self.compiled_buckets.add((len(inp.token_ids), len(inp.slot_ids), inp.attn.decode_impl, num_logprobs,
-                                   prompt_logprobs))
+                                   prompt_logprobs, mode))
         self.kv_cache, self.penalty, out, self.last_tokens = self._step(
             self.params, self.kv_cache, self.penalty, self.last_tokens, inp, num_logprobs=num_logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, mode=mode)
         return out
 
     def update_block_table(self, updates, slot_of) -> None:
@@ -196,7 +204,9 @@ class ModelRunner:
         """Dispatch one step over rows (decodes first); returns device arrays at once (no sync)."""
         want = max((r.seq.params.logprobs or 0) for r in rows)
         prompt = any(r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
-        return self.run(self.prepare_inputs(rows), MAX_LOGPROBS if want else 0, prompt)
+        mode = mode_for([r.seq.params for r in rows if r.start + r.count >= r.seq.num_tokens],
+                        self.model_config.vocab_size)
+        return self.run(self.prepare_inputs(rows), MAX_LOGPROBS if want else 0, prompt, mode)
 
     def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:
         counts = np.array([r.count for r in rows], np.int32)
@@ -233,7 +243,8 @@ class ModelRunner:
         decode_only = n_tok == n_rows and all(r.count == 1 for r in rows)
         attn = AttentionBatch(slot_mapping.copy(), cu, kv_lens,
                               self.block_table.table[padded_slots % self.cfg.max_num_seqs],
-                              np.array([n_rows], np.int32), self.decode_impl if decode_only else "ragged")
+                              np.array([n_rows], np.int32), self.decode_impl if decode_only else "ragged",
+                              self.cfg.prefill_attention)
         sampling = make_sampling_tensors([r.seq.params for r in rows], [r.seq.seed for r in rows],
                                          [r.seq.num_output_tokens for r in rows], num_rows=s_pad,
                                          eos_token_ids=self.eos_token_ids)

@@ -8,8 +8,9 @@ Rows are the step's sequences padded to a static S; `slot_ids` maps each row to 
 slot in `PenaltyState` (padding rows to the scratch slot `max_num_seqs`) and `sample_mask` says which rows
 sample this step (not mid-prompt prefill chunks, not padding). A row's randomness is
 `fold_in(key(seed), gen_index)`: a seeded request draws the same tokens whatever else is in the batch.
-Costly work sits behind `lax.cond` on device predicates, so an all-greedy batch never sorts, and a batch
-without penalties never reads the penalty state.
+Costly work is switched by a static `mode` the host picks per step from the requests' parameters (one
+compiled variant each), not by `lax.cond`: on GPU an XLA conditional reads its predicate back to the host,
+which stalls the dispatching thread until the device gets there and so serialises host and device.
 """
 
 from collections.abc import Sequence
@@ -86,26 +87,41 @@ def reset_slots(state: PenaltyState, slots: jax.Array, prompt_ids: jax.Array,
     return PenaltyState(prompt_mask, counts)
 
 
+# Static sampler variants, cheapest first: "greedy" (argmax only), "sample" (+ penalties, temperature,
+# min-p, Gumbel noise), "sort" (+ top-k / top-p, which sort every row).
+MODES = ("greedy", "sample", "sort")
+
+
+def mode_for(params: Sequence[SamplingParams], vocab_size: int) -> str:
+    """The cheapest variant that serves every request sampling in this step."""
+    def needs_sort(p):
+        return 0 < p.top_k < vocab_size or p.top_p < 1.0
+
+    random = [p for p in params if p.temperature >= GREEDY_TEMPERATURE]
+    if any(map(needs_sort, random)):
+        return "sort"
+    penalties = any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params)
+    return "sample" if random or penalties else "greedy"
+
+
 def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array,
-           sample_mask: jax.Array, *, num_logprobs: int = 0) -> tuple[SamplerOutput, PenaltyState]:
-    """Sample one token per row of logits [S, V]; count it in the row's slot where sample_mask [S] holds."""
+           sample_mask: jax.Array, *, num_logprobs: int = 0, mode: str = "sort") -> tuple[SamplerOutput, PenaltyState]:
+    """Sample one token per row of logits [S, V]; count it in the row's slot where sample_mask [S] holds.
+    `mode` (static) must cover every row's parameters (`mode_for`); "sort" covers all."""
     logits = logits.astype(jnp.float32)
-    penalised = jax.lax.cond(any_penalty(t, sample_mask), apply_penalties, lambda x, *_: x,
-                             logits, t, state, slot_ids)
+    penalised = logits if mode == "greedy" else apply_penalties(logits, t, state, slot_ids)
     penalised = suppress(penalised, t.suppress_ids)
-    random_rows = sample_mask & (t.temperature >= GREEDY_TEMPERATURE)
-    tokens = jax.lax.cond(random_rows.any(), sample_random, lambda x, *_: argmax(x), penalised, t, random_rows)
+    if mode == "greedy":
+        tokens = argmax(penalised)
+    else:
+        random_rows = sample_mask & (t.temperature >= GREEDY_TEMPERATURE)
+        tokens = sample_random(penalised, t, random_rows, sort=mode == "sort")
     counts = state.output_counts.at[slot_ids, tokens].add(sample_mask.astype(jnp.int32))
     return raw_logprobs(logits, tokens, num_logprobs), PenaltyState(state.prompt_mask, counts)
 
 
 def argmax(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
-def any_penalty(t: SamplingTensors, sample_mask: jax.Array) -> jax.Array:
-    on = (t.repetition_penalty != 1.0) | (t.frequency_penalty != 0.0) | (t.presence_penalty != 0.0)
-    return (on & sample_mask).any()
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array) -> jax.Array:
@@ -123,13 +139,12 @@ def suppress(logits: jax.Array, ids: jax.Array) -> jax.Array:
     return logits.at[rows, drop_padding(ids, logits.shape[1])].set(NEG_INF, mode="drop")
 
 
-def sample_random(logits: jax.Array, t: SamplingTensors, random_rows: jax.Array) -> jax.Array:
+def sample_random(logits: jax.Array, t: SamplingTensors, random_rows: jax.Array, *, sort: bool) -> jax.Array:
     """Temperature, filters, then Gumbel-max on random_rows; the other rows take the plain argmax."""
     vocab_size = logits.shape[1]
     scaled = logits / jnp.where(random_rows, t.temperature, 1.0)[:, None]
-    top_k = effective_top_k(t.top_k, vocab_size)
-    needs_sort = (random_rows & ((top_k < vocab_size) | (t.top_p < 1.0))).any()
-    scaled = jax.lax.cond(needs_sort, filter_top_k_top_p, lambda x, *_: x, scaled, top_k, t.top_p)
+    if sort:
+        scaled = filter_top_k_top_p(scaled, effective_top_k(t.top_k, vocab_size), t.top_p)
     scaled = filter_min_p(scaled, t.min_p)  # max logit survives top-k/top-p: the same as min-p on the full row
     noise = jax.vmap(row_gumbel, in_axes=(0, 0, None))(t.seed, t.gen_index, vocab_size)
     return argmax(scaled + jnp.where(random_rows[:, None], noise, 0.0))

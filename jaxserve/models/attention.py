@@ -28,6 +28,8 @@ class AttentionBatch:
     num_seqs: jax.Array       # [1]
     # Static: "cuda" runs a decode-only batch (one token per row, rows == tokens) through the CUDA custom call.
     decode_impl: str = field(default="ragged", metadata=dict(static=True))
+    # Static: the GPU kernel for prefill rows (pallas_kernels.ragged_paged_attention's prefill_backend).
+    prefill_backend: str = field(default="triton", metadata=dict(static=True))
 
 
 def dense_causal_attention(q, k, v, positions, *, sm_scale: float, sliding_window: int | None):
@@ -52,7 +54,8 @@ def attend(q, k, v, positions, kv_layer, batch: AttentionBatch | None, *, sm_sca
         out = cuda_decode(q, k_cache, v_cache, batch, sm_scale=sm_scale, sliding_window=sliding_window)
     else:
         out = ragged_paged_attention(q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens, batch.block_tables,
-                                     batch.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window)
+                                     batch.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                                     prefill_backend=batch.prefill_backend)
     return out, (k_cache, v_cache)
 
 
