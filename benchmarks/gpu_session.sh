@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The H100 runs behind the committed GPU results, as device calls of under 10 minutes each (time limits sum
-# to 540 s per part). Results and a log land under $OUT; copy them to benchmarks/results/.
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh engine   # offline + HF peer, then the attention sweep
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh serve    # gRPC load benchmark at two request rates
+# to at most 540 s per part). Results and a log land under $OUT; copy them to benchmarks/results/.
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh engine      # offline + HF peer
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh attention   # the kernel sweep with every peer
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh serve       # gRPC load benchmark at two request rates
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
-LOG=$OUT/gpu_session_${1:?engine or serve}.log
+LOG=$OUT/gpu_session_${1:?engine, attention or serve}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -17,8 +18,9 @@ run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
 case $1 in
   engine)
-    run 300 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json"
-    run 240 python benchmarks/attention.py --out "$OUT/attention_h100.json" ;;
+    run 300 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json" ;;
+  attention)
+    run 300 python benchmarks/attention.py --out "$OUT/attention_h100.json" ;;
   serve)
     run 540 python benchmarks/serve_load.py --config $CONFIG --num-prompts 512 --input-len 512 --output-len 128 \
       --max-concurrency 256 --request-rate 16 inf --out "$OUT/serve_gpu.json" ;;

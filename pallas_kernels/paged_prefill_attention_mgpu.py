@@ -70,7 +70,9 @@ def work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, rows):
     total = jnp.sum(tiles)
     max_tiles = num_tokens // rows + max_seqs + 1
     t = total - 1 - jnp.arange(max_tiles)  # reversed: within a sequence, the last (longest) tile first
-    seg = jnp.clip(jnp.searchsorted(first + tiles, t, side="right"), 0, max_seqs)
+    # Segment of tile t: how many segments end at or before it. One fused compare (searchsorted's default
+    # lowers to a while loop, whose every iteration costs a device-to-host sync on GPU).
+    seg = jnp.minimum(jnp.sum(first[None, :] + tiles[None, :] <= t[:, None], axis=1), max_seqs)
     q_start = start[seg] + (t - first[seg]) * rows
     kv_len = jnp.where(seg < num_seqs, kv_lens[jnp.minimum(seg, max_seqs - 1)], 0)
     pos = kv_len - (end[seg] - start[seg]) + (q_start - start[seg])

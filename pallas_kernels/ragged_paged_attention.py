@@ -124,7 +124,7 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
                                                 num_seqs, **dataclasses.asdict(scores))
     check_pallas_shapes(q, k_cache)
     tuning = make_tuning(q.dtype, tuning)
-    mosaic = prefill_on_mosaic(q, k_cache, scores, tuning, prefill_backend, interpret)
+    mosaic = prefill_on_mosaic(q, k_cache, block_tables, scores, tuning, prefill_backend, interpret)
     # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
     # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
     run = attention_launches if mosaic is not None and interpret else pallas_attention
@@ -132,7 +132,7 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
                interpret=interpret, mosaic=mosaic)
 
 
-def prefill_on_mosaic(q, k_cache, scores: Scores, tuning: Tuning, backend: str,
+def prefill_on_mosaic(q, k_cache, block_tables, scores: Scores, tuning: Tuning, backend: str,
                       interpret: bool) -> mgpu_prefill.PrefillTuning | None:
     """The Mosaic GPU prefill tuning when that kernel serves the prefill rows, else None (Triton does)."""
     prefill_tuning = mgpu_prefill.PrefillTuning(block_kv=tuning.mosaic_block_kv)
@@ -142,7 +142,10 @@ def prefill_on_mosaic(q, k_cache, scores: Scores, tuning: Tuning, backend: str,
     if backend == "triton" or why_not:
         return None
     device = jax.devices()[0]
-    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"):
+    # auto: only Hopper, and only shapes with room for more tokens than sequences (a decode-only shape would
+    # pay the extra launches of the Mosaic path for nothing).
+    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
+                              or q.shape[0] <= block_tables.shape[0]):
         return None
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
 
