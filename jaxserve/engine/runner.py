@@ -42,7 +42,7 @@ def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
 
 def choose_decode_impl(setting: str, head_dim: int) -> str:
     """Which kernel serves decode-only steps. "auto" takes the ragged Pallas kernel: in one H100 run it read KV
-    faster than the CUDA custom call at 7 of 9 decode points (benchmarks/results/attention_h100.json); "cuda"
+    faster than the CUDA custom call at 8 of 9 decode points (benchmarks/results/attention_h100.json); "cuda"
     forces the custom call (also an sm_80+ path that needs no Triton)."""
     if setting not in ("auto", "cuda", "ragged"):
         raise ValueError(f"decode_attention must be auto, cuda or ragged, got {setting!r}")
