@@ -341,10 +341,24 @@ def run_full(rec: Recorder, free_bytes):
 
 
 def run_prefill(rec: Recorder):
-    """Prefill backends against the peers, and the mixed batch: the Hopper kernel's check."""
+    """Prefill backends against the peers, the Mosaic kernel's pipeline variants, and the mixed batch."""
     measure_copy(rec)
     bench_prefill(rec, 8192, tunings=(None, {"prefill_backend": "triton"}, {"mosaic_block_kv": 64}))
+    bench_mosaic_variants(rec, 8192)
     bench_mixed(rec, 64, 4096, 1024, 2048)
+
+
+def bench_mosaic_variants(rec: Recorder, length):
+    """The Hopper prefill kernel alone, with each FA3 pipelining choice switched off in turn."""
+    from pallas_kernels import paged_prefill_attention_mgpu as mgpu
+    batch = make_batch(jax.random.key(7), [length], [length])
+    expected = reference(batch)
+    sets, info = rotation(batch, 3 * L2_BYTES, lambda i: batch.args())
+    for variant in ({}, {"wait_next_k_early": False}, {"in_place_acc": False}):
+        tuning = mgpu.PrefillTuning(num_ctas=jax.devices()[0].core_count, **variant)
+        fn = lambda *a, t=tuning: mgpu.paged_prefill_attention(*a, sm_scale=SM_SCALE, tuning=t)  # noqa: E731
+        rec.measure("prefill", "jaxserve-mosaic-only", {"batch": 1, "context": length, "variant": variant or "default"},
+                    fn, sets, batch, expected, info)
 
 
 def run_tune(rec: Recorder):

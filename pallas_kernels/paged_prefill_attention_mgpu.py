@@ -35,6 +35,8 @@ class PrefillTuning:
     block_q: int = 64  # rows per compute warpgroup: the wgmma M
     block_kv: int = 128  # keys per pipeline step
     max_concurrent_steps: int = 2
+    wait_next_k_early: bool = True  # wait for step s+1's K while step s's PV wgmma runs (FA3)
+    in_place_acc: bool = True  # PV accumulates into acc (the interpreter cannot: it adds a fresh one)
     num_ctas: int = H100_SMS  # persistent grid; the caller passes the device's core count when it has one
 
 
@@ -228,7 +230,7 @@ def compute_item(item: Item, step, *, refs, barriers, wg, tuning, sm_scale, slid
         full_lo = jnp.clip(cdiv(jnp.maximum(pos_last - sliding_window + 1, 0), bkv), lo, full_hi)
     row_pos = pos_first + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
     base = step - item.lo  # ring slot of step s: (base + s) % max_concurrent_steps, as the memory warpgroup counts
-    attend = functools.partial(attend_step, base=base, q_smem=q_smem, p_smem=p_smem, kv=(k_smem, v_smem),
+    attend = functools.partial(attend_step, base=base, hi=hi, q_smem=q_smem, p_smem=p_smem, kv=(k_smem, v_smem),
                                barriers=barriers, row_pos=row_pos, key_bound=item.key_bound, tuning=tuning,
                                sm_scale=sm_scale, sliding_window=sliding_window)
     skip = functools.partial(skip_step, base=base, barriers=barriers, tuning=tuning)
@@ -238,6 +240,8 @@ def compute_item(item: Item, step, *, refs, barriers, wg, tuning, sm_scale, slid
     acc = plgpu.layout_cast(jnp.full((bq, q_ref.shape[2]), 0, jnp.float32), plgpu.Layout.WGMMA)
     pl.when(wg == 1)(functools.partial(take_turn, turn))
     lax.fori_loop(item.lo, lo, skip, None)
+    if tuning.wait_next_k_early:  # attend steps find their K waited for by the step before; the first, here
+        pl.when(lo < hi)(lambda: plgpu.barrier_wait(k_ready.at[(base + lo) % tuning.max_concurrent_steps]))
     carry = lax.fori_loop(lo, full_lo, functools.partial(attend, masked=True), (acc, m, l))
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, masked=False), carry)
     acc, m, l = lax.fori_loop(full_hi, hi, functools.partial(attend, masked=True), carry)
@@ -251,7 +255,7 @@ def compute_item(item: Item, step, *, refs, barriers, wg, tuning, sm_scale, slid
     return step + item.hi - item.lo
 
 
-def attend_step(s, carry, *, masked, base, q_smem, p_smem, kv, barriers, row_pos, key_bound, tuning, sm_scale,
+def attend_step(s, carry, *, masked, base, hi, q_smem, p_smem, kv, barriers, row_pos, key_bound, tuning, sm_scale,
                 sliding_window):
     """One KV step of the online softmax (FlashAttention-3 order: QK, softmax while the other warpgroup
     multiplies, PV)."""
@@ -260,7 +264,8 @@ def attend_step(s, carry, *, masked, base, q_smem, p_smem, kv, barriers, row_pos
     acc, m, l = carry
     slot = (base + s) % tuning.max_concurrent_steps
     bq, bkv = row_pos.shape
-    plgpu.barrier_wait(k_ready.at[slot])
+    if not tuning.wait_next_k_early:
+        plgpu.barrier_wait(k_ready.at[slot])
 
     def qk_scope(qk_ref):
         plgpu.wgmma(qk_ref, q_smem, k_smem.at[slot].T)
@@ -295,11 +300,16 @@ def attend_step(s, carry, *, masked, base, q_smem, p_smem, kv, barriers, row_pos
         plgpu.commit_smem()
         p = p_smem
 
-    def pv_scope(pv_ref):
-        plgpu.wgmma(pv_ref, p, v_smem.at[slot])
-        return pv_ref[...]
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+        if tuning.wait_next_k_early:
+            nxt = (base + s + 1) % tuning.max_concurrent_steps
+            pl.when(s + 1 < hi)(lambda: plgpu.barrier_wait(k_ready.at[nxt]))
 
-    acc = acc + pl.run_scoped(pv_scope, plgpu.ACC(acc.shape, jnp.float32))
+    if tuning.in_place_acc and p_smem is None:
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    else:
+        acc = acc + pl.run_scoped(lambda ref: (pv(ref), ref[...])[1], plgpu.ACC(acc.shape, jnp.float32))
     plgpu.barrier_arrive(v_free.at[slot])
     return acc, m_new, l
 
