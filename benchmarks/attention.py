@@ -354,7 +354,7 @@ def bench_mosaic_variants(rec: Recorder, length):
     batch = make_batch(jax.random.key(7), [length], [length])
     expected = reference(batch)
     sets, info = rotation(batch, 3 * L2_BYTES, lambda i: batch.args())
-    for variant in ({}, {"wait_next_k_early": False}, {"in_place_acc": False}):
+    for variant in ({}, {"wait_next_k_early": False}):
         tuning = mgpu.PrefillTuning(num_ctas=jax.devices()[0].core_count, **variant)
         fn = lambda *a, t=tuning: mgpu.paged_prefill_attention(*a, sm_scale=SM_SCALE, tuning=t)  # noqa: E731
         rec.measure("prefill", "jaxserve-mosaic-only", {"batch": 1, "context": length, "variant": variant or "default"},
