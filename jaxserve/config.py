@@ -94,8 +94,8 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = True          # launch step N+1 before step N's samples reach the host
     decode_attention: str = "auto"         # decode-only steps: "auto" (= the faster measured: ragged), "cuda", "ragged"
-    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: 1.6x Triton on an 8K prompt, but every
-    # layer's copy of it compiles separately: an 8B model's 6 graphs did not precompile in 200 s on an H100)
+    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel, 2x Triton on an 8K prompt; kept off by
+    # default: the first 8B precompile with it did not finish in 200 s on an H100, cause not yet isolated)
     prefill_attention: str = "triton"
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     precompile: bool = True

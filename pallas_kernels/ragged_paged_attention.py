@@ -8,7 +8,7 @@ Backends, per role:
   head (Triton's mma pads them to 16 rows, Mosaic's wgmma to 64), each KV tile is gathered from pages at
   random addresses as one pointer-tensor load, and it runs on sm_80+ with exact float32 dots.
 - prefill: on Hopper (sm_90) with bf16/f16, `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page copies,
-  wgmma, warp specialisation), 1.6x the Triton prefill; elsewhere the Triton prefill kernel below.
+  wgmma, warp specialisation), 2x the Triton prefill at 8K tokens; elsewhere the Triton prefill kernel below.
 Nothing in the API names the backend (`prefill_backend` only overrides the choice).
 
 Two launches, with no host- or XLA-side metadata preparation (each program reads the raw

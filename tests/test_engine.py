@@ -233,3 +233,28 @@ def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache(tiny, 
         entry = out.prompt_logprobs[p]
         assert abs(entry[prompt[p]] - ref[p - 1, prompt[p]]) < 1e-4
         assert set(np.argsort(ref[p - 1])[-3:]) <= set(entry)
+
+
+@pytest.mark.parametrize("knob, field", [
+    (dict(prefill_attention="cudnn"), "prefill_attention"),
+    (dict(precompile_sampler_modes=("fast",)), "precompile_sampler_modes"),
+    (dict(decode_attention="flash"), "decode_attention"),
+])
+def test_bad_engine_knobs_name_the_field(tiny, knob, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(tiny[0], **{**BASE, **knob})
+
+
+def test_each_step_compiles_the_sampler_its_requests_need(tiny_llm):
+    """top_k=1 at temperature 1 is greedy only if the step ran the top-k sampler variant, also when the batch
+    shares its steps with plain greedy and plain random requests."""
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True, seed=3)
+    free = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3)
+    expected = token_ids(tiny_llm.generate(prompts, greedy))
+    mixed = token_ids(tiny_llm.generate(prompts, [greedy, top1, free]))
+    assert mixed[:2] == expected[:2]
+    assert mixed[2] != expected[2]  # random sampling really ran beside them
+    modes = {key[-1] for key in tiny_llm.engine.runner.compiled_buckets}
+    assert {"greedy", "sort"} <= modes

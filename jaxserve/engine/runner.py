@@ -41,9 +41,9 @@ def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
 
 
 def choose_decode_impl(setting: str, head_dim: int) -> str:
-    """Which kernel serves decode-only steps. "auto" takes the ragged Pallas kernel: in one H100 run it read KV
-    faster than the CUDA custom call at 8 of 9 decode points (benchmarks/results/attention_h100.json); "cuda"
-    forces the custom call (also an sm_80+ path that needs no Triton)."""
+    """Which kernel serves decode-only steps. "auto" takes the ragged Pallas kernel: in the H100 sweep it read
+    KV faster than the CUDA custom call at 6 of 9 decode points, all the long-context ones (the call won the
+    launch-bound 512-token points; benchmarks/NOTES_cuda.md); "cuda" forces the custom call."""
     if setting not in ("auto", "cuda", "ragged"):
         raise ValueError(f"decode_attention must be auto, cuda or ragged, got {setting!r}")
     if setting != "cuda":
@@ -110,6 +110,8 @@ class ModelRunner:
         self.decode_impl = choose_decode_impl(cfg.decode_attention, mc.head_dim)
         if cfg.prefill_attention not in ("triton", "mosaic"):
             raise ValueError(f"prefill_attention must be triton or mosaic, got {cfg.prefill_attention!r}")
+        if unknown := set(cfg.precompile_sampler_modes) - set(MODES):
+            raise ValueError(f"precompile_sampler_modes: unknown {sorted(unknown)}; known: {list(MODES)}")
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("num_logprobs", "prompt_logprobs", "mode"))
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)   # the previous step's samples, on device
         self.compiled_buckets: set[tuple] = set()
@@ -151,9 +153,6 @@ class ModelRunner:
         pairs = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets]
         if self.decode_impl != "ragged":
             pairs += [(bucket_for(s, self.token_buckets), s, True) for s in self.seq_buckets]
-        unknown = set(self.cfg.precompile_sampler_modes) - set(MODES)
-        if unknown:
-            raise ValueError(f"precompile_sampler_modes: unknown {sorted(unknown)}; known: {list(MODES)}")
         graphs = [(*pair, mode) for pair in pairs for mode in self.cfg.precompile_sampler_modes]
         for t, s, decode, mode in tqdm(graphs, desc="compiling step graphs", unit="graph", file=sys.stderr,
                                        disable=None):
