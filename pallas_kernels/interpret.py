@@ -1,11 +1,16 @@
-"""The one place that knows how Pallas spells "interpret this kernel on the CPU" for our backend.
+"""The one place that knows how Pallas spells "interpret this kernel on the CPU", per backend.
 
-Our kernels use the Triton lowering, whose `pallas_call(interpret=...)` takes a bool. (A Mosaic GPU kernel
-would take `jax.experimental.pallas.mosaic_gpu.InterpretGPUParams()` here instead.) If jax renames it,
-this function is the only line to change.
+The Triton-lowered kernels take a bool in `pallas_call(interpret=...)`; the Mosaic GPU kernel takes
+`InterpretGPUParams()` in `plgpu.kernel(interpret=...)`. If jax renames either, only this file changes.
 """
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def interpret_params(interpret: bool) -> bool:
-    """Value for `pallas_call(interpret=...)`: run on the CPU through the HLO interpreter when asked."""
+    """Triton backend: run on the CPU through the HLO interpreter when asked."""
     return bool(interpret)
+
+
+def mosaic_interpret_params(interpret: bool):
+    """Mosaic GPU backend: its warpgroup-level interpreter when asked, else None (compile for the GPU)."""
+    return plgpu.InterpretGPUParams() if interpret else None

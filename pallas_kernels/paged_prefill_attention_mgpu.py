@@ -11,8 +11,9 @@ cuDNN (benchmarks/NOTES_attention.md). Same cache layout and metadata; decodes s
   the tensor cores (one runs softmax while the other multiplies).
 - Every warpgroup walks the same KV steps of a work item; steps outside a warpgroup's causal / window range
   only wait and release the buffers, which keeps barrier phases in lock step across work items.
-- Output rows go through an unswizzled buffer and a ladder of power-of-two TMA stores, so a tile never
-  writes rows of the next sequence. Rows of decode sequences are left alone (the caller aliases them in).
+- q tiles start at any row, which a swizzled TMA cannot address: q and the output pass through a plain SMEM
+  buffer; outputs leave by a ladder of power-of-two-row TMA stores, so a tile never writes the next
+  sequence's rows. Rows of decode sequences are left alone (the caller merges them in, in place).
 """
 import functools
 import math
@@ -23,6 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.interpret import mosaic_interpret_params
 
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2
@@ -93,11 +96,11 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_table
         prefill_kernel, tuning=tuning, sm_scale=float(sm_scale), sliding_window=sliding_window,
         group=num_q_heads // k_cache.shape[2], max_blocks=block_tables.shape[1])
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch_types=scratch(q.dtype, head_dim,
-                                                                                     tuning, k_cache.shape[1], interpret),
+        kernel, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=scratch(q.dtype, head_dim, tuning, k_cache.shape[1], interpret),
         grid=(tuning.num_ctas,), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=mosaic_interpret_params(interpret),
     )(meta, q, k_cache, v_cache, block_tables)
 
 
@@ -122,7 +125,8 @@ def scratch(dtype, head_dim, tuning: PrefillTuning, block_size, interpret):
 
 @dataclass(frozen=True)
 class Item:
-    """One work item: q tile `tile` for q head `head`, and the KV steps its two warpgroups need."""
+    """One work item: a tile of up to 2 * block_q query rows [q_start, ...) of one sequence, for q head `head`,
+    and the KV steps its two warpgroups need."""
     head: jax.Array
     q_start: jax.Array
     q_end: jax.Array
@@ -130,7 +134,6 @@ class Item:
     seq: jax.Array
     lo: jax.Array  # KV steps [lo, hi) loaded for this item
     hi: jax.Array
-
     key_bound: jax.Array  # keys at or past this are visible to none of the item's rows
 
 
@@ -146,7 +149,8 @@ def locate(meta_ref, w, num_q_heads, block_q, block_kv, sliding_window) -> Item:
 
 
 def prefill_kernel(meta_ref, q_ref, k_ref, v_ref, bt_ref, out_ref, q_smem, k_smem, v_smem, o_smem, p_smem,
-                   k_ready, v_ready, q_ready, k_free, v_free, turn, *, tuning, sm_scale, sliding_window, group, max_blocks):
+                   k_ready, v_ready, q_ready, k_free, v_free, turn, *, tuning, sm_scale, sliding_window, group,
+                   max_blocks):
     num_q_heads = q_ref.shape[1]
     total = meta_ref[meta_ref.shape[0] - 1, 0] * num_q_heads
     cta, num_ctas = lax.axis_index("cta"), tuning.num_ctas
@@ -190,6 +194,8 @@ def load_item(item: Item, step, *, refs, barriers, tuning, group, max_blocks):
     def one(s, step):
         slot = step % tuning.max_concurrent_steps
         cols = [s * pages + i for i in range(pages)]
+        # Pages past the last visible key may not exist in the table: read the null block instead (the compute
+        # side zeroes those V rows). The ids load before the wait below, so their latency hides behind it.
         ids = [jnp.where(c * block_size < item.key_bound, bt_ref[item.seq, jnp.minimum(c, max_blocks - 1)], 0)
                for c in cols]
         for cache, smem, ready, free in ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)):

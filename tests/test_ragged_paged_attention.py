@@ -239,8 +239,13 @@ def test_mosaic_prefill_matches_reference(dtype, q_heads, kv_heads, head_dim, op
                                                   "mosaic_block_kv": 64}, **options)
 
 
-def test_mosaic_prefill_refuses_what_it_cannot_serve():
-    batch = make_batch(np.random.default_rng(11), *MIXES["mixed"], **GEOMETRY)  # float32
-    with pytest.raises(ValueError, match="prefill_backend='mosaic'.*dtype"):
+@pytest.mark.parametrize("dtype, options, reason", [
+    (jnp.float32, {}, "dtype"),
+    (jnp.bfloat16, {"soft_cap": 5.0}, "soft cap"),
+])
+def test_mosaic_prefill_refuses_what_it_cannot_serve(dtype, options, reason):
+    """Asked for by name it refuses with the reason; under "auto" such calls take the Triton prefill."""
+    batch = make_batch(np.random.default_rng(11), *MIXES["mixed"], **GEOMETRY, dtype=dtype)
+    with pytest.raises(ValueError, match=f"prefill_backend='mosaic'.*{reason}"):
         ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
-                               prefill_backend="mosaic")
+                               prefill_backend="mosaic", **options)

@@ -112,7 +112,8 @@ class ModelRunner:
             raise ValueError(f"prefill_attention must be triton or mosaic, got {cfg.prefill_attention!r}")
         if unknown := set(cfg.precompile_sampler_modes) - set(MODES):
             raise ValueError(f"precompile_sampler_modes: unknown {sorted(unknown)}; known: {list(MODES)}")
-        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("num_logprobs", "prompt_logprobs", "mode"))
+        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2),
+                             static_argnames=("num_logprobs", "prompt_logprobs", "mode"))
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)   # the previous step's samples, on device
         self.compiled_buckets: set[tuple] = set()
         bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
