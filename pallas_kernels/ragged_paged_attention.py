@@ -147,6 +147,7 @@ def prefill_on_mosaic(q, k_cache, block_tables, scores: Scores, tuning: Tuning, 
     if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
                               or q.shape[0] <= block_tables.shape[0]):
         return None
+    # one CTA per SM; the CPU interpreter (no core count) simulates a few, each taking several work items
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
 
 
@@ -226,7 +227,7 @@ def is_power_of_2(n: int) -> bool:
 
 
 def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
-                     tuning: Tuning, interpret: bool, mosaic: mgpu_prefill.PrefillTuning | None):
+                       tuning: Tuning, interpret: bool, mosaic: mgpu_prefill.PrefillTuning | None):
     geo = Geometry(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
                    kv_lens.shape[0], block_tables.shape[1])
     meta = (num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1))

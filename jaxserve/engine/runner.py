@@ -85,6 +85,11 @@ class StepRow:
     count: int      # tokens computed this step (0 for a fork sampled from its parent's logits)
     logits_from: int = -1   # row whose last token's logits this row samples (forks); -1: its own
 
+    @property
+    def samples(self) -> bool:
+        """This step reaches the end of the sequence's known tokens, so it samples the next one."""
+        return self.start + self.count >= self.seq.num_tokens
+
 
 def prompt_logprob_of(model, hidden, inp: StepInputs) -> PromptLogprobs:
     """All-position logits ([T, V]: only compiled into steps that serve a prompt_logprobs request)."""
@@ -204,8 +209,7 @@ class ModelRunner:
         """Dispatch one step over rows (decodes first); returns device arrays at once (no sync)."""
         want = max((r.seq.params.logprobs or 0) for r in rows)
         prompt = any(r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
-        mode = mode_for([r.seq.params for r in rows if r.start + r.count >= r.seq.num_tokens],
-                        self.model_config.vocab_size)
+        mode = mode_for([r.seq.params for r in rows if r.samples], self.model_config.vocab_size)
         return self.run(self.prepare_inputs(rows), MAX_LOGPROBS if want else 0, prompt, mode)
 
     def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:
@@ -239,7 +243,7 @@ class ModelRunner:
         from_row = np.array([i if r.logits_from < 0 else r.logits_from for i, r in enumerate(rows)], np.int32)
         logits_idx[:n_rows] = own_last[from_row]
         mask = np.zeros(s_pad, bool)
-        mask[:n_rows] = [r.start + r.count >= r.seq.num_tokens for r in rows]
+        mask[:n_rows] = [r.samples for r in rows]
         decode_only = n_tok == n_rows and all(r.count == 1 for r in rows)
         attn = AttentionBatch(slot_mapping.copy(), cu, kv_lens,
                               self.block_table.table[padded_slots % self.cfg.max_num_seqs],
