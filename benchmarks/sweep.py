@@ -167,10 +167,11 @@ def sweep_runner(loaded, cfg: EngineConfig, cases: list[SweepCase]) -> ModelRunn
 
 
 def compile_step(runner: ModelRunner, inp: StepInputs):
-    """AOT-compile the runner's jitted step for inp's bucket: (executable, seconds, temp bytes, code bytes)."""
+    """AOT-compile the runner's jitted step for inp's bucket (greedy sampler, as the sweep's requests):
+    (executable, seconds, temp bytes, code bytes)."""
     start = time.perf_counter()
     compiled = runner._step.lower(runner.params, runner.kv_cache, runner.penalty, runner.last_tokens, inp,
-                                  num_logprobs=0).compile()
+                                  num_logprobs=0, mode="greedy").compile()
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     return compiled, seconds, getattr(mem, "temp_size_in_bytes", 0), getattr(mem, "generated_code_size_in_bytes", 0)
