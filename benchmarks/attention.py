@@ -30,7 +30,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import commit  # noqa: E402
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
+from pallas_kernels.ragged_paged_attention import (make_tuning, one_launch_decode_pays,  # noqa: E402
+                                                   ragged_paged_attention)
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -52,6 +53,7 @@ TUNE_VARIANTS = {
                 {"prefill_block_m": 64, "prefill_num_warps": 4, "prefill_kv_tile": 128},
                 {"prefill_kv_tile": 128, "prefill_num_stages": 2}],
 }
+PLAN_POINTS = [(b, c) for b in (8, 64, 256) for c in (512, 1024, 2048, 4096)] + [(8, 16384)]
 PROFILE_POINTS = ((1, 8, 512), (1, 64, 4096), (8192, 1, 8192))  # (q_len, batch, context), for ncu
 
 
@@ -161,6 +163,11 @@ class Recorder:
         self.add(bench, impl, {**params, **rotation_info}, ms, batch, error=mismatch, max_rel_err=error)
 
 
+    def measure_floor(self, params, arg_sets):
+        ms, _ = time_calls(lambda *a: a[0] + 1, arg_sets)
+        self.add("decode", "launch-floor", {**params, "calls": len(arg_sets)}, ms)
+
+
 def measure_copy(rec: Recorder):
     """XLA elementwise copy of 2 GiB (read + write bytes): the bandwidth ceiling for this run."""
     x = jax.random.normal(jax.random.key(0), (1 << 30,), DTYPE)
@@ -172,9 +179,15 @@ def measure_copy(rec: Recorder):
 TUNING = {}  # overrides for every jaxserve-pallas row (--tuning)
 
 
-def ours(tuning=None):
+def ours(tuning=None, decode_only=False):
     tuning = TUNING if tuning is None else tuning
-    return lambda *a: ragged_paged_attention(*a, sm_scale=SM_SCALE, impl="pallas", **tuning)
+    return lambda *a: ragged_paged_attention(*a, sm_scale=SM_SCALE, impl="pallas", decode_only=decode_only,
+                                             **tuning)
+
+
+def engine_plan(batch_size, context) -> bool:
+    """What the engine runs for a decode-only step of this shape: one launch or split-K (planned on the host)."""
+    return one_launch_decode_pays(batch_size, context, KV_HEADS, make_tuning(DTYPE, TUNING))
 
 
 def reference(batch: Batch):
@@ -205,11 +218,15 @@ def bench_decode(rec: Recorder, batch_size, context, tunings=(None,)):
     expected = reference(batch)
     params = {"batch": batch_size, "context": context}
     sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
+    one_launch = engine_plan(batch_size, context)
     for tuning in tunings:
-        rec.measure("decode", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default"},
-                    ours(tuning), sets, batch, expected, info)
+        rec.measure("decode", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default",
+                                                  "one_launch": one_launch},
+                    ours(tuning, one_launch), sets, batch, expected, info)
     if tunings != (None,):
         return
+    rec.measure("decode", "jaxserve-pallas-alt", {**params, "one_launch": not one_launch},
+                ours(None, not one_launch), sets, batch, expected, info)
     q4 = lambda a: (a[0][:, None], a[1], a[2])  # noqa: E731 - [B, 1, H, D] for cuDNN
     ones, lens = jnp.ones((batch_size,), jnp.int32), batch.kv_lens
     paged = cudnn_paged(ones, lens, batch.block_tables, causal=False)
@@ -223,16 +240,19 @@ def bench_decode(rec: Recorder, batch_size, context, tunings=(None,)):
     bench_jax_paged_decode(rec, params, batch, expected)
 
 
-def bench_cuda_decode(rec: Recorder, params, sets, batch: Batch, expected, info):
+def bench_cuda_decode(rec: Recorder, params, sets, batch: Batch, expected, info, split_choices=(None,)):
     try:
         import custom_calls
         if not custom_calls.available():
             return
-        fn = lambda *a: custom_calls.paged_decode_attention(a[0], a[1], a[2], a[4], a[5], sm_scale=SM_SCALE)  # noqa: E731
     except Exception as exc:  # another engineer's module: a failure is a row, not a crash
         rec.add("decode", "jaxserve-cuda", params, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         return
-    rec.measure("decode", "jaxserve-cuda", params, fn, sets, batch, expected, info)
+    for splits in split_choices:
+        fn = lambda *a, n=splits: custom_calls.paged_decode_attention(a[0], a[1], a[2], a[4], a[5],  # noqa: E731
+                                                                      sm_scale=SM_SCALE, num_splits=n)
+        rec.measure("decode", "jaxserve-cuda", {**params, "num_splits": splits or "default"}, fn, sets, batch,
+                    expected, info)
 
 
 def to_contiguous(batch: Batch, k_cache, v_cache):
@@ -348,17 +368,38 @@ def run_prefill(rec: Recorder):
     bench_mixed(rec, 64, 4096, 1024, 2048)
 
 
-def bench_mosaic_variants(rec: Recorder, length):
-    """The Hopper prefill kernel alone, with each FA3 pipelining choice switched off in turn."""
+def bench_mosaic_variants(rec: Recorder, length, variants=({}, {"wait_next_k_early": False})):
+    """The Hopper prefill kernel alone, in each PrefillTuning variant."""
     from pallas_kernels import paged_prefill_attention_mgpu as mgpu
     batch = make_batch(jax.random.key(7), [length], [length])
     expected = reference(batch)
     sets, info = rotation(batch, 3 * L2_BYTES, lambda i: batch.args())
-    for variant in ({}, {"wait_next_k_early": False}):
+    for variant in variants:
         tuning = mgpu.PrefillTuning(num_ctas=jax.devices()[0].core_count, **variant)
         fn = lambda *a, t=tuning: mgpu.paged_prefill_attention(*a, sm_scale=SM_SCALE, tuning=t)  # noqa: E731
         rec.measure("prefill", "jaxserve-mosaic-only", {"batch": 1, "context": length, "variant": variant or "default"},
                     fn, sets, batch, expected, info)
+
+
+def run_plans(rec: Recorder):
+    """Decode-only plans side by side (one launch, split-K, the CUDA call's splits) around the crossovers, the
+    peers, and the launch floor (one tiny XLA kernel per call with the same arguments)."""
+    measure_copy(rec)
+    for batch_size, context in PLAN_POINTS:
+        batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
+        expected, params = reference(batch), {"batch": batch_size, "context": context}
+        sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
+        for one_launch in (False, True):
+            rec.measure("decode", "jaxserve-pallas", {**params, "one_launch": one_launch}, ours(None, one_launch),
+                        sets, batch, expected, info)
+        bench_cuda_decode(rec, params, sets, batch, expected, info, split_choices=(None, 1))
+        if context == 512:
+            rec.measure_floor(params, sets)
+        del sets
+        bench_contiguous_decode(rec, params, batch, expected)
+    bench_prefill(rec, 8192)
+    bench_mosaic_variants(rec, 8192, variants=({}, {"block_kv": 64, "max_concurrent_steps": 4},
+                                               {"block_kv": 64, "max_concurrent_steps": 3}))
 
 
 def run_tune(rec: Recorder):
@@ -430,10 +471,14 @@ def print_table(rows):
 
 
 def main():
+    global MAX_CALLS, TARGET_RUN_S
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="sweep Tuning variants at key points")
     parser.add_argument("--profile", action="store_true", help="run PROFILE_POINTS untimed (under ncu)")
     parser.add_argument("--prefill", action="store_true", help="prefill backends and the mixed batch only")
+    parser.add_argument("--plans", action="store_true", help="decode-only plans and the CUDA call's splits")
+    parser.add_argument("--max-calls", type=int, default=MAX_CALLS, help="most calls per timed program")
+    parser.add_argument("--target-ms", type=float, default=TARGET_RUN_S * 1e3, help="GPU time per timed program")
     parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
     parser.add_argument("--tuning", default="{}", help="JSON Tuning overrides for our rows")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention_h100.json"))
@@ -442,6 +487,7 @@ def main():
         with open(args.pick) as f:
             return print(json.dumps(pick_tuning(json.load(f))))
     TUNING.update(json.loads(args.tuning))
+    MAX_CALLS, TARGET_RUN_S = args.max_calls, args.target_ms / 1e3
     if args.profile:
         return run_profile()
     rec = Recorder(args.out)
@@ -450,6 +496,8 @@ def main():
         run_tune(rec)
     elif args.prefill:
         run_prefill(rec)
+    elif args.plans:
+        run_plans(rec)
     else:
         run_full(rec, free)
         plot(rec.rows, os.path.splitext(args.out)[0] + ".png")

@@ -25,6 +25,10 @@ cu_q_lens/kv_lens/block_tables):
 Fixed per-launch costs dominate small batches (benchmarks/NOTES_attention.md), hence the merge riding along.
 With the Mosaic prefill, launch 2 is that kernel and a third, merge-only launch writes the decode rows into
 its output in place.
+A decode-only step can do better still when the host knows it (`decode_only=True`): one launch, grid
+(kv_heads, tokens), each program attends one whole context and writes its output rows (no split-K, no merge).
+That wins when the batch fills the GPU or the contexts are short; `one_launch_decode_pays` is the host's
+plan, as FlashInfer's plan() decides its split from the kv lengths before a step.
 """
 import dataclasses
 import functools
@@ -60,6 +64,7 @@ class Tuning:
     prefill_num_warps: int = 4
     prefill_num_stages: int = 3
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
+    one_launch_max_context: int = 1024  # decode-only steps up to this context run one launch at any batch
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory.
@@ -102,8 +107,8 @@ class Scores:
 
 def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                           impl: str = "auto", prefill_backend: str = "auto", interpret: bool = False,
-                           **tuning) -> jax.Array:
+                           impl: str = "auto", prefill_backend: str = "auto", decode_only: bool = False,
+                           interpret: bool = False, **tuning) -> jax.Array:
     """Causal GQA attention of each sequence's new tokens over its paged KV (new tokens already cached).
 
     q [num_tokens, num_q_heads, head_dim]; cu_q_lens [max_seqs + 1]; kv_lens [max_seqs] (context including
@@ -112,7 +117,9 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
     impl: "pallas" (the GPU kernel; `interpret=True` runs it on the CPU), "reference" (pure JAX), or "auto"
     (pallas on an sm_80+ NVIDIA GPU or when interpreting, else reference). prefill_backend, for the pallas
     impl's non-decode rows: "mosaic" (the Hopper wgmma/TMA kernel), "triton", or "auto" (mosaic on sm_90 when
-    it supports the shapes, else triton). `tuning`: fields of `Tuning`.
+    it supports the shapes, else triton). decode_only: the caller guarantees every sequence has one query
+    (token i is sequence i's), so the pallas impl runs one launch without split-K (sequences past the leading
+    run of one-token ones would come out as zeros). `tuning`: fields of `Tuning`.
     """
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs,
                             sm_scale, sliding_window, soft_cap, impl, prefill_backend)
@@ -124,6 +131,9 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
                                                 num_seqs, **dataclasses.asdict(scores))
     check_pallas_shapes(q, k_cache)
     tuning = make_tuning(q.dtype, tuning)
+    if decode_only:
+        return one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, scores=scores,
+                                 tuning=tuning, interpret=interpret)
     mosaic = prefill_on_mosaic(q, k_cache, block_tables, scores, tuning, prefill_backend, interpret)
     # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
     # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
@@ -244,6 +254,30 @@ def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, nu
 
 
 pallas_attention = jax.jit(attention_launches, static_argnames=("scores", "tuning", "interpret", "mosaic"))
+
+
+def one_launch_decode_pays(num_decodes: int, max_kv_len: int, num_kv_heads: int, tuning: Tuning = Tuning()) -> bool:
+    """The host's plan for a decode-only step: one launch when split-K would not split anyway (the batch fills
+    the decode launch) or the contexts are short enough that the merge launch costs more than splitting saves."""
+    return 2 * num_decodes * num_kv_heads > tuning.decode_programs or max_kv_len <= tuning.one_launch_max_context
+
+
+@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret"))
+def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
+                      tuning: Tuning, interpret: bool):
+    geo = Geometry(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
+                   kv_lens.shape[0], block_tables.shape[1])
+    kernel = functools.partial(decode_kernel, geo=geo, scores=scores, slots=geo.num_tokens, max_splits=1,
+                               tile=max(tuning.decode_kv_tile, geo.block_size), rows=max(16, geo.group_pad))
+    out = pl.pallas_call(
+        kernel, grid=(geo.num_kv_heads, geo.num_tokens),
+        out_shape=jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.decode_num_warps,
+                                             num_stages=tuning.decode_num_stages),
+        interpret=interpret_params(interpret), name="ragged_paged_attention_decode_only",
+    )(num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1), q.reshape(-1, geo.head_dim),
+      k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
+    return out.reshape(q.shape)
 
 
 def decode_slots(geo: Geometry, tuning: Tuning) -> int:
@@ -369,11 +403,13 @@ def locate_block(cu_ref, num_seqs, block, geo, block_q):
     return seq, q_start, q_len, (block - jnp.sum(jnp.where(i == seq, first_block, 0))) * block_q
 
 
-def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, geo,
+def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *, geo,
                   scores, slots, max_splits, tile, rows):
+    """With lse_ref: one split of a decode, float32 partials. Without (one launch): slot = token, whose output
+    rows it writes whole (zeros when the token is no decode)."""
     kv_head, slot = pl.program_id(0), pl.program_id(1)
     num_decodes = count_decodes(cu_ref, num_seqs_ref[0], geo)
-    splits = decode_splits(num_decodes, slots, max_splits)
+    splits = 1 if lse_ref is None else decode_splits(num_decodes, slots, max_splits)
     seq, split = slot // splits, slot % splits
     active = seq < num_decodes
     kv_len = jnp.where(active, kv_lens_ref[jnp.minimum(seq, geo.max_seqs - 1)], 0)
@@ -389,6 +425,9 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref
                              kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile)
     o, m, l = attend_range(init_carry(q.shape), lo, jnp.minimum(lo + per_split, t_hi), cdiv(first, tile),
                            kv_len // tile, step)
+    if lse_ref is None:
+        store_rows(o_ref, slot * geo.num_q_heads + head, r < geo.group, (o / safe(l)[:, None]).astype(o_ref.dtype))
+        return
     out_row = slot * geo.num_q_heads + head
     store_rows(o_ref, out_row, row_ok, o / safe(l)[:, None])
     plgpu.store(lse_ref.at[jnp.where(row_ok, out_row, lse_ref.shape[0])], m + jnp.log2(l), mask=row_ok)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import one_launch_decode_pays, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -168,6 +168,32 @@ def test_split_k_decode():
     for q_lens, kv_lens in (([1, 1, 1], [250, 7, 161]), ([1], [203])):
         check_kernel(make_batch(rng, q_lens, kv_lens, **shape), jnp.float32, str(kv_lens), tuning,
                      sliding_window=100)
+
+
+@pytest.mark.parametrize("dtype, options", [
+    (jnp.float32, {"soft_cap": 5.0}),
+    (jnp.bfloat16, {"sliding_window": 33}),
+])
+def test_one_launch_decode(dtype, options):
+    """decode_only=True: one program per (token, kv head) over the whole context; every row past the decodes
+    (padding sequences and padding tokens, here more tokens than sequence slots) comes out zero."""
+    shape = {**GEOMETRY, "num_tokens": 16, "max_blocks": 16}
+    rng = np.random.default_rng(5)
+    for kv_lens in ([1, 17, 40, 64, 99, 250, 3], [203], [16] * 8):
+        batch = make_batch(rng, [1] * len(kv_lens), kv_lens, **shape, dtype=dtype)
+        expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125, **options)
+        poison_allocator(batch)
+        out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
+                                     decode_only=True, **options)
+        check_close(out, expected, batch, dtype, str(kv_lens))
+
+
+def test_one_launch_plan():
+    """The host's plan: one launch for short contexts or batches that fill the launch, split-K otherwise."""
+    assert one_launch_decode_pays(num_decodes=8, max_kv_len=512, num_kv_heads=8)
+    assert one_launch_decode_pays(num_decodes=64, max_kv_len=16384, num_kv_heads=8)
+    assert not one_launch_decode_pays(num_decodes=8, max_kv_len=16384, num_kv_heads=8)
+    assert not one_launch_decode_pays(num_decodes=8, max_kv_len=4096, num_kv_heads=8)
 
 
 def test_random_mixes():
