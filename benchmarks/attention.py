@@ -9,10 +9,14 @@ Llama-3-8B heads (32 q / 8 kv / 128), bf16, block size 16, pages in random order
   xla-gather        gather each sequence's pages with XLA, then dense attention
 Every output is checked against the pure-JAX reference (max_rel_err); a row that fails gets "error".
 Each timing runs `calls` back-to-back calls inside one jitted program, rotating among cache copies when a
-cache fits in L2 (50 MB), and reports the median over repeats divided by `calls`.
+cache fits in L2 (50 MB), and reports the median over repeats divided by `calls`: `ms` is GPU busy time (the
+device's kernel durations from the profiler's CUPTI records), `wall_ms` the host-timed run. Host-timed small
+calls measure the harness: one tiny XLA kernel per call costs 11-15 us of wall time on the H100 (the
+`launch-floor` rows of --plans), more than cuDNN's whole 8 x 512 decode.
 
   python benchmarks/attention.py                 # full sweep -> benchmarks/results/attention_h100.json + .png
   python benchmarks/attention.py --tune          # tuning variants at key points -> attention_tune.json
+  python benchmarks/attention.py --plans         # decode-only plans and the CUDA call's splits, with the peers
 """
 import argparse
 import json
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import commit, device_busy_ms  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (make_tuning, one_launch_decode_pays,  # noqa: E402
                                                    ragged_paged_attention)
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference  # noqa: E402
@@ -96,7 +100,8 @@ def make_batch(key, q_lens, kv_lens) -> Batch:
 
 
 def time_calls(fn, arg_sets):
-    """Median ms per call of fn over arg_sets, all called inside one jitted program; plus the first output."""
+    """(GPU ms, wall ms) per call of fn over arg_sets, all called inside one jitted program, medians over
+    repeats; plus the first output. GPU time is None where the profiler sees no device stream."""
     program = jax.jit(lambda sets: [fn(*a) for a in sets])
     out = jax.block_until_ready(program(arg_sets))[0]
     times = []
@@ -104,7 +109,9 @@ def time_calls(fn, arg_sets):
         start = time.perf_counter()
         jax.block_until_ready(program(arg_sets))
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3 / len(arg_sets), out
+    busy = device_busy_ms(program, arg_sets, repeats=REPS)
+    per_call = lambda ms: statistics.median(ms) / len(arg_sets)  # noqa: E731
+    return (busy and per_call(busy)), per_call(times) * 1e3, out
 
 
 def rotation(batch: Batch, per_copy_bytes: float, make_copy):
@@ -154,26 +161,34 @@ class Recorder:
     def measure(self, bench, impl, params, fn, arg_sets, batch: Batch, expected, rotation_info):
         """Time fn, check it against the reference, record a row (or the failure)."""
         try:
-            ms, out = time_calls(fn, arg_sets)
+            gpu_ms, wall_ms, out = time_calls(fn, arg_sets)
             error = relative_error(out, expected, sum(batch.q_lens))
         except Exception as exc:  # a peer that cannot run this shape is a row with the reason, not a crash
             self.add(bench, impl, params, error=f"{type(exc).__name__}: {str(exc)[:300]}")
             return
         mismatch = None if error <= ERR_LIMIT else f"output mismatch: max_rel_err {error:.3g}"
-        self.add(bench, impl, {**params, **rotation_info}, ms, batch, error=mismatch, max_rel_err=error)
-
+        self.add(bench, impl, {**params, **rotation_info}, gpu_ms or wall_ms, batch, error=mismatch,
+                 max_rel_err=error, **timers(gpu_ms, wall_ms))
 
     def measure_floor(self, params, arg_sets):
-        ms, _ = time_calls(lambda *a: a[0] + 1, arg_sets)
-        self.add("decode", "launch-floor", {**params, "calls": len(arg_sets)}, ms)
+        """One tiny XLA kernel per call with the same arguments: what the harness itself costs per call."""
+        gpu_ms, wall_ms, _ = time_calls(lambda *a: a[0] + 1, arg_sets)
+        self.add("decode", "launch-floor", {**params, "calls": len(arg_sets)}, gpu_ms or wall_ms,
+                 **timers(gpu_ms, wall_ms))
+
+
+def timers(gpu_ms, wall_ms) -> dict:
+    """`ms` is GPU busy time when the profiler saw the device, else wall time; both are kept."""
+    return {"timer": "gpu-busy" if gpu_ms else "wall", "wall_ms": wall_ms}
 
 
 def measure_copy(rec: Recorder):
     """XLA elementwise copy of 2 GiB (read + write bytes): the bandwidth ceiling for this run."""
     x = jax.random.normal(jax.random.key(0), (1 << 30,), DTYPE)
-    ms, _ = time_calls(lambda a: a * 2, [(x,), (x,)])
-    rec.copy_gbps = 2 * x.nbytes / ms / 1e6
-    rec.add("copy", "xla-copy", {"bytes": 2 * x.nbytes}, ms, gbps=rec.copy_gbps)
+    gpu_ms, wall_ms, _ = time_calls(lambda a: a * 2, [(x,), (x,)])
+    rec.copy_gbps = 2 * x.nbytes / (gpu_ms or wall_ms) / 1e6
+    rec.add("copy", "xla-copy", {"bytes": 2 * x.nbytes}, gpu_ms or wall_ms, gbps=rec.copy_gbps,
+            **timers(gpu_ms, wall_ms))
 
 
 TUNING = {}  # overrides for every jaxserve-pallas row (--tuning)

@@ -50,6 +50,27 @@ def time_ms(fn, *args, warmup: int = 3, repeats: int = 20) -> float:
     return float(np.median(times) * 1e3)
 
 
+def device_busy_ms(fn, *args, repeats: int = 10) -> list[float] | None:
+    """GPU time of each of `repeats` runs of fn(*args): the summed durations of the kernels, copies and memsets
+    the device executed (CUPTI activity records through the JAX profiler), so host launch gaps do not count.
+    None when the profile holds no device stream (no GPU, or no CUPTI)."""
+    import glob
+    import tempfile
+    from jax.profiler import ProfileData
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(repeats):
+                jax.block_until_ready(fn(*args))
+        space = ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
+        events = sorted((e.start_ns, e.duration_ns) for plane in space.planes if plane.name.startswith("/device:GPU")
+                        for line in plane.lines if line.name.startswith("Stream") for e in line.events)
+    if not events or len(events) % repeats:
+        return None
+    per_run = len(events) // repeats   # runs are sequential: each is the next per_run records in time order
+    return [sum(d for _, d in events[i * per_run:(i + 1) * per_run]) / 1e6 for i in range(repeats)]
+
+
 def copy_bandwidth_gbps(nbytes: int | None = None) -> float:
     """Device copy bandwidth, bytes read + written (the practical memory ceiling)."""
     gpu = jax.default_backend() == "gpu"
