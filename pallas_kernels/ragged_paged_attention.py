@@ -65,11 +65,14 @@ class Tuning:
     prefill_num_stages: int = 3
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
     one_launch_max_context: int = 1024  # decode-only steps up to this context run one launch at any batch
+    one_launch_kv_tile: int = 64  # the one-launch decode's programs walk whole contexts
+    one_launch_num_warps: int = 2
+    one_launch_num_stages: int = 4
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory.
 F32_TUNING = Tuning(decode_kv_tile=32, decode_num_warps=4, decode_num_stages=3, prefill_kv_tile=32,
-                    prefill_num_stages=2)
+                    prefill_num_stages=2, one_launch_kv_tile=32, one_launch_num_warps=4, one_launch_num_stages=3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +178,7 @@ def make_tuning(dtype, overrides: dict) -> Tuning:
     if unknown:
         raise ValueError(f"unknown tuning fields {sorted(unknown)}; valid: {fields}")
     tuning = dataclasses.replace(F32_TUNING if jnp.dtype(dtype).itemsize == 4 else Tuning(), **overrides)
-    for name in ("decode_kv_tile", "prefill_block_m", "prefill_kv_tile"):
+    for name in ("decode_kv_tile", "one_launch_kv_tile", "prefill_block_m", "prefill_kv_tile"):
         if getattr(tuning, name) < 16 or not is_power_of_2(getattr(tuning, name)):
             raise ValueError(f"tuning {name}={getattr(tuning, name)} must be a power of two >= 16")
     return tuning
@@ -268,12 +271,12 @@ def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num
     geo = Geometry(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
                    kv_lens.shape[0], block_tables.shape[1])
     kernel = functools.partial(decode_kernel, geo=geo, scores=scores, slots=geo.num_tokens, max_splits=1,
-                               tile=max(tuning.decode_kv_tile, geo.block_size), rows=max(16, geo.group_pad))
+                               tile=max(tuning.one_launch_kv_tile, geo.block_size), rows=max(16, geo.group_pad))
     out = pl.pallas_call(
         kernel, grid=(geo.num_kv_heads, geo.num_tokens),
         out_shape=jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.decode_num_warps,
-                                             num_stages=tuning.decode_num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.one_launch_num_warps,
+                                             num_stages=tuning.one_launch_num_stages),
         interpret=interpret_params(interpret), name="ragged_paged_attention_decode_only",
     )(num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1), q.reshape(-1, geo.head_dim),
       k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
