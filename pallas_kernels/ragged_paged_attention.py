@@ -49,6 +49,7 @@ IMPLS = ("auto", "pallas", "reference")
 PREFILL_BACKENDS = ("auto", "triton", "mosaic")
 LOG2E = math.log2(math.e)
 INT32_MAX = 2**31 - 1
+MERGE_ROWS = 64  # partial rows per merge step: 16 splits x 4 q heads, 64 float32 registers per thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,7 @@ class Tuning:
     prefill_num_warps: int = 4
     prefill_num_stages: int = 3
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
-    one_launch_max_context: int = 1024  # decode-only steps up to this context run one launch at any batch
+    one_launch_max_context: int = 512  # decode-only steps up to this context run one launch at any batch
     one_launch_kv_tile: int = 64  # the one-launch decode's programs walk whole contexts
     one_launch_num_warps: int = 2
     one_launch_num_stages: int = 4
@@ -121,8 +122,8 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
     (pallas on an sm_80+ NVIDIA GPU or when interpreting, else reference). prefill_backend, for the pallas
     impl's non-decode rows: "mosaic" (the Hopper wgmma/TMA kernel), "triton", or "auto" (mosaic on sm_90 when
     it supports the shapes, else triton). decode_only: the caller guarantees every sequence has one query
-    (token i is sequence i's), so the pallas impl runs one launch without split-K (sequences past the leading
-    run of one-token ones would come out as zeros). `tuning`: fields of `Tuning`.
+    (token i is sequence i's; anything else is undefined), so the pallas impl runs one launch without
+    split-K. `tuning`: fields of `Tuning`.
     """
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs,
                             sm_scale, sliding_window, soft_cap, impl, prefill_backend)
@@ -374,25 +375,33 @@ def attend_block(refs, num_seqs, kv_head, block, geo, scores, block_q, tile):
 
 
 def combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, seq, geo, slots, max_splits):
-    """Combine role: merge decode `seq`'s split partials for the q heads of one KV head into its output row."""
+    """Combine role: merge decode `seq`'s split partials for the q heads of one KV head into its output row.
+    The partials of up to MERGE_ROWS // group splits load as one tile: one memory round trip, not one per split."""
     num_decodes = count_decodes(cu_ref, num_seqs, geo)
     splits = decode_splits(num_decodes, slots, max_splits)
-    r = jnp.arange(geo.group_pad)
-    head = kv_head * geo.group + r
-    ok = (seq < num_decodes) & (r < geo.group)
+    per_step = max(1, min(MERGE_ROWS // geo.group_pad, pl.next_power_of_2(max_splits)))
+    r = jnp.arange(per_step * geo.group_pad)
+    g = r % geo.group_pad
+    head = kv_head * geo.group + g
 
-    def merge(split, carry):
+    def merge(step, carry):
         m, l, acc = carry
+        split = step * per_step + r // geo.group_pad
+        ok = (seq < num_decodes) & (g < geo.group) & (split < splits)
         row = (seq * splits + split) * geo.num_q_heads + head
-        lse = plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf)
-        m_new = jnp.maximum(m, lse)
+        lse = plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf).reshape(per_step, -1)
+        m_new = jnp.maximum(m, lse.max(axis=0))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(lse - m_safe)
-        return m_new, l * alpha + weight, acc * alpha[:, None] + weight[:, None] * load_rows(parts_ref, row, ok)
+        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(lse - m_safe[None, :])
+        part = load_rows(parts_ref, row, ok).reshape(per_step, geo.group_pad, geo.head_dim)
+        return m_new, l * alpha + weight.sum(axis=0), acc * alpha[:, None] + (weight[:, :, None] * part).sum(axis=0)
 
     acc, m, l = init_carry((geo.group_pad, geo.head_dim))
-    _, l, acc = lax.fori_loop(0, jnp.where(seq < num_decodes, splits, 0), merge, (m, l, acc))
-    store_rows(o_ref, seq * geo.num_q_heads + head, ok, (acc / safe(l)[:, None]).astype(o_ref.dtype))
+    steps = jnp.where(seq < num_decodes, cdiv(splits, per_step), 0)
+    _, l, acc = lax.fori_loop(0, steps, merge, (m, l, acc))
+    rows = jnp.arange(geo.group_pad)
+    store_rows(o_ref, seq * geo.num_q_heads + kv_head * geo.group + rows, (seq < num_decodes) & (rows < geo.group),
+               (acc / safe(l)[:, None]).astype(o_ref.dtype))
 
 
 def locate_block(cu_ref, num_seqs, block, geo, block_q):
@@ -411,7 +420,8 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref
     """With lse_ref: one split of a decode, float32 partials. Without (one launch): slot = token, whose output
     rows it writes whole (zeros when the token is no decode)."""
     kv_head, slot = pl.program_id(0), pl.program_id(1)
-    num_decodes = count_decodes(cu_ref, num_seqs_ref[0], geo)
+    # one launch: the caller guarantees only decodes, which saves the dependent cu_q_lens round trip
+    num_decodes = num_seqs_ref[0] if lse_ref is None else count_decodes(cu_ref, num_seqs_ref[0], geo)
     splits = 1 if lse_ref is None else decode_splits(num_decodes, slots, max_splits)
     seq, split = slot // splits, slot % splits
     active = seq < num_decodes
@@ -425,7 +435,8 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref
     per_split = cdiv(t_hi - t_lo, splits)
     lo = jnp.minimum(t_lo + split * per_split, t_hi)
     step = functools.partial(attend_tile, q=q, q_pos=jnp.full((rows,), kv_len - 1), seq=seq, kv_len=kv_len,
-                             kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile)
+                             kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile,
+                             early_v=True)
     o, m, l = attend_range(init_carry(q.shape), lo, jnp.minimum(lo + per_split, t_hi), cdiv(first, tile),
                            kv_len // tile, step)
     if lse_ref is None:
@@ -457,15 +468,19 @@ def attend_range(carry, lo, hi, full_lo, full_hi, step):
     return lax.fori_loop(b, hi, functools.partial(step, masked=True), carry)
 
 
-def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, scores, tile):
-    """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page."""
+def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, scores, tile, early_v=False):
+    """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page. early_v issues the V
+    load beside the K load (one memory round trip per tile, not two): for decode's few query rows, whose
+    programs wait on memory, not on registers."""
     bt_ref, k_ref, v_ref = refs
     key = t * tile + jnp.arange(tile)
     live = (key < kv_len) if masked else None  # past kv_len the block table may hold anything
     col = jnp.minimum(key // geo.block_size, geo.max_blocks - 1)
     page = gather(bt_ref.at[seq * geo.max_blocks + col], live)
     kv_row = (page * geo.block_size + key % geo.block_size) * geo.num_kv_heads + kv_head
-    s = logits(q, load_rows(k_ref, kv_row, live), scores)
+    k = load_rows(k_ref, kv_row, live)
+    v = load_rows(v_ref, kv_row, live) if early_v else None
+    s = logits(q, k, scores)
     if masked:
         s = jnp.where(visible(key, q_pos, scores.sliding_window), s, -jnp.inf)
     o, m, l = carry
@@ -473,7 +488,7 @@ def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, 
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet stays zero
     p = jnp.exp2(s - m_safe[:, None])
     alpha = jnp.exp2(m - m_safe)
-    v = load_rows(v_ref, kv_row, live)
+    v = load_rows(v_ref, kv_row, live) if v is None else v
     pv = dot(p.astype(v.dtype), v, ((1,), (0,)))
     return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
 

@@ -160,9 +160,10 @@ def test_kernel_gqa_and_shapes(q_heads, kv_heads, head_dim, block_size):
     check_kernel(batch, jnp.bfloat16)
 
 
-def test_split_k_decode():
+@pytest.mark.parametrize("q_heads, kv_heads", [(8, 2), (8, 1)])  # GQA 8: the merge takes two steps of 8 splits
+def test_split_k_decode(q_heads, kv_heads):
     """Few decodes over long contexts: contexts split over up to 16 programs, some of them empty."""
-    shape = {**GEOMETRY, "max_blocks": 16}
+    shape = {**GEOMETRY, "max_blocks": 16, "q_heads": q_heads, "kv_heads": kv_heads}
     tuning = {"decode_kv_tile": 16, "decode_programs": 64, "decode_max_splits": 16}
     rng = np.random.default_rng(4)
     for q_lens, kv_lens in (([1, 1, 1], [250, 7, 161]), ([1], [203])):
