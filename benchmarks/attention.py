@@ -57,14 +57,6 @@ TUNE_VARIANTS = {
                 {"prefill_block_m": 64, "prefill_num_warps": 4, "prefill_kv_tile": 128},
                 {"prefill_kv_tile": 128, "prefill_num_stages": 2}],
 }
-ONE_LAUNCH_POINTS = ((8, 512), (8, 1024), (8, 2048), (64, 512), (64, 4096), (256, 512))
-ONE_LAUNCH_VARIANTS = [{}, {"one_launch_kv_tile": 128, "one_launch_num_warps": 4, "one_launch_num_stages": 3},
-                       {"one_launch_kv_tile": 128, "one_launch_num_warps": 4, "one_launch_num_stages": 2},
-                       {"one_launch_kv_tile": 128, "one_launch_num_warps": 2, "one_launch_num_stages": 3},
-                       {"one_launch_kv_tile": 256, "one_launch_num_warps": 4, "one_launch_num_stages": 2},
-                       {"one_launch_kv_tile": 256, "one_launch_num_warps": 8, "one_launch_num_stages": 2},
-                       {"one_launch_kv_tile": 64, "one_launch_num_warps": 4, "one_launch_num_stages": 4},
-                       {"one_launch_kv_tile": 32, "one_launch_num_warps": 2, "one_launch_num_stages": 6}]
 PLAN_POINTS = [(b, c) for b in (8, 64, 256) for c in (512, 1024, 2048, 4096)] + [(8, 16384)]
 PROFILE_POINTS = ((1, 8, 512), (1, 64, 4096), (8192, 1, 8192))  # (q_len, batch, context), for ncu
 
@@ -208,9 +200,9 @@ def ours(tuning=None, decode_only=False):
                                              **tuning)
 
 
-def engine_plan(batch_size, context) -> bool:
-    """What the engine runs for a decode-only step of this shape: one launch or split-K (planned on the host)."""
-    return one_launch_decode_pays(batch_size, context, KV_HEADS, make_tuning(DTYPE, TUNING))
+def engine_plan(batch_size) -> bool:
+    """What the engine runs for a decode-only step of this batch: one launch or split-K (planned on the host)."""
+    return one_launch_decode_pays(batch_size, KV_HEADS, make_tuning(DTYPE, TUNING))
 
 
 def reference(batch: Batch):
@@ -241,7 +233,7 @@ def bench_decode(rec: Recorder, batch_size, context, tunings=(None,)):
     expected = reference(batch)
     params = {"batch": batch_size, "context": context}
     sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-    one_launch = engine_plan(batch_size, context)
+    one_launch = engine_plan(batch_size)
     for tuning in tunings:
         rec.measure("decode", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default",
                                                   "one_launch": one_launch},
@@ -425,20 +417,6 @@ def run_plans(rec: Recorder):
                                                {"block_kv": 64, "max_concurrent_steps": 3}))
 
 
-def run_tune_one_launch(rec: Recorder):
-    """The one-launch decode's tile/warps/stages at the points where the plan may pick it, beside cuDNN."""
-    measure_copy(rec)
-    for batch_size, context in ONE_LAUNCH_POINTS:
-        batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
-        expected, params = reference(batch), {"batch": batch_size, "context": context}
-        sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-        for variant in ONE_LAUNCH_VARIANTS:
-            rec.measure("decode", "jaxserve-pallas", {**params, "one_launch": True, "tuning": variant or "default"},
-                        ours(variant, True), sets, batch, expected, info)
-        del sets
-        bench_contiguous_decode(rec, params, batch, expected)
-
-
 def run_tune(rec: Recorder):
     measure_copy(rec)
     for batch_size, context in TUNE_POINTS:
@@ -514,7 +492,6 @@ def main():
     parser.add_argument("--profile", action="store_true", help="run PROFILE_POINTS untimed (under ncu)")
     parser.add_argument("--prefill", action="store_true", help="prefill backends and the mixed batch only")
     parser.add_argument("--plans", action="store_true", help="decode-only plans and the CUDA call's splits")
-    parser.add_argument("--tune-one-launch", action="store_true", help="the one-launch decode's launch shapes")
     parser.add_argument("--max-calls", type=int, default=MAX_CALLS, help="most calls per timed program")
     parser.add_argument("--target-ms", type=float, default=TARGET_RUN_S * 1e3, help="GPU time per timed program")
     parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
@@ -536,8 +513,6 @@ def main():
         run_prefill(rec)
     elif args.plans:
         run_plans(rec)
-    elif args.tune_one_launch:
-        run_tune_one_launch(rec)
     else:
         run_full(rec, free)
         plot(rec.rows, os.path.splitext(args.out)[0] + ".png")

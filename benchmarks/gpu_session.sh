@@ -20,7 +20,7 @@ case $1 in
   engine)
     run 300 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json" ;;
   attention)
-    run 300 python benchmarks/attention.py --out "$OUT/attention_h100.json" ;;
+    run 540 python benchmarks/attention.py --out "$OUT/attention_h100.json" ;;
   serve)
     run 540 python benchmarks/serve_load.py --config $CONFIG --num-prompts 512 --input-len 512 --output-len 128 \
       --max-concurrency 256 --request-rate 16 inf --out "$OUT/serve_gpu.json" ;;

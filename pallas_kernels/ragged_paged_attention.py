@@ -25,10 +25,10 @@ cu_q_lens/kv_lens/block_tables):
 Fixed per-launch costs dominate small batches (benchmarks/NOTES_attention.md), hence the merge riding along.
 With the Mosaic prefill, launch 2 is that kernel and a third, merge-only launch writes the decode rows into
 its output in place.
-A decode-only step can do better still when the host knows it (`decode_only=True`): one launch, grid
+A decode-only step does better still when the host knows it (`decode_only=True`): one launch, grid
 (kv_heads, tokens), each program attends one whole context and writes its output rows (no split-K, no merge).
-That wins when the batch fills the GPU or the contexts are short; `one_launch_decode_pays` is the host's
-plan, as FlashInfer's plan() decides its split from the kv lengths before a step.
+That wins when the batch fills the GPU; `one_launch_decode_pays` is the host's plan, as FlashInfer's plan()
+decides its split on the host before a step.
 """
 import dataclasses
 import functools
@@ -49,7 +49,6 @@ IMPLS = ("auto", "pallas", "reference")
 PREFILL_BACKENDS = ("auto", "triton", "mosaic")
 LOG2E = math.log2(math.e)
 INT32_MAX = 2**31 - 1
-MERGE_ROWS = 64  # partial rows per merge step: 16 splits x 4 q heads, 64 float32 registers per thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,15 +64,11 @@ class Tuning:
     prefill_num_warps: int = 4
     prefill_num_stages: int = 3
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
-    one_launch_max_context: int = 512  # decode-only steps up to this context run one launch at any batch
-    one_launch_kv_tile: int = 64  # the one-launch decode's programs walk whole contexts
-    one_launch_num_warps: int = 2
-    one_launch_num_stages: int = 4
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory.
 F32_TUNING = Tuning(decode_kv_tile=32, decode_num_warps=4, decode_num_stages=3, prefill_kv_tile=32,
-                    prefill_num_stages=2, one_launch_kv_tile=32, one_launch_num_warps=4, one_launch_num_stages=3)
+                    prefill_num_stages=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +174,7 @@ def make_tuning(dtype, overrides: dict) -> Tuning:
     if unknown:
         raise ValueError(f"unknown tuning fields {sorted(unknown)}; valid: {fields}")
     tuning = dataclasses.replace(F32_TUNING if jnp.dtype(dtype).itemsize == 4 else Tuning(), **overrides)
-    for name in ("decode_kv_tile", "one_launch_kv_tile", "prefill_block_m", "prefill_kv_tile"):
+    for name in ("decode_kv_tile", "prefill_block_m", "prefill_kv_tile"):
         if getattr(tuning, name) < 16 or not is_power_of_2(getattr(tuning, name)):
             raise ValueError(f"tuning {name}={getattr(tuning, name)} must be a power of two >= 16")
     return tuning
@@ -260,10 +255,11 @@ def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, nu
 pallas_attention = jax.jit(attention_launches, static_argnames=("scores", "tuning", "interpret", "mosaic"))
 
 
-def one_launch_decode_pays(num_decodes: int, max_kv_len: int, num_kv_heads: int, tuning: Tuning = Tuning()) -> bool:
-    """The host's plan for a decode-only step: one launch when split-K would not split anyway (the batch fills
-    the decode launch) or the contexts are short enough that the merge launch costs more than splitting saves."""
-    return 2 * num_decodes * num_kv_heads > tuning.decode_programs or max_kv_len <= tuning.one_launch_max_context
+def one_launch_decode_pays(num_decodes: int, num_kv_heads: int, tuning: Tuning = Tuning()) -> bool:
+    """The host's plan for a decode-only step: one launch when split-K would not split (the decodes alone fill
+    the decode launch). Smaller batches split: on the H100 one launch lost there at every context measured,
+    by 6% at 512 tokens and 2x at 16K (benchmarks/NOTES_attention.md)."""
+    return 2 * num_decodes * num_kv_heads > tuning.decode_programs
 
 
 @functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret"))
@@ -272,12 +268,12 @@ def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num
     geo = Geometry(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
                    kv_lens.shape[0], block_tables.shape[1])
     kernel = functools.partial(decode_kernel, geo=geo, scores=scores, slots=geo.num_tokens, max_splits=1,
-                               tile=max(tuning.one_launch_kv_tile, geo.block_size), rows=max(16, geo.group_pad))
+                               tile=max(tuning.decode_kv_tile, geo.block_size), rows=max(16, geo.group_pad))
     out = pl.pallas_call(
         kernel, grid=(geo.num_kv_heads, geo.num_tokens),
         out_shape=jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.one_launch_num_warps,
-                                             num_stages=tuning.one_launch_num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.decode_num_warps,
+                                             num_stages=tuning.decode_num_stages),
         interpret=interpret_params(interpret), name="ragged_paged_attention_decode_only",
     )(num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1), q.reshape(-1, geo.head_dim),
       k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
@@ -375,33 +371,25 @@ def attend_block(refs, num_seqs, kv_head, block, geo, scores, block_q, tile):
 
 
 def combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, seq, geo, slots, max_splits):
-    """Combine role: merge decode `seq`'s split partials for the q heads of one KV head into its output row.
-    The partials of up to MERGE_ROWS // group splits load as one tile: one memory round trip, not one per split."""
+    """Combine role: merge decode `seq`'s split partials for the q heads of one KV head into its output row."""
     num_decodes = count_decodes(cu_ref, num_seqs, geo)
     splits = decode_splits(num_decodes, slots, max_splits)
-    per_step = max(1, min(MERGE_ROWS // geo.group_pad, pl.next_power_of_2(max_splits)))
-    r = jnp.arange(per_step * geo.group_pad)
-    g = r % geo.group_pad
-    head = kv_head * geo.group + g
+    r = jnp.arange(geo.group_pad)
+    head = kv_head * geo.group + r
+    ok = (seq < num_decodes) & (r < geo.group)
 
-    def merge(step, carry):
+    def merge(split, carry):
         m, l, acc = carry
-        split = step * per_step + r // geo.group_pad
-        ok = (seq < num_decodes) & (g < geo.group) & (split < splits)
         row = (seq * splits + split) * geo.num_q_heads + head
-        lse = plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf).reshape(per_step, -1)
-        m_new = jnp.maximum(m, lse.max(axis=0))
+        lse = plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf)
+        m_new = jnp.maximum(m, lse)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(lse - m_safe[None, :])
-        part = load_rows(parts_ref, row, ok).reshape(per_step, geo.group_pad, geo.head_dim)
-        return m_new, l * alpha + weight.sum(axis=0), acc * alpha[:, None] + (weight[:, :, None] * part).sum(axis=0)
+        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(lse - m_safe)
+        return m_new, l * alpha + weight, acc * alpha[:, None] + weight[:, None] * load_rows(parts_ref, row, ok)
 
     acc, m, l = init_carry((geo.group_pad, geo.head_dim))
-    steps = jnp.where(seq < num_decodes, cdiv(splits, per_step), 0)
-    _, l, acc = lax.fori_loop(0, steps, merge, (m, l, acc))
-    rows = jnp.arange(geo.group_pad)
-    store_rows(o_ref, seq * geo.num_q_heads + kv_head * geo.group + rows, (seq < num_decodes) & (rows < geo.group),
-               (acc / safe(l)[:, None]).astype(o_ref.dtype))
+    _, l, acc = lax.fori_loop(0, jnp.where(seq < num_decodes, splits, 0), merge, (m, l, acc))
+    store_rows(o_ref, seq * geo.num_q_heads + head, ok, (acc / safe(l)[:, None]).astype(o_ref.dtype))
 
 
 def locate_block(cu_ref, num_seqs, block, geo, block_q):
@@ -435,8 +423,7 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref
     per_split = cdiv(t_hi - t_lo, splits)
     lo = jnp.minimum(t_lo + split * per_split, t_hi)
     step = functools.partial(attend_tile, q=q, q_pos=jnp.full((rows,), kv_len - 1), seq=seq, kv_len=kv_len,
-                             kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile,
-                             early_v=True)
+                             kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile)
     o, m, l = attend_range(init_carry(q.shape), lo, jnp.minimum(lo + per_split, t_hi), cdiv(first, tile),
                            kv_len // tile, step)
     if lse_ref is None:
@@ -468,19 +455,15 @@ def attend_range(carry, lo, hi, full_lo, full_hi, step):
     return lax.fori_loop(b, hi, functools.partial(step, masked=True), carry)
 
 
-def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, scores, tile, early_v=False):
-    """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page. early_v issues the V
-    load beside the K load (one memory round trip per tile, not two): for decode's few query rows, whose
-    programs wait on memory, not on registers."""
+def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, scores, tile):
+    """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page."""
     bt_ref, k_ref, v_ref = refs
     key = t * tile + jnp.arange(tile)
     live = (key < kv_len) if masked else None  # past kv_len the block table may hold anything
     col = jnp.minimum(key // geo.block_size, geo.max_blocks - 1)
     page = gather(bt_ref.at[seq * geo.max_blocks + col], live)
     kv_row = (page * geo.block_size + key % geo.block_size) * geo.num_kv_heads + kv_head
-    k = load_rows(k_ref, kv_row, live)
-    v = load_rows(v_ref, kv_row, live) if early_v else None
-    s = logits(q, k, scores)
+    s = logits(q, load_rows(k_ref, kv_row, live), scores)
     if masked:
         s = jnp.where(visible(key, q_pos, scores.sliding_window), s, -jnp.inf)
     o, m, l = carry
@@ -488,7 +471,7 @@ def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, 
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet stays zero
     p = jnp.exp2(s - m_safe[:, None])
     alpha = jnp.exp2(m - m_safe)
-    v = load_rows(v_ref, kv_row, live) if v is None else v
+    v = load_rows(v_ref, kv_row, live)
     pv = dot(p.astype(v.dtype), v, ((1,), (0,)))
     return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import one_launch_decode_pays, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import Tuning, one_launch_decode_pays, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -190,11 +190,10 @@ def test_one_launch_decode(dtype, options):
 
 
 def test_one_launch_plan():
-    """The host's plan: one launch for short contexts or batches that fill the launch, split-K otherwise."""
-    assert one_launch_decode_pays(num_decodes=8, max_kv_len=512, num_kv_heads=8)
-    assert one_launch_decode_pays(num_decodes=64, max_kv_len=16384, num_kv_heads=8)
-    assert not one_launch_decode_pays(num_decodes=8, max_kv_len=16384, num_kv_heads=8)
-    assert not one_launch_decode_pays(num_decodes=8, max_kv_len=4096, num_kv_heads=8)
+    """The host's plan: one launch once the decodes fill the decode launch, split-K below."""
+    assert one_launch_decode_pays(num_decodes=64, num_kv_heads=8)
+    assert not one_launch_decode_pays(num_decodes=8, num_kv_heads=8)
+    assert one_launch_decode_pays(num_decodes=8, num_kv_heads=8, tuning=Tuning(decode_programs=64))
 
 
 def test_random_mixes():

@@ -25,6 +25,7 @@ from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.models.attention import AttentionBatch
 from jaxserve.models.loader import LoadedModel
+from pallas_kernels.ragged_paged_attention import one_launch_decode_pays, resolve_impl
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
@@ -40,19 +41,39 @@ def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
     return next(b for b in ladder if b >= n)
 
 
-def choose_decode_impl(setting: str, head_dim: int) -> str:
-    """Which kernel serves decode-only steps. "auto" takes the ragged Pallas kernel: in the H100 sweep it read
-    KV faster than the CUDA custom call at 6 of 9 decode points, all the long-context ones (the call won the
-    launch-bound 512-token points; benchmarks/NOTES_cuda.md); "cuda" forces the custom call."""
-    if setting not in ("auto", "cuda", "ragged"):
-        raise ValueError(f"decode_attention must be auto, cuda or ragged, got {setting!r}")
-    if setting != "cuda":
-        return "ragged"
-    reason = (f"head_dim {head_dim} not in {custom_calls.HEAD_DIMS}" if head_dim not in custom_calls.HEAD_DIMS
-              else custom_calls.unavailable_reason())
-    if reason:
-        raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {reason}")
-    return "cuda"
+# Measured on the H100 (benchmarks/NOTES_cuda.md, `attention.py --plans`): the CUDA call beat the Pallas plan
+# only on batches that plan splits, and only up to this context (by 2-4%); the Pallas kernels won elsewhere.
+CUDA_DECODE_MAX_CONTEXT = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlanner:
+    """Picks on the host the kernel of each decode-only step, each a compiled variant of the step:
+    "ragged" (the mixed-batch Pallas kernel: split-K + merge), "one_launch" (Pallas, no split) or "cuda"."""
+    variants: tuple[str, ...]   # what this process may run
+    num_kv_heads: int
+
+    @classmethod
+    def create(cls, setting: str, head_dim: int, num_kv_heads: int) -> DecodePlanner:
+        """setting "auto": every kernel that runs here, picked per step; "pallas": the Pallas ones; "cuda": the
+        custom call always (an error when it cannot run)."""
+        if setting not in ("auto", "pallas", "cuda"):
+            raise ValueError(f"decode_attention must be auto, pallas or cuda, got {setting!r}")
+        cuda_reason = (f"head_dim {head_dim} not in {custom_calls.HEAD_DIMS}" if head_dim not in custom_calls.HEAD_DIMS
+                       else custom_calls.unavailable_reason())
+        if setting == "cuda":
+            if cuda_reason:
+                raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {cuda_reason}")
+            return cls(("cuda",), num_kv_heads)
+        # the one-launch variant only exists where the Pallas kernels run (else attention is the reference)
+        pallas = ("ragged", "one_launch") if resolve_impl("auto", interpret=False) == "pallas" else ("ragged",)
+        return cls(pallas + (("cuda",) if setting == "auto" and not cuda_reason else ()), num_kv_heads)
+
+    def choose(self, num_decodes: int, max_kv_len: int) -> str:
+        splits = not one_launch_decode_pays(num_decodes, self.num_kv_heads)
+        if "cuda" in self.variants and (len(self.variants) == 1 or (splits and max_kv_len <= CUDA_DECODE_MAX_CONTEXT)):
+            return "cuda"
+        return "one_launch" if "one_launch" in self.variants and not splits else "ragged"
 
 
 @jax.tree_util.register_dataclass
@@ -112,7 +133,7 @@ class ModelRunner:
                                       self.token_buckets[-1])
         tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
-        self.decode_impl = choose_decode_impl(cfg.decode_attention, mc.head_dim)
+        self.decode_planner = DecodePlanner.create(cfg.decode_attention, mc.head_dim, mc.num_kv_heads)
         if cfg.prefill_attention not in ("triton", "mosaic"):
             raise ValueError(f"prefill_attention must be triton or mosaic, got {cfg.prefill_attention!r}")
         if unknown := set(cfg.precompile_sampler_modes) - set(MODES):
@@ -156,19 +177,19 @@ class ModelRunner:
     def precompile(self) -> None:
         """Compile every (tokens, seqs) bucket and sampler mode ahead of time; the persistent cache makes
         restarts fast. Logprob variants compile on first use."""
-        pairs = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets]
-        if self.decode_impl != "ragged":
-            pairs += [(bucket_for(s, self.token_buckets), s, True) for s in self.seq_buckets]
-        graphs = [(*pair, mode) for pair in pairs for mode in self.cfg.precompile_sampler_modes]
-        for t, s, decode, mode in tqdm(graphs, desc="compiling step graphs", unit="graph", file=sys.stderr,
-                                       disable=None):
-            self.run(self._dummy_inputs(t, s, decode), 0, mode=mode)
+        shapes = [(t, s, "ragged") for t in self.token_buckets for s in self.seq_buckets]
+        shapes += [(bucket_for(s, self.token_buckets), s, impl) for s in self.seq_buckets
+                   for impl in self.decode_planner.variants if impl != "ragged"]
+        graphs = [(*shape, mode) for shape in shapes for mode in self.cfg.precompile_sampler_modes]
+        for t, s, decode_impl, mode in tqdm(graphs, desc="compiling step graphs", unit="graph", file=sys.stderr,
+                                            disable=None):
+            self.run(self._dummy_inputs(t, s, decode_impl), 0, mode=mode)
 
-    def _dummy_inputs(self, num_tokens: int, num_seqs: int, decode_only: bool = False) -> StepInputs:
+    def _dummy_inputs(self, num_tokens: int, num_seqs: int, decode_impl: str = "ragged") -> StepInputs:
         z = lambda n: np.zeros(n, np.int32)  # noqa: E731 — all padding: writes land in the null block
         attn = AttentionBatch(z(num_tokens), z(num_seqs + 1), z(num_seqs),
-                              np.zeros((num_seqs, self.max_blocks_per_seq), np.int32), z(1),
-                              self.decode_impl if decode_only else "ragged", self.cfg.prefill_attention)
+                              np.zeros((num_seqs, self.max_blocks_per_seq), np.int32), z(1), decode_impl,
+                              self.cfg.prefill_attention)
         sampling = make_sampling_tensors([], [], [], num_rows=num_seqs)
         return StepInputs(z(num_tokens), z(num_tokens), attn, z(num_seqs),
                           np.full(num_seqs, self.cfg.max_num_seqs, np.int32), np.zeros(num_seqs, bool), sampling,
@@ -245,10 +266,10 @@ class ModelRunner:
         mask = np.zeros(s_pad, bool)
         mask[:n_rows] = [r.samples for r in rows]
         decode_only = n_tok == n_rows and all(r.count == 1 for r in rows)
+        decode_impl = self.decode_planner.choose(n_rows, int(kv_lens.max())) if decode_only else "ragged"
         attn = AttentionBatch(slot_mapping.copy(), cu, kv_lens,
                               self.block_table.table[padded_slots % self.cfg.max_num_seqs],
-                              np.array([n_rows], np.int32), self.decode_impl if decode_only else "ragged",
-                              self.cfg.prefill_attention)
+                              np.array([n_rows], np.int32), decode_impl, self.cfg.prefill_attention)
         sampling = make_sampling_tensors([r.seq.params for r in rows], [r.seq.seed for r in rows],
                                          [r.seq.num_output_tokens for r in rows], num_rows=s_pad,
                                          eos_token_ids=self.eos_token_ids)

@@ -26,7 +26,8 @@ class AttentionBatch:
     kv_lens: jax.Array        # [S] context length including this step's tokens
     block_tables: jax.Array   # [S, max_blocks_per_seq]
     num_seqs: jax.Array       # [1]
-    # Static: "cuda" runs a decode-only batch (one token per row, rows == tokens) through the CUDA custom call.
+    # Static, for a decode-only batch (one token per row, rows == tokens): "one_launch" (the Pallas kernel without
+    # split-K) or "cuda" (the CUDA custom call); "ragged" (any batch): the mixed-batch kernel.
     decode_impl: str = field(default="ragged", metadata=dict(static=True))
     # Static: the GPU kernel for prefill rows (pallas_kernels.ragged_paged_attention's prefill_backend).
     prefill_backend: str = field(default="triton", metadata=dict(static=True))
@@ -55,7 +56,8 @@ def attend(q, k, v, positions, kv_layer, batch: AttentionBatch | None, *, sm_sca
     else:
         out = ragged_paged_attention(q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens, batch.block_tables,
                                      batch.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                                     prefill_backend=batch.prefill_backend)
+                                     prefill_backend=batch.prefill_backend,
+                                     decode_only=batch.decode_impl == "one_launch")
     return out, (k_cache, v_cache)
 
 
