@@ -18,7 +18,7 @@ run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
 case $1 in
   engine)
-    run 300 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json" ;;
+    run 540 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json" ;;
   attention)
     run 540 python benchmarks/attention.py --out "$OUT/attention_h100.json" ;;
   serve)

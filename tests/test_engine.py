@@ -4,6 +4,8 @@ import pytest
 import torch
 import transformers
 
+import custom_calls
+
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.runner import DecodePlanner
 from jaxserve.models.loader import load_model
@@ -271,7 +273,14 @@ def test_decode_planner_picks_the_measured_fastest_kernel():
 
 
 def test_decode_planner_offers_only_what_runs_here():
-    """On a CPU the attention is the pure-JAX reference: one variant; asking for CUDA names why it cannot."""
+    """On a CPU the attention is the pure-JAX reference: one variant, and asking for CUDA names why it cannot.
+    On an NVIDIA GPU (with nvcc): all three; the CUDA call is refused for a head_dim it does not serve."""
+    if custom_calls.available():
+        assert DecodePlanner.create("auto", head_dim=64, num_kv_heads=2).variants == ("ragged", "one_launch", "cuda")
+        assert "cuda" not in DecodePlanner.create("auto", head_dim=32, num_kv_heads=2).variants
+        with pytest.raises(ValueError, match="head_dim 32"):
+            DecodePlanner.create("cuda", head_dim=32, num_kv_heads=2)
+        return
     assert DecodePlanner.create("auto", head_dim=64, num_kv_heads=2).variants == ("ragged",)
     with pytest.raises(ValueError, match="CUDA custom calls are unavailable: no NVIDIA GPU"):
         DecodePlanner.create("cuda", head_dim=64, num_kv_heads=2)
