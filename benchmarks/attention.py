@@ -1,7 +1,8 @@
 """Paged attention on one GPU: jaxserve's Pallas kernel against its peers, and the copy ceiling, in one run.
 
 Llama-3-8B heads (32 q / 8 kv / 128), bf16, block size 16, pages in random order. Impls:
-  jaxserve-pallas   pallas_kernels.ragged_paged_attention (our cache layout)
+  jaxserve-pallas   pallas_kernels.ragged_paged_attention (our cache layout); for decode the engine's plan
+                    (one launch or split-K, `one_launch_decode_pays`), jaxserve-pallas-alt the other one
   jaxserve-cuda     custom_calls.paged_decode_attention (decode rows, when custom_calls.available())
   cudnn-contiguous  jax.nn.dot_product_attention(implementation="cudnn") on a [B, ctx, kv, d] cache
   cudnn-paged       jax._src.cudnn.fused_attention_stablehlo.paged_attention on our cache (private API)
