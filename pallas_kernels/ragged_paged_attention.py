@@ -406,7 +406,7 @@ def locate_block(cu_ref, num_seqs, block, geo, block_q):
 def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *, geo,
                   scores, slots, max_splits, tile, rows):
     """With lse_ref: one split of a decode, float32 partials. Without (one launch): slot = token, whose output
-    rows it writes whole (zeros when the token is no decode)."""
+    rows it writes whole (zeros for tokens past num_seqs)."""
     kv_head, slot = pl.program_id(0), pl.program_id(1)
     # one launch: the caller guarantees only decodes, which saves the dependent cu_q_lens round trip
     num_decodes = num_seqs_ref[0] if lse_ref is None else count_decodes(cu_ref, num_seqs_ref[0], geo)
