@@ -1,8 +1,9 @@
 """Paged attention on one GPU: jaxserve's Pallas kernel against its peers, and the copy ceiling, in one run.
 
 Llama-3-8B heads (32 q / 8 kv / 128), bf16, block size 16, pages in random order. Impls:
-  jaxserve-pallas   pallas_kernels.ragged_paged_attention (our cache layout); for decode the engine's plan
-                    (one launch or split-K, `one_launch_decode_pays`), jaxserve-pallas-alt the other one
+  jaxserve-pallas   pallas_kernels.ragged_paged_attention (our cache layout); for decode what the engine runs
+                    on a decode-only step (`decode_only=True`: one launch, split-K merged in it when the batch
+                    is small); jaxserve-pallas-alt the mixed-batch path (split-K partials, a merge launch)
   jaxserve-cuda     custom_calls.paged_decode_attention (decode rows, when custom_calls.available())
   cudnn-contiguous  jax.nn.dot_product_attention(implementation="cudnn") on a [B, ctx, kv, d] cache
   cudnn-paged       jax._src.cudnn.fused_attention_stablehlo.paged_attention on our cache (private API)
@@ -17,7 +18,7 @@ calls measure the harness: one tiny XLA kernel per call costs 11-15 us of wall t
 
   python benchmarks/attention.py                 # full sweep -> benchmarks/results/attention_h100.json + .png
   python benchmarks/attention.py --tune          # tuning variants at key points -> attention_tune.json
-  python benchmarks/attention.py --plans         # decode-only plans and the CUDA call's splits, with the peers
+  python benchmarks/attention.py --plans         # decode paths and the CUDA call's splits, with the peers
 """
 import argparse
 import json
@@ -35,8 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import commit, device_busy_ms  # noqa: E402
-from pallas_kernels.ragged_paged_attention import (make_tuning, one_launch_decode_pays,  # noqa: E402
-                                                   ragged_paged_attention)
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -58,7 +58,7 @@ TUNE_VARIANTS = {
                 {"prefill_block_m": 64, "prefill_num_warps": 4, "prefill_kv_tile": 128},
                 {"prefill_kv_tile": 128, "prefill_num_stages": 2}],
 }
-PLAN_POINTS = [(b, c) for b in (8, 64, 256) for c in (512, 1024, 2048, 4096)] + [(8, 16384)]
+PLAN_POINTS = [(8, c) for c in (512, 1024, 2048, 4096, 16384)] + [(b, c) for b in (64, 256) for c in (512, 4096)]
 PROFILE_POINTS = ((1, 8, 512), (1, 64, 4096), (8192, 1, 8192))  # (q_len, batch, context), for ncu
 
 
@@ -201,11 +201,6 @@ def ours(tuning=None, decode_only=False):
                                              **tuning)
 
 
-def engine_plan(batch_size) -> bool:
-    """What the engine runs for a decode-only step of this batch: one launch or split-K (planned on the host)."""
-    return one_launch_decode_pays(batch_size, KV_HEADS, make_tuning(DTYPE, TUNING))
-
-
 def reference(batch: Batch):
     return ragged_paged_attention_reference(*batch.args(), sm_scale=SM_SCALE)
 
@@ -234,15 +229,14 @@ def bench_decode(rec: Recorder, batch_size, context, tunings=(None,)):
     expected = reference(batch)
     params = {"batch": batch_size, "context": context}
     sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-    one_launch = engine_plan(batch_size)
     for tuning in tunings:
         rec.measure("decode", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default",
-                                                  "one_launch": one_launch},
-                    ours(tuning, one_launch), sets, batch, expected, info)
+                                                  "path": "decode-only"},
+                    ours(tuning, decode_only=True), sets, batch, expected, info)
     if tunings != (None,):
         return
-    rec.measure("decode", "jaxserve-pallas-alt", {**params, "one_launch": not one_launch},
-                ours(None, not one_launch), sets, batch, expected, info)
+    rec.measure("decode", "jaxserve-pallas-alt", {**params, "path": "mixed-batch"}, ours(), sets, batch, expected,
+                info)
     q4 = lambda a: (a[0][:, None], a[1], a[2])  # noqa: E731 - [B, 1, H, D] for cuDNN
     ones, lens = jnp.ones((batch_size,), jnp.int32), batch.kv_lens
     paged = cudnn_paged(ones, lens, batch.block_tables, causal=False)
@@ -380,7 +374,7 @@ def run_prefill(rec: Recorder):
     """Prefill backends against the peers, the Mosaic kernel's pipeline variants, and the mixed batch."""
     measure_copy(rec)
     bench_prefill(rec, 8192, tunings=(None, {"prefill_backend": "triton"}, {"mosaic_block_kv": 64}))
-    bench_mosaic_variants(rec, 8192)
+    bench_mosaic_variants(rec, 8192, variants=({}, {"alternate_rounds": False}))
     bench_mixed(rec, 64, 4096, 1024, 2048)
 
 
@@ -405,17 +399,16 @@ def run_plans(rec: Recorder):
         batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
         expected, params = reference(batch), {"batch": batch_size, "context": context}
         sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-        for one_launch in (False, True):
-            rec.measure("decode", "jaxserve-pallas", {**params, "one_launch": one_launch}, ours(None, one_launch),
-                        sets, batch, expected, info)
+        for path, fn in (("decode-only", ours(decode_only=True)), ("mixed-batch", ours()),
+                         ("decode-only, no split", ours({**TUNING, "decode_max_splits": 1}, decode_only=True))):
+            rec.measure("decode", "jaxserve-pallas", {**params, "path": path}, fn, sets, batch, expected, info)
         bench_cuda_decode(rec, params, sets, batch, expected, info, split_choices=(None, 1))
         if context == 512:
             rec.measure_floor(params, sets)
         del sets
         bench_contiguous_decode(rec, params, batch, expected)
     bench_prefill(rec, 8192)
-    bench_mosaic_variants(rec, 8192, variants=({}, {"block_kv": 64, "max_concurrent_steps": 4},
-                                               {"block_kv": 64, "max_concurrent_steps": 3}))
+    bench_mosaic_variants(rec, 8192, variants=({}, {"alternate_rounds": False}))
 
 
 def run_tune(rec: Recorder):

@@ -93,7 +93,7 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] | None = None     # None: powers of two from 8 to max_num_seqs
     seed: int = 0
     async_scheduling: bool = True          # launch step N+1 before step N's samples reach the host
-    decode_attention: str = "auto"         # decode-only steps: "auto" (fastest kernel per step), "pallas", "cuda"
+    decode_attention: str = "auto"         # decode-only steps: "auto" (the Pallas decode-only launch), "cuda"
     # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel, 2x Triton on an 8K prompt; kept off by
     # default: the first 8B precompile with it did not finish in 200 s on an H100, cause not yet isolated)
     prefill_attention: str = "triton"

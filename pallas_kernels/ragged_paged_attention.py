@@ -25,10 +25,12 @@ cu_q_lens/kv_lens/block_tables):
 Fixed per-launch costs dominate small batches (benchmarks/NOTES_attention.md), hence the merge riding along.
 With the Mosaic prefill, launch 2 is that kernel and a third, merge-only launch writes the decode rows into
 its output in place.
-A decode-only step does better still when the host knows it (`decode_only=True`): one launch, grid
-(kv_heads, tokens), each program attends one whole context and writes its output rows (no split-K, no merge).
-That wins when the batch fills the GPU; `one_launch_decode_pays` is the host's plan, as FlashInfer's plan()
-decides its split on the host before a step.
+A decode-only step does better when the caller knows it (`decode_only=True`, as the engine does): one launch.
+Its split is fixed by the shape (the engine's bucket), so every program knows its decode and
+tiles from its grid position and issues its first block-table and K/V loads before any length arrives
+(`decode_only_kernel`); split programs count themselves done on an atomic counter and the last of each
+decode merges the partials in the same launch. Measured on the H100 against the two-launch path: 8 x 512
+12.1 vs 15.9 us, 64 x 512 48.8 vs 61.5 (benchmarks/NOTES_attention.md).
 """
 import dataclasses
 import functools
@@ -59,6 +61,7 @@ class Tuning:
     decode_num_stages: int = 4
     decode_programs: int = 528  # ~4 programs per H100 SM: enough to split small batches, few empty ones
     decode_max_splits: int = 16
+    split_decode_kv_tile: int = 32  # decode-only launch that splits: short per-program ranges pipeline better
     prefill_block_m: int = 64  # q rows per program: tokens x q heads of one KV head
     prefill_kv_tile: int = 64
     prefill_num_warps: int = 4
@@ -174,7 +177,7 @@ def make_tuning(dtype, overrides: dict) -> Tuning:
     if unknown:
         raise ValueError(f"unknown tuning fields {sorted(unknown)}; valid: {fields}")
     tuning = dataclasses.replace(F32_TUNING if jnp.dtype(dtype).itemsize == 4 else Tuning(), **overrides)
-    for name in ("decode_kv_tile", "prefill_block_m", "prefill_kv_tile"):
+    for name in ("decode_kv_tile", "split_decode_kv_tile", "prefill_block_m", "prefill_kv_tile"):
         if getattr(tuning, name) < 16 or not is_power_of_2(getattr(tuning, name)):
             raise ValueError(f"tuning {name}={getattr(tuning, name)} must be a power of two >= 16")
     return tuning
@@ -255,28 +258,31 @@ def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, nu
 pallas_attention = jax.jit(attention_launches, static_argnames=("scores", "tuning", "interpret", "mosaic"))
 
 
-def one_launch_decode_pays(num_decodes: int, num_kv_heads: int, tuning: Tuning = Tuning()) -> bool:
-    """The host's plan for a decode-only step: one launch when split-K would not split (the decodes alone fill
-    the decode launch). Smaller batches split: on the H100 one launch lost there at every context measured,
-    by 6% at 512 tokens and 2x at 16K (benchmarks/NOTES_attention.md)."""
-    return 2 * num_decodes * num_kv_heads > tuning.decode_programs
-
-
 @functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret"))
 def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
                       tuning: Tuning, interpret: bool):
     geo = Geometry(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
                    kv_lens.shape[0], block_tables.shape[1])
-    kernel = functools.partial(decode_kernel, geo=geo, scores=scores, slots=geo.num_tokens, max_splits=1,
-                               tile=max(tuning.decode_kv_tile, geo.block_size), rows=max(16, geo.group_pad))
-    out = pl.pallas_call(
-        kernel, grid=(geo.num_kv_heads, geo.num_tokens),
-        out_shape=jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), q.dtype),
+    splits = min(decode_slots(geo, tuning) // geo.decode_rows, tuning.decode_max_splits)  # fixed by the shape
+    slots = max(geo.num_tokens, splits * geo.decode_rows)  # every token row has a program to zero it
+    tile = tuning.split_decode_kv_tile if splits > 1 else tuning.decode_kv_tile
+    kernel = functools.partial(decode_only_kernel, geo=geo, scores=scores, splits=splits,
+                               tile=max(tile, geo.block_size), rows=max(16, geo.group_pad), interpret=interpret)
+    out_shape = [jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), q.dtype)]
+    args = [num_seqs, kv_lens, block_tables.reshape(-1), q.reshape(-1, geo.head_dim),
+            k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim)]
+    if splits > 1:  # float32 partials, their log2-sum-exp, and a zeroed done-counter per (kv head, decode)
+        out_shape += [jax.ShapeDtypeStruct((slots * geo.num_q_heads, geo.head_dim), jnp.float32),
+                      jax.ShapeDtypeStruct((slots * geo.num_q_heads,), jnp.float32),
+                      jax.ShapeDtypeStruct((geo.num_kv_heads * geo.decode_rows,), jnp.int32)]
+        args.append(jnp.zeros((geo.num_kv_heads * geo.decode_rows,), jnp.int32))
+    out, *_ = pl.pallas_call(
+        kernel, grid=(geo.num_kv_heads, slots), out_shape=out_shape,
+        input_output_aliases={len(args) - 1: 3} if splits > 1 else {},
         compiler_params=plgpu.CompilerParams(num_warps=tuning.decode_num_warps,
                                              num_stages=tuning.decode_num_stages),
         interpret=interpret_params(interpret), name="ragged_paged_attention_decode_only",
-    )(num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1), q.reshape(-1, geo.head_dim),
-      k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
+    )(*args)
     return out.reshape(q.shape)
 
 
@@ -326,8 +332,9 @@ def merge_call(geo: Geometry, tuning: Tuning, interpret: bool, dtype):
 
 
 def merge_kernel(num_seqs_ref, cu_ref, parts_ref, lse_ref, _, o_ref, *, geo, slots, max_splits):
-    combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs_ref[0], pl.program_id(0), pl.program_id(1), geo,
-                   slots, max_splits)
+    num_decodes = count_decodes(cu_ref, num_seqs_ref[0], geo)
+    combine_splits(parts_ref, lse_ref, o_ref, pl.program_id(0), pl.program_id(1), num_decodes,
+                   decode_splits(num_decodes, slots, max_splits), geo)
 
 
 def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, o_ref, *,
@@ -338,7 +345,9 @@ def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_re
 
     @pl.when(pid < geo.decode_rows)
     def _():
-        combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, pid, geo, slots, max_splits)
+        num_decodes = count_decodes(cu_ref, num_seqs, geo)
+        combine_splits(parts_ref, lse_ref, o_ref, kv_head, pid, num_decodes,
+                       decode_splits(num_decodes, slots, max_splits), geo)
 
     @pl.when(pid >= geo.decode_rows)
     def _():  # the last (longest causal) blocks first
@@ -370,10 +379,8 @@ def attend_block(refs, num_seqs, kv_head, block, geo, scores, block_q, tile):
     store_rows(o_ref, q_row, row_ok, (o / safe(l)[:, None]).astype(o_ref.dtype))
 
 
-def combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, seq, geo, slots, max_splits):
+def combine_splits(parts_ref, lse_ref, o_ref, kv_head, seq, num_decodes, splits, geo):
     """Combine role: merge decode `seq`'s split partials for the q heads of one KV head into its output row."""
-    num_decodes = count_decodes(cu_ref, num_seqs, geo)
-    splits = decode_splits(num_decodes, slots, max_splits)
     r = jnp.arange(geo.group_pad)
     head = kv_head * geo.group + r
     ok = (seq < num_decodes) & (r < geo.group)
@@ -403,14 +410,13 @@ def locate_block(cu_ref, num_seqs, block, geo, block_q):
     return seq, q_start, q_len, (block - jnp.sum(jnp.where(i == seq, first_block, 0))) * block_q
 
 
-def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *, geo,
+def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, geo,
                   scores, slots, max_splits, tile, rows):
-    """With lse_ref: one split of a decode, float32 partials. Without (one launch): slot = token, whose output
-    rows it writes whole (zeros for tokens past num_seqs)."""
+    """Mixed batch, decode role: one split of a decode (the slots are shared out among the decodes at run
+    time), float32 partials and log2-sum-exp; the prefill (or merge) launch merges them."""
     kv_head, slot = pl.program_id(0), pl.program_id(1)
-    # one launch: the caller guarantees only decodes, which saves the dependent cu_q_lens round trip
-    num_decodes = num_seqs_ref[0] if lse_ref is None else count_decodes(cu_ref, num_seqs_ref[0], geo)
-    splits = 1 if lse_ref is None else decode_splits(num_decodes, slots, max_splits)
+    num_decodes = count_decodes(cu_ref, num_seqs_ref[0], geo)
+    splits = decode_splits(num_decodes, slots, max_splits)
     seq, split = slot // splits, slot % splits
     active = seq < num_decodes
     kv_len = jnp.where(active, kv_lens_ref[jnp.minimum(seq, geo.max_seqs - 1)], 0)
@@ -426,12 +432,74 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref
                              kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile)
     o, m, l = attend_range(init_carry(q.shape), lo, jnp.minimum(lo + per_split, t_hi), cdiv(first, tile),
                            kv_len // tile, step)
-    if lse_ref is None:
-        store_rows(o_ref, slot * geo.num_q_heads + head, r < geo.group, (o / safe(l)[:, None]).astype(o_ref.dtype))
-        return
     out_row = slot * geo.num_q_heads + head
     store_rows(o_ref, out_row, row_ok, o / safe(l)[:, None])
     plgpu.store(lse_ref.at[jnp.where(row_ok, out_row, lse_ref.shape[0])], m + jnp.log2(l), mask=row_ok)
+
+
+def decode_only_kernel(num_seqs_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, geo, scores, splits, tile,
+                       rows, interpret):
+    """Decode-only batch (token i is decode i), one launch. Program (kv head, slot) attends tiles
+    split, split + splits, ... of decode slot // splits, `splits` fixed by the shape. Nothing it loads first
+    waits for another load: without a window its first tile's block-table entries and K/V are fetched before
+    the context length arrives (clamped to a real page, masked after), so a short context costs two dependent
+    loads, as on a contiguous cache. Split programs write partials and count themselves done on an atomic
+    counter; the last one of a decode merges them. Programs past the decodes zero their token's rows."""
+    kv_head, slot = pl.program_id(0), pl.program_id(1)
+    seq, split = slot // splits, slot % splits
+    num_decodes = num_seqs_ref[0]
+    active = seq < num_decodes
+    kv_len = jnp.where(active, kv_lens_ref[jnp.minimum(seq, geo.max_seqs - 1)], 0)
+    r = jnp.arange(rows)
+    head = kv_head * geo.group + r
+    q = load_rows(q_ref, jnp.minimum(seq, geo.num_tokens - 1) * geo.num_q_heads + head, r < geo.group)
+    first = 0 if scores.sliding_window is None else jnp.maximum(kv_len - scores.sliding_window, 0)
+    t0 = first // tile + split  # this program's tiles: t0, t0 + splits, ...
+    step = functools.partial(strided_tile, t0=t0, splits=splits, q=q, q_pos=jnp.full((rows,), kv_len - 1), seq=seq,
+                             kv_len=kv_len, kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores,
+                             tile=tile)
+    carry = step(0, init_carry(q.shape), masked="speculative")
+    n = cdiv(jnp.maximum(cdiv(kv_len, tile) - t0, 0), splits)
+    full_lo, full_hi = (cdiv(jnp.maximum(t - t0, 0), splits) for t in (cdiv(first, tile), kv_len // tile))
+    o, m, l = attend_range(carry, 1, n, full_lo, full_hi, step)
+    out_ref, *split_refs = refs[1:] if splits > 1 else refs
+    row_ok = active & (r < geo.group)
+    out_rows = slot * geo.num_q_heads + head
+    pad = (slot >= num_decodes) & (slot < geo.num_tokens)
+    store_rows(out_ref, out_rows, pad & (r < geo.group), jnp.zeros((rows, geo.head_dim), out_ref.dtype))
+    if splits == 1:
+        store_rows(out_ref, out_rows, row_ok, (o / safe(l)[:, None]).astype(out_ref.dtype))
+        return
+    parts_ref, lse_ref, count_ref = split_refs
+    store_rows(parts_ref, out_rows, row_ok, o / safe(l)[:, None])
+    plgpu.store(lse_ref.at[jnp.where(row_ok, out_rows, lse_ref.shape[0])], m + jnp.log2(l), mask=row_ok)
+
+    @pl.when(active)
+    def _():
+        if not interpret:  # every thread's partials are stored before the counter says so (the interpreter
+            plgpu.debug_barrier()  # runs programs one at a time)
+        done = plgpu.atomic_add(count_ref, kv_head * geo.decode_rows + seq, jnp.int32(1))  # acq_rel, GPU scope
+        pl.when(done == splits - 1)(lambda: merge_splits(parts_ref, lse_ref, out_ref, seq, splits, head,
+                                                         r < geo.group, geo))
+
+
+def strided_tile(i, carry, *, masked, t0, splits, **tile_args):
+    """attend_tile on this program's i-th tile, t0 + i * splits."""
+    return attend_tile(t0 + i * splits, carry, masked=masked, **tile_args)
+
+
+def merge_splits(parts_ref, lse_ref, out_ref, seq, splits, head, ok, geo):
+    """Merge a decode's `splits` partials (other programs of this launch wrote them: volatile loads, since L1 is
+    not coherent) into its output rows, all loads issued at once (splits is static)."""
+    rows = [(seq * splits + i) * geo.num_q_heads + head for i in range(splits)]
+    lse = [plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf, volatile=True) for row in rows]
+    parts = [load_rows(parts_ref, row, ok, volatile=True) for row in rows]
+    m = functools.reduce(jnp.maximum, lse)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    weights = [jnp.exp2(x - m) for x in lse]
+    acc = functools.reduce(jnp.add, [w[:, None] * p for w, p in zip(weights, parts)])
+    store_rows(out_ref, seq * geo.num_q_heads + head, ok,
+               (acc / safe(functools.reduce(jnp.add, weights))[:, None]).astype(out_ref.dtype))
 
 
 def count_decodes(cu_ref, num_seqs, geo):
@@ -456,14 +524,22 @@ def attend_range(carry, lo, hi, full_lo, full_hi, step):
 
 
 def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, scores, tile):
-    """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page."""
+    """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page. masked: False (all
+    keys visible), True, or "speculative": the loads do not wait for kv_len (pages read are clamped to real
+    ones; keys past kv_len are masked and their V rows zeroed, since 0 x NaN would leak)."""
     bt_ref, k_ref, v_ref = refs
     key = t * tile + jnp.arange(tile)
-    live = (key < kv_len) if masked else None  # past kv_len the block table may hold anything
+    live = key < kv_len
     col = jnp.minimum(key // geo.block_size, geo.max_blocks - 1)
-    page = gather(bt_ref.at[seq * geo.max_blocks + col], live)
+    if masked == "speculative":
+        num_pages = k_ref.shape[0] // (geo.block_size * geo.num_kv_heads)
+        page = jnp.clip(plgpu.load(bt_ref.at[jnp.minimum(seq, geo.max_seqs - 1) * geo.max_blocks + col]), 0,
+                        num_pages - 1)
+    else:  # past kv_len the block table may hold anything
+        page = gather(bt_ref.at[seq * geo.max_blocks + col], live if masked else None)
     kv_row = (page * geo.block_size + key % geo.block_size) * geo.num_kv_heads + kv_head
-    s = logits(q, load_rows(k_ref, kv_row, live), scores)
+    mask = live if masked is True else None
+    s = logits(q, load_rows(k_ref, kv_row, mask), scores)
     if masked:
         s = jnp.where(visible(key, q_pos, scores.sliding_window), s, -jnp.inf)
     o, m, l = carry
@@ -471,7 +547,9 @@ def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, 
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet stays zero
     p = jnp.exp2(s - m_safe[:, None])
     alpha = jnp.exp2(m - m_safe)
-    v = load_rows(v_ref, kv_row, live)
+    v = load_rows(v_ref, kv_row, mask)
+    if masked == "speculative":
+        v = jnp.where(live[:, None], v, jnp.zeros((), v.dtype))
     pv = dot(p.astype(v.dtype), v, ((1,), (0,)))
     return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
 
@@ -507,12 +585,13 @@ def gather(ref_view, mask):
     return plgpu.load(ref_view) if mask is None else plgpu.load(ref_view, mask=mask, other=0)
 
 
-def load_rows(ref, rows, ok):
+def load_rows(ref, rows, ok, volatile=False):
     """ref[rows, :] as a tile; rows where `ok` is False (None: all valid) read as 0."""
     view = ref.at[rows[:, None], jnp.arange(ref.shape[1])[None, :]]
     if ok is None:
-        return plgpu.load(view)
-    return plgpu.load(view, mask=jnp.broadcast_to(ok[:, None], (rows.shape[0], ref.shape[1])), other=0)
+        return plgpu.load(view, volatile=volatile)
+    return plgpu.load(view, mask=jnp.broadcast_to(ok[:, None], (rows.shape[0], ref.shape[1])), other=0,
+                      volatile=volatile)
 
 
 def store_rows(ref, rows, ok, val):

@@ -7,7 +7,7 @@ import transformers
 import custom_calls
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.runner import DecodePlanner
+from jaxserve.engine.runner import decode_kernel_for
 from jaxserve.models.loader import load_model
 
 from test_models import PROMPTS
@@ -263,36 +263,28 @@ def test_each_step_compiles_the_sampler_its_requests_need(tiny_llm):
     assert {"greedy", "sort"} <= modes
 
 
-def test_decode_planner_picks_the_measured_fastest_kernel():
-    every = DecodePlanner(("ragged", "one_launch", "cuda"), num_kv_heads=8)
-    assert every.choose(num_decodes=8, max_kv_len=512) == "cuda"         # small batch, short context
-    assert every.choose(num_decodes=8, max_kv_len=4096) == "ragged"      # small batch, long context: split-K
-    assert every.choose(num_decodes=64, max_kv_len=512) == "one_launch"  # the batch fills the launch
-    assert DecodePlanner(("ragged", "one_launch"), 8).choose(8, 512) == "ragged"
-    assert DecodePlanner(("cuda",), 8).choose(256, 16384) == "cuda"
-
-
-def test_decode_planner_offers_only_what_runs_here():
-    """On a CPU the attention is the pure-JAX reference: one variant, and asking for CUDA names why it cannot.
-    On an NVIDIA GPU (with nvcc): all three; the CUDA call is refused for a head_dim it does not serve."""
+def test_decode_kernel_is_what_runs_here():
+    """On a CPU the attention is the pure-JAX reference (the mixed-batch path), and asking for CUDA names why it
+    cannot run. On an NVIDIA GPU (with nvcc): the Pallas decode-only launch, or the CUDA call when asked, refused
+    for a head_dim it does not serve."""
     if custom_calls.available():
-        assert DecodePlanner.create("auto", head_dim=64, num_kv_heads=2).variants == ("ragged", "one_launch", "cuda")
-        assert "cuda" not in DecodePlanner.create("auto", head_dim=32, num_kv_heads=2).variants
+        assert decode_kernel_for("auto", head_dim=64) == "one_launch"
+        assert decode_kernel_for("cuda", head_dim=64) == "cuda"
         with pytest.raises(ValueError, match="head_dim 32"):
-            DecodePlanner.create("cuda", head_dim=32, num_kv_heads=2)
+            decode_kernel_for("cuda", head_dim=32)
         return
-    assert DecodePlanner.create("auto", head_dim=64, num_kv_heads=2).variants == ("ragged",)
+    assert decode_kernel_for("auto", head_dim=64) == "ragged"
     with pytest.raises(ValueError, match="CUDA custom calls are unavailable: no NVIDIA GPU"):
-        DecodePlanner.create("cuda", head_dim=64, num_kv_heads=2)
+        decode_kernel_for("cuda", head_dim=64)
 
 
-@pytest.mark.parametrize("num_kv_heads, kernel", [(2, "cuda"), (10_000, "one_launch")])
-def test_decode_steps_run_the_planned_kernel(tiny, tiny_expected, num_kv_heads, kernel):
-    """Decode-only steps run the variant the planner picks (mixed steps the ragged kernel) and HF's tokens come
-    out. On the GPU these are the one-launch Pallas kernel and the CUDA call; on CPU both fall back to the
-    reference, which checks the plumbing only."""
+@pytest.mark.parametrize("kernel", ["cuda", "one_launch"])
+def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel):
+    """Decode-only steps run the decode kernel's variant (mixed steps the ragged kernel) and HF's tokens come
+    out. On the GPU these are the Pallas decode-only launch (its small buckets split contexts and merge in the
+    launch) and the CUDA call; on CPU both fall back to the reference, which checks the plumbing only."""
     prompts, expected = tiny_expected
     llm = LLM(tiny[0], **BASE)
-    llm.engine.runner.decode_planner = DecodePlanner(("ragged", "one_launch", "cuda"), num_kv_heads)
+    llm.engine.runner.decode_kernel = kernel
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
     assert {key[2] for key in llm.engine.runner.compiled_buckets} == {"ragged", kernel}

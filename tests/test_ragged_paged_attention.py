@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import Tuning, one_launch_decode_pays, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -171,29 +171,26 @@ def test_split_k_decode(q_heads, kv_heads):
                      sliding_window=100)
 
 
+@pytest.mark.parametrize("max_splits", [16, 1])
 @pytest.mark.parametrize("dtype, options", [
     (jnp.float32, {"soft_cap": 5.0}),
     (jnp.bfloat16, {"sliding_window": 33}),
 ])
-def test_one_launch_decode(dtype, options):
-    """decode_only=True: one program per (token, kv head) over the whole context; every row past the decodes
-    (padding sequences and padding tokens, here more tokens than sequence slots) comes out zero."""
+def test_one_launch_decode(dtype, options, max_splits):
+    """decode_only=True: one launch. Each context is split over 4 programs taking every 4th 16-key tile, the
+    last of a decode to finish merging the partials (max_splits 16), or one program attends it all (1).
+    Every row past the decodes (padding sequences and padding tokens, here more tokens than sequence slots)
+    comes out zero."""
     shape = {**GEOMETRY, "num_tokens": 16, "max_blocks": 16}
+    tuning = {"decode_programs": 64, "decode_kv_tile": 16, "decode_max_splits": max_splits}  # 4 splits
     rng = np.random.default_rng(5)
     for kv_lens in ([1, 17, 40, 64, 99, 250, 3], [203], [16] * 8):
         batch = make_batch(rng, [1] * len(kv_lens), kv_lens, **shape, dtype=dtype)
         expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125, **options)
         poison_allocator(batch)
         out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
-                                     decode_only=True, **options)
+                                     decode_only=True, **options, **tuning)
         check_close(out, expected, batch, dtype, str(kv_lens))
-
-
-def test_one_launch_plan():
-    """The host's plan: one launch once the decodes fill the decode launch, split-K below."""
-    assert one_launch_decode_pays(num_decodes=64, num_kv_heads=8)
-    assert not one_launch_decode_pays(num_decodes=8, num_kv_heads=8)
-    assert one_launch_decode_pays(num_decodes=8, num_kv_heads=8, tuning=Tuning(decode_programs=64))
 
 
 def test_random_mixes():

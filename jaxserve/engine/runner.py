@@ -25,7 +25,7 @@ from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.models.attention import AttentionBatch
 from jaxserve.models.loader import LoadedModel
-from pallas_kernels.ragged_paged_attention import one_launch_decode_pays, resolve_impl
+from pallas_kernels.ragged_paged_attention import resolve_impl
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
@@ -41,39 +41,21 @@ def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
     return next(b for b in ladder if b >= n)
 
 
-# Measured on the H100 (benchmarks/NOTES_cuda.md, `attention.py --plans`): the CUDA call beat the Pallas plan
-# only on batches that plan splits, and only up to this context (by 2-4%); the Pallas kernels won elsewhere.
-CUDA_DECODE_MAX_CONTEXT = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class DecodePlanner:
-    """Picks on the host the kernel of each decode-only step, each a compiled variant of the step:
-    "ragged" (the mixed-batch Pallas kernel: split-K + merge), "one_launch" (Pallas, no split) or "cuda"."""
-    variants: tuple[str, ...]   # what this process may run
-    num_kv_heads: int
-
-    @classmethod
-    def create(cls, setting: str, head_dim: int, num_kv_heads: int) -> DecodePlanner:
-        """setting "auto": every kernel that runs here, picked per step; "pallas": the Pallas ones; "cuda": the
-        custom call always (an error when it cannot run)."""
-        if setting not in ("auto", "pallas", "cuda"):
-            raise ValueError(f"decode_attention must be auto, pallas or cuda, got {setting!r}")
-        cuda_reason = (f"head_dim {head_dim} not in {custom_calls.HEAD_DIMS}" if head_dim not in custom_calls.HEAD_DIMS
-                       else custom_calls.unavailable_reason())
-        if setting == "cuda":
-            if cuda_reason:
-                raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {cuda_reason}")
-            return cls(("cuda",), num_kv_heads)
-        # the one-launch variant only exists where the Pallas kernels run (else attention is the reference)
-        pallas = ("ragged", "one_launch") if resolve_impl("auto", interpret=False) == "pallas" else ("ragged",)
-        return cls(pallas + (("cuda",) if setting == "auto" and not cuda_reason else ()), num_kv_heads)
-
-    def choose(self, num_decodes: int, max_kv_len: int) -> str:
-        splits = not one_launch_decode_pays(num_decodes, self.num_kv_heads)
-        if "cuda" in self.variants and (len(self.variants) == 1 or (splits and max_kv_len <= CUDA_DECODE_MAX_CONTEXT)):
-            return "cuda"
-        return "one_launch" if "one_launch" in self.variants and not splits else "ragged"
+def decode_kernel_for(setting: str, head_dim: int) -> str:
+    """The kernel of decode-only steps, a compiled variant of the step: "one_launch" (the Pallas decode-only
+    launch), "cuda" (the custom call), or "ragged" (the mixed-batch path: where the Pallas kernels do not run,
+    the attention is the pure-JAX reference either way). "auto" takes the Pallas launch: on the H100 it beat the
+    CUDA call at every batch and context measured (benchmarks/NOTES_attention.md, v6); "cuda" forces the call,
+    an error naming why when it cannot run."""
+    if setting not in ("auto", "cuda"):
+        raise ValueError(f"decode_attention must be auto or cuda, got {setting!r}")
+    if setting == "cuda":
+        why = (f"head_dim {head_dim} not in {custom_calls.HEAD_DIMS}" if head_dim not in custom_calls.HEAD_DIMS
+               else custom_calls.unavailable_reason())
+        if why:
+            raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {why}")
+        return "cuda"
+    return "one_launch" if resolve_impl("auto", interpret=False) == "pallas" else "ragged"
 
 
 @jax.tree_util.register_dataclass
@@ -133,7 +115,7 @@ class ModelRunner:
                                       self.token_buckets[-1])
         tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
-        self.decode_planner = DecodePlanner.create(cfg.decode_attention, mc.head_dim, mc.num_kv_heads)
+        self.decode_kernel = decode_kernel_for(cfg.decode_attention, mc.head_dim)
         if cfg.prefill_attention not in ("triton", "mosaic"):
             raise ValueError(f"prefill_attention must be triton or mosaic, got {cfg.prefill_attention!r}")
         if unknown := set(cfg.precompile_sampler_modes) - set(MODES):
@@ -178,8 +160,8 @@ class ModelRunner:
         """Compile every (tokens, seqs) bucket and sampler mode ahead of time; the persistent cache makes
         restarts fast. Logprob variants compile on first use."""
         shapes = [(t, s, "ragged") for t in self.token_buckets for s in self.seq_buckets]
-        shapes += [(bucket_for(s, self.token_buckets), s, impl) for s in self.seq_buckets
-                   for impl in self.decode_planner.variants if impl != "ragged"]
+        if self.decode_kernel != "ragged":
+            shapes += [(bucket_for(s, self.token_buckets), s, self.decode_kernel) for s in self.seq_buckets]
         graphs = [(*shape, mode) for shape in shapes for mode in self.cfg.precompile_sampler_modes]
         for t, s, decode_impl, mode in tqdm(graphs, desc="compiling step graphs", unit="graph", file=sys.stderr,
                                             disable=None):
@@ -266,7 +248,7 @@ class ModelRunner:
         mask = np.zeros(s_pad, bool)
         mask[:n_rows] = [r.samples for r in rows]
         decode_only = n_tok == n_rows and all(r.count == 1 for r in rows)
-        decode_impl = self.decode_planner.choose(n_rows, int(kv_lens.max())) if decode_only else "ragged"
+        decode_impl = self.decode_kernel if decode_only else "ragged"
         attn = AttentionBatch(slot_mapping.copy(), cu, kv_lens,
                               self.block_table.table[padded_slots % self.cfg.max_num_seqs],
                               np.array([n_rows], np.int32), decode_impl, self.cfg.prefill_attention)

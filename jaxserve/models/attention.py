@@ -26,8 +26,8 @@ class AttentionBatch:
     kv_lens: jax.Array        # [S] context length including this step's tokens
     block_tables: jax.Array   # [S, max_blocks_per_seq]
     num_seqs: jax.Array       # [1]
-    # Static, for a decode-only batch (one token per row, rows == tokens): "one_launch" (the Pallas kernel without
-    # split-K) or "cuda" (the CUDA custom call); "ragged" (any batch): the mixed-batch kernel.
+    # Static, for a decode-only batch (one token per row, rows == tokens): "one_launch" (the Pallas decode-only
+    # launch) or "cuda" (the CUDA custom call); "ragged" (any batch): the mixed-batch kernel.
     decode_impl: str = field(default="ragged", metadata=dict(static=True))
     # Static: the GPU kernel for prefill rows (pallas_kernels.ragged_paged_attention's prefill_backend).
     prefill_backend: str = field(default="triton", metadata=dict(static=True))
