@@ -392,8 +392,9 @@ def bench_mosaic_variants(rec: Recorder, length, variants=({}, {"wait_next_k_ear
 
 
 def run_plans(rec: Recorder):
-    """Decode-only plans side by side (one launch, split-K, the CUDA call's splits) around the crossovers, the
-    peers, and the launch floor (one tiny XLA kernel per call with the same arguments)."""
+    """Decode paths side by side (the decode-only launch with and without its split, the mixed-batch path, the
+    CUDA call's splits), cuDNN, and the launch floor (one tiny XLA kernel per call with the same arguments);
+    then the prefill peers and the Mosaic kernel's work-item order."""
     measure_copy(rec)
     for batch_size, context in PLAN_POINTS:
         batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
