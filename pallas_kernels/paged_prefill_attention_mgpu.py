@@ -39,7 +39,7 @@ class PrefillTuning:
     block_kv: int = 128  # keys per pipeline step
     max_concurrent_steps: int = 2
     wait_next_k_early: bool = True  # wait for step s+1's K while step s's PV wgmma runs (FA3)
-    alternate_rounds: bool = True  # CTAs take work items in alternating order each round (`item_of`)
+    alternate_rounds: bool = True  # CTAs take work items in alternating order each round (`item_index`)
     num_ctas: int = H100_SMS  # persistent grid; the caller passes the device's core count when it has one
 
 

@@ -30,7 +30,7 @@ Its split is fixed by the shape (the engine's bucket), so every program knows it
 tiles from its grid position and issues its first block-table and K/V loads before any length arrives
 (`decode_only_kernel`); split programs count themselves done on an atomic counter and the last of each
 decode merges the partials in the same launch. Measured on the H100 against the two-launch path: 8 x 512
-12.1 vs 15.9 us, 64 x 512 48.8 vs 61.5 (benchmarks/NOTES_attention.md).
+12.1 vs 15.8 us, 64 x 512 49.4 vs 61.3 (benchmarks/NOTES_attention.md, v6).
 """
 import dataclasses
 import functools
@@ -332,9 +332,8 @@ def merge_call(geo: Geometry, tuning: Tuning, interpret: bool, dtype):
 
 
 def merge_kernel(num_seqs_ref, cu_ref, parts_ref, lse_ref, _, o_ref, *, geo, slots, max_splits):
-    num_decodes = count_decodes(cu_ref, num_seqs_ref[0], geo)
-    combine_splits(parts_ref, lse_ref, o_ref, pl.program_id(0), pl.program_id(1), num_decodes,
-                   decode_splits(num_decodes, slots, max_splits), geo)
+    combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs_ref[0], pl.program_id(0), pl.program_id(1), geo,
+                   slots, max_splits)
 
 
 def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, o_ref, *,
@@ -345,9 +344,7 @@ def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_re
 
     @pl.when(pid < geo.decode_rows)
     def _():
-        num_decodes = count_decodes(cu_ref, num_seqs, geo)
-        combine_splits(parts_ref, lse_ref, o_ref, kv_head, pid, num_decodes,
-                       decode_splits(num_decodes, slots, max_splits), geo)
+        combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, pid, geo, slots, max_splits)
 
     @pl.when(pid >= geo.decode_rows)
     def _():  # the last (longest causal) blocks first
@@ -379,8 +376,10 @@ def attend_block(refs, num_seqs, kv_head, block, geo, scores, block_q, tile):
     store_rows(o_ref, q_row, row_ok, (o / safe(l)[:, None]).astype(o_ref.dtype))
 
 
-def combine_splits(parts_ref, lse_ref, o_ref, kv_head, seq, num_decodes, splits, geo):
+def combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, seq, geo, slots, max_splits):
     """Combine role: merge decode `seq`'s split partials for the q heads of one KV head into its output row."""
+    num_decodes = count_decodes(cu_ref, num_seqs, geo)
+    splits = decode_splits(num_decodes, slots, max_splits)
     r = jnp.arange(geo.group_pad)
     head = kv_head * geo.group + r
     ok = (seq < num_decodes) & (r < geo.group)
