@@ -7,8 +7,9 @@ cuDNN (benchmarks/NOTES_attention.md). Same cache layout and metadata; decodes s
   prefill rows costs one short wave instead of thousands of empty CTAs. Work comes longest-causal first.
 - Three warpgroups per CTA: two compute warpgroups own `block_q` query rows each (wgmma M = 64); one memory
   warpgroup streams K and V pages by TMA, `block_kv // block_size` page copies per pipeline step into one
-  swizzled buffer, `max_concurrent_steps` deep. A schedule barrier alternates the two compute warpgroups on
-  the tensor cores (one runs softmax while the other multiplies).
+  swizzled buffer, `max_concurrent_steps` deep. Its warps split the copies, two stream K and two V (all 16
+  copies of a step from one thread, K queued behind V's free buffers, cost 4% at 8K). A schedule barrier
+  alternates the two compute warpgroups on the tensor cores (one runs softmax while the other multiplies).
 - Every warpgroup walks the same KV steps of a work item; steps outside a warpgroup's causal / window range
   only wait and release the buffers, which keeps barrier phases in lock step across work items.
 - q tiles start at any row, which a swizzled TMA cannot address: q and the output pass through a plain SMEM
@@ -174,17 +175,10 @@ def prefill_kernel(meta_ref, q_ref, k_ref, v_ref, bt_ref, out_ref, q_smem, k_sme
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        load = functools.partial(load_item, refs=(k_ref, v_ref, bt_ref, k_smem, v_smem),
-                                 barriers=(k_ready, v_ready, k_free, v_free), tuning=tuning, group=group,
-                                 max_blocks=max_blocks)
-        steps = lax.fori_loop(0, num_items, lambda n, step: load(locate_w(item_of(n, cta)), step), 0)
-        for i in range(tuning.max_concurrent_steps):  # observe the last releases before the barriers go
-            last = steps - tuning.max_concurrent_steps + i
-
-            @pl.when(last >= 0)
-            def _():
-                plgpu.barrier_wait(k_free.at[last % tuning.max_concurrent_steps])
-                plgpu.barrier_wait(v_free.at[last % tuning.max_concurrent_steps])
+        plgpu.warp_map(functools.partial(
+            stream_warp, refs=(k_ref, v_ref, bt_ref, k_smem, v_smem), barriers=(k_ready, v_ready, k_free, v_free),
+            items=lambda n: locate_w(item_of(n, cta)), num_items=num_items, tuning=tuning, group=group,
+            max_blocks=max_blocks))
 
 
 def item_index(n, cta, *, num_ctas, alternate):
@@ -194,25 +188,43 @@ def item_index(n, cta, *, num_ctas, alternate):
     return n * num_ctas + (jnp.where(n % 2 == 0, cta, num_ctas - 1 - cta) if alternate else cta)
 
 
-def load_item(item: Item, step, *, refs, barriers, tuning, group, max_blocks):
-    """Memory warpgroup: TMA every page of KV steps [lo, hi) into the ring; returns the running step count."""
-    k_ref, v_ref, bt_ref, k_smem, v_smem = refs
-    k_ready, v_ready, k_free, v_free = barriers
-    block_size = k_ref.shape[1]
+def stream_warp(warp, *, refs, barriers, items, num_items, tuning, group, max_blocks):
+    """One warp of the memory warpgroup: warps 0-1 stream K, warps 2-3 stream V, each TMA-copying every other page
+    of each KV step [lo, hi) of every work item into the ring. K runs ahead without waiting for V buffers to free
+    up, and the copies of a step issue from two warps at once."""
+    depth = tuning.max_concurrent_steps
+    lane = warp % 2
+    for role, (cache, smem, ready, free) in enumerate(zip(refs[:2], refs[3:], barriers[:2], barriers[2:])):
+        stream = functools.partial(stream_item, lane=lane, cache=cache, bt_ref=refs[2], smem=smem, ready=ready,
+                                   free=free, tuning=tuning, group=group, max_blocks=max_blocks)
+
+        @pl.when(warp // 2 == role)
+        def _(stream=stream, free=free):
+            steps = lax.fori_loop(0, num_items, lambda n, step: stream(items(n), step), 0)
+            for i in range(depth):  # observe the last releases before the barriers go
+                last = steps - depth + i
+                pl.when(last >= 0)(lambda: plgpu.barrier_wait(free.at[last % depth]))
+
+
+def stream_item(item: Item, step, *, lane, cache, bt_ref, smem, ready, free, tuning, group, max_blocks):
+    """Pages lane, lane + 2, ... of the item's KV steps, K or V; returns the running step count."""
+    block_size = cache.shape[1]
     pages, kv_head = tuning.block_kv // block_size, item.head // group
 
     def one(s, step):
         slot = step % tuning.max_concurrent_steps
-        cols = [s * pages + i for i in range(pages)]
-        # Pages past the last visible key may not exist in the table: read the null block instead (the compute
-        # side zeroes those V rows). The ids load before the wait below, so their latency hides behind it.
-        ids = [jnp.where(c * block_size < item.key_bound, bt_ref[item.seq, jnp.minimum(c, max_blocks - 1)], 0)
-               for c in cols]
-        for cache, smem, ready, free in ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)):
-            @pl.when(step >= tuning.max_concurrent_steps)
+        copies = []
+        for j in range(cdiv(pages, 2)):
+            i = jnp.minimum(2 * j + lane, pages - 1)
+            c = s * pages + i
+            # Pages past the last visible key may not exist in the table: read the null block instead (the compute
+            # side zeroes those V rows). The ids load before the wait below, so their latency hides behind it.
+            page = jnp.where(c * block_size < item.key_bound, bt_ref[item.seq, jnp.minimum(c, max_blocks - 1)], 0)
+            copies.append((i, page, 2 * j + lane < pages))  # an odd page count leaves lane 1 one copy short
+        pl.when(step >= tuning.max_concurrent_steps)(lambda: plgpu.barrier_wait(free.at[slot]))
+        for i, page, live in copies:
+            @pl.when(live)
             def _():
-                plgpu.barrier_wait(free.at[slot])
-            for i, page in enumerate(ids):
                 plgpu.copy_gmem_to_smem(cache.at[page, :, kv_head], smem.at[slot, pl.ds(i * block_size, block_size)],
                                         ready.at[slot])
         return step + 1

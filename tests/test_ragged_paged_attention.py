@@ -246,15 +246,15 @@ MOSAIC_MIXES = {
 
 
 @pytest.mark.skipif(ON_GPU and not HOPPER, reason="the Mosaic GPU prefill kernel needs sm_90 (H100/H200)")
-@pytest.mark.parametrize("dtype, q_heads, kv_heads, head_dim, options", [
-    (jnp.bfloat16, 4, 2, 64, {}),
-    (jnp.bfloat16, 8, 1, 128, {"sliding_window": 37}),  # GQA 8, head_dim 128, window inside the tiles
-    (jnp.float16, 2, 2, 64, {}),  # GQA 1
+@pytest.mark.parametrize("dtype, q_heads, kv_heads, head_dim, block_size, options", [
+    (jnp.bfloat16, 4, 2, 64, 16, {}),  # 4 pages per step: two per copying warp
+    (jnp.bfloat16, 8, 1, 128, 16, {"sliding_window": 37}),  # GQA 8, head_dim 128, window inside the tiles
+    (jnp.float16, 2, 2, 64, 64, {}),  # GQA 1; one page per step: one warp of each pair copies nothing
 ])
-def test_mosaic_prefill_matches_reference(dtype, q_heads, kv_heads, head_dim, options):
+def test_mosaic_prefill_matches_reference(dtype, q_heads, kv_heads, head_dim, block_size, options):
     """The Hopper (wgmma/TMA) prefill kernel inside the ragged entry point, decodes merged beside it."""
-    shape = {**GEOMETRY, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "num_tokens": 256,
-             "max_blocks": 16, "num_blocks": 64}
+    shape = {**GEOMETRY, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size,
+             "num_tokens": 256, "max_blocks": 16, "num_blocks": 64}
     rng = np.random.default_rng(10)
     for name, (q_lens, kv_lens) in MOSAIC_MIXES.items():
         batch = make_batch(rng, q_lens, kv_lens, **shape, dtype=dtype)
