@@ -176,9 +176,9 @@ def prefill_kernel(meta_ref, q_ref, k_ref, v_ref, bt_ref, out_ref, q_smem, k_sme
     def _():
         plgpu.set_max_registers(40, action="decrease")
         plgpu.warp_map(functools.partial(
-            stream_warp, refs=(k_ref, v_ref, bt_ref, k_smem, v_smem), barriers=(k_ready, v_ready, k_free, v_free),
-            items=lambda n: locate_w(item_of(n, cta)), num_items=num_items, tuning=tuning, group=group,
-            max_blocks=max_blocks))
+            stream_warp, streams=((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)),
+            bt_ref=bt_ref, items=lambda n: locate_w(item_of(n, cta)), num_items=num_items, tuning=tuning,
+            group=group, max_blocks=max_blocks))
 
 
 def item_index(n, cta, *, num_ctas, alternate):
@@ -188,14 +188,14 @@ def item_index(n, cta, *, num_ctas, alternate):
     return n * num_ctas + (jnp.where(n % 2 == 0, cta, num_ctas - 1 - cta) if alternate else cta)
 
 
-def stream_warp(warp, *, refs, barriers, items, num_items, tuning, group, max_blocks):
+def stream_warp(warp, *, streams, bt_ref, items, num_items, tuning, group, max_blocks):
     """One warp of the memory warpgroup: warps 0-1 stream K, warps 2-3 stream V, each TMA-copying every other page
     of each KV step [lo, hi) of every work item into the ring. K runs ahead without waiting for V buffers to free
     up, and the copies of a step issue from two warps at once."""
     depth = tuning.max_concurrent_steps
     lane = warp % 2
-    for role, (cache, smem, ready, free) in enumerate(zip(refs[:2], refs[3:], barriers[:2], barriers[2:])):
-        stream = functools.partial(stream_item, lane=lane, cache=cache, bt_ref=refs[2], smem=smem, ready=ready,
+    for role, (cache, smem, ready, free) in enumerate(streams):  # (cache, SMEM ring, landed, consumed): K, V
+        stream = functools.partial(stream_item, lane=lane, cache=cache, bt_ref=bt_ref, smem=smem, ready=ready,
                                    free=free, tuning=tuning, group=group, max_blocks=max_blocks)
 
         @pl.when(warp // 2 == role)
