@@ -4,7 +4,8 @@
 
 Rows (impl "jaxserve" unless named): decode_step = one decode step of `num_seqs` sequences at `context` tokens:
 allocate 1 token each (every block_size-th step all of them take a new block and cache a full one), apply the block
-updates to the persistent table, then slot mapping, positions, cu_q_lens and kv_lens into preallocated arrays.
+updates to the persistent table, then build the step's attention inputs (`build_step_inputs`: slot mapping,
+positions, cu_q_lens, kv_lens, gathered block-table rows; sampling rows left out).
 Baseline "rebuild_table": the same with the block table rebuilt from every sequence's block list each step.
 prefix_lookup = lookup_prefix of a cached `context`-token prompt with its block hashes precomputed (once per
 request); hash_blocks = that one-time hashing. cow_copy = one copy_blocks call for 64 copy-on-write pairs
@@ -28,6 +29,7 @@ from jaxserve.cache.block_table import BlockTable  # noqa: E402
 from jaxserve.cache import kv_cache  # noqa: E402
 from jaxserve.cache.kv_cache import allocate_kv_cache, copy_blocks, kv_bytes_per_block  # noqa: E402
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
+from jaxserve.engine.step_inputs import build_step_inputs  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_SEQS, CONTEXT, BLOCK_SIZE, DECODE_STEPS = 256, 4096, 16, 1024
@@ -47,7 +49,7 @@ def timed(fn, repeats: int) -> np.ndarray:
 def start_decode_batch(rng):
     max_blocks = (CONTEXT + DECODE_STEPS) // BLOCK_SIZE + 1
     manager = KVCacheManager(NUM_SEQS * max_blocks + 1, BLOCK_SIZE)
-    table = BlockTable(NUM_SEQS, max_blocks, BLOCK_SIZE, max_num_tokens=NUM_SEQS)
+    table = BlockTable(NUM_SEQS, max_blocks)
     tokens = [rng.integers(0, 32000, CONTEXT).tolist() for _ in range(NUM_SEQS)]
     for seq, toks in enumerate(tokens):  # seq id == batch row
         assert manager.allocate(seq, toks, CONTEXT)[0]
@@ -67,10 +69,7 @@ def update_table(manager: KVCacheManager, table: BlockTable, incremental: bool) 
 def bench_decode_step(incremental: bool) -> np.ndarray:
     manager, table, tokens = start_decode_batch(np.random.default_rng(0))
     rows = np.arange(NUM_SEQS, dtype=np.int32)
-    kv_lens = np.full(NUM_SEQS, CONTEXT, np.int32)
-    positions = np.empty(NUM_SEQS, np.int32)
-    cu_q_lens = np.zeros(NUM_SEQS + 1, np.int32)
-    q_lens = np.ones(NUM_SEQS, np.int32)
+    ones = np.ones(NUM_SEQS, np.int32)
 
     def step():
         for seq, toks in enumerate(tokens):
@@ -79,14 +78,13 @@ def bench_decode_step(incremental: bool) -> np.ndarray:
                 raise RuntimeError("benchmark pool too small")
         update_table(manager, table, incremental)
         manager.take_copies()
-        np.add(kv_lens, 1, out=kv_lens)
-        np.subtract(kv_lens, 1, out=positions)
-        np.cumsum(q_lens, out=cu_q_lens[1:])
-        table.compute_slot_mapping(rows, positions)
+        return build_step_inputs(num_tokens=NUM_SEQS, num_seqs=NUM_SEQS, block_size=BLOCK_SIZE, scratch_slot=NUM_SEQS,
+                                 block_tables=table.table[rows], starts=[len(t) - 1 for t in tokens], counts=ones,
+                                 token_ids=ones, slots=rows)
 
     step()  # first step writes every row
-    ms = timed(step, DECODE_STEPS - 1)
-    last = table.compute_slot_mapping(rows, positions)
+    ms = timed(step, DECODE_STEPS - 2)
+    last = step().attn.slot_mapping
     want = [manager.block_ids(s)[-1] * BLOCK_SIZE + (CONTEXT + DECODE_STEPS - 1) % BLOCK_SIZE for s in range(NUM_SEQS)]
     assert last.tolist() == want, "slot mapping diverged from the manager"
     return ms

@@ -34,17 +34,16 @@ from benchmarks.common import copy_bandwidth_gbps, matmul_tflops, time_ms, write
 from jaxserve.cache.kv_cache import kv_bytes_per_block, num_blocks_for_memory  # noqa: E402
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
-from jaxserve.engine.runner import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepInputs, pow2_ladder  # noqa: E402
-from jaxserve.engine.sampler import make_sampling_tensors  # noqa: E402
+from jaxserve.engine.runner import ModelRunner, bucket_ladders  # noqa: E402
 from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
-from jaxserve.models.loader import load_run  # noqa: E402
 from jaxserve.engine.scheduler import Scheduler  # noqa: E402
-from jaxserve.engine.sequence import Sequence, SequenceStatus  # noqa: E402
-from jaxserve.models.attention import AttentionBatch  # noqa: E402
+from jaxserve.engine.sequence import Sequence  # noqa: E402
+from jaxserve.engine.step_inputs import StepInputs  # noqa: E402
+from jaxserve.models.loader import load_run  # noqa: E402
 
 KINDS = ("decode", "mixed")
 MIXED_DECODE_SHARE = 0.5             # a mixed case gives decodes at most this share of its tokens
-SWEEP_SAMPLING = SamplingParams()    # what a request asks by default: temperature 1, no filters
+SWEEP_SAMPLING = SamplingParams(temperature=0.0)   # greedy, as the engine benchmarks' requests
 HEATMAP_METRICS = ("tok_s", "roofline_frac", "compile_s")
 
 
@@ -69,12 +68,6 @@ class Traffic:
 
 
 # ---- synthetic step inputs -------------------------------------------------------------------------------
-def config_ladders(cfg: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The (token, seq) bucket ladders a ModelRunner builds from cfg, known before it allocates the cache."""
-    return (cfg.token_buckets or pow2_ladder(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens),
-            cfg.seq_buckets or pow2_ladder(min(MIN_SEQ_BUCKET, cfg.max_num_seqs), cfg.max_num_seqs))
-
-
 def case_layout(case: SweepCase, max_model_len: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(first position, token count) of each real row, decodes first; None where the bucket can't hold the kind."""
     t, s, c = case.num_tokens, case.num_seqs, case.context
@@ -105,29 +98,19 @@ def assign_blocks(kv_lens: np.ndarray, block_size: int, max_blocks_per_seq: int,
 
 
 def synthetic_inputs(runner: ModelRunner, case: SweepCase, rng: np.random.Generator) -> StepInputs | None:
-    """The StepInputs the engine would build for the case (host numpy arrays); None if the kind doesn't fit."""
+    """The StepInputs the engine would build for the case (host numpy arrays, through the runner's own builder,
+    so a decode case runs the decode kernel the engine runs); None if the kind doesn't fit."""
     layout = case_layout(case, runner.cfg.max_model_len)
     if layout is None:
         return None
     starts, counts = layout
-    t, s, n, bs = case.num_tokens, case.num_seqs, len(counts), runner.cfg.block_size
-    rows, pos = ragged_positions(starts, counts)
-    cu, kv_lens = np.zeros(s + 1, np.int32), np.zeros(s, np.int32)
-    tables = np.zeros((s, runner.max_blocks_per_seq), np.int32)
-    cu[1:] = np.cumsum(np.pad(counts, (0, s - n)))
-    kv_lens[:n] = starts + counts
-    tables[:n] = assign_blocks(kv_lens[:n], bs, runner.max_blocks_per_seq, runner.num_blocks, rng)
-    token_ids, positions, slot_mapping = np.zeros((3, t), np.int32)
-    token_ids[:len(pos)] = rng.integers(0, runner.model_config.vocab_size, len(pos))
-    positions[:len(pos)] = pos
-    slot_mapping[:len(pos)] = tables[rows, pos // bs] * bs + pos % bs
-    logits_indices, slot_ids = np.zeros(s, np.int32), np.full(s, runner.cfg.max_num_seqs, np.int32)
-    logits_indices[:n], slot_ids[:n] = cu[1:n + 1] - 1, np.arange(n)
-    sampling = make_sampling_tensors([SWEEP_SAMPLING] * n, list(range(n)), [0] * n, num_rows=s,
-                                     eos_token_ids=runner.eos_token_ids)
-    attn = AttentionBatch(slot_mapping, cu, kv_lens, tables, np.array([n], np.int32))
-    return StepInputs(token_ids, positions, attn, logits_indices, slot_ids, np.arange(s) < n, sampling,
-                      np.full(len(token_ids), -1, np.int32), np.full(len(token_ids), -1, np.int32))
+    n = len(counts)
+    tables = assign_blocks(starts + counts, runner.cfg.block_size, runner.max_blocks_per_seq, runner.num_blocks, rng)
+    return runner.step_inputs(
+        num_tokens=case.num_tokens, num_seqs=case.num_seqs, block_tables=tables, starts=starts, counts=counts,
+        token_ids=rng.integers(0, runner.model_config.vocab_size, counts.sum()), slots=np.arange(n),
+        sample_mask=np.ones(n, bool), params=[SWEEP_SAMPLING] * n, seeds=list(range(n)), num_generated=[0] * n,
+        sampler_mode="greedy")
 
 
 # ---- cost model and measurement ----------------------------------------------------------------------------
@@ -167,11 +150,10 @@ def sweep_runner(loaded, cfg: EngineConfig, cases: list[SweepCase]) -> ModelRunn
 
 
 def compile_step(runner: ModelRunner, inp: StepInputs):
-    """AOT-compile the runner's jitted step for inp's bucket (greedy sampler, as the sweep's requests):
-    (executable, seconds, temp bytes, code bytes)."""
+    """AOT-compile the runner's jitted step for inp's variant (bucket, decode-only or not, greedy sampler as the
+    sweep's requests): (executable, seconds, temp bytes, code bytes)."""
     start = time.perf_counter()
-    compiled = runner._step.lower(runner.params, runner.kv_cache, runner.penalty, runner.last_tokens, inp,
-                                  num_logprobs=0, mode="greedy").compile()
+    compiled = runner._step.lower(runner.params, runner.kv_cache, runner.penalty, runner.last_tokens, inp).compile()
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     return compiled, seconds, getattr(mem, "temp_size_in_bytes", 0), getattr(mem, "generated_code_size_in_bytes", 0)
@@ -201,7 +183,7 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
               warmup: int = 3, repeats: int = 10, seed: int = 0) -> list[dict]:
     """Rows `bench: "sweep"`, one per (bucket, context, kind) that fits; one compile per bucket.
     Buckets default to the config's ladders, contexts to max_model_len / 8, / 2 and max_model_len."""
-    token_ladder, seq_ladder = config_ladders(cfg)
+    token_ladder, seq_ladder = bucket_ladders(cfg)
     token_buckets, seq_buckets = tuple(token_buckets or token_ladder), tuple(seq_buckets or seq_ladder)
     contexts = tuple(contexts or sorted({max(1, cfg.max_model_len // 8), cfg.max_model_len // 2, cfg.max_model_len}))
     check_sweep_args(cfg, token_buckets, seq_buckets, contexts, kinds, repeats)
@@ -209,14 +191,16 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
     ceilings = copy_bandwidth_gbps(), matmul_tflops()   # before the cache takes the free memory
     cases = [SweepCase(t, s, c, k) for t in token_buckets for s in seq_buckets for c in contexts for k in kinds]
     runner = sweep_runner(loaded, cfg, cases)
-    rows = []
-    for _, group in itertools.groupby(cases, key=lambda c: (c.num_tokens, c.num_seqs)):
-        ready = [(c, jax.device_put(inp)) for c in group if (inp := synthetic_inputs(runner, c, rng)) is not None]
-        if ready:
-            compiled, *compile_stats = compile_step(runner, ready[0][1])
-            for case, inp in ready:
-                ms = time_step(runner, compiled, inp, warmup, repeats)
-                rows.append(sweep_row(runner, case, ms, compile_stats, ceilings))
+    rows, compiled = [], {}   # variant -> (executable, compile stats): one compile per graph the engine runs
+    for case in cases:
+        if (inp := synthetic_inputs(runner, case, rng)) is None:
+            continue
+        if inp.variant not in compiled:
+            executable, *compile_stats = compile_step(runner, inp)
+            compiled[inp.variant] = executable, compile_stats
+        executable, compile_stats = compiled[inp.variant]
+        ms = time_step(runner, executable, jax.device_put(inp), warmup, repeats)
+        rows.append(sweep_row(runner, case, ms, compile_stats, ceilings))
     return rows
 
 
@@ -250,10 +234,10 @@ def simulate_steps(cfg: EngineConfig, traffic: Traffic, rng: np.random.Generator
         for seq_id, prompt_len, max_tokens in itertools.islice(requests, num_new):
             scheduler.add(Sequence(seq_id, str(seq_id), 0, [0] * prompt_len, prompt_len,
                                    SamplingParams(max_tokens=int(max_tokens), ignore_eos=True), seed=0))
-        batch = scheduler.schedule()
-        advance(scheduler, batch, cfg.max_model_len)
-        if step >= traffic.warmup_steps and batch.seqs:
-            steps.append((batch.num_tokens, len(batch.seqs)))
+        out = scheduler.schedule()
+        land_samples(scheduler, out, cfg.max_model_len)
+        if step >= traffic.warmup_steps and out.rows:
+            steps.append((out.num_tokens, len(out.rows)))
     return np.array(steps, np.int64).reshape(-1, 2)
 
 
@@ -263,16 +247,14 @@ def traffic_lengths(traffic: Traffic, max_model_len: int, rng: np.random.Generat
     return prompts.astype(int), np.clip(outputs, 1, max_model_len - 1 - prompts).astype(int)
 
 
-def advance(scheduler: Scheduler, batch, max_model_len: int) -> None:
-    """What the engine does with a step's results, minus the model: computed tokens, a sampled token, finish."""
-    scheduler.take_preempted()
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(0)
+def land_samples(scheduler: Scheduler, out, max_model_len: int) -> None:
+    """What the engine does with a step's samples, minus the model: the sampled token lands, length finishes."""
+    for row in out.rows:
+        seq = row.seq
+        if row.samples and not seq.finished:
+            seq.token_ids[-1] = 0
             if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
-                scheduler.remove(seq)
-                seq.status = SequenceStatus.FINISHED
+                scheduler.finish(seq)
 
 
 def pad_to(ladder, counts: np.ndarray) -> np.ndarray:
@@ -409,7 +391,7 @@ def cmd_sweep(args) -> None:
     traffic = Traffic(prompt_median=args.prompt_median, output_median=args.output_median, load=args.load,
                       num_steps=args.num_steps)
     steps = simulate_steps(cfg, traffic, np.random.default_rng(args.seed))
-    token_ladder, seq_ladder = config_ladders(cfg)
+    token_ladder, seq_ladder = bucket_ladders(cfg)
     rows += ladder_rows(rows, steps, token_ladder, seq_ladder, traffic)
     out = pathlib.Path(args.out or f"benchmarks/results/sweep_{jax.default_backend()}.json")
     write_rows(out, rows, invocation(args))

@@ -93,9 +93,10 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] | None = None     # None: powers of two from 8 to max_num_seqs
     seed: int = 0
     async_scheduling: bool = True          # launch step N+1 before step N's samples reach the host
+    # models/attention.py resolves both once per engine (AttentionKernels)
     decode_attention: str = "auto"         # decode-only steps: "auto" (the Pallas decode-only launch), "cuda"
-    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel, 2x Triton on an 8K prompt; kept off by
-    # default: the first 8B precompile with it did not finish in 200 s on an H100, cause not yet isolated)
+    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: faster on long prompts, its compile time
+    # inside a 32-layer step not yet measured, so off by default; benchmarks/NOTES_attention.md)
     prefill_attention: str = "triton"
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     precompile: bool = True

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from jaxserve.cache.block_pool import Block, BlockPool, FreeBlockQueue, extend_block_hashes
 from jaxserve.cache.block_table import BlockTable
 from jaxserve.cache.kv_cache_manager import KVCacheManager
+from jaxserve.engine.step_inputs import build_step_inputs
 
 BS = 4
 
@@ -171,15 +172,6 @@ def test_bad_arguments_raise_clear_errors():
         KVCacheManager(8, 0)
 
 
-def test_reset_prefix_cache_only_when_idle():
-    m = KVCacheManager(8, BS, watermark=0)
-    m.allocate("a", list(range(8)), 8)
-    assert not m.reset_prefix_cache()
-    m.free("a")
-    assert m.reset_prefix_cache() and m.lookup_prefix(list(range(9))) == 0
-    assert all(b.block_hash is None for b in m.pool.blocks)
-
-
 # --- manager: fork and copy-on-write ------------------------------------------------------------------------------
 
 
@@ -218,28 +210,28 @@ def test_copies_of_one_step_come_out_as_one_batch():
 # --- block table ----------------------------------------------------------------------------------------------
 
 
-def test_block_table_incremental_rows_and_slot_mapping():
-    t = BlockTable(max_num_seqs=4, max_blocks_per_seq=3, block_size=BS, max_num_tokens=8)
+def test_block_table_incremental_rows_and_the_step_slot_mapping():
+    t = BlockTable(max_num_seqs=4, max_blocks_per_seq=3)
     t.write(0, 0, [5, 6])
     t.write(2, 0, [7])
     t.write(2, 1, [9])  # new tail block: one cell
     t.write(0, 1, [8])  # copy-on-write replacement of the last block
     assert t.table[:3].tolist() == [[5, 8, 0], [0, 0, 0], [7, 9, 0]]
-    rows, pos = np.array([0, 0, 2, 2]), np.array([3, 4, 0, 6])
-    slots = t.compute_slot_mapping(rows, pos, num_padded=6)
-    assert slots.tolist() == [5 * BS + 3, 8 * BS + 0, 7 * BS + 0, 9 * BS + 2, 0, 0]
-    assert np.shares_memory(slots, t.slot_mapping)
+    # rows in slots 0 and 2, two tokens each at positions 3-4 and 5-6, padded to 6 tokens
+    inp = build_step_inputs(num_tokens=6, num_seqs=4, block_size=BS, scratch_slot=4, block_tables=t.table[[0, 2]],
+                            starts=[3, 5], counts=[2, 2], token_ids=[1, 2, 3, 4], slots=[0, 2])
+    assert inp.attn.slot_mapping.tolist() == [5 * BS + 3, 8 * BS + 0, 9 * BS + 1, 9 * BS + 2, 0, 0]
+    assert inp.positions.tolist() == [3, 4, 5, 6, 0, 0] and inp.attn.kv_lens.tolist() == [5, 7, 0, 0]
+    assert inp.attn.cu_q_lens.tolist() == [0, 2, 4, 4, 4] and inp.slot_ids.tolist() == [0, 2, 4, 4]
     t.clear_row(2)
     assert t.table[2].tolist() == [0, 0, 0] and t.num_blocks[2] == 0
     with pytest.raises(ValueError, match="max_blocks_per_seq"):
         t.write(3, 2, [1, 2])
-    with pytest.raises(ValueError, match="max_num_tokens"):
-        t.compute_slot_mapping(np.zeros(9, np.int32), np.zeros(9, np.int32))
 
 
 def test_block_updates_drive_the_table_to_match_the_manager():
     m = KVCacheManager(32, BS, watermark=0)
-    t = BlockTable(4, 8, BS, 16)
+    t = BlockTable(4, 8)
     row = {"a": 0, "b": 1}
     m.allocate("a", list(range(6)), 6)
     m.fork("a", "b")
@@ -357,10 +349,6 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.shadow[self.m.pool.cached[hashes[i]].block_id] == toks[i * BS:(i + 1) * BS]
         if n // BS < (len(toks) - 1) // BS:
             assert hashes[n // BS] not in self.m.pool.cached
-
-    @rule()
-    def reset(self):
-        assert self.m.reset_prefix_cache() == (not self.tokens)
 
     @invariant()
     def refcounts_match_ownership(self):

@@ -7,7 +7,7 @@ import transformers
 import custom_calls
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.runner import decode_kernel_for
+from jaxserve.models.attention import AttentionKernels, resolve_attention_kernels
 from jaxserve.models.loader import load_model
 
 from test_models import PROMPTS
@@ -115,6 +115,28 @@ def test_forks_diverge_and_each_equals_its_seeded_single_run(tiny_llm):
         assert f == token_ids(tiny_llm.generate([prompt], sampled(11 + i)))[0]
     stats = tiny_llm.engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_forks_never_take_more_slots_than_there_are(tiny):
+    """Six n=3 requests through 4 slots: admission reserves the siblings' slots (this used to crash with
+    IndexError when a fork found no free slot); every slot and block comes back after the next step."""
+    llm = LLM(tiny[0], **{**BASE, "max_num_seqs": 4})
+    outs = llm.generate([[i + 1] * (3 + i) for i in range(6)], sampled(5, n=3))
+    assert [len(o.outputs) for o in outs] == [3] * 6
+    assert all(len(c.token_ids) == 16 for o in outs for c in o.outputs)
+    llm.engine.step()   # finished sequences' slots are released by the step after they finish
+    runner, stats = llm.engine.runner, llm.engine.stats()
+    assert sorted(runner.free_slots) == [0, 1, 2, 3] and not runner.slot_of
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_the_engine_knows_no_slots_or_block_tables():
+    """The seam: the scheduler's output is the runner's one input; slots and block tables are the runner's."""
+    import inspect
+    import re
+    from jaxserve.engine import llm_engine
+    source = inspect.getsource(llm_engine)
+    assert not re.search(r"slot(?!s=True)|block_table|take_", source)
 
 
 @pytest.fixture(scope="module")
@@ -259,32 +281,34 @@ def test_each_step_compiles_the_sampler_its_requests_need(tiny_llm):
     mixed = token_ids(tiny_llm.generate(prompts, [greedy, top1, free]))
     assert mixed[:2] == expected[:2]
     assert mixed[2] != expected[2]  # random sampling really ran beside them
-    modes = {key[-1] for key in tiny_llm.engine.runner.compiled_buckets}
+    modes = {key[-1] for key in tiny_llm.engine.runner.compiled_variants}
     assert {"greedy", "sort"} <= modes
 
 
-def test_decode_kernel_is_what_runs_here():
-    """On a CPU the attention is the pure-JAX reference (the mixed-batch path), and asking for CUDA names why it
-    cannot run. On an NVIDIA GPU (with nvcc): the Pallas decode-only launch, or the CUDA call when asked, refused
-    for a head_dim it does not serve."""
+def test_attention_kernels_are_what_runs_here():
+    """On a CPU the attention is the pure-JAX reference (decode-only steps need no graph of their own), and asking
+    for CUDA names why it cannot run. On an NVIDIA GPU (with nvcc): the Pallas decode-only launch, or the CUDA
+    call when asked, refused for a head_dim it does not serve."""
     if custom_calls.available():
-        assert decode_kernel_for("auto", head_dim=64) == "one_launch"
-        assert decode_kernel_for("cuda", head_dim=64) == "cuda"
+        assert resolve_attention_kernels("auto", "triton", head_dim=64) == AttentionKernels("pallas", "triton")
+        assert resolve_attention_kernels("cuda", "mosaic", head_dim=64) == AttentionKernels("cuda", "mosaic")
         with pytest.raises(ValueError, match="head_dim 32"):
-            decode_kernel_for("cuda", head_dim=32)
+            resolve_attention_kernels("cuda", "triton", head_dim=32)
         return
-    assert decode_kernel_for("auto", head_dim=64) == "ragged"
+    assert resolve_attention_kernels("auto", "triton", head_dim=64) == AttentionKernels("reference", "triton")
     with pytest.raises(ValueError, match="CUDA custom calls are unavailable: no NVIDIA GPU"):
-        decode_kernel_for("cuda", head_dim=64)
+        resolve_attention_kernels("cuda", "triton", head_dim=64)
 
 
-@pytest.mark.parametrize("kernel", ["cuda", "one_launch"])
-def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel):
-    """Decode-only steps run the decode kernel's variant (mixed steps the ragged kernel) and HF's tokens come
+@pytest.mark.parametrize("kernel", ["cuda", "pallas"])
+def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, monkeypatch):
+    """Decode-only steps run the decode kernel's graph (mixed steps the ragged kernel's) and HF's tokens come
     out. On the GPU these are the Pallas decode-only launch (its small buckets split contexts and merge in the
     launch) and the CUDA call; on CPU both fall back to the reference, which checks the plumbing only."""
+    import jaxserve.engine.runner as runner_module
+    monkeypatch.setattr(runner_module, "resolve_attention_kernels", lambda *_: AttentionKernels(kernel, "triton"))
     prompts, expected = tiny_expected
     llm = LLM(tiny[0], **BASE)
-    llm.engine.runner.decode_kernel = kernel
+    assert llm.engine.runner.kernels.decode == kernel
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
-    assert {key[2] for key in llm.engine.runner.compiled_buckets} == {"ragged", kernel}
+    assert {variant[2] for variant in llm.engine.runner.compiled_variants} == {False, True}   # decode_only

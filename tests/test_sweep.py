@@ -12,13 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.sweep import (SWEEP_SAMPLING, SweepCase, Traffic, assign_blocks, case_layout, config_ladders,
-                              ladder_candidates, ladder_rows, pad_to, padding_waste, run_sweep, simulate_steps,
-                              step_cost, synthetic_inputs)
+from benchmarks.sweep import (SWEEP_SAMPLING, SweepCase, Traffic, assign_blocks, case_layout, ladder_candidates,
+                              ladder_rows, pad_to, padding_waste, run_sweep, simulate_steps, step_cost,
+                              synthetic_inputs)
 from jaxserve.cli import main as cli_main
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.runner import ModelRunner, StepRow
+from jaxserve.engine.runner import ModelRunner
+from jaxserve.engine.scheduler import StepRow
 from jaxserve.engine.sequence import Sequence
+from jaxserve.models.attention import AttentionKernels
 from jaxserve.models.loader import random_model
 
 TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -47,9 +49,10 @@ def engine_inputs(runner, syn):
         count = int(cu[i + 1] - cu[i])
         tokens = np.zeros(kv_lens[i], np.int32)
         tokens[kv_lens[i] - count:] = syn.token_ids[cu[i]:cu[i + 1]]
-        seq = Sequence(i, str(i), 0, tokens.tolist(), int(kv_lens[i]), SWEEP_SAMPLING, seed=i, slot=i)
+        seq = Sequence(i, str(i), 0, tokens.tolist(), int(kv_lens[i]), SWEEP_SAMPLING, seed=i)
+        runner.slot_of[i] = i
         runner.block_table.write(i, 0, syn.attn.block_tables[i, :-(-kv_lens[i] // bs)].tolist())
-        rows.append(StepRow(seq, int(kv_lens[i]) - count, count))
+        rows.append(StepRow(seq, int(kv_lens[i]) - count, count, samples=True, num_generated=0))
     return runner.prepare_inputs(rows)
 
 
@@ -60,17 +63,26 @@ def test_synthetic_inputs_are_what_the_engine_builds(runner, case):
     n = int(syn.attn.num_seqs[0])
     try:
         eng = engine_inputs(runner, syn)
-        np.testing.assert_array_equal(eng.attn.block_tables[:n], syn.attn.block_tables[:n])
-        eng.attn.block_tables = syn.attn.block_tables   # padding rows: the engine repeats row 0, unread either way
+        assert eng.variant == syn.variant
         jax.tree.map(np.testing.assert_array_equal, eng, syn)
         out_eng = jax.tree.map(np.asarray, runner.run(eng)[0])
         out_syn = jax.tree.map(np.asarray, runner.run(syn)[0])
     finally:
         for i in range(n):
-            runner.clear_slot(i)
+            runner.block_table.clear_row(i)
+        runner.slot_of.clear()
     assert np.isfinite(out_syn.logprob[:n]).all()
     np.testing.assert_array_equal(out_syn.tokens[:n], out_eng.tokens[:n])
     np.testing.assert_array_equal(out_syn.logprob[:n], out_eng.logprob[:n])
+
+
+def test_decode_cases_run_the_engines_decode_graph(tiny, monkeypatch):
+    """Where a decode kernel runs (the GPU), a decode case is timed on the decode-only graph the engine runs."""
+    import jaxserve.engine.runner as runner_module
+    monkeypatch.setattr(runner_module, "resolve_attention_kernels", lambda *_: AttentionKernels("pallas", "triton"))
+    r, rng = ModelRunner(tiny, CFG), np.random.default_rng(0)
+    assert synthetic_inputs(r, SweepCase(16, 8, 40, "decode"), rng).attn.decode_only
+    assert not synthetic_inputs(r, SweepCase(32, 8, 40, "mixed"), rng).attn.decode_only
 
 
 def test_padded_decode_bucket_is_consistent(runner):
@@ -142,13 +154,6 @@ def test_run_sweep_rows(tiny):
 def test_run_sweep_rejects_bad_arguments(tiny, kwargs, field):
     with pytest.raises(ValueError, match=field):
         run_sweep(tiny, CFG, **kwargs)
-
-
-def test_config_ladders_are_the_runners(tiny, runner):
-    assert config_ladders(CFG) == (runner.token_buckets, runner.seq_buckets)
-    default = EngineConfig(num_blocks=4, precompile=False)
-    r = ModelRunner(tiny, default)
-    assert config_ladders(default) == (r.token_buckets, r.seq_buckets)
 
 
 @settings(max_examples=50, deadline=None)

@@ -99,15 +99,6 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use."""
-        if len(self.free) != len(self.blocks) - 1:
-            return False
-        for block in self.cached.values():
-            block.block_hash = None
-        self.cached.clear()
-        return True
-
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
                         cache_salt: str | None = None, max_blocks: int | None = None) -> list[bytes]:

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import custom_calls
+
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim]
 
 COPY_BUCKET_MIN = 16  # copy_blocks pads N to a power of two >= this: few compiled variants
@@ -28,30 +30,25 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter token t's K/V to flat slot slot_mapping[t] (= block * block_size + offset); padding uses slot 0.
+    """Write token t's K/V to flat slot slot_mapping[t] (= block * block_size + offset); padding uses slot 0.
 
-    Pure: call inside the jitted step with the cache donated, and XLA updates it in place.
+    Pure: call inside the jitted step with the cache donated, and it is updated in place. On an NVIDIA GPU this
+    is the CUDA custom call (several times the XLA scatter's speed: benchmarks/NOTES_cuda.md), elsewhere its
+    pure-JAX reference, the same scatter.
     """
-    return _scatter_slots(k_cache, k, slot_mapping), _scatter_slots(v_cache, v, slot_mapping)
-
-
-def _scatter_slots(cache: jax.Array, x: jax.Array, slots: jax.Array) -> jax.Array:
-    nb, bs, h, d = cache.shape
-    if x.shape != (slots.shape[0], h, d):
-        raise ValueError(f"k/v shape {x.shape} != (len(slot_mapping)={slots.shape[0]}, {h}, {d})")
-    flat = cache.reshape(nb * bs, h, d).at[slots].set(x.astype(cache.dtype), wrap_negative_indices=False)
-    return flat.reshape(nb, bs, h, d)
+    return custom_calls.reshape_and_cache(k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
+                                          slot_mapping)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    # The gather reads every src before any dst is written. Padding dsts are out of bounds, so every index is
-    # unique (XLA's faster non-atomic scatter on GPU) and "drop" discards the padding.
-    return [tuple(x.at[dst].set(x[src], unique_indices=True, mode="drop") for x in kv) for kv in cache]
+    # Padding pairs have out-of-bounds dsts, which the copy skips; every layer reads its sources first.
+    return [custom_calls.copy_blocks(k, v, src, dst) for k, v in cache]
 
 
 def copy_blocks(cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
     """Copy blocks src[i] -> dst[i] in every layer in one device call; the cache is donated (updated in place).
+    On an NVIDIA GPU the CUDA custom call copies (about 2x the XLA scatter: benchmarks/NOTES_cuda.md).
 
     All sources are read before any destination is written. dst ids must be distinct. N is padded to a
     power-of-two bucket (>= COPY_BUCKET_MIN) so few variants compile; N == 0 makes no device call.

@@ -115,14 +115,11 @@ class KVCacheManager:
     def take_block_updates(self) -> list[tuple[Hashable, int, list[int]]]:
         """(seq_id, start, block_ids[start:]) per seq whose block list changed since the last call; clears.
 
-        Feed each to BlockTable.write(row_of_seq, start, ids): only changed cells are written.
+        The runner feeds each to BlockTable.write(slot_of_seq, start, ids): only changed cells are written.
         """
         out = [(s, i, [b.block_id for b in self.seqs[s].blocks[i:]]) for s, i in self.updates.items()]
         self.updates.clear()
         return out
-
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
 
     def _seq(self, seq_id: Hashable) -> SeqBlocks:
         seq = self.seqs.get(seq_id)

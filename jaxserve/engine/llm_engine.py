@@ -1,9 +1,8 @@
-"""LLMEngine: add_request / step / abort. Each step schedules (decode-first), places new sequences in device
-slots, forks `n > 1` siblings off a finished prompt, syncs the block table incrementally, batches this step's
-copy-on-write copies into one device call, runs the jitted step and turns sampled tokens into outputs."""
+"""LLMEngine: add_request / step / abort. It owns requests and their outputs (tokenization, stop checks,
+detokenization); each step is `scheduler.schedule()` -> `runner.execute(output)`, and the sampled tokens that
+come back are turned into outputs. Device state is the runner's."""
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import time
@@ -15,10 +14,11 @@ import numpy as np
 from jaxserve.cache.kv_cache_manager import KVCacheManager
 from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.runner import ModelRunner, StepRow
+from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
-from jaxserve.engine.sequence import PENDING, CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from jaxserve.engine.scheduler import Scheduler, StepRow
+from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceStatus, next_seq_id,
+                                      stable_seed)
 from jaxserve.models.loader import LoadedModel
 
 
@@ -38,14 +38,8 @@ class Request:
 
 @dataclass(slots=True)
 class Launched:
-    samples: list[tuple[int, Sequence, int]]   # (row, sequence, position its sampled token takes)
-    prompt_rows: list[tuple[Sequence, int, int, int]]   # (sequence, first flat token, first position, count)
-    out: tuple                                  # (SamplerOutput, PromptLogprobs | None) as device arrays
-
-
-def stable_seed(*parts) -> int:
-    """A seed for requests that gave none: stable across processes (Python's str hash is not)."""
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()) % 2**63
+    rows: list[StepRow]
+    out: tuple   # (SamplerOutput, PromptLogprobs | None) as device arrays
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -70,16 +64,13 @@ class LLMEngine:
         check_config(cfg, loaded.config.max_position_embeddings)
         enable_compilation_cache(cfg.compile_cache_dir)
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
         self.runner = ModelRunner(loaded, cfg)
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size,
                                  enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
         self.scheduler = Scheduler(cfg, self.kv)
         self.requests: dict[str, Request] = {}
-        self.seqs: dict[int, Sequence] = {}
-        self.free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
-        self.eos_ids = set(self.runner.eos_token_ids)
-        self._seq_ids, self._request_ids = itertools.count(), itertools.count()
-        self._seed_base = cfg.seed
+        self._request_ids = itertools.count()
         self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
         if cfg.precompile:
             self.runner.precompile()
@@ -97,8 +88,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(request_id, text, ids, params)
-        seed = params.seed if params.seed is not None else stable_seed(self._seed_base, request_id)
-        seq_id = next(self._seq_ids)
+        seed = params.seed if params.seed is not None else stable_seed(self.cfg.seed, request_id)
+        seq_id = next_seq_id()
         if params.prompt_logprobs is not None:   # every prompt position must be computed: no prefix-cache hits
             cache_salt = f"{cache_salt}/prompt-logprobs-{seq_id}"
         seq = Sequence(seq_id, request_id, 0, list(ids), len(ids), params, seed, priority,
@@ -107,7 +98,6 @@ class LLMEngine:
         seq.detokenizer = self._detokenizer(ids, params)
         req.seqs.append(seq)
         self.requests[request_id] = req
-        self.seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return request_id
 
@@ -145,11 +135,10 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.finished:
                 self._finish(seq, "abort")
-            self.seqs.pop(seq.seq_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        inflight = self._inflight is not None and any(not seq.finished for _, seq, _ in self._inflight.samples)
+        inflight = self._inflight is not None and any(r.samples and not r.seq.finished for r in self._inflight.rows)
         return self.scheduler.has_work() or inflight
 
     # ---- the step -----------------------------------------------------------------------------------
@@ -163,71 +152,26 @@ class LLMEngine:
         return self._complete(done)
 
     def _launch(self) -> Launched | None:
-        batch = self.scheduler.schedule()
-        for seq in self.scheduler.take_preempted():
-            self._release_slot(seq)
-        placed = [s for s in batch.seqs if s.slot < 0]
-        for seq in placed:
-            seq.slot = self.free_slots.pop()
-        rows = [StepRow(s, s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        rows += self._fork(batch, placed)
-        if not rows:
-            return None
-        self.runner.update_block_table(self.kv.take_block_updates(), lambda i: self.seqs[i].slot)
-        self.runner.copy_blocks(*self.kv.take_copies())
-        self.runner.reset_slots(placed)
-        out = self.runner.launch(rows)
-        samples, prompt_rows, flat = [], [], 0
-        for i, row in enumerate(rows):
-            if row.seq.prompt_logprobs is not None and row.start < row.seq.num_prompt_tokens:
-                prompt_rows.append((row.seq, flat, row.start, row.count))
-            flat += row.count
-            seq = row.seq
-            seq.num_computed_tokens = row.start + row.count
-            if seq.num_computed_tokens >= seq.num_tokens:      # this row samples the sequence's next token
-                samples.append((i, seq, seq.num_tokens))
-                seq.token_ids.append(PENDING)
-                seq.pending_row = i
-        return Launched(samples, prompt_rows, out)
-
-    def _fork(self, batch: ScheduledBatch, placed: list[Sequence]) -> list[StepRow]:
-        """Siblings of a request whose prompt completes this step share its blocks and sample its logits."""
-        rows = []
-        for i, (parent, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if parent.num_forks_pending and parent.num_computed_tokens + n == parent.num_tokens:
-                req = self.requests[parent.request_id]
-                for _ in range(parent.num_forks_pending):
-                    child = self._make_child(parent, req)
-                    self.kv.fork(parent.seq_id, child.seq_id)
-                    placed.append(child)
-                    rows.append(StepRow(child, child.num_computed_tokens, 0, logits_from=i))
-                parent.num_forks_pending = 0
-        return rows
-
-    def _make_child(self, parent: Sequence, req: Request) -> Sequence:
-        index = len(req.seqs)
-        seed = (parent.seed + index) % 2**63 if req.params.seed is not None else stable_seed(parent.seed, index)
-        child = Sequence(next(self._seq_ids), parent.request_id, index, list(parent.token_ids),
-                         parent.num_prompt_tokens, parent.params, seed, parent.priority,
-                         status=SequenceStatus.RUNNING, num_computed_tokens=parent.num_tokens,
-                         slot=self.free_slots.pop(), block_hashes=parent.block_hashes, cache_salt=parent.cache_salt)
-        child.detokenizer = self._detokenizer(req.prompt_token_ids, req.params)
-        req.seqs.append(child)
-        self.seqs[child.seq_id] = child
-        self.scheduler.running.append(child)
-        return child
+        output = self.scheduler.schedule()
+        for child in output.forks:
+            req = self.requests[child.request_id]
+            child.detokenizer = self._detokenizer(req.prompt_token_ids, req.params)
+            req.seqs.append(child)
+        out = self.runner.execute(output)
+        return None if out is None else Launched(output.rows, out)
 
     def _complete(self, launched: Launched | None) -> list[RequestOutput]:
         """Bring a step's samples to the host (the step's one device->host sync) and act on them."""
         if launched is None:
             return []
         out, prompt_lp = jax.tree.map(np.asarray, launched.out)
-        for seq, flat, start, count in launched.prompt_rows:
-            self._record_prompt_logprobs(seq, prompt_lp, flat, start, count)
         touched: dict[str, Request] = {}
-        now = time.monotonic()
-        for i, seq, pos in launched.samples:
-            if seq.finished:
+        now, flat = time.monotonic(), 0
+        for i, row in enumerate(launched.rows):
+            seq, pos, flat = row.seq, row.start + row.count, flat + row.count
+            if prompt_lp is not None and seq.prompt_logprobs is not None and row.start < seq.num_prompt_tokens:
+                self._record_prompt_logprobs(seq, prompt_lp, flat - row.count, row.start, row.count)
+            if not row.samples or seq.finished:
                 continue
             token = int(out.tokens[i])
             seq.token_ids[pos] = token
@@ -253,7 +197,7 @@ class LLMEngine:
         length: tokens up to and including this one (later, still pending ones do not count)."""
         p, num_out = seq.params, length - seq.num_prompt_tokens
         if num_out >= p.min_tokens:
-            if token in self.eos_ids and not p.ignore_eos:
+            if token in self.eos_token_ids and not p.ignore_eos:
                 return self._finish(seq, "stop")
             if token in p.stop_token_ids:
                 return self._finish(seq, "stop", token)
@@ -268,23 +212,13 @@ class LLMEngine:
         del seq.token_ids[seq.num_prompt_tokens + len(seq.confirmed_output_ids):]   # tokens computed past the end
         if seq.detokenizer is not None:
             seq.detokenizer.finish()
-        self.scheduler.remove(seq)
-        self._release_slot(seq)
-        seq.status = SequenceStatus.FINISHED
-
-    def _release_slot(self, seq: Sequence) -> None:
-        if seq.slot >= 0:
-            self.runner.clear_slot(seq.slot)
-            self.free_slots.append(seq.slot)
-            seq.slot = -1
+        self.scheduler.finish(seq)
 
     def _request_output(self, req: Request) -> RequestOutput:
         outs = [self._completion(s) for s in req.seqs]
         finished = req.finished
         if finished:
             self.requests.pop(req.request_id, None)
-            for s in req.seqs:
-                self.seqs.pop(s.seq_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              req.seqs[0].prompt_logprobs)
 
@@ -301,4 +235,4 @@ class LLMEngine:
                 "kv_blocks_total": self.kv.num_blocks - 1, "kv_blocks_free": self.kv.num_free_blocks,
                 "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
-                "compiled_buckets": len(self.runner.compiled_buckets)}
+                "compiled_buckets": len(self.runner.compiled_variants)}

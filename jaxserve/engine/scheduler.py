@@ -1,31 +1,49 @@
-"""Decode-first continuous batching under one token budget per step.
+"""Decode-first continuous batching under one token budget per step; the scheduler owns each sequence's
+lifecycle (admit, advance, fork, preempt, finish) and says everything a step needs in one `SchedulerOutput`.
 
 Running decodes claim their token first; prefill (chunked) gets what is left of the budget, which the config
 check keeps at least `min_prefill_chunk` (seed 002's `max(n_ubatch, T - D)`), so a long prompt never freezes
 decoding and decoding never starves prefill. Short of KV blocks, the newest running sequence is preempted
 by recompute: its blocks go back to the pool (tail first) and it waits at the queue's front; on resume its
-freed blocks usually still hit the prefix cache.
+freed blocks usually still hit the prefix cache. A sequence is advanced when it is scheduled: the step's tokens
+count as computed and a sampling row appends a PENDING token, which the engine fills when the sample lands.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxserve.cache.kv_cache_manager import KVCacheManager
 from jaxserve.config import EngineConfig
-from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.sequence import PENDING, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
-class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)    # decodes first, then prefill chunks
-    num_new_tokens: list[int] = field(default_factory=list)
-    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)   # (parent, child) sampled this step
-    num_decodes: int = 0
+class StepRow:
+    seq: Sequence
+    start: int              # first position computed this step
+    count: int              # tokens computed this step (0 for a fork sampled from its parent's logits)
+    samples: bool           # the row reaches the end of the known tokens, so it samples the next one
+    num_generated: int      # output tokens before this step's sample (seeds the row's randomness, min_tokens)
+    logits_from: int = -1   # row whose last token's logits this row samples (forks); -1: its own
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step, as the runner consumes it."""
+    rows: list[StepRow] = field(default_factory=list)   # decodes first, then prefill chunks, then forks
+    placed: list[Sequence] = field(default_factory=list)   # need a device slot: admitted, resumed or forked
+    preempted: list[int] = field(default_factory=list)     # seq ids whose slots are stale
+    finished: list[int] = field(default_factory=list)      # seq ids finished or aborted since the last step
+    block_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)   # (seq_id, start, block ids)
+    copies: tuple[np.ndarray, np.ndarray] = ()             # (src, dst) copy-on-write block ids
+    forks: list[Sequence] = field(default_factory=list)    # children forked this step (in rows and placed)
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return sum(row.count for row in self.rows)
 
 
 class Scheduler:
@@ -34,53 +52,64 @@ class Scheduler:
         self.waiting: list[Sequence] = []     # sorted by (priority, arrival)
         self.running: list[Sequence] = []     # in admission order: the last is the newest
         self.num_preemptions = 0
-        self.preempted: list[Sequence] = []   # since the last take_preempted: their device slots are stale
+        self._preempted: list[int] = []
+        self._finished: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: (s.priority, s.arrival_time))
 
-    def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks."""
+    def finish(self, seq: Sequence) -> None:
+        """End a sequence (stopped, length or aborted): its blocks go back, its slot is released next step."""
         if seq in self.running:
             self.running.remove(seq)
-            self.kv.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            if seq.seq_id in self.kv.seqs:
-                self.kv.free(seq.seq_id)
+        if seq.seq_id in self.kv.seqs:
+            self.kv.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        self._finished.append(seq.seq_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
-        batch, budget = ScheduledBatch(), self.cfg.max_num_batched_tokens
-        decodes = [s for s in self.running if not s.is_prefill and not s.done_once_pending_lands(self.cfg.max_model_len)]
-        for seq in decodes:
-            if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, batch):
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(1)
-        batch.num_decodes = len(batch.seqs)
-        budget -= batch.num_decodes
+    def schedule(self) -> SchedulerOutput:
+        out, budget = SchedulerOutput(), self.cfg.max_num_batched_tokens
+        for seq in [s for s in self.running if self._decodes(s)]:
+            if self._grow(seq, 1, out):
+                self._add_row(out, seq, 1)
+        budget -= len(out.rows)
         for seq in [s for s in self.running if s.is_prefill]:
-            budget -= self._schedule_chunk(seq, budget, batch)
+            budget -= self._schedule_chunk(seq, budget, out)
         while self.waiting and budget > 0 and self._has_room(self.waiting[0]):
-            used = self._admit(self.waiting[0], budget, batch)
+            used = self._admit(self.waiting[0], budget, out)
             if not used:
                 break
             budget -= used
-        return batch
+        self._fork(out)
+        for row in out.rows:
+            self._advance(row)
+        out.preempted, self._preempted = self._preempted, []
+        out.finished, self._finished = self._finished, []
+        out.block_updates, out.copies = self.kv.take_block_updates(), self.kv.take_copies()
+        return out
+
+    def _decodes(self, seq: Sequence) -> bool:
+        return (seq.status is SequenceStatus.RUNNING and not seq.is_prefill
+                and not seq.done_once_pending_lands(self.cfg.max_model_len))
 
     def _has_room(self, seq: Sequence) -> bool:
-        return len(self.running) + 1 + seq.num_forks_pending <= self.cfg.max_num_seqs
+        """Device slots for seq and its siblings, beside those the running sequences hold or will fork."""
+        seats = len(self.running) + sum(s.num_forks_pending for s in self.running)
+        return seats + 1 + seq.num_forks_pending <= self.cfg.max_num_seqs
 
-    def _schedule_chunk(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+    def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if n <= 0 or seq.status is not SequenceStatus.RUNNING or not self._grow(seq, n, batch):
+        if n <= 0 or seq.status is not SequenceStatus.RUNNING or not self._grow(seq, n, out):
             return 0
-        self._append(batch, seq, n)
+        self._add_row(out, seq, n)
         return n
 
-    def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         cached = self.kv.lookup_prefix(seq.token_ids, seq.cache_salt, seq.block_hashes)
         n = min(seq.num_tokens - cached, budget)
         ok, cached = self.kv.allocate(seq.seq_id, seq.token_ids, n, seq.cache_salt, seq.block_hashes)
@@ -89,32 +118,50 @@ class Scheduler:
         self.waiting.pop(0)
         seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, cached
         self.running.append(seq)
-        self._append(batch, seq, n)
+        out.placed.append(seq)
+        self._add_row(out, seq, n)
         return n
 
-    def _append(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
-        batch.seqs.append(seq)
-        batch.num_new_tokens.append(n)
+    def _add_row(self, out: SchedulerOutput, seq: Sequence, n: int, logits_from: int = -1) -> None:
+        start = seq.num_computed_tokens
+        out.rows.append(StepRow(seq, start, n, start + n >= seq.num_tokens, seq.num_output_tokens, logits_from))
 
-    def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of a running seq, preempting the newest others while short."""
         while not self.kv.allocate(seq.seq_id, seq.token_ids, n)[0]:
             victim = self.running[-1]
-            if victim in batch.seqs:      # everything newer is already in this step: wait for a later step
+            if any(row.seq is victim for row in out.rows):   # everything newer is in this step: wait
                 return False
-            self.preempt(victim)
+            self._preempt(victim)
             if victim is seq:
                 return False
         return True
 
-    def preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
         self.waiting.insert(0, seq)
-        self.preempted.append(seq)
+        self._preempted.append(seq.seq_id)
         self.num_preemptions += 1
 
-    def take_preempted(self) -> list[Sequence]:
-        out, self.preempted = self.preempted, []
-        return out
+    def _fork(self, out: SchedulerOutput) -> None:
+        """Siblings of a request whose prompt completes this step share its blocks and sample its logits."""
+        for i, row in enumerate(list(out.rows)):
+            parent = row.seq
+            if not (parent.num_forks_pending and row.samples):
+                continue
+            for index in range(1, parent.num_forks_pending + 1):
+                child = parent.fork(index)
+                self.kv.fork(parent.seq_id, child.seq_id)
+                self.running.append(child)
+                out.placed.append(child)
+                out.forks.append(child)
+                self._add_row(out, child, 0, logits_from=i)
+            parent.num_forks_pending = 0
+
+    @staticmethod
+    def _advance(row: StepRow) -> None:
+        row.seq.num_computed_tokens = row.start + row.count
+        if row.samples:
+            row.seq.token_ids.append(PENDING)

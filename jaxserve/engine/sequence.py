@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -9,6 +11,12 @@ from jaxserve.engine.sampling_params import SamplingParams
 
 
 PENDING = -1   # a sampled token still on the device (async scheduling): always at the tail of token_ids
+next_seq_id = itertools.count().__next__   # sequence ids are unique per process
+
+
+def stable_seed(*parts) -> int:
+    """A seed for requests that gave none: stable across processes (Python's str hash is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()) % 2**63
 
 
 class SequenceStatus(enum.Enum):
@@ -17,7 +25,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = 2
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)   # identity: the scheduler's lists hold distinct sequences
 class Sequence:
     seq_id: int
     request_id: str
@@ -30,7 +38,6 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose KV is in the cache (or being written this step)
-    slot: int = -1                 # persistent device row: block table, sampling state
     block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache hashes, computed once
     cache_salt: str | None = None
     num_forks_pending: int = 0     # n - 1 siblings to fork when the prompt is done
@@ -39,8 +46,16 @@ class Sequence:
     stop_reason: int | str | None = None
     detokenizer: object | None = None
     first_token_time: float | None = None
-    pending_row: int = -1          # row of the latest launched step that samples this sequence's next token
     prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt position (vLLM's shape)
+
+    def fork(self, index: int) -> Sequence:
+        """Sibling `index` of a request's n: shares the prompt (and, in the KV manager, its blocks), draws its own
+        seed, and samples from this sequence's logits of the step that completes the prompt."""
+        seed = (self.seed + index) % 2**63 if self.params.seed is not None else stable_seed(self.seed, index)
+        return Sequence(next_seq_id(), self.request_id, index, list(self.token_ids), self.num_prompt_tokens,
+                        self.params, seed, self.priority, status=SequenceStatus.RUNNING,
+                        num_computed_tokens=self.num_tokens, block_hashes=self.block_hashes,
+                        cache_salt=self.cache_salt)
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,9 @@
 """The one attention interface the model calls.
 
 `attend` runs either a dense causal attention over one sequence (the plain full-sequence forward kept for
-tests) or, given a paged KV layer and an `AttentionBatch`, scatters the new K/V into the donated cache and
-runs ragged paged attention over the flattened batch. Model code never knows which.
+tests) or, given a paged KV layer and a `PagedAttention` (the step's `AttentionBatch` and the engine's
+`AttentionKernels`), scatters the new K/V into the donated cache and runs ragged paged attention over the
+flattened batch. Model code never knows which. The engine's kernel choice is resolved here, once.
 """
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import jax.numpy as jnp
 
 import custom_calls
 from jaxserve.cache.kv_cache import write_kv
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_impl
 
+
+DECODE_ATTENTION = ("auto", "cuda")       # EngineConfig.decode_attention
+PREFILL_ATTENTION = ("triton", "mosaic")  # EngineConfig.prefill_attention
 
 
 @jax.tree_util.register_dataclass
@@ -26,11 +30,48 @@ class AttentionBatch:
     kv_lens: jax.Array        # [S] context length including this step's tokens
     block_tables: jax.Array   # [S, max_blocks_per_seq]
     num_seqs: jax.Array       # [1]
-    # Static, for a decode-only batch (one token per row, rows == tokens): "one_launch" (the Pallas decode-only
-    # launch) or "cuda" (the CUDA custom call); "ragged" (any batch): the mixed-batch kernel.
-    decode_impl: str = field(default="ragged", metadata=dict(static=True))
-    # Static: the GPU kernel for prefill rows (pallas_kernels.ragged_paged_attention's prefill_backend).
-    prefill_backend: str = field(default="triton", metadata=dict(static=True))
+    # Static: every row has one query (token i is row i's), so the decode kernel serves the whole step.
+    decode_only: bool = field(default=False, metadata=dict(static=True))
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionKernels:
+    """The kernels of one engine, resolved once from its config; a static argument of the jitted step.
+    decode: the kernel of decode-only steps — "pallas" (the one-launch Pallas decode), "cuda" (the custom call)
+    or "reference" (no GPU kernel runs here: pure JAX, and decode-only steps need no graph of their own).
+    prefill: the GPU kernel of prefill rows — "triton" or "mosaic" (pallas_kernels' prefill_backend)."""
+    decode: str = "reference"
+    prefill: str = "triton"
+
+    @property
+    def has_decode_kernel(self) -> bool:
+        """Decode-only steps compile to a graph of their own."""
+        return self.decode != "reference"
+
+
+def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int) -> AttentionKernels:
+    """decode_attention "auto" takes the Pallas launch where it runs (it beat the CUDA call at every batch and
+    context measured: benchmarks/NOTES_attention.md); "cuda" forces the call, an error naming why when it cannot
+    run. A bad name is an error naming the knob."""
+    if decode_attention not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+    if prefill_attention not in PREFILL_ATTENTION:
+        raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION}, got {prefill_attention!r}")
+    if decode_attention == "cuda":
+        why = (f"head_dim {head_dim} not in {custom_calls.HEAD_DIMS}" if head_dim not in custom_calls.HEAD_DIMS
+               else custom_calls.unavailable_reason())
+        if why:
+            raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {why}")
+        return AttentionKernels("cuda", prefill_attention)
+    pallas = resolve_impl("auto", interpret=False) == "pallas"
+    return AttentionKernels("pallas" if pallas else "reference", prefill_attention)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedAttention:
+    """What the model's layers pass to `attend` in a paged step: the step's batch and the engine's kernels."""
+    batch: AttentionBatch
+    kernels: AttentionKernels
 
 
 def dense_causal_attention(q, k, v, positions, *, sm_scale: float, sliding_window: int | None):
@@ -45,19 +86,19 @@ def dense_causal_attention(q, k, v, positions, *, sm_scale: float, sliding_windo
     return jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
 
 
-def attend(q, k, v, positions, kv_layer, batch: AttentionBatch | None, *, sm_scale: float,
+def attend(q, k, v, positions, kv_layer, paged: PagedAttention | None, *, sm_scale: float,
            sliding_window: int | None = None):
     """Returns (out [T, Hq, D], updated kv_layer)."""
     if kv_layer is None:
         return dense_causal_attention(q, k, v, positions, sm_scale=sm_scale, sliding_window=sliding_window), None
+    batch, kernels = paged.batch, paged.kernels
     k_cache, v_cache = write_kv(*kv_layer, k, v, batch.slot_mapping)
-    if batch.decode_impl == "cuda":
+    if batch.decode_only and kernels.decode == "cuda":
         out = cuda_decode(q, k_cache, v_cache, batch, sm_scale=sm_scale, sliding_window=sliding_window)
     else:
         out = ragged_paged_attention(q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens, batch.block_tables,
                                      batch.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                                     prefill_backend=batch.prefill_backend,
-                                     decode_only=batch.decode_impl == "one_launch")
+                                     prefill_backend=kernels.prefill, decode_only=batch.decode_only)
     return out, (k_cache, v_cache)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.attention import AttentionBatch, attend
+from jaxserve.models.attention import PagedAttention, attend
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -63,7 +63,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.cfg = cfg
 
-    def __call__(self, x, positions, kv_layer, batch):
+    def __call__(self, x, positions, kv_layer, paged):
         cfg, t = self.cfg, x.shape[0]
         q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -72,7 +72,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, kv_layer = attend(q, k, v, positions, kv_layer, batch, sm_scale=cfg.head_dim ** -0.5,
+        out, kv_layer = attend(q, k, v, positions, kv_layer, paged, sm_scale=cfg.head_dim ** -0.5,
                                sliding_window=cfg.sliding_window)
         return self.o_proj(out.reshape(t, -1)), kv_layer
 
@@ -94,8 +94,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, kv_layer, batch):
-        h, kv_layer = self.self_attn(self.input_layernorm(x), positions, kv_layer, batch)
+    def __call__(self, x, positions, kv_layer, paged):
+        h, kv_layer = self.self_attn(self.input_layernorm(x), positions, kv_layer, paged)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv_layer
 
@@ -108,12 +108,12 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
         self.cfg = cfg
 
-    def __call__(self, token_ids, positions, kv_cache=None, batch: AttentionBatch | None = None):
+    def __call__(self, token_ids, positions, kv_cache=None, paged: PagedAttention | None = None):
         """token_ids, positions [T] -> (final hidden states [T, H], updated kv_cache or None)."""
         x = self.embed_tokens(token_ids)
         new_cache = []
         for i, layer in enumerate(self.layers):
-            x, kv_layer = layer(x, positions, None if kv_cache is None else kv_cache[i], batch)
+            x, kv_layer = layer(x, positions, None if kv_cache is None else kv_cache[i], paged)
             new_cache.append(kv_layer)
         return self.norm(x), (None if kv_cache is None else new_cache)
 

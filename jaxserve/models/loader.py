@@ -33,6 +33,12 @@ class LoadedModel:
     tokenizer: object | None   # a transformers fast tokenizer; None for random benchmark models
     source: str
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The config's EOS ids, then the tokenizer's, each once."""
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        return tuple(dict.fromkeys(self.config.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
+
 
 def default_dtype():
     return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32

@@ -1,0 +1,85 @@
+"""The jitted step's inputs, static-shape (padded to a token bucket T and a sequence bucket S), and the one
+builder that makes them: for the runner's steps, its compile-time dummies and the bucket sweep alike."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jaxserve.engine.sampler import SamplingTensors, make_sampling_tensors
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.models.attention import AttentionBatch
+
+
+def static(default):
+    return field(default=default, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class StepInputs:
+    token_ids: jax.Array        # [T]
+    positions: jax.Array        # [T]
+    attn: AttentionBatch
+    logits_indices: jax.Array   # [S] flat index of the token whose logits each row samples
+    slot_ids: jax.Array         # [S] persistent slot of each row (padding: the scratch slot)
+    sample_mask: jax.Array      # [S]
+    sampling: SamplingTensors
+    prev_index: jax.Array       # [T] row of the previous step whose sample this input is; -1: token_ids has it
+    next_prompt_ids: jax.Array  # [T] the prompt token after each input token (prompt logprobs); -1: none
+    num_logprobs: int = static(0)          # top-k logprobs returned per row (0 or MAX_LOGPROBS)
+    prompt_logprobs: bool = static(False)  # all-position logits for a prompt_logprobs request
+    sampler_mode: str = static("sort")     # sampler.MODES
+
+    @property
+    def variant(self) -> tuple:
+        """What selects the compiled graph: the buckets and every static field."""
+        return (len(self.token_ids), len(self.slot_ids), self.attn.decode_only, self.num_logprobs,
+                self.prompt_logprobs, self.sampler_mode)
+
+
+def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratch_slot: int,
+                      block_tables: np.ndarray, starts: Sequence[int] = (), counts: Sequence[int] = (),
+                      token_ids: Sequence[int] = (), slots: Sequence[int] = (), sample_mask: Sequence[bool] = (),
+                      params: Sequence[SamplingParams] = (), seeds: Sequence[int] = (),
+                      num_generated: Sequence[int] = (), eos_token_ids: Sequence[int] = (),
+                      logits_from: Sequence[int] | None = None, prev_index: np.ndarray | None = None,
+                      next_prompt_ids: np.ndarray | None = None, decode_only: bool = False, num_logprobs: int = 0,
+                      prompt_logprobs: bool = False, sampler_mode: str = "sort") -> StepInputs:
+    """Host (numpy) inputs of one step over n real rows (decodes first), padded to the buckets.
+
+    Per row: `starts` (first position computed), `counts` (tokens computed), `block_tables` [n, W] (its blocks),
+    `slots`, `sample_mask`, `params` / `seeds` / `num_generated` (sampling), `logits_from` (row whose logits it
+    samples; -1: its own). Per real token, flattened: `token_ids`, `prev_index`, `next_prompt_ids`.
+    No rows: an all-padding step (its writes land in the null block), as compile-time dummies use.
+    """
+    counts, starts = np.asarray(counts, np.int32), np.asarray(starts, np.int32)
+    n_rows, n_tok = len(counts), int(counts.sum())
+    cu = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(counts, out=cu[1:n_rows + 1])
+    cu[n_rows + 1:] = cu[n_rows]
+    row_of_token = np.repeat(np.arange(n_rows), counts)
+    positions = pad(np.arange(n_tok) - np.repeat(cu[:n_rows] - starts, counts), num_tokens)
+    pos = positions[:n_tok]
+    slot_mapping = pad(block_tables[row_of_token, pos // block_size] * block_size + pos % block_size, num_tokens)
+    own_last = np.maximum(cu[1:n_rows + 1] - 1, 0)
+    from_row = np.arange(n_rows) if logits_from is None else np.where(np.asarray(logits_from) < 0,
+                                                                      np.arange(n_rows), logits_from)
+    attn = AttentionBatch(slot_mapping, cu, pad(starts + counts, num_seqs), pad(block_tables, num_seqs),
+                          np.array([n_rows], np.int32), decode_only)
+    sampling = make_sampling_tensors(params, seeds, num_generated, num_rows=num_seqs, eos_token_ids=eos_token_ids)
+    return StepInputs(pad(token_ids, num_tokens), positions, attn, pad(own_last[from_row], num_seqs),
+                      pad(slots, num_seqs, fill=scratch_slot), pad(sample_mask, num_seqs, dtype=bool), sampling,
+                      pad(prev_index if prev_index is not None else [], num_tokens, fill=-1),
+                      pad(next_prompt_ids if next_prompt_ids is not None else [], num_tokens, fill=-1),
+                      num_logprobs, prompt_logprobs, sampler_mode)
+
+
+def pad(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:
+    """values (along the first axis) followed by `fill` up to `size`."""
+    values = np.asarray(values, dtype)
+    out = np.full((size, *values.shape[1:]), fill, dtype)
+    out[:len(values)] = values
+    return out
