@@ -13,8 +13,8 @@ Every output is checked against the pure-JAX reference (max_rel_err); a row that
 Each timing runs `calls` back-to-back calls inside one jitted program, rotating among cache copies when a
 cache fits in L2 (50 MB), and reports the median over repeats divided by `calls`: `ms` is GPU busy time (the
 device's kernel durations from the profiler's CUPTI records), `wall_ms` the host-timed run. Host-timed small
-calls measure the harness: one tiny XLA kernel per call costs 11-15 us of wall time on the H100 (the
-`launch-floor` rows of --plans), more than cuDNN's whole 8 x 512 decode.
+calls measure the harness more than the kernel: the `launch-floor` rows of --plans time one tiny XLA kernel
+per call (benchmarks/NOTES_attention.md, v5).
 
   python benchmarks/attention.py                 # full sweep -> benchmarks/results/attention_h100.json + .png
   python benchmarks/attention.py --tune          # tuning variants at key points -> attention_tune.json

@@ -8,7 +8,8 @@ Backends, per role:
   head (Triton's mma pads them to 16 rows, Mosaic's wgmma to 64), each KV tile is gathered from pages at
   random addresses as one pointer-tensor load, and it runs on sm_80+ with exact float32 dots.
 - prefill: on Hopper (sm_90) with bf16/f16, `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page copies,
-  wgmma, warp specialisation), 2x the Triton prefill at 8K tokens; elsewhere the Triton prefill kernel below.
+  wgmma, warp specialisation), the faster of the two there (benchmarks/NOTES_attention.md, v4); elsewhere
+  the Triton prefill kernel below.
 Nothing in the API names the backend (`prefill_backend` only overrides the choice).
 
 Two launches, with no host- or XLA-side metadata preparation (each program reads the raw
@@ -29,13 +30,13 @@ A decode-only step does better when the caller knows it (`decode_only=True`, as 
 Its split is fixed by the shape (the engine's bucket), so every program knows its decode and
 tiles from its grid position and issues its first block-table and K/V loads before any length arrives
 (`decode_only_kernel`); split programs count themselves done on an atomic counter and the last of each
-decode merges the partials in the same launch. Measured on the H100 against the two-launch path: 8 x 512
-12.1 vs 15.8 us, 64 x 512 49.4 vs 61.3 (benchmarks/NOTES_attention.md, v6).
+decode merges the partials in the same launch. So a short context waits on two dependent loads, not on the
+whole chain from num_seqs to K/V plus a merge launch (benchmarks/NOTES_attention.md, v6).
 """
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,18 +45,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import paged_prefill_attention_mgpu as mgpu_prefill
-from pallas_kernels.interpret import interpret_params
+from pallas_kernels.common import (LOG2E, exp2_shift, init_carry, interpret_params, normalize,
+                                   online_softmax_step, per_row)
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 IMPLS = ("auto", "pallas", "reference")
 PREFILL_BACKENDS = ("auto", "triton", "mosaic")
-LOG2E = math.log2(math.e)
 INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
 class Tuning:
-    """Tile and launch shapes; defaults measured on H100, bf16, head_dim 128 (benchmarks/NOTES_attention.md)."""
+    """Tile and launch shapes; defaults tuned on H100, bf16, head_dim 128 (sweeps: benchmarks/NOTES_attention.md)."""
     decode_kv_tile: int = 64  # keys per loop step (rounded up to a whole page)
     decode_num_warps: int = 2  # light programs: several share an SM and hide each other's start-up
     decode_num_stages: int = 4
@@ -85,6 +86,11 @@ class Geometry:
     max_seqs: int
     max_blocks: int
 
+    @classmethod
+    def of(cls, q, k_cache, block_tables) -> "Geometry":
+        return cls(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], block_tables.shape[0],
+                   block_tables.shape[1])
+
     @property
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
@@ -105,6 +111,15 @@ class Scores:
     sm_scale: float
     sliding_window: int | None
     soft_cap: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """A layer's paged cache inside the Triton kernels: flat block tables [max_seqs * max_blocks], and K and V as
+    rows [num_blocks * block_size * num_kv_heads, head_dim] (row (page * block_size + key) * kv_heads + kv head)."""
+    block_tables: Any
+    k: Any
+    v: Any
 
 
 def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *,
@@ -240,8 +255,7 @@ def is_power_of_2(n: int) -> bool:
 
 def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
                        tuning: Tuning, interpret: bool, mosaic: mgpu_prefill.PrefillTuning | None):
-    geo = Geometry(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-                   kv_lens.shape[0], block_tables.shape[1])
+    geo = Geometry.of(q, k_cache, block_tables)
     meta = (num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1))
     rows = (q.reshape(-1, geo.head_dim), k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
     parts, lse = decode_call(geo, scores, tuning, interpret)(*meta, *rows)
@@ -261,8 +275,7 @@ pallas_attention = jax.jit(attention_launches, static_argnames=("scores", "tunin
 @functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret"))
 def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
                       tuning: Tuning, interpret: bool):
-    geo = Geometry(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-                   kv_lens.shape[0], block_tables.shape[1])
+    geo = Geometry.of(q, k_cache, block_tables)
     splits = min(decode_slots(geo, tuning) // geo.decode_rows, tuning.decode_max_splits)  # fixed by the shape
     slots = max(geo.num_tokens, splits * geo.decode_rows)  # every token row has a program to zero it
     tile = tuning.split_decode_kv_tile if splits > 1 else tuning.decode_kv_tile
@@ -288,7 +301,7 @@ def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num
 
 def decode_slots(geo: Geometry, tuning: Tuning) -> int:
     """Programs per KV head in the decode launch: one per possible decode, or more to fill the GPU."""
-    return max(geo.decode_rows, -(-tuning.decode_programs // geo.num_kv_heads))
+    return max(geo.decode_rows, pl.cdiv(tuning.decode_programs, geo.num_kv_heads))
 
 
 def decode_call(geo: Geometry, scores: Scores, tuning: Tuning, interpret: bool):
@@ -309,7 +322,7 @@ def prefill_call(geo: Geometry, scores: Scores, tuning: Tuning, interpret: bool,
     """Second launch: programs [0, decode_rows) merge the decode splits, the rest attend one q block each."""
     block_q = tuning.prefill_block_m // geo.group_pad
     num_blocks = geo.num_tokens // block_q + geo.max_seqs + 1  # bound: every sequence may end mid-block
-    kernel = functools.partial(prefill_kernel, geo=geo, scores=scores, block_q=block_q,
+    kernel = functools.partial(triton_prefill_kernel, geo=geo, scores=scores, block_q=block_q,
                                tile=max(tuning.prefill_kv_tile, geo.block_size), num_blocks=num_blocks,
                                slots=decode_slots(geo, tuning), max_splits=tuning.decode_max_splits)
     return pl.pallas_call(
@@ -336,11 +349,10 @@ def merge_kernel(num_seqs_ref, cu_ref, parts_ref, lse_ref, _, o_ref, *, geo, slo
                    slots, max_splits)
 
 
-def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, o_ref, *,
-                   geo, scores, block_q, tile, num_blocks, slots, max_splits):
+def triton_prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, o_ref,
+                          *, geo, scores, block_q, tile, num_blocks, slots, max_splits):
     kv_head, pid = pl.program_id(0), pl.program_id(1)
     num_seqs = num_seqs_ref[0]
-    refs = (cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref)
 
     @pl.when(pid < geo.decode_rows)
     def _():
@@ -348,12 +360,13 @@ def prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_re
 
     @pl.when(pid >= geo.decode_rows)
     def _():  # the last (longest causal) blocks first
-        attend_block(refs, num_seqs, kv_head, num_blocks - 1 - (pid - geo.decode_rows), geo, scores, block_q, tile)
+        attend_block(cu_ref, kv_lens_ref, q_ref, o_ref, PagedKV(bt_ref, k_ref, v_ref), num_seqs, kv_head,
+                     num_blocks - 1 - (pid - geo.decode_rows), geo, scores, block_q, tile)
 
 
-def attend_block(refs, num_seqs, kv_head, block, geo, scores, block_q, tile):
+def attend_block(cu_ref, kv_lens_ref, q_ref, o_ref, cache: PagedKV, num_seqs, kv_head, block, geo, scores, block_q,
+                 tile):
     """Prefill role: `block_q` tokens x the q heads of one KV head; zeros for padding tokens."""
-    cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref = refs
     seq, q_start, q_len, t0 = locate_block(cu_ref, num_seqs, block, geo, block_q)
     is_decode = (seq < num_seqs) & (q_start + q_len == seq + 1)  # in the leading q_len == 1 run
     active = (seq <= num_seqs) & ~is_decode & (t0 < q_len)
@@ -362,18 +375,18 @@ def attend_block(refs, num_seqs, kv_head, block, geo, scores, block_q, tile):
     token, head = t0 + r // geo.group_pad, r % geo.group_pad
     row_ok = active & (token < q_len) & (head < geo.group)
     q_row = (q_start + token) * geo.num_q_heads + kv_head * geo.group + head
-    q = load_rows(q_ref, q_row, row_ok)
+    q = load_tile_rows(q_ref, q_row, row_ok)
     oldest = kv_len - q_len + t0
     newest = kv_len - q_len + jnp.minimum(t0 + block_q, q_len) - 1
-    t_hi = cdiv(jnp.where(active, jnp.maximum(newest + 1, 0), 0), tile)
+    t_hi = pl.cdiv(jnp.where(active, jnp.maximum(newest + 1, 0), 0), tile)
     t_lo, full_lo = 0, 0
     if scores.sliding_window is not None:
         t_lo = jnp.minimum(jnp.maximum(oldest - scores.sliding_window + 1, 0) // tile, t_hi)
-        full_lo = cdiv(jnp.maximum(newest - scores.sliding_window + 1, 0), tile)
+        full_lo = pl.cdiv(jnp.maximum(newest - scores.sliding_window + 1, 0), tile)
     step = functools.partial(attend_tile, q=q, q_pos=kv_len - q_len + token, seq=seq, kv_len=kv_len,
-                             kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile)
-    o, _, l = attend_range(init_carry(q.shape), t_lo, t_hi, full_lo, jnp.maximum(oldest + 1, 0) // tile, step)
-    store_rows(o_ref, q_row, row_ok, (o / safe(l)[:, None]).astype(o_ref.dtype))
+                             kv_head=kv_head, cache=cache, geo=geo, scores=scores, tile=tile)
+    acc, _, l = attend_range(init_carry(q.shape), t_lo, t_hi, full_lo, jnp.maximum(oldest + 1, 0) // tile, step)
+    store_tile_rows(o_ref, q_row, row_ok, normalize(acc, l).astype(o_ref.dtype))
 
 
 def combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, seq, geo, slots, max_splits):
@@ -385,17 +398,18 @@ def combine_splits(parts_ref, lse_ref, o_ref, cu_ref, num_seqs, kv_head, seq, ge
     ok = (seq < num_decodes) & (r < geo.group)
 
     def merge(split, carry):
-        m, l, acc = carry
+        acc, m, l = carry
         row = (seq * splits + split) * geo.num_q_heads + head
-        lse = plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf)
+        lse = load_lse(lse_ref, row, ok)
         m_new = jnp.maximum(m, lse)
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(lse - m_safe)
-        return m_new, l * alpha + weight, acc * alpha[:, None] + weight[:, None] * load_rows(parts_ref, row, ok)
+        shift = exp2_shift(m_new)
+        alpha, weight = jnp.exp2(m - shift), jnp.exp2(lse - shift)
+        acc = acc * per_row(alpha, acc.shape) + per_row(weight, acc.shape) * load_tile_rows(parts_ref, row, ok)
+        return acc, m_new, l * alpha + weight
 
-    acc, m, l = init_carry((geo.group_pad, geo.head_dim))
-    _, l, acc = lax.fori_loop(0, jnp.where(seq < num_decodes, splits, 0), merge, (m, l, acc))
-    store_rows(o_ref, seq * geo.num_q_heads + head, ok, (acc / safe(l)[:, None]).astype(o_ref.dtype))
+    carry = init_carry((geo.group_pad, geo.head_dim))
+    acc, _, l = lax.fori_loop(0, jnp.where(seq < num_decodes, splits, 0), merge, carry)
+    store_tile_rows(o_ref, seq * geo.num_q_heads + head, ok, normalize(acc, l).astype(o_ref.dtype))
 
 
 def locate_block(cu_ref, num_seqs, block, geo, block_q):
@@ -409,7 +423,7 @@ def locate_block(cu_ref, num_seqs, block, geo, block_q):
     return seq, q_start, q_len, (block - jnp.sum(jnp.where(i == seq, first_block, 0))) * block_q
 
 
-def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, geo,
+def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, *, geo,
                   scores, slots, max_splits, tile, rows):
     """Mixed batch, decode role: one split of a decode (the slots are shared out among the decodes at run
     time), float32 partials and log2-sum-exp; the prefill (or merge) launch merges them."""
@@ -422,18 +436,17 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref
     r = jnp.arange(rows)
     head = kv_head * geo.group + r
     row_ok = active & (r < geo.group)
-    q = load_rows(q_ref, seq * geo.num_q_heads + head, row_ok)  # decode i is token i
+    q = load_tile_rows(q_ref, seq * geo.num_q_heads + head, row_ok)  # decode i is token i
     first = 0 if scores.sliding_window is None else jnp.maximum(kv_len - scores.sliding_window, 0)
-    t_lo, t_hi = first // tile, cdiv(kv_len, tile)
-    per_split = cdiv(t_hi - t_lo, splits)
+    t_lo, t_hi = first // tile, pl.cdiv(kv_len, tile)
+    per_split = pl.cdiv(t_hi - t_lo, splits)
     lo = jnp.minimum(t_lo + split * per_split, t_hi)
     step = functools.partial(attend_tile, q=q, q_pos=jnp.full((rows,), kv_len - 1), seq=seq, kv_len=kv_len,
-                             kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores, tile=tile)
-    o, m, l = attend_range(init_carry(q.shape), lo, jnp.minimum(lo + per_split, t_hi), cdiv(first, tile),
-                           kv_len // tile, step)
-    out_row = slot * geo.num_q_heads + head
-    store_rows(o_ref, out_row, row_ok, o / safe(l)[:, None])
-    plgpu.store(lse_ref.at[jnp.where(row_ok, out_row, lse_ref.shape[0])], m + jnp.log2(l), mask=row_ok)
+                             kv_head=kv_head, cache=PagedKV(bt_ref, k_ref, v_ref), geo=geo, scores=scores,
+                             tile=tile)
+    acc, m, l = attend_range(init_carry(q.shape), lo, jnp.minimum(lo + per_split, t_hi), pl.cdiv(first, tile),
+                             kv_len // tile, step)
+    store_partials(parts_ref, lse_ref, slot * geo.num_q_heads + head, row_ok, acc, m, l)
 
 
 def decode_only_kernel(num_seqs_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, geo, scores, splits, tile,
@@ -444,6 +457,10 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *
     the context length arrives (clamped to a real page, masked after), so a short context costs two dependent
     loads, as on a contiguous cache. Split programs write partials and count themselves done on an atomic
     counter; the last one of a decode merges them. Programs past the decodes zero their token's rows."""
+    if splits > 1:  # the zeroed done-counters come in first, aliased to count_ref
+        _, out_ref, parts_ref, lse_ref, count_ref = refs
+    else:
+        (out_ref,) = refs
     kv_head, slot = pl.program_id(0), pl.program_id(1)
     seq, split = slot // splits, slot % splits
     num_decodes = num_seqs_ref[0]
@@ -451,27 +468,24 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *
     kv_len = jnp.where(active, kv_lens_ref[jnp.minimum(seq, geo.max_seqs - 1)], 0)
     r = jnp.arange(rows)
     head = kv_head * geo.group + r
-    q = load_rows(q_ref, jnp.minimum(seq, geo.num_tokens - 1) * geo.num_q_heads + head, r < geo.group)
+    q = load_tile_rows(q_ref, jnp.minimum(seq, geo.num_tokens - 1) * geo.num_q_heads + head, r < geo.group)
     first = 0 if scores.sliding_window is None else jnp.maximum(kv_len - scores.sliding_window, 0)
     t0 = first // tile + split  # this program's tiles: t0, t0 + splits, ...
     step = functools.partial(strided_tile, t0=t0, splits=splits, q=q, q_pos=jnp.full((rows,), kv_len - 1), seq=seq,
-                             kv_len=kv_len, kv_head=kv_head, refs=(bt_ref, k_ref, v_ref), geo=geo, scores=scores,
-                             tile=tile)
+                             kv_len=kv_len, kv_head=kv_head, cache=PagedKV(bt_ref, k_ref, v_ref), geo=geo,
+                             scores=scores, tile=tile)
     carry = step(0, init_carry(q.shape), masked="speculative")
-    n = cdiv(jnp.maximum(cdiv(kv_len, tile) - t0, 0), splits)
-    full_lo, full_hi = (cdiv(jnp.maximum(t - t0, 0), splits) for t in (cdiv(first, tile), kv_len // tile))
-    o, m, l = attend_range(carry, 1, n, full_lo, full_hi, step)
-    out_ref, *split_refs = refs[1:] if splits > 1 else refs
+    n = pl.cdiv(jnp.maximum(pl.cdiv(kv_len, tile) - t0, 0), splits)
+    full_lo, full_hi = (pl.cdiv(jnp.maximum(t - t0, 0), splits) for t in (pl.cdiv(first, tile), kv_len // tile))
+    acc, m, l = attend_range(carry, 1, n, full_lo, full_hi, step)
     row_ok = active & (r < geo.group)
     out_rows = slot * geo.num_q_heads + head
     pad = (slot >= num_decodes) & (slot < geo.num_tokens)
-    store_rows(out_ref, out_rows, pad & (r < geo.group), jnp.zeros((rows, geo.head_dim), out_ref.dtype))
+    store_tile_rows(out_ref, out_rows, pad & (r < geo.group), jnp.zeros((rows, geo.head_dim), out_ref.dtype))
     if splits == 1:
-        store_rows(out_ref, out_rows, row_ok, (o / safe(l)[:, None]).astype(out_ref.dtype))
+        store_tile_rows(out_ref, out_rows, row_ok, normalize(acc, l).astype(out_ref.dtype))
         return
-    parts_ref, lse_ref, count_ref = split_refs
-    store_rows(parts_ref, out_rows, row_ok, o / safe(l)[:, None])
-    plgpu.store(lse_ref.at[jnp.where(row_ok, out_rows, lse_ref.shape[0])], m + jnp.log2(l), mask=row_ok)
+    store_partials(parts_ref, lse_ref, out_rows, row_ok, acc, m, l)
 
     @pl.when(active)
     def _():
@@ -491,14 +505,24 @@ def merge_splits(parts_ref, lse_ref, out_ref, seq, splits, head, ok, geo):
     """Merge a decode's `splits` partials (other programs of this launch wrote them: volatile loads, since L1 is
     not coherent) into its output rows, all loads issued at once (splits is static)."""
     rows = [(seq * splits + i) * geo.num_q_heads + head for i in range(splits)]
-    lse = [plgpu.load(lse_ref.at[jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf, volatile=True) for row in rows]
-    parts = [load_rows(parts_ref, row, ok, volatile=True) for row in rows]
-    m = functools.reduce(jnp.maximum, lse)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    weights = [jnp.exp2(x - m) for x in lse]
-    acc = functools.reduce(jnp.add, [w[:, None] * p for w, p in zip(weights, parts)])
-    store_rows(out_ref, seq * geo.num_q_heads + head, ok,
-               (acc / safe(functools.reduce(jnp.add, weights))[:, None]).astype(out_ref.dtype))
+    lse = [load_lse(lse_ref, row, ok, volatile=True) for row in rows]
+    parts = [load_tile_rows(parts_ref, row, ok, volatile=True) for row in rows]
+    shift = exp2_shift(functools.reduce(jnp.maximum, lse))
+    weights = [jnp.exp2(x - shift) for x in lse]
+    acc = functools.reduce(jnp.add, [per_row(w, p.shape) * p for w, p in zip(weights, parts)])
+    store_tile_rows(out_ref, seq * geo.num_q_heads + head, ok,
+                    normalize(acc, functools.reduce(jnp.add, weights)).astype(out_ref.dtype))
+
+
+def store_partials(parts_ref, lse_ref, rows, ok, acc, m, l):
+    """One split's share of a decode: its normalised float32 rows and their log2-sum-exp, the merge's weight."""
+    store_tile_rows(parts_ref, rows, ok, normalize(acc, l))
+    plgpu.store(lse_ref.at[jnp.where(ok, rows, lse_ref.shape[0])], m + jnp.log2(l), mask=ok)
+
+
+def load_lse(lse_ref, rows, ok, volatile=False):
+    """The log2-sum-exps `store_partials` wrote; -inf (weight 0) where not `ok`."""
+    return plgpu.load(lse_ref.at[jnp.where(ok, rows, 0)], mask=ok, other=-jnp.inf, volatile=volatile)
 
 
 def count_decodes(cu_ref, num_seqs, geo):
@@ -522,35 +546,31 @@ def attend_range(carry, lo, hi, full_lo, full_hi, step):
     return lax.fori_loop(b, hi, functools.partial(step, masked=True), carry)
 
 
-def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, refs, geo, scores, tile):
+def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, cache: PagedKV, geo, scores, tile):
     """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page. masked: False (all
     keys visible), True, or "speculative": the loads do not wait for kv_len (pages read are clamped to real
     ones; keys past kv_len are masked and their V rows zeroed, since 0 x NaN would leak)."""
-    bt_ref, k_ref, v_ref = refs
     key = t * tile + jnp.arange(tile)
     live = key < kv_len
     col = jnp.minimum(key // geo.block_size, geo.max_blocks - 1)
     if masked == "speculative":
-        num_pages = k_ref.shape[0] // (geo.block_size * geo.num_kv_heads)
-        page = jnp.clip(plgpu.load(bt_ref.at[jnp.minimum(seq, geo.max_seqs - 1) * geo.max_blocks + col]), 0,
-                        num_pages - 1)
+        num_pages = cache.k.shape[0] // (geo.block_size * geo.num_kv_heads)
+        page = jnp.clip(plgpu.load(cache.block_tables.at[jnp.minimum(seq, geo.max_seqs - 1) * geo.max_blocks + col]),
+                        0, num_pages - 1)
     else:  # past kv_len the block table may hold anything
-        page = gather(bt_ref.at[seq * geo.max_blocks + col], live if masked else None)
+        page = gather(cache.block_tables.at[seq * geo.max_blocks + col], live if masked else None)
     kv_row = (page * geo.block_size + key % geo.block_size) * geo.num_kv_heads + kv_head
     mask = live if masked is True else None
-    s = logits(q, load_rows(k_ref, kv_row, mask), scores)
+    s = logits(q, load_tile_rows(cache.k, kv_row, mask), scores)
     if masked:
         s = jnp.where(visible(key, q_pos, scores.sliding_window), s, -jnp.inf)
-    o, m, l = carry
-    m_new = jnp.maximum(m, s.max(axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet stays zero
-    p = jnp.exp2(s - m_safe[:, None])
-    alpha = jnp.exp2(m - m_safe)
-    v = load_rows(v_ref, kv_row, mask)
+    acc, m, l = carry
+    m_new, p, alpha = online_softmax_step(m, s)
+    v = load_tile_rows(cache.v, kv_row, mask)  # issued before the row sums: latency decides small decodes
     if masked == "speculative":
         v = jnp.where(live[:, None], v, jnp.zeros((), v.dtype))
     pv = dot(p.astype(v.dtype), v, ((1,), (0,)))
-    return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
+    return acc * per_row(alpha, acc.shape) + pv, m_new, l * alpha + p.sum(axis=1)
 
 
 def logits(q, k, scores: Scores):
@@ -575,16 +595,11 @@ def visible(key, q_pos, sliding_window):
     return ok
 
 
-def init_carry(shape):
-    """(o, m, l) of an online softmax over nothing."""
-    return jnp.zeros(shape, jnp.float32), jnp.full(shape[:1], -jnp.inf), jnp.zeros(shape[:1], jnp.float32)
-
-
 def gather(ref_view, mask):
     return plgpu.load(ref_view) if mask is None else plgpu.load(ref_view, mask=mask, other=0)
 
 
-def load_rows(ref, rows, ok, volatile=False):
+def load_tile_rows(ref, rows, ok, volatile=False):
     """ref[rows, :] as a tile; rows where `ok` is False (None: all valid) read as 0."""
     view = ref.at[rows[:, None], jnp.arange(ref.shape[1])[None, :]]
     if ok is None:
@@ -593,16 +608,8 @@ def load_rows(ref, rows, ok, volatile=False):
                       volatile=volatile)
 
 
-def store_rows(ref, rows, ok, val):
-    """ref[rows, :] = val where `ok`; skipped rows point past the end so the interpreter drops them too."""
+def store_tile_rows(ref, rows, ok, tile):
+    """ref[rows, :] = tile where `ok`; skipped rows point past the end so the interpreter drops them too."""
     rows = jnp.where(ok, rows, ref.shape[0])
-    plgpu.store(ref.at[rows[:, None], jnp.arange(val.shape[1])[None, :]], val,
-                mask=jnp.broadcast_to(ok[:, None], val.shape))
-
-
-def cdiv(a, b):
-    return (a + b - 1) // b
-
-
-def safe(l):
-    return jnp.where(l == 0, 1.0, l)
+    plgpu.store(ref.at[rows[:, None], jnp.arange(tile.shape[1])[None, :]], tile,
+                mask=jnp.broadcast_to(ok[:, None], tile.shape))
