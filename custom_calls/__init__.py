@@ -6,7 +6,7 @@ writes; slot = block_id * block_size + offset.
 
 Each op has a pure-JAX ``*_reference`` beside it. The public functions run the CUDA
 library when ``available()`` (an NVIDIA GPU, and nvcc built or found the cached library),
-and otherwise the reference, after a one-line notice logged once naming why.
+and otherwise the reference, after a one-line notice logged once naming why (a warning on a GPU machine).
 """
 import ctypes
 import functools
@@ -65,8 +65,9 @@ def unavailable_reason() -> str | None:
             reason = None
         except (build.BuildError, OSError) as err:
             reason = f"build failed: {err}"
-    if reason:
-        log.warning("jaxserve custom_calls: %s; using the pure-JAX reference path", reason)
+    if reason:   # expected without a GPU; a GPU whose build failed is worth a warning
+        (log.warning if has_nvidia_gpu() else log.info)(
+            "jaxserve custom_calls: %s; using the pure-JAX reference path", reason)
     return reason
 
 

@@ -77,9 +77,16 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos_ids(cfg.get("eos_token_id")))
 
 
+# The names a knob may take (models/attention.py and engine/sampler.py give them meaning).
+DECODE_ATTENTION = ("auto", "cuda")
+PREFILL_ATTENTION = ("triton", "mosaic")
+SAMPLER_MODES = ("greedy", "sample", "sort")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    """Knobs of the engine; defaults suit the embedded model on CPU. See configs/*.yaml."""
+    """Knobs of the engine; defaults suit the embedded model on CPU. See configs/*.yaml. Checked whole at
+    construction: a bad knob is a ValueError naming it."""
     max_model_len: int = 2048
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
@@ -100,7 +107,61 @@ class EngineConfig:
     prefill_attention: str = "triton"
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     precompile: bool = True
-    precompile_sampler_modes: tuple[str, ...] = ("greedy", "sample", "sort")   # others compile on first use
+    precompile_sampler_modes: tuple[str, ...] = SAMPLER_MODES   # others compile on first use
+    # Admission bounds for servers (None: unbounded, as batch generation wants): waiting requests and their
+    # prompt tokens beyond which new requests are refused with AdmissionError (retry later).
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+
+    def __post_init__(self):
+        for name in ("token_buckets", "seq_buckets", "precompile_sampler_modes"):
+            if isinstance(getattr(self, name), list):
+                setattr(self, name, tuple(getattr(self, name)))
+        check_engine_config(self)
+
+
+POSITIVE_INTS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk", "block_size")
+OPTIONAL_POSITIVE_INTS = ("max_queued_requests", "max_queued_tokens")
+BOOLS = ("enable_prefix_caching", "async_scheduling", "precompile")
+
+
+def check_engine_config(c: EngineConfig) -> None:
+    def need(ok: bool, name: str, rule: str):
+        if not ok:
+            raise ValueError(f"engine config: {name} {rule}, got {getattr(c, name)!r}")
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for name in POSITIVE_INTS:
+        need(is_int(getattr(c, name)) and getattr(c, name) > 0, name, "must be a positive int")
+    for name in BOOLS:
+        need(isinstance(getattr(c, name), bool), name, "must be true or false")
+    need(c.num_blocks is None or (is_int(c.num_blocks) and c.num_blocks >= 2), "num_blocks",
+         "must be an int >= 2 (block 0 is the null block) or null")
+    for name in OPTIONAL_POSITIVE_INTS:
+        need(getattr(c, name) is None or (is_int(getattr(c, name)) and getattr(c, name) > 0), name,
+             "must be a positive int or null")
+    need(is_int(c.seed), "seed", "must be an int")
+    need(isinstance(c.memory_fraction, (int, float)) and 0 < c.memory_fraction <= 1, "memory_fraction",
+         "must be in (0, 1]")
+    need(isinstance(c.watermark, (int, float)) and 0 <= c.watermark < 1, "watermark", "must be in [0, 1)")
+    need(c.decode_attention in DECODE_ATTENTION, "decode_attention", f"must be one of {DECODE_ATTENTION}")
+    need(c.prefill_attention in PREFILL_ATTENTION, "prefill_attention", f"must be one of {PREFILL_ATTENTION}")
+    need(isinstance(c.precompile_sampler_modes, tuple) and set(c.precompile_sampler_modes) <= set(SAMPLER_MODES),
+         "precompile_sampler_modes", f"must be a list of {SAMPLER_MODES}")
+    need(c.compile_cache_dir is None or isinstance(c.compile_cache_dir, str), "compile_cache_dir",
+         "must be a path or null")
+    need(c.max_num_seqs + c.min_prefill_chunk <= c.max_num_batched_tokens, "max_num_batched_tokens",
+         f"must be >= max_num_seqs ({c.max_num_seqs}) + min_prefill_chunk ({c.min_prefill_chunk}) so that decodes "
+         "never starve prefill")
+    for name, high in (("token_buckets", c.max_num_batched_tokens), ("seq_buckets", c.max_num_seqs)):
+        ladder = getattr(c, name)
+        need(ladder is None or (isinstance(ladder, tuple) and len(ladder) > 0 and all(map(is_int, ladder))
+                                and ladder[0] > 0 and all(a < b for a, b in zip(ladder, ladder[1:]))),
+             name, "must be null or a strictly increasing list of positive ints")
+        need(ladder is None or ladder[-1] >= high, name, f"must reach {high} (its largest bucket serves the "
+             f"{'whole token budget' if name == 'token_buckets' else 'most sequences a step can hold'})")
 
 
 @dataclass(slots=True)
@@ -113,13 +174,25 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    engine = raw.pop("engine", {}) or {}
-    unknown = set(engine) - known
-    if unknown:
-        raise ValueError(f"{path}: unknown engine keys {sorted(unknown)}; known: {sorted(known)}")
-    for key in ("token_buckets", "seq_buckets", "precompile_sampler_modes"):
-        if engine.get(key) is not None:
-            engine[key] = tuple(engine[key])
-    return RunConfig(engine=EngineConfig(**engine), **raw)
+    """A YAML run config; a missing or malformed file, an unknown key or a bad knob is a ValueError naming it."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"config {path}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    raw = {} if raw is None else raw
+    engine = raw.pop("engine", None) or {} if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or not isinstance(engine, dict):
+        raise ValueError(f"config {path}: must be a mapping with keys {sorted(RUN_KEYS)}")
+    for keys, known, where in ((raw, RUN_KEYS, ""), (engine, ENGINE_KEYS, "engine ")):
+        if unknown := set(keys) - known:
+            raise ValueError(f"config {path}: unknown {where}keys {sorted(unknown)}; known: {sorted(known)}")
+    try:
+        return RunConfig(engine=EngineConfig(**engine), **raw)
+    except ValueError as e:
+        raise ValueError(f"config {path}: {e}") from None
+
+
+ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
+RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)}

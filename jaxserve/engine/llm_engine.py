@@ -22,6 +22,11 @@ from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence,
 from jaxserve.models.loader import LoadedModel
 
 
+class AdmissionError(ValueError):
+    """A well-formed request the engine cannot take: it can never fit the KV pool, or the queue is full.
+    Servers answer RESOURCE_EXHAUSTED (HTTP 429/503) rather than INVALID_ARGUMENT."""
+
+
 @dataclass(slots=True)
 class Request:
     request_id: str
@@ -49,10 +54,7 @@ def enable_compilation_cache(path: str | None) -> None:
 
 
 def check_config(cfg: EngineConfig, max_position_embeddings: int) -> None:
-    if cfg.max_num_seqs + cfg.min_prefill_chunk > cfg.max_num_batched_tokens:
-        raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} must be >= max_num_seqs "
-                         f"({cfg.max_num_seqs}) + min_prefill_chunk ({cfg.min_prefill_chunk}) so that decodes "
-                         "never starve prefill")
+    """What the config alone cannot check (EngineConfig checks itself): the model's limits."""
     if cfg.max_model_len > max_position_embeddings:
         raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings="
                          f"{max_position_embeddings}")
@@ -123,6 +125,31 @@ class LLMEngine:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        self._check_fits(len(ids), params)
+        self._check_queue(len(ids))
+
+    def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
+        """A sequence longer than the KV pool would wait forever (or preempt itself forever): refuse it now."""
+        cfg, kv = self.cfg, self.kv
+        total = min(num_prompt + (params.max_tokens or cfg.max_model_len), cfg.max_model_len)
+        usable = kv.num_blocks - 1 - kv.watermark_blocks
+        if -(-total // cfg.block_size) > usable:
+            raise AdmissionError(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) can reach "
+                                 f"{total} tokens; the KV pool holds {usable * cfg.block_size} per sequence "
+                                 f"(num_blocks={kv.num_blocks}): lower max_tokens or give the cache more blocks")
+
+    def _check_queue(self, num_prompt: int) -> None:
+        waiting, max_requests, max_tokens = self.scheduler.waiting, self.cfg.max_queued_requests, \
+            self.cfg.max_queued_tokens
+        if max_requests is not None and len(waiting) >= max_requests:
+            raise AdmissionError(f"queue full: {len(waiting)} requests wait (max_queued_requests={max_requests}); "
+                                 "retry later")
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in waiting) if max_tokens is not None else 0
+        if max_tokens is not None and queued + num_prompt > max_tokens:
+            raise AdmissionError(f"queue full: {queued} prompt tokens wait and {num_prompt} more would exceed "
+                                 f"max_queued_tokens={max_tokens}; retry later")
 
     def _detokenizer(self, prompt_ids, params):
         return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids, params)

@@ -19,7 +19,7 @@ from jaxserve.cache.block_table import BlockTable
 from jaxserve.cache.kv_cache import (allocate_kv_cache, copy_blocks, describe_kv_capacity, kv_bytes_per_block,
                                      num_blocks_for_memory)
 from jaxserve.config import EngineConfig
-from jaxserve.engine.sampler import MODES, PenaltyState, init_penalty_state, mode_for, reset_slots, sample
+from jaxserve.engine.sampler import PenaltyState, init_penalty_state, mode_for, reset_slots, sample
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
 from jaxserve.engine.sequence import PENDING, Sequence
@@ -93,8 +93,6 @@ class ModelRunner:
         self.prev_rows: dict[int, int] = {}   # seq_id -> row of the last launched step that samples it
         self.eos_token_ids = loaded.eos_token_ids
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim)
-        if unknown := set(cfg.precompile_sampler_modes) - set(MODES):
-            raise ValueError(f"precompile_sampler_modes: unknown {sorted(unknown)}; known: {list(MODES)}")
         self._step = jax.jit(functools.partial(run_step, graphdef=graphdef, kernels=self.kernels),
                              donate_argnums=(1, 2))
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)   # the previous step's samples, on device

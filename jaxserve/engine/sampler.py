@@ -87,13 +87,10 @@ def reset_slots(state: PenaltyState, slots: jax.Array, prompt_ids: jax.Array,
     return PenaltyState(prompt_mask, counts)
 
 
-# Static sampler variants, cheapest first: "greedy" (argmax only), "sample" (+ penalties, temperature,
-# min-p, Gumbel noise), "sort" (+ top-k / top-p, which sort every row).
-MODES = ("greedy", "sample", "sort")
-
-
 def mode_for(params: Sequence[SamplingParams], vocab_size: int) -> str:
-    """The cheapest variant that serves every request sampling in this step."""
+    """The cheapest static variant (config.SAMPLER_MODES: "greedy" argmax only; "sample" + penalties,
+    temperature, min-p, Gumbel noise; "sort" + top-k / top-p, which sort every row) that serves every request
+    sampling in this step."""
     def needs_sort(p):
         return 0 < p.top_k < vocab_size or p.top_p < 1.0
 

@@ -3,9 +3,14 @@
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 MAX_LOGPROBS = 20  # most top-N logprobs a request may ask for (per token, and per prompt token)
 GREEDY_TEMPERATURE = 1e-5  # below this a request is sampled greedily (argmax)
 SEED_RANGE = (-(2**63), 2**63)  # int64, like vLLM's OpenAI front end
+INT32_MAX = 2**31 - 1  # counts and ids reach the device as int32
+# Bounded per-token work: every stop string is searched in each new token's text, every stop id masked in-graph.
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 16
 
 INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -57,7 +62,7 @@ def check_types(p: SamplingParams) -> None:
             ok = isinstance(value, int if name in INT_FIELDS else (int, float)) and not isinstance(value, bool)
         if not ok:
             kind = "a bool" if name in BOOL_FIELDS else "an int" if name in INT_FIELDS else "a number"
-            raise ValueError(f"{name} must be {kind}, got {value!r}")
+            raise ValueError(f"{name} must be {kind}, got {short(value)}")
         if name in FLOAT_FIELDS:
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value!r}")
@@ -67,31 +72,42 @@ def check_types(p: SamplingParams) -> None:
 def normalise_stop(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop must be a non-empty str or a list of non-empty str, got {stop!r}")
+        raise ValueError(f"stop must be a non-empty str or a list of non-empty str, got {short(stop)}")
+    if len(stops) > MAX_STOP_STRINGS or max(map(len, stops), default=0) > MAX_STOP_CHARS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, got "
+                         f"{len(stops)} (longest {max(map(len, stops))})")
     return list(stops)
 
 
 def normalise_stop_token_ids(ids) -> list[int]:
     ids = [] if ids is None else ids
     if not isinstance(ids, (list, tuple)) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT32_MAX for i in ids
     ):
-        raise ValueError(f"stop_token_ids must be a list of non-negative int, got {ids!r}")
+        raise ValueError(f"stop_token_ids must be a list of token ids (ints in [0, 2**31)), got {short(ids)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
     return list(ids)
+
+
+def short(value, limit: int = 80) -> str:
+    """repr of a bad value, cut: error messages stay one readable line whatever the client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def check_ranges(p: SamplingParams) -> None:
     checks = (
-        ("n", p.n >= 1, "must be >= 1"),
+        ("n", 1 <= p.n <= INT32_MAX, "must be >= 1"),
         ("temperature", p.temperature >= 0.0, "must be >= 0"),
-        ("top_p", 0.0 < p.top_p <= 1.0, "must be in (0, 1]"),
-        ("top_k", p.top_k >= -1, "must be -1, 0 (off) or positive"),
+        ("top_p", 0.0 < np.float32(p.top_p) and p.top_p <= 1.0, "must be in (0, 1] (and above 0 in float32)"),
+        ("top_k", -1 <= p.top_k <= INT32_MAX, "must be -1, 0 (off) or positive, below 2**31"),
         ("min_p", 0.0 <= p.min_p <= 1.0, "must be in [0, 1]"),
         ("repetition_penalty", p.repetition_penalty > 0.0, "must be > 0"),
         ("presence_penalty", -2.0 <= p.presence_penalty <= 2.0, "must be in [-2, 2]"),
         ("frequency_penalty", -2.0 <= p.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-        ("max_tokens", p.max_tokens is None or p.max_tokens >= 1, "must be >= 1 or None"),
-        ("min_tokens", p.min_tokens >= 0, "must be >= 0"),
+        ("max_tokens", p.max_tokens is None or 1 <= p.max_tokens <= INT32_MAX, "must be in [1, 2**31) or None"),
+        ("min_tokens", 0 <= p.min_tokens <= INT32_MAX, "must be in [0, 2**31)"),
         ("min_tokens", p.max_tokens is None or p.min_tokens <= p.max_tokens, "must be <= max_tokens"),
         ("logprobs", p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
         ("prompt_logprobs", p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
@@ -100,4 +116,4 @@ def check_ranges(p: SamplingParams) -> None:
     )
     for name, ok, rule in checks:
         if not ok:
-            raise ValueError(f"{name} {rule}, got {getattr(p, name)!r}")
+            raise ValueError(f"{name} {rule}, got {short(getattr(p, name))}")

@@ -31,7 +31,7 @@ class StepInputs:
     next_prompt_ids: jax.Array  # [T] the prompt token after each input token (prompt logprobs); -1: none
     num_logprobs: int = static(0)          # top-k logprobs returned per row (0 or MAX_LOGPROBS)
     prompt_logprobs: bool = static(False)  # all-position logits for a prompt_logprobs request
-    sampler_mode: str = static("sort")     # sampler.MODES
+    sampler_mode: str = static("sort")     # config.SAMPLER_MODES
 
     @property
     def variant(self) -> tuple:

@@ -14,11 +14,8 @@ import jax.numpy as jnp
 
 import custom_calls
 from jaxserve.cache.kv_cache import write_kv
+from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_impl
-
-
-DECODE_ATTENTION = ("auto", "cuda")       # EngineConfig.decode_attention
-PREFILL_ATTENTION = ("triton", "mosaic")  # EngineConfig.prefill_attention
 
 
 @jax.tree_util.register_dataclass
