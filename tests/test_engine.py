@@ -1,4 +1,5 @@
 """Engine correctness: a request's output must not depend on how it was scheduled (CPU, f32)."""
+import jax
 import numpy as np
 import pytest
 import torch
@@ -22,6 +23,8 @@ def hf_greedy(model, ids, n):
         _HF_MEMO[key] = _hf_greedy(model, ids, n)
     return _HF_MEMO[key]
 
+# f32 logprobs against HF's on the CPU; a GPU's default f32 matmul precision (TF32-class) moves them ~1e-4
+LOGPROB_TOLERANCE = 1e-4 if jax.default_backend() == "cpu" else 5e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 BASE = dict(max_num_seqs=8, max_num_batched_tokens=64, min_prefill_chunk=16, max_model_len=512, num_blocks=256,
             precompile=False)
@@ -256,7 +259,7 @@ def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache(tiny, 
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for p in range(1, len(prompt)):
         entry = out.prompt_logprobs[p]
-        assert abs(entry[prompt[p]] - ref[p - 1, prompt[p]]) < 1e-4
+        assert abs(entry[prompt[p]] - ref[p - 1, prompt[p]]) < LOGPROB_TOLERANCE
         assert set(np.argsort(ref[p - 1])[-3:]) <= set(entry)
 
 
