@@ -1,15 +1,25 @@
-"""`jaxserve` command line: generate, chat, convert (and serve / client / bench where installed)."""
+"""`jaxserve` command line: generate, chat, convert, serve, client and bench. Every argument is parsed here;
+the modules behind the commands take plain values (and never import this one)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
+from dataclasses import replace
+from pathlib import Path
 
-from benchmarks import cli as bench_cli
+import grpc
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm import LLM
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.serve import client as serve_client
-from jaxserve.serve import server as serve_server
-from jaxserve.models.loader import DEFAULT_MODEL
+from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_run, save_converted
+from jaxserve.serve import server
+from jaxserve.serve.client import print_completion
+
+ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "min_prefill_chunk", "num_blocks")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -27,15 +37,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def sampling_params(args):
-    from jaxserve.engine.sampling_params import SamplingParams
+def sampling_params(args) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed)
 
 
-def make_llm(args, **engine_kwargs):
-    from jaxserve.engine.llm import LLM
-    from jaxserve.models.loader import load_run
+def make_llm(args, **engine_kwargs) -> LLM:
     loaded, engine = load_run(args.model, args.config, args.dtype)
     return LLM(loaded, config=engine, **engine_kwargs)
 
@@ -70,12 +77,88 @@ def cmd_chat(args) -> None:
 
 
 def cmd_convert(args) -> None:
-    from jaxserve.models.loader import load_model, save_converted
     dst = save_converted(load_model(args.src, args.dtype), args.dst)
     print(f"saved {args.src} -> {dst}", file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def load_served_model(args) -> tuple[LoadedModel, EngineConfig, str]:
+    """The model and engine config from --model / --config (whose `model: random` builds random weights)
+    with the engine flags on top."""
+    loaded, engine = load_run(args.model, args.config, args.dtype)
+    name = loaded.source if args.config else args.model
+    knobs = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.no_precompile:
+        knobs["precompile"] = False
+    return loaded, replace(engine, **knobs), name
+
+
+def serve_options(args) -> server.ServeOptions:
+    return server.ServeOptions(host=args.host, port=args.port,
+                               metrics_port=None if args.no_metrics else args.metrics_port,
+                               max_waiting=args.max_waiting, grace_period_s=args.grace_period,
+                               max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
+def cmd_serve(args) -> None:
+    opts = serve_options(args)   # bad flags fail before the model loads
+    server.serve(opts, *load_served_model(args))
+
+
+def cmd_client(args) -> None:
+    root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    try:
+        asyncio.run(print_completion(f"{args.host}:{args.port}", args.prompt, sampling_params(args),
+                                     root_certificates=root, timeout=args.timeout))
+    except grpc.aio.AioRpcError as e:
+        raise SystemExit(f"jaxserve client: error: {e.code().name}: {e.details()}") from None
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over gRPC (health, reflection, Prometheus metrics)")
+    add_model_args(p)
+    p.add_argument("--host", default=server.DEFAULT_HOST, help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=server.DEFAULT_PORT, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=server.DEFAULT_METRICS_PORT,
+                   help="Prometheus port (0: any free)")
+    p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
+    p.add_argument("--max-waiting", type=int, default=server.DEFAULT_MAX_WAITING,
+                   help="requests without a first token before new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--grace-period", type=float, default=server.DEFAULT_GRACE_PERIOD_S,
+                   help="seconds in-flight calls get to finish on SIGTERM")
+    p.add_argument("--max-message-bytes", type=int, default=server.DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    for name in ENGINE_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="engine knob (overrides --config)")
+    p.add_argument("--no-precompile", action="store_true", help="compile step graphs on first use")
+    p.set_defaults(func=cmd_serve)
+
+
+def add_client_parser(sub) -> None:
+    p = sub.add_parser("client", help="stream a completion from a running `jaxserve serve`")
+    p.add_argument("--host", default=server.DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=server.DEFAULT_PORT)
+    p.add_argument("--tls-ca", default=None, help="PEM root certificate: connect with TLS")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_sampling_args(p)
+    p.add_argument("prompt", metavar="PROMPT")
+    p.set_defaults(func=cmd_client)
+
+
+def add_bench_parser(sub, with_commands: bool) -> None:
+    """The benchmarks package is imported only when `bench` is the command: the product CLI never needs it."""
+    bench = sub.add_parser("bench", help="benchmarks (results in benchmarks/results/)")
+    if not with_commands:
+        return
+    from benchmarks import sweep
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)   # sweep.invocation looks for it
+    p = bench_sub.add_parser("sweep", help="compile and time the jitted step of every bucket; weigh the bucket ladder",
+                             description=sweep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sweep.add_args(p)
+    p.set_defaults(func=sweep.cmd_sweep)
+
+
+def build_parser(with_bench_commands: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts (raw text, no chat template)")
@@ -94,14 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst")
     conv.add_argument("--dtype", choices=["f32", "bf16"], default=None)
     conv.set_defaults(func=cmd_convert)
-    serve_server.add_parser(sub)
-    serve_client.add_parser(sub)
-    bench_cli.add_parser(sub)
+    add_serve_parser(sub)
+    add_client_parser(sub)
+    add_bench_parser(sub, with_bench_commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(with_bench_commands=argv[:1] == ["bench"]).parse_args(argv)
     try:
         args.func(args)
     except (ModelLoadError, ValueError) as e:

@@ -1,7 +1,10 @@
-"""The command line as a user meets it: JSON output, orbax round trip, one clear line for every bad model."""
+"""The command line as a user meets it: JSON output, orbax round trip, one clear line for every bad model;
+and what it imports: no benchmarks unless `bench` runs, no cycle with the serving modules."""
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 
 PROMPT = "The capital of France is"
+SERVE_DIR = Path(__file__).resolve().parents[1] / "jaxserve" / "serve"
 
 
 def jaxserve(*args, timeout=600):
@@ -85,3 +89,38 @@ def test_chat_repl_answers_through_the_chat_template():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip(), "the assistant printed nothing"
+
+
+def modules_after_importing(*modules: str) -> set[str]:
+    """sys.modules of a fresh interpreter that imported `modules`."""
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print(*sys.modules, sep='\\n')"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return set(run.stdout.split())
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module a file imports anywhere (function bodies included), `from a import b` counted as a and a.b."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+    return names
+
+
+def test_cli_import_leaves_benchmarks_alone():
+    assert not {m for m in modules_after_importing("jaxserve.cli") if m.partition(".")[0] == "benchmarks"}
+
+
+def test_serve_modules_never_import_the_cli():
+    assert "jaxserve.cli" not in modules_after_importing("jaxserve.serve.server", "jaxserve.serve.client")
+    for path in SERVE_DIR.glob("*.py"):   # not even lazily, inside a function
+        assert "jaxserve.cli" not in imported_names(path), path
+
+
+def test_bench_subcommands_parse_on_demand():
+    top, sweep = jaxserve("--help", timeout=120), jaxserve("bench", "sweep", "--help", timeout=120)
+    assert top.returncode == 0 and "bench" in top.stdout, top.stderr
+    assert sweep.returncode == 0 and "--token-buckets" in sweep.stdout, sweep.stderr

@@ -1,2 +1,3 @@
-"""gRPC serving: `jaxserve serve` (server.py), its Python client and `jaxserve client` (client.py), Prometheus
-metrics (metrics.py) and the API (jaxserve.proto; regenerate the *_pb2* files with generate_proto.sh)."""
+"""gRPC serving: `jaxserve serve` — the service and server (server.py), the thread that owns the engine
+(engine_loop.py), protobuf <-> engine conversion (convert.py) — its Python client (client.py), Prometheus metrics
+(metrics.py) and the API (jaxserve.proto; regenerate the *_pb2* files with generate_proto.sh)."""

@@ -1,4 +1,4 @@
-"""The Python client of `jaxserve serve` (asyncio) and the `jaxserve client` command.
+"""The asyncio Python client of `jaxserve serve`, and print_completion behind `jaxserve client`.
 
     async with Client("127.0.0.1:50051") as client:
         async for response in client.generate("Once upon a time", SamplingParams(max_tokens=32)):
@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -92,31 +91,11 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-# ---- the command line ---------------------------------------------------------------------------------
-async def stream_to_stdout(args) -> None:
-    from jaxserve.cli import sampling_params
-    root = open(args.tls_ca, "rb").read() if args.tls_ca else None
-    async with Client(f"{args.host}:{args.port}", root_certificates=root) as client:
-        async for response in client.generate(args.prompt, sampling_params(args), timeout=args.timeout):
+async def print_completion(target: str, prompt: str, params: SamplingParams, *, root_certificates: bytes | None = None,
+                           timeout: float | None = None) -> None:
+    """Stream one completion's text to stdout as it arrives (`jaxserve client`)."""
+    async with Client(target, root_certificates=root_certificates) as client:
+        async for response in client.generate(prompt, params, timeout=timeout):
             for chunk in response.outputs:
                 print(chunk.text, end="", flush=True)
     print(flush=True)
-
-
-def cmd_client(args) -> None:
-    try:
-        asyncio.run(stream_to_stdout(args))
-    except grpc.aio.AioRpcError as e:
-        raise SystemExit(f"jaxserve client: error: {e.code().name}: {e.details()}") from None
-
-
-def add_parser(sub) -> None:
-    from jaxserve.cli import add_sampling_args
-    p = sub.add_parser("client", help="stream a completion from a running `jaxserve serve`")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--tls-ca", default=None, help="PEM root certificate: connect with TLS")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    add_sampling_args(p)
-    p.add_argument("prompt", metavar="PROMPT")
-    p.set_defaults(func=cmd_client)

@@ -1,0 +1,190 @@
+"""The engine thread of `jaxserve serve`.
+
+The engine is synchronous and not thread-safe, so one thread owns it (EngineLoop): it runs queued commands
+(add, abort, call), steps while there is work and hands each step's outputs to the event loop in one
+`call_soon_threadsafe`. gRPC handlers never touch the engine: they enqueue commands and await their request's
+asyncio queue. Outputs are cumulative, so a handler that falls behind sends only the newest (as a delta).
+A handler that ends before its request finished (client cancel, expired deadline, shutdown) aborts it; the
+abort runs before the next step, so the request's blocks are free within one engine step.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sequence import RequestOutput
+
+STOP = None   # the command that ends the engine thread
+
+
+class EngineFailed(Exception):
+    """The engine raised in a step: it serves nothing more (UNAVAILABLE)."""
+
+
+class Overloaded(Exception):
+    """Too many requests wait for their first token (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(slots=True)
+class Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or the exception ending it
+    started: bool = False     # has an output: no longer counts against max_waiting
+    finished: bool = False
+
+
+class EngineLoop:
+    """Owns the engine in one thread. Methods without a leading underscore run on the event loop."""
+
+    def __init__(self, engine: LLMEngine, max_waiting: int, on_failure: Callable):
+        self.engine, self.max_waiting, self.on_failure = engine, max_waiting, on_failure
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, Stream] = {}
+        self.num_pending = 0
+        self.failure: EngineFailed | None = None
+        self.steps = 0
+        self.snapshot = self._stats()
+        self._ids = itertools.count()
+        self.thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.thread.start()
+
+    async def stop(self) -> None:
+        self.commands.put(STOP)
+        await asyncio.to_thread(self.thread.join)
+
+    def open(self, prompt, params: SamplingParams, priority: int, cache_salt: str | None) -> tuple[str, Stream]:
+        if self.failure is not None:
+            raise self.failure
+        if self.num_pending >= self.max_waiting:
+            raise Overloaded(f"max_waiting={self.max_waiting} requests already wait for their first token; "
+                             "retry later")
+        request_id = str(next(self._ids))
+        self.streams[request_id] = stream = Stream()
+        self.num_pending += 1
+        self.commands.put(("add", request_id, prompt, params, priority, cache_salt))
+        return request_id, stream
+
+    def close(self, request_id: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.num_pending -= not stream.started
+        if not stream.finished:
+            self.commands.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Run fn(engine) on the engine thread between steps."""
+        if self.failure is not None:
+            raise self.failure
+        future = self.loop.create_future()
+        self.commands.put(("call", fn, future))
+        return await future
+
+    def stats(self) -> dict:
+        return {**self.snapshot, "pending": self.num_pending, "serving": self.failure is None}
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:       # its call already ended; the abort is queued
+                continue
+            if not stream.started:
+                stream.started = True
+                self.num_pending -= 1
+            stream.finished = out.finished
+            stream.queue.put_nowait(out)
+
+    def _deliver_error(self, request_id: str, error: Exception) -> None:
+        if (stream := self.streams.get(request_id)) is not None:
+            stream.queue.put_nowait(error)
+
+    async def _fail(self, error: EngineFailed) -> None:
+        self.failure = error
+        for stream in self.streams.values():
+            stream.queue.put_nowait(error)
+        await self.on_failure()
+
+    # ---- engine thread side -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._drain(block=not self.engine.has_unfinished_requests()):
+                outputs = self._step() if self.engine.has_unfinished_requests() else []
+                self.snapshot = self._stats()   # first: a client that saw these outputs sees these stats
+                if outputs:
+                    self.loop.call_soon_threadsafe(self._dispatch, outputs)
+        except Exception as e:
+            traceback.print_exc()
+            error = EngineFailed(f"engine failed: {type(e).__name__}: {e}")
+            asyncio.run_coroutine_threadsafe(self._fail(error), self.loop)
+            self._refuse_all(error)
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        self.steps += 1
+        return outputs
+
+    def _drain(self, block: bool) -> bool:
+        """Run the queued commands (waiting for one when idle); False once told to stop."""
+        try:
+            command = self.commands.get() if block else self.commands.get_nowait()
+            while command is not STOP:
+                self._execute(command)
+                command = self.commands.get_nowait()
+        except queue.Empty:
+            return True
+        return False
+
+    def _execute(self, command: tuple) -> None:
+        match command:
+            case ("add", request_id, prompt, params, priority, cache_salt):
+                try:
+                    self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
+                                            cache_salt=cache_salt)
+                except ValueError as e:   # bad input: the engine is unchanged
+                    self.loop.call_soon_threadsafe(self._deliver_error, request_id, e)
+            case ("abort", request_id):
+                self.engine.abort(request_id)
+            case ("call", fn, future):
+                try:
+                    result, error = fn(self.engine), None
+                except ValueError as e:
+                    result, error = None, e
+                self.loop.call_soon_threadsafe(settle, future, result, error)
+
+    def _refuse_all(self, error: EngineFailed) -> None:
+        """After a failure: answer every command with the error until told to stop, so no call hangs."""
+        while (command := self.commands.get()) is not STOP:
+            match command:
+                case ("add", request_id, *_):
+                    self.loop.call_soon_threadsafe(self._deliver_error, request_id, error)
+                case ("call", _, future):
+                    self.loop.call_soon_threadsafe(settle, future, None, error)
+
+    def _stats(self) -> dict:
+        s = self.engine.stats()
+        queries = s["prefix_cache_queries"]
+        return {**{k: s[k] for k in ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "kv_usage",
+                                     "prefix_cache_queries", "prefix_cache_hits", "preemptions",
+                                     "compiled_buckets")},
+                "kv_blocks_used": s["kv_blocks_total"] - s["kv_blocks_free"],
+                "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0,
+                "engine_steps": self.steps}
+
+
+def settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.done():            # its call was cancelled
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
