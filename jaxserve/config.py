@@ -36,6 +36,16 @@ class ModelConfig:
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unknown architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        for name in MODEL_SIZES:
+            _require_positive_int(name, getattr(self, name))
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.sliding_window is not None:
+            _require_positive_int("sliding_window", self.sliding_window)
+        if not all(map(_is_int, self.eos_token_ids)):
+            raise ValueError(f"eos_token_ids must be ints, got {list(self.eos_token_ids)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -47,6 +57,32 @@ class ModelConfig:
         return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size + head
 
 
+# The sizes a model is built from: each must be a positive int (ModelConfig names, then config.json names).
+MODEL_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+               "head_dim", "max_position_embeddings")
+HF_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+HF_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")   # null or absent: derived
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)   # JSON's true is no size
+
+
+def _require_positive_int(name: str, value) -> None:
+    if not (_is_int(value) and value > 0):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_hf_sizes(cfg) -> None:
+    """Checked under their config.json names, before head_dim is derived from them."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"must be a JSON object, got a {type(cfg).__name__}")
+    if missing := [name for name in HF_REQUIRED_SIZES if name not in cfg]:
+        raise ValueError(f"missing required field{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+    for name in HF_REQUIRED_SIZES + tuple(n for n in HF_OPTIONAL_SIZES if cfg.get(n) is not None):
+        _require_positive_int(name, cfg[name])
+
+
 def _eos_ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -54,7 +90,9 @@ def _eos_ids(value) -> tuple[int, ...]:
 
 
 def model_config_from_hf(cfg: dict) -> ModelConfig:
-    """Build a ModelConfig from a HF `config.json` dict (transformers 4.x and 5.x field names)."""
+    """Build a ModelConfig from a HF `config.json` dict (transformers 4.x and 5.x field names); a malformed
+    one is a ValueError naming the field."""
+    _check_hf_sizes(cfg)
     archs = cfg.get("architectures") or []
     arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), cfg.get("model_type"))
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -71,7 +109,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(rope_theta),
         rope_scaling=rope if rope_type == "llama3" else None,
-        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        max_position_embeddings=cfg.get("max_position_embeddings") or 8192,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), sliding_window=window,
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)), qk_norm=arch == "qwen3",
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos_ids(cfg.get("eos_token_id")))

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.errors import ModelLoadError
+from jaxserve.models.errors import ModelLoadError, blamed_on
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -52,16 +52,17 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     heads = p("attention.head_count")
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        arch=arch, vocab_size=p("vocab_size") or len(tokens.data),
-        hidden_size=p("embedding_length"), intermediate_size=p("feed_forward_length"),
-        num_layers=p("block_count"), num_heads=heads, num_kv_heads=p("attention.head_count_kv", heads),
-        head_dim=p("attention.key_length") or p("embedding_length") // heads,
-        rms_norm_eps=p("attention.layer_norm_rms_epsilon", 1e-5), rope_theta=p("rope.freq_base", 10000.0),
-        max_position_embeddings=p("context_length", 8192), tie_word_embeddings="output.weight" not in names,
-        sliding_window=p("attention.sliding_window"), attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),))
+    with blamed_on(path):   # ModelConfig names a bad size; head_dim is derived only if there are heads
+        return ModelConfig(
+            arch=arch, vocab_size=p("vocab_size") or len(tokens.data),
+            hidden_size=p("embedding_length"), intermediate_size=p("feed_forward_length"),
+            num_layers=p("block_count"), num_heads=heads, num_kv_heads=p("attention.head_count_kv", heads),
+            head_dim=p("attention.key_length") or (p("embedding_length") // heads if heads else None),
+            rms_norm_eps=p("attention.layer_norm_rms_epsilon", 1e-5), rope_theta=p("rope.freq_base", 10000.0),
+            max_position_embeddings=p("context_length", 8192), tie_word_embeddings="output.weight" not in names,
+            sliding_window=p("attention.sliding_window"), attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),))
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:

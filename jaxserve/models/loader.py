@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig, ModelConfig, RunConfig, load_run_config, model_config_from_hf
 from jaxserve.models import gguf
-from jaxserve.models.errors import ModelLoadError
+from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.llama import LlamaForCausalLM, abstract_model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -120,18 +120,28 @@ def load_gguf(path: Path, dtype) -> LoadedModel:
 
 
 def _safetensors(path: Path):
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
     for f in sorted(path.glob("*.safetensors")):
-        for name, w in load_file(f).items():
+        try:
+            tensors = load_file(f)
+        except SafetensorError as e:   # a corrupt header, or a file shorter than its header says
+            raise ModelLoadError(f, f"corrupt safetensors file ({e})") from e
+        for name, w in tensors.items():
             yield name, np.asarray(w, np.float32)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:   # ValueError: bad JSON or bad UTF-8
+        raise ModelLoadError(path, f"not a readable JSON file ({e})") from e
 
 
 def load_hf(path: Path, dtype) -> LoadedModel:
     from transformers import AutoTokenizer
-    try:
-        cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
-    except (KeyError, ValueError, json.JSONDecodeError) as e:
-        raise ModelLoadError(path / "config.json", f"unusable config ({type(e).__name__}: {e})") from e
+    with blamed_on(path / "config.json"):
+        cfg = model_config_from_hf(_read_json(path / "config.json"))
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(path, "no *.safetensors weights found")
     model = build_model(cfg, dtype, _safetensors(path), path)
@@ -142,16 +152,42 @@ def load_hf(path: Path, dtype) -> LoadedModel:
 def load_converted(path: Path, dtype) -> LoadedModel:
     import orbax.checkpoint as ocp
     from transformers import AutoTokenizer
-    meta = json.loads((path / CONVERTED_META).read_text())
-    cfg = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
+    meta = _read_json(path / CONVERTED_META)
+    with blamed_on(path / CONVERTED_META):
+        cfg = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
-    state = ocp.StandardCheckpointer().restore((path / "params").absolute(), abstract)
+    try:
+        state = ocp.StandardCheckpointer().restore((path / "params").absolute(), abstract)
+    except Exception as e:  # orbax passes on whatever its storage layer met: missing files, bad JSON, short reads
+        reason = str(e).partition("\n")[0]
+        raise ModelLoadError(path / "params", f"unreadable orbax checkpoint ({type(e).__name__}: {reason})") from e
     tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer") if (path / "tokenizer").exists() else None
     return LoadedModel(cfg, nnx.merge(graphdef, state), tokenizer, str(path))
 
 
+@jax.jit
+def _finite_flags(params: list[jax.Array]) -> jax.Array:
+    """Whether each tensor is all finite: one fused launch over the whole model."""
+    return jnp.stack([jnp.isfinite(x).all() for x in params])
+
+
+def check_finite(model: LlamaForCausalLM, source: Path) -> None:
+    """A corrupt file can hold NaN/Inf weights: refuse them at load rather than generate garbage."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    finite = np.asarray(_finite_flags([var.get_value() for _, var in flat]))   # the one host sync
+    if not finite.all():
+        name = ".".join(map(str, flat[int(np.argmin(finite))][0]))
+        raise ModelLoadError(source, f"tensor {name} holds NaN or Inf values (a corrupt file?)")
+
+
 def load_model(name_or_path: str | None = None, dtype=None) -> LoadedModel:
     path, dtype = resolve_model_path(name_or_path), parse_dtype(dtype)
+    loaded = _load_path(path, dtype)
+    check_finite(loaded.model, path)
+    return loaded
+
+
+def _load_path(path: Path, dtype) -> LoadedModel:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(path, "unknown model file type (expected a .gguf file or a directory)")
