@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, load_run_config
 from jaxserve.engine.llm import LLM
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.errors import ModelLoadError
@@ -19,7 +19,8 @@ from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_
 from jaxserve.serve import server
 from jaxserve.serve.client import print_completion
 
-ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "min_prefill_chunk", "num_blocks")
+ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "min_prefill_chunk", "num_blocks",
+                "max_queued_requests", "max_queued_tokens")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -81,27 +82,37 @@ def cmd_convert(args) -> None:
     print(f"saved {args.src} -> {dst}", file=sys.stderr)
 
 
-def load_served_model(args) -> tuple[LoadedModel, EngineConfig, str]:
-    """The model and engine config from --model / --config (whose `model: random` builds random weights)
-    with the engine flags on top."""
-    loaded, engine = load_run(args.model, args.config, args.dtype)
-    name = loaded.source if args.config else args.model
+def served_engine_config(args) -> EngineConfig:
+    """--config's engine section (or the defaults) with the engine flags on top, checked whole."""
     knobs = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     if args.no_precompile:
         knobs["precompile"] = False
-    return loaded, replace(engine, **knobs), name
+    return replace(load_run_config(args.config).engine if args.config else EngineConfig(), **knobs)
+
+
+def load_served_model(args) -> tuple[LoadedModel, str]:
+    """The model of --model / --config (whose `model: random` builds random weights) and its served name."""
+    loaded, _ = load_run(args.model, args.config, args.dtype)
+    return loaded, loaded.source if args.config else args.model
 
 
 def serve_options(args) -> server.ServeOptions:
     return server.ServeOptions(host=args.host, port=args.port,
                                metrics_port=None if args.no_metrics else args.metrics_port,
                                max_waiting=args.max_waiting, grace_period_s=args.grace_period,
-                               max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                               max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                               scheduling_policy=args.scheduling_policy, reflection=not args.no_reflection)
 
 
 def cmd_serve(args) -> None:
-    opts = serve_options(args)   # bad flags fail before the model loads
-    server.serve(opts, *load_served_model(args))
+    """Every flag, the config, the TLS files and the ports are checked before the model loads (minutes on a
+    large model); an engine failure while serving exits 1, so a supervisor restarts the server."""
+    opts, cfg = serve_options(args), served_engine_config(args)
+    opts.read_tls()
+    opts.check_bindable()
+    loaded, name = load_served_model(args)
+    if code := server.serve(opts, loaded, cfg, name):
+        raise SystemExit(code)
 
 
 def cmd_client(args) -> None:
@@ -128,6 +139,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-message-bytes", type=int, default=server.DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--scheduling-policy", choices=server.SCHEDULING_POLICIES, default="fcfs",
+                   help="priority: requests' priority field orders the queue (fcfs refuses a nonzero priority)")
+    p.add_argument("--no-reflection", action="store_true", help="turn the gRPC reflection service off")
     for name in ENGINE_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="engine knob (overrides --config)")
     p.add_argument("--no-precompile", action="store_true", help="compile step graphs on first use")

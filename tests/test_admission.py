@@ -48,6 +48,19 @@ def test_out_of_range_values_are_refused_and_the_engine_keeps_serving(llm, param
     serve_one(llm.engine)
 
 
+def test_a_huge_cache_salt_is_refused(llm):
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.engine.add_request([1, 2, 3], GREEDY, cache_salt="s" * 1_000_000)
+
+
+def test_stop_ids_never_change_the_compiled_shape(llm):
+    """The suppressed-ids tensor has one width whatever a request asks: no graph compiles for a long list."""
+    from jaxserve.engine.sampler import make_sampling_tensors
+    widths = {make_sampling_tensors([SamplingParams(min_tokens=4, stop_token_ids=list(range(n)))], [0], [0],
+                                    num_rows=1, eos_token_ids=[0, 1, 2]).suppress_ids.shape for n in (0, 5, 16)}
+    assert len(widths) == 1
+
+
 def test_error_messages_stay_short_whatever_was_sent():
     with pytest.raises(ValueError) as err:
         SamplingParams(stop=["ok", 7] * 50_000)

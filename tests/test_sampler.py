@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from jaxserve.engine.sampler import (SamplingTensors, apply_penalties, filter_min_p, filter_top_k_top_p,
+from jaxserve.engine.sampler import (SUPPRESS_WIDTH, SamplingTensors, apply_penalties, filter_min_p, filter_top_k_top_p,
                                      init_penalty_state, make_sampling_tensors, mode_for, reset_slots, sample)
 from jaxserve.engine.sampling_params import SamplingParams
 
@@ -269,7 +269,7 @@ def test_make_sampling_tensors_pads_and_splits_seeds():
     assert isinstance(t, SamplingTensors)
     assert t.seed.dtype == np.uint32 and t.seed.tolist() == [[256, 3], [2**32 - 1, 2**32 - 1], [0, 0], [0, 0]]
     assert t.temperature.tolist() == [1.0, 1.0, 0.0, 0.0] and t.top_k.tolist() == [5, 0, 0, 0]
-    assert t.suppress_ids.shape == (4, 16)  # 10 ids -> next power of two
+    assert t.suppress_ids.shape == (4, SUPPRESS_WIDTH)  # fixed: no request's stop ids compile a new graph
     assert t.suppress_ids[0, :10].tolist() == [2] + list(range(10, 19)) and (t.suppress_ids[1:] == -1).all()
     with pytest.raises(ValueError, match="num_rows"):
         make_sampling_tensors(params, [1], [0, 0], num_rows=4)

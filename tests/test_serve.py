@@ -8,8 +8,10 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from jaxserve.client import Client
 from jaxserve.serve import jaxserve_pb2 as pb
-from jaxserve.serve.server import SERVICE_NAME, ServeOptions, Server
+from jaxserve.serve.server import SERVICE_NAME, ServeOptions, Server, serve_until_signal, stop_then_force
 
 REPO = Path(__file__).resolve().parents[1]
 KNOBS = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=128, num_blocks=256)
@@ -336,8 +338,7 @@ def test_prometheus_metrics(server):
 
 
 def test_reflection_lists_the_services(server):
-    with grpc.insecure_channel(server.wait_ready()) as channel:
-        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    services = list_services(server.wait_ready())
     assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
 
 
@@ -353,10 +354,31 @@ def test_cli_client_streams_the_offline_text(server, reference):
     assert out.stdout == reference[0].outputs[0].text + "\n"
 
 
+@pytest.mark.parametrize("flags, match", [
+    (["--port", "BUSY"], r"--port \d+ on --host 127.0.0.1: cannot bind"),
+    (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"], "--tls-key /nonexistent"),
+    (["--host", "192.0.2.1"], "--port 0 on --host 192.0.2.1: cannot bind"),   # TEST-NET: never this machine's
+    (["--max-num-seqs", "0"], "max_num_seqs must be a positive int"),
+    (["--config", "/nonexistent.yaml"], "cannot read"),
+], ids=["port-in-use", "tls-file", "host", "engine-knob", "config"])
+def test_serve_refuses_bad_flags_in_one_line_before_loading_the_model(flags, match):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        flags = [str(busy.getsockname()[1]) if f == "BUSY" else f for f in flags]
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics", *flags]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxserve serve: error:") and re.search(match, lines[0]), lines
+    assert "loading weights" not in out.stderr
+
+
 # ---- in-process servers over a fresh engine (no compile needed: nothing here runs a step) ----------------
 @contextlib.asynccontextmanager
-async def in_process(smollm, **opts):
-    server = Server(LLMEngine(smollm, EngineConfig(precompile=False, **KNOBS)),
+async def in_process(smollm, engine_knobs=None, **opts):
+    server = Server(LLMEngine(smollm, EngineConfig(precompile=False, **{**KNOBS, **(engine_knobs or {})})),
                     ServeOptions(port=0, metrics_port=None, grace_period_s=1.0, **opts), "smollm2")
     await server.start()
     try:
@@ -400,16 +422,101 @@ def test_engine_failure_is_unavailable_and_not_serving(smollm):
                 healthy = await c.health()
                 errors = []
                 for call in (c.complete("Hello", SamplingParams(max_tokens=4)),   # hits the failing step
-                             collect(c.generate("Hello again")), c.tokenize("Hi")):   # after it
+                             collect(c.generate("Hello again")), c.complete([1, 2, 3])):   # after it
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await asyncio.wait_for(call, 30)
                     errors.append(err.value)
-                return healthy, errors, await c.health(), await c.health(SERVICE_NAME), await c.server_stats()
+                return (healthy, errors, await c.health(), await c.health(SERVICE_NAME), await c.server_stats(),
+                        server.failed.is_set())
 
-    healthy, errors, health, service_health, stats = asyncio.run(scenario())
+    healthy, errors, health, service_health, stats, failed = asyncio.run(scenario())
     assert healthy == "SERVING"
     assert all(e.code() == grpc.StatusCode.UNAVAILABLE and "injected device failure" in e.details() for e in errors)
-    assert (health, service_health, stats.serving) == ("NOT_SERVING", "NOT_SERVING", False)
+    assert (health, service_health, stats.serving, failed) == ("NOT_SERVING", "NOT_SERVING", False, True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_engine_failure_ends_serving_with_exit_code_1(smollm):
+    """A supervisor restarts what exits non-zero: a failed engine must not leave a live, useless server."""
+    async def scenario():
+        engine, port = LLMEngine(smollm, EngineConfig(precompile=False, **KNOBS)), free_port()
+        engine.step = lambda: (_ for _ in ()).throw(RuntimeError("injected device failure"))
+        serving = asyncio.create_task(serve_until_signal(
+            engine, ServeOptions(port=port, metrics_port=None, grace_period_s=1.0), "smollm2"))
+        async with Client(f"127.0.0.1:{port}") as c:
+            await asyncio.wait_for(c.channel.channel_ready(), 30)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await asyncio.wait_for(c.complete([1, 2, 3]), 30)
+        return await asyncio.wait_for(serving, 30)
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_a_second_signal_exits_without_draining(monkeypatch):
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop = asyncio.Event()
+    stop_then_force(stop)
+    assert stop.is_set() and exits == []
+    stop_then_force(stop)
+    assert exits == [130]
+
+
+def test_refusals_get_their_status_and_nothing_reaches_the_engine_thread(smollm):
+    """Can never fit: RESOURCE_EXHAUSTED; a priority under fcfs, an oversized or undecodable request:
+    INVALID_ARGUMENT; tokenization runs on the tokenizer thread, never the engine's."""
+    threads = []
+
+    async def scenario():
+        async with in_process(smollm, engine_knobs=dict(num_blocks=24)) as server:
+            tokenize = server.servicer.engine.tokenize
+            server.servicer.engine.tokenize = lambda *a: threads.append(threading.current_thread().name) or \
+                tokenize(*a)
+            target, codes = f"127.0.0.1:{server.port}", {}
+            async with Client(target) as c:
+                for name, call in (
+                        ("never fits", c.complete(list(range(1, 300)), SamplingParams(max_tokens=200))),
+                        ("priority", c.complete("Hi", priority=5)),
+                        ("too many bytes", c.complete("word " * 200_000)),
+                        ("tokenize", c.tokenize("word " * 200_000))):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await asyncio.wait_for(call, 30)
+                    codes[name] = (err.value.code(), err.value.details())
+            async with grpc.aio.insecure_channel(target) as channel:
+                raw = channel.unary_unary(f"/{SERVICE_NAME}/Complete")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await raw(b"\xff\xff\xff")
+                codes["undecodable"] = (err.value.code(), err.value.details())
+            return codes, server.engine_loop.stats()
+
+    codes, stats = asyncio.run(scenario())
+    assert codes["never fits"][0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_tokens" in codes["never fits"][1]
+    assert codes["priority"][0] == grpc.StatusCode.INVALID_ARGUMENT and "priority" in codes["priority"][1]
+    for name in ("too many bytes", "tokenize"):
+        assert codes[name][0] == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in codes[name][1]
+    assert codes["undecodable"][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert threads and all(t.startswith("jaxserve-tokenizer") for t in threads)
+    assert stats["waiting"] == stats["running"] == 0 and stats["serving"]
+
+
+def list_services(target: str) -> set[str]:
+    with grpc.insecure_channel(target) as channel:
+        return set(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+
+def test_reflection_can_be_turned_off(smollm):
+    async def scenario():
+        async with in_process(smollm, reflection=False) as server:
+            return await asyncio.to_thread(list_services, f"127.0.0.1:{server.port}")
+
+    with pytest.raises(grpc.RpcError) as err:
+        asyncio.run(scenario())
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 # ---- last: stops the shared server ---------------------------------------------------------------------

@@ -21,6 +21,9 @@ from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence,
                                       stable_seed)
 from jaxserve.models.loader import LoadedModel
 
+MAX_PROMPT_BYTES_PER_TOKEN = 128   # a prompt of more bytes than max_model_len tokens could hold is refused untokenized
+MAX_CACHE_SALT_CHARS = 256         # the salt is hashed into every block hash of the request
+
 
 class AdmissionError(ValueError):
     """A well-formed request the engine cannot take: it can never fit the KV pool, or the queue is full.
@@ -79,13 +82,18 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
-        """Queue a request; bad input raises ValueError naming the field and changes nothing."""
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        """Queue a request; bad input raises ValueError naming the field (AdmissionError: well-formed but not
+        admitted) and changes nothing. `prompt_token_ids`: the text prompt already tokenized (servers tokenize
+        off the engine's thread)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
+        text, ids = self._prompt(prompt, prompt_token_ids)
         self._check_request(ids, params)
+        if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt):,}")
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -103,11 +111,20 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of text; thread-safe (no engine state). Text longer than max_model_len tokens could be is
+        refused before the tokenizer spends time on it."""
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        limit = self.cfg.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
+        if len(text) > limit or len(text.encode()) > limit:
+            raise ValueError(f"prompt: {len(text.encode()):,} bytes cannot fit max_model_len="
+                             f"{self.cfg.max_model_len} tokens (at most {limit:,} bytes)")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def _prompt(self, prompt, token_ids) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            return prompt, self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return prompt, self.tokenize(prompt) if token_ids is None else self._prompt(token_ids, None)[1]
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")

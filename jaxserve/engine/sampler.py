@@ -21,9 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from jaxserve.engine.sampling_params import GREEDY_TEMPERATURE, MAX_STOP_TOKEN_IDS, SamplingParams
 
-SUPPRESS_WIDTH = 8  # least width of `suppress_ids`; wider only as powers of two, to bound recompiles
+# Width of `suppress_ids`, fixed so that no request's stop ids compile a new graph: the EOS ids (a few per model)
+# and at most MAX_STOP_TOKEN_IDS stop ids.
+SUPPRESS_WIDTH = 2 * MAX_STOP_TOKEN_IDS
 NEG_INF = float("-inf")
 
 
@@ -209,9 +211,9 @@ def pad_column(params: Sequence[SamplingParams], name: str, fill, dtype, *, num_
 
 
 def pad_suppressed(suppressed: list[list[int]], num_rows: int) -> np.ndarray:
-    longest = max(map(len, suppressed), default=0)
-    width = max(SUPPRESS_WIDTH, 1 << max(longest - 1, 0).bit_length())
-    ids = np.full((num_rows, width), -1, np.int32)
+    if (longest := max(map(len, suppressed), default=0)) > SUPPRESS_WIDTH:
+        raise ValueError(f"{longest} EOS and stop ids to suppress; at most {SUPPRESS_WIDTH}")
+    ids = np.full((num_rows, SUPPRESS_WIDTH), -1, np.int32)
     for row, row_ids in enumerate(suppressed):
         ids[row, : len(row_ids)] = row_ids
     return ids

@@ -72,12 +72,6 @@ def prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprobs]:
     return [token_logprobs(t, lp) for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
 
 
-def tokenize(engine: LLMEngine, text: str, add_special_tokens: bool) -> list[int]:
-    if engine.tokenizer is None:
-        raise ValueError("text: this model has no tokenizer")
-    return engine.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-
-
 def detokenize(engine: LLMEngine, ids: list[int], skip_special_tokens: bool) -> str:
     vocab = engine.loaded.config.vocab_size
     if engine.tokenizer is None:

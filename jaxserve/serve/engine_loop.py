@@ -1,7 +1,7 @@
 """The engine thread of `jaxserve serve`.
 
 The engine is synchronous and not thread-safe, so one thread owns it (EngineLoop): it runs queued commands
-(add, abort, call), steps while there is work and hands each step's outputs to the event loop in one
+(add, abort), steps while there is work and hands each step's outputs to the event loop in one
 `call_soon_threadsafe`. gRPC handlers never touch the engine: they enqueue commands and await their request's
 asyncio queue. Outputs are cumulative, so a handler that falls behind sends only the newest (as a delta).
 A handler that ends before its request finished (client cancel, expired deadline, shutdown) aborts it; the
@@ -62,7 +62,9 @@ class EngineLoop:
         self.commands.put(STOP)
         await asyncio.to_thread(self.thread.join)
 
-    def open(self, prompt, params: SamplingParams, priority: int, cache_salt: str | None) -> tuple[str, Stream]:
+    def open(self, prompt, token_ids: list[int] | None, params: SamplingParams, priority: int,
+             cache_salt: str | None) -> tuple[str, Stream]:
+        """Queue a request (token_ids: a text prompt's, already tokenized) and the stream its outputs come on."""
         if self.failure is not None:
             raise self.failure
         if self.num_pending >= self.max_waiting:
@@ -71,7 +73,7 @@ class EngineLoop:
         request_id = str(next(self._ids))
         self.streams[request_id] = stream = Stream()
         self.num_pending += 1
-        self.commands.put(("add", request_id, prompt, params, priority, cache_salt))
+        self.commands.put(("add", request_id, prompt, token_ids, params, priority, cache_salt))
         return request_id, stream
 
     def close(self, request_id: str) -> None:
@@ -81,14 +83,6 @@ class EngineLoop:
         self.num_pending -= not stream.started
         if not stream.finished:
             self.commands.put(("abort", request_id))
-
-    async def call(self, fn: Callable[[LLMEngine], object]):
-        """Run fn(engine) on the engine thread between steps."""
-        if self.failure is not None:
-            raise self.failure
-        future = self.loop.create_future()
-        self.commands.put(("call", fn, future))
-        return await future
 
     def stats(self) -> dict:
         return {**self.snapshot, "pending": self.num_pending, "serving": self.failure is None}
@@ -146,29 +140,20 @@ class EngineLoop:
 
     def _execute(self, command: tuple) -> None:
         match command:
-            case ("add", request_id, prompt, params, priority, cache_salt):
+            case ("add", request_id, prompt, token_ids, params, priority, cache_salt):
                 try:
                     self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
-                                            cache_salt=cache_salt)
+                                            cache_salt=cache_salt, prompt_token_ids=token_ids)
                 except ValueError as e:   # bad input: the engine is unchanged
                     self.loop.call_soon_threadsafe(self._deliver_error, request_id, e)
             case ("abort", request_id):
                 self.engine.abort(request_id)
-            case ("call", fn, future):
-                try:
-                    result, error = fn(self.engine), None
-                except ValueError as e:
-                    result, error = None, e
-                self.loop.call_soon_threadsafe(settle, future, result, error)
 
     def _refuse_all(self, error: EngineFailed) -> None:
         """After a failure: answer every command with the error until told to stop, so no call hangs."""
         while (command := self.commands.get()) is not STOP:
-            match command:
-                case ("add", request_id, *_):
-                    self.loop.call_soon_threadsafe(self._deliver_error, request_id, error)
-                case ("call", _, future):
-                    self.loop.call_soon_threadsafe(settle, future, None, error)
+            if command[0] == "add":
+                self.loop.call_soon_threadsafe(self._deliver_error, command[1], error)
 
     def _stats(self) -> dict:
         s = self.engine.stats()
@@ -180,11 +165,3 @@ class EngineLoop:
                 "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0,
                 "engine_steps": self.steps}
 
-
-def settle(future: asyncio.Future, result, error: Exception | None) -> None:
-    if future.done():            # its call was cancelled
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)

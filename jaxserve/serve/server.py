@@ -1,26 +1,32 @@
 """`jaxserve serve`: a grpc.aio server (with health, reflection and Prometheus metrics) over one LLMEngine,
-driven through its engine thread (engine_loop.py)."""
+driven through its engine thread (engine_loop.py). Tokenization runs on a thread of its own, so a long prompt
+never stalls the engine's steps; an engine failure turns health NOT_SERVING and the process exits 1."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.llm_engine import AdmissionError, LLMEngine
 from jaxserve.engine.sequence import RequestOutput
 from jaxserve.models.loader import LoadedModel
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serve.convert import (delta_response, detokenize, full_response, model_info, request_prompt,
-                                    sampling_params, tokenize)
+                                    sampling_params)
 from jaxserve.serve.engine_loop import EngineFailed, EngineLoop, Overloaded
 from jaxserve.serve.metrics import RequestTimer, ServerMetrics
 
@@ -32,8 +38,11 @@ DEFAULT_GRACE_PERIOD_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a 128k-token prompt as int64 ids is ~1 MiB
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 
-# error -> (status of the call, outcome in the requests metric)
-ERRORS = ((ValueError, grpc.StatusCode.INVALID_ARGUMENT, "invalid"),
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+# error -> (status of the call, outcome in the requests metric); the first that matches
+ERRORS = ((AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected"),
+          (ValueError, grpc.StatusCode.INVALID_ARGUMENT, "invalid"),
           (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected"),
           (EngineFailed, grpc.StatusCode.UNAVAILABLE, "failed"))
 
@@ -48,6 +57,8 @@ class ServeOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tls_cert: str | None = None                         # PEM files; both or neither
     tls_key: str | None = None
+    scheduling_policy: str = "fcfs"                     # "priority": requests' priority orders the queue
+    reflection: bool = True
 
     def __post_init__(self):
         for name in ("port", "metrics_port"):
@@ -62,12 +73,44 @@ class ServeOptions:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key: give both or neither")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+
+    def read_tls(self) -> tuple[bytes, bytes] | None:
+        """(key, certificate chain) PEM bytes, or None without TLS; a missing or non-PEM file is a ValueError."""
+        if self.tls_cert is None:
+            return None
+        pems = []
+        for flag, path in (("--tls-key", self.tls_key), ("--tls-cert", self.tls_cert)):
+            try:
+                data = open(path, "rb").read()
+            except OSError as e:
+                raise ValueError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+            if b"-----BEGIN" not in data:
+                raise ValueError(f"{flag} {path}: not a PEM file")
+            pems.append(data)
+        return pems[0], pems[1]
+
+    def check_bindable(self) -> None:
+        """Before the model loads: the host resolves and the ports are free (a ValueError naming which)."""
+        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
+            if port is None:
+                continue
+            try:
+                family = socket.getaddrinfo(self.host, port, type=socket.SOCK_STREAM)[0][0]
+                with socket.socket(family, socket.SOCK_STREAM) as s:
+                    s.bind((self.host, port))
+            except OSError as e:
+                raise ValueError(f"{flag} {port} on --host {self.host}: cannot bind ({e.strerror or e})") from None
 
 
 # ---- the service --------------------------------------------------------------------------------------
 class JaxServeServicer(pb_grpc.JaxServeServicer):
-    def __init__(self, engine_loop: EngineLoop, info: pb.ModelInfoResponse, metrics: ServerMetrics):
-        self.engine_loop, self.info, self.metrics = engine_loop, info, metrics
+    def __init__(self, engine_loop: EngineLoop, info: pb.ModelInfoResponse, metrics: ServerMetrics,
+                 opts: ServeOptions):
+        self.engine_loop, self.info, self.metrics, self.opts = engine_loop, info, metrics, opts
+        self.engine = engine_loop.engine   # only its thread-safe tokenize / tokenizer, on the tokenizer thread
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
 
     async def Generate(self, request, context):
         sent: dict[int, tuple[int, int, bool]] = {}
@@ -82,12 +125,12 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return full_response(last)
 
     async def Tokenize(self, request, context):
-        ids = await self._call(context, lambda e: tokenize(e, request.text, request.add_special_tokens))
+        ids = await self._off_engine(context, self.engine.tokenize, request.text, request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(self, request, context):
-        ids = list(request.token_ids)
-        text = await self._call(context, lambda e: detokenize(e, ids, request.skip_special_tokens))
+        text = await self._off_engine(context, detokenize, self.engine, list(request.token_ids),
+                                      request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(self, request, context):
@@ -101,8 +144,12 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         timer = RequestTimer(self.metrics)
         try:
             prompt, params = request_prompt(request), sampling_params(request.sampling)
+            if request.priority and self.opts.scheduling_policy == "fcfs":
+                raise ValueError("priority: this server serves first come, first served (start it with "
+                                 "--scheduling-policy priority to honour priorities)")
+            ids = await self._tokenized(prompt)
             cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-            request_id, stream = self.engine_loop.open(prompt, params, request.priority, cache_salt)
+            request_id, stream = self.engine_loop.open(prompt, ids, params, request.priority, cache_salt)
         except (ValueError, Overloaded, EngineFailed) as e:
             timer.finish(classify(e)[1])
             await abort(context, e)
@@ -124,10 +171,16 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             timer.finish(outcome, len(out.prompt_token_ids) if done else 0,
                          sum(len(c.token_ids) for c in out.outputs) if done else 0)
 
-    async def _call(self, context, fn):
+    async def _tokenized(self, prompt) -> list[int] | None:
+        """A text prompt's ids, tokenized on the tokenizer thread; None for a token-id prompt."""
+        if not isinstance(prompt, str):
+            return None
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, self.engine.tokenize, prompt)
+
+    async def _off_engine(self, context, fn, *args):
         try:
-            return await self.engine_loop.call(fn)
-        except (ValueError, EngineFailed) as e:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+        except ValueError as e:
             await abort(context, e)
 
 
@@ -149,20 +202,23 @@ class Server:
     def __init__(self, engine: LLMEngine, opts: ServeOptions, model_name: str):
         self.opts = opts
         self.health = health.aio.HealthServicer()
-        self.engine_loop = EngineLoop(engine, opts.max_waiting, self._set_not_serving)
+        self.engine_loop = EngineLoop(engine, opts.max_waiting, self._on_engine_failure)
         self.metrics = ServerMetrics(self.engine_loop.stats)
-        self.servicer = JaxServeServicer(self.engine_loop, model_info(engine, model_name), self.metrics)
+        self.servicer = JaxServeServicer(self.engine_loop, model_info(engine, model_name), self.metrics, opts)
         self.grpc: grpc.aio.Server | None = None
         self.port = self.metrics_port = None
+        self.failed = asyncio.Event()   # the engine failed: the process should exit non-zero
 
     async def start(self) -> None:
         opts = self.opts
         self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", opts.max_message_bytes),
                                              ("grpc.max_send_message_length", opts.max_message_bytes),
                                              ("grpc.so_reuseport", 0)])
-        pb_grpc.add_JaxServeServicer_to_server(self.servicer, self.grpc)
+        add_servicer(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        if opts.reflection:
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                                self.grpc)
         self.port = self._bind(address(opts.host, opts.port))
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -172,10 +228,10 @@ class Server:
             self.metrics_port = self.metrics.serve_http(opts.host, opts.metrics_port)
 
     def _bind(self, addr: str) -> int:
-        if self.opts.tls_cert is None:
+        tls = self.opts.read_tls()
+        if tls is None:
             return self.grpc.add_insecure_port(addr)
-        with open(self.opts.tls_key, "rb") as key, open(self.opts.tls_cert, "rb") as cert:
-            return self.grpc.add_secure_port(addr, grpc.ssl_server_credentials([(key.read(), cert.read())]))
+        return self.grpc.add_secure_port(addr, grpc.ssl_server_credentials([tls]))
 
     async def stop(self) -> None:
         """Drain: health NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period
@@ -184,27 +240,95 @@ class Server:
         await self.grpc.stop(self.opts.grace_period_s)
         await self.engine_loop.stop()
         self.metrics.shutdown()
+        self.servicer.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
-    async def _set_not_serving(self) -> None:
+    async def _on_engine_failure(self) -> None:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.failed.set()
 
 
-async def serve_until_signal(engine: LLMEngine, opts: ServeOptions, model_name: str) -> None:
+class Undecodable:
+    """What a request that is not a valid protobuf message of its type deserializes to."""
+
+    def __init__(self, error: DecodeError):
+        self.error = error
+
+
+def add_servicer(servicer: JaxServeServicer, grpc_server) -> None:
+    """The generated registration, but an undecodable request gets INVALID_ARGUMENT (grpc's own deserializer
+    failure is an opaque UNKNOWN)."""
+    handlers = {}
+    pb_grpc.add_JaxServeServicer_to_server(servicer, Registrar(handlers))
+    handlers = {name: refuse_undecodable(h) for name, h in handlers.items()}
+    grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    grpc_server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class Registrar:
+    """Collects the method handlers that the generated code registers."""
+
+    def __init__(self, handlers: dict):
+        self.handlers = handlers
+
+    def add_generic_rpc_handlers(self, _):
+        pass
+
+    def add_registered_method_handlers(self, _, handlers):
+        self.handlers.update(handlers)
+
+
+def refuse_undecodable(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def deserialize(data: bytes):
+        try:
+            return handler.request_deserializer(data)
+        except DecodeError as e:
+            return Undecodable(e)
+
+    async def check(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message ({request.error})")
+
+    if handler.unary_stream is not None:
+        async def unary_stream(request, context):
+            await check(request, context)
+            async for response in handler.unary_stream(request, context):
+                yield response
+        return handler._replace(request_deserializer=deserialize, unary_stream=unary_stream)
+
+    async def unary_unary(request, context):
+        await check(request, context)
+        return await handler.unary_unary(request, context)
+    return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
+
+
+async def serve_until_signal(engine: LLMEngine, opts: ServeOptions, model_name: str) -> int:
+    """Serve until SIGTERM/SIGINT (a second one exits at once) or an engine failure; the exit code."""
     server = Server(engine, opts, model_name)
     await server.start()
-    stop = asyncio.Event()
+    stop, loop = asyncio.Event(), asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_then_force, stop)
     metrics = f" metrics=http://{address(opts.host, server.metrics_port)}/metrics" if server.metrics_port else ""
     print(f"jaxserve serve: ready grpc={address(opts.host, server.port)}{metrics}", file=sys.stderr, flush=True)
-    await stop.wait()
+    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if server.failed.is_set():
+        print(f"jaxserve serve: {server.engine_loop.failure}; stopping (exit 1)", file=sys.stderr, flush=True)
     print(f"jaxserve serve: draining (grace {opts.grace_period_s:g} s)", file=sys.stderr, flush=True)
     await server.stop()
     print("jaxserve serve: stopped", file=sys.stderr, flush=True)
+    return 1 if server.failed.is_set() else 0
 
 
+def stop_then_force(stop: asyncio.Event) -> None:
+    """First signal: drain. Second: exit now (the drain may wait on a stuck device)."""
+    if stop.is_set():
+        print("jaxserve serve: second signal, exiting without draining", file=sys.stderr, flush=True)
+        os._exit(130)
+    stop.set()
 
-def serve(opts: ServeOptions, loaded: LoadedModel, cfg: EngineConfig, model_name: str) -> None:
-    """Serve until SIGTERM or SIGINT, then drain."""
-    asyncio.run(serve_until_signal(LLMEngine(loaded, cfg), opts, model_name))
+
+def serve(opts: ServeOptions, loaded: LoadedModel, cfg: EngineConfig, model_name: str) -> int:
+    """Serve until SIGTERM or SIGINT, then drain; 1 if the engine failed."""
+    return asyncio.run(serve_until_signal(LLMEngine(loaded, cfg), opts, model_name))
