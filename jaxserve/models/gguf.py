@@ -1,5 +1,7 @@
-"""GGUF files: config, tokenizer and chat template from the metadata; tensors dequantized with the `gguf`
-package (the llama.cpp project's own reader) and renamed to HF names, so one weight mapping serves both."""
+"""GGUF files: config, tokenizer and chat template from the metadata; tensors read (memory-mapped) and
+dequantized by the `gguf` package, the llama.cpp project's own reader, so every type it dequantizes loads:
+F32, F16, BF16, Q4_0..Q8_0, the K-quants Q2_K..Q6_K that Q4_K_M-style files mix, IQ*, TQ*, MXFP4. Tensors are
+renamed to HF names, so one weight mapping serves both formats."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +11,6 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.models.errors import ModelLoadError, blamed_on
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 TENSOR_NAMES = {  # GGUF per-layer suffix -> HF name
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -80,19 +81,25 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def gguf_tensors(reader, cfg: ModelConfig, path: Path):
-    """Yield (hf_name, float32 array in HF layout) for every tensor, dequantizing as it goes."""
+def _dequantized(tensor, path: Path) -> np.ndarray:
+    """A GGUF tensor as float32 in row-major (HF) order."""
     import gguf
+    try:
+        with np.errstate(invalid="ignore", over="ignore"):   # check_finite names a NaN/Inf tensor once, later
+            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:   # how gguf.quants refuses a type (integer tensors, types newer than it)
+        raise ModelLoadError(path, f"tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, "
+                                   "which the gguf package cannot dequantize") from None
+    return np.asarray(w, np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+
+
+def gguf_tensors(reader, cfg: ModelConfig, path: Path):
+    """Yield (hf_name, float32 array in HF layout) for every tensor the model uses, dequantizing as it goes."""
     for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_TYPES:
-            raise ModelLoadError(path, f"tensor {t.name} has unsupported GGUF type {kind}; "
-                                       f"supported: {', '.join(SUPPORTED_TYPES)}")
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        w = np.asarray(w, np.float32)
+        w = _dequantized(t, path)
         if cfg.arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute_rope(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         yield name, w
