@@ -149,23 +149,20 @@ def sweep_runner(loaded, cfg: EngineConfig, cases: list[SweepCase]) -> ModelRunn
     return ModelRunner(loaded, dataclasses.replace(cfg, num_blocks=max(num_blocks, 2), precompile=False))
 
 
-def compile_step(runner: ModelRunner, inp: StepInputs):
-    """AOT-compile the runner's jitted step for inp's variant (bucket, decode-only or not, greedy sampler as the
-    sweep's requests): (executable, seconds, temp bytes, code bytes)."""
+def compile_step(runner: ModelRunner, inp: StepInputs) -> tuple[float, int, int]:
+    """AOT-compile the runner's graphs of inp's step (the model for its bucket, decode-only or not; the greedy
+    sampler, as the sweep's requests): (seconds, temp bytes, code bytes)."""
     start = time.perf_counter()
-    compiled = runner._step.lower(runner.params, runner.kv_cache, runner.penalty, runner.last_tokens, inp).compile()
+    executables = runner.compile_step(inp)
     seconds = time.perf_counter() - start
-    mem = compiled.memory_analysis()
-    return compiled, seconds, getattr(mem, "temp_size_in_bytes", 0), getattr(mem, "generated_code_size_in_bytes", 0)
+    mems = [e.memory_analysis() for e in executables]
+    return (seconds, sum(getattr(m, "temp_size_in_bytes", 0) for m in mems),
+            sum(getattr(m, "generated_code_size_in_bytes", 0) for m in mems))
 
 
-def time_step(runner: ModelRunner, compiled, inp: StepInputs, warmup: int, repeats: int) -> float:
-    """Median ms of the compiled step, the donated cache and penalty state threaded through like the engine's."""
-    def step():
-        runner.kv_cache, runner.penalty, out, runner.last_tokens = compiled(
-            runner.params, runner.kv_cache, runner.penalty, runner.last_tokens, inp)
-        return out
-    return time_ms(step, warmup=warmup, repeats=repeats)
+def time_step(runner: ModelRunner, inp: StepInputs, warmup: int, repeats: int) -> float:
+    """Median ms of the step through the runner, the donated cache and penalty state threaded as the engine's."""
+    return time_ms(runner.run, inp, warmup=warmup, repeats=repeats)
 
 
 def check_sweep_args(cfg: EngineConfig, token_buckets, seq_buckets, contexts, kinds, repeats: int) -> None:
@@ -191,16 +188,15 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
     ceilings = copy_bandwidth_gbps(), matmul_tflops()   # before the cache takes the free memory
     cases = [SweepCase(t, s, c, k) for t in token_buckets for s in seq_buckets for c in contexts for k in kinds]
     runner = sweep_runner(loaded, cfg, cases)
-    rows, compiled = [], {}   # variant -> (executable, compile stats): one compile per graph the engine runs
+    rows, compiled = [], {}   # model graph key -> compile stats: one compile per graph the engine runs
     for case in cases:
         if (inp := synthetic_inputs(runner, case, rng)) is None:
             continue
-        if inp.variant not in compiled:
-            executable, *compile_stats = compile_step(runner, inp)
-            compiled[inp.variant] = executable, compile_stats
-        executable, compile_stats = compiled[inp.variant]
-        ms = time_step(runner, executable, jax.device_put(inp), warmup, repeats)
-        rows.append(sweep_row(runner, case, ms, compile_stats, ceilings))
+        if inp.model.key not in compiled:
+            compiled[inp.model.key] = compile_step(runner, inp)
+        inp.model, inp.sampler = jax.device_put((inp.model, inp.sampler))
+        ms = time_step(runner, inp, warmup, repeats)
+        rows.append(sweep_row(runner, case, ms, compiled[inp.model.key], ceilings))
     return rows
 
 

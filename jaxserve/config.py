@@ -145,14 +145,13 @@ class EngineConfig:
     prefill_attention: str = "triton"
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     precompile: bool = True
-    precompile_sampler_modes: tuple[str, ...] = SAMPLER_MODES   # others compile on first use
     # Admission bounds for servers (None: unbounded, as batch generation wants): waiting requests and their
     # prompt tokens beyond which new requests are refused with AdmissionError (retry later).
     max_queued_requests: int | None = None
     max_queued_tokens: int | None = None
 
     def __post_init__(self):
-        for name in ("token_buckets", "seq_buckets", "precompile_sampler_modes"):
+        for name in ("token_buckets", "seq_buckets"):
             if isinstance(getattr(self, name), list):
                 setattr(self, name, tuple(getattr(self, name)))
         check_engine_config(self)
@@ -186,8 +185,6 @@ def check_engine_config(c: EngineConfig) -> None:
     need(isinstance(c.watermark, (int, float)) and 0 <= c.watermark < 1, "watermark", "must be in [0, 1)")
     need(c.decode_attention in DECODE_ATTENTION, "decode_attention", f"must be one of {DECODE_ATTENTION}")
     need(c.prefill_attention in PREFILL_ATTENTION, "prefill_attention", f"must be one of {PREFILL_ATTENTION}")
-    need(isinstance(c.precompile_sampler_modes, tuple) and set(c.precompile_sampler_modes) <= set(SAMPLER_MODES),
-         "precompile_sampler_modes", f"must be a list of {SAMPLER_MODES}")
     need(c.compile_cache_dir is None or isinstance(c.compile_cache_dir, str), "compile_cache_dir",
          "must be a path or null")
     need(c.max_num_seqs + c.min_prefill_chunk <= c.max_num_batched_tokens, "max_num_batched_tokens",

@@ -100,7 +100,7 @@ def test_queues_are_bounded_by_requests_and_tokens():
     (dict(max_num_seqs="32"), "max_num_seqs"), (dict(memory_fraction=1.5), "memory_fraction"),
     (dict(num_blocks=1), "num_blocks"), (dict(async_scheduling="yes"), "async_scheduling"),
     (dict(max_num_batched_tokens=40), "max_num_batched_tokens"), (dict(max_queued_tokens=0), "max_queued_tokens"),
-    (dict(precompile_sampler_modes=["fast"]), "precompile_sampler_modes"),
+    (dict(decode_attention="flash"), "decode_attention"),
 ])
 def test_engine_config_is_checked_whole_at_construction(knobs, field):
     with pytest.raises(ValueError, match=f"engine config: {field}"):

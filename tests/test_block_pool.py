@@ -220,9 +220,10 @@ def test_block_table_incremental_rows_and_the_step_slot_mapping():
     # rows in slots 0 and 2, two tokens each at positions 3-4 and 5-6, padded to 6 tokens
     inp = build_step_inputs(num_tokens=6, num_seqs=4, block_size=BS, scratch_slot=4, block_tables=t.table[[0, 2]],
                             starts=[3, 5], counts=[2, 2], token_ids=[1, 2, 3, 4], slots=[0, 2])
-    assert inp.attn.slot_mapping.tolist() == [5 * BS + 3, 8 * BS + 0, 9 * BS + 1, 9 * BS + 2, 0, 0]
-    assert inp.positions.tolist() == [3, 4, 5, 6, 0, 0] and inp.attn.kv_lens.tolist() == [5, 7, 0, 0]
-    assert inp.attn.cu_q_lens.tolist() == [0, 2, 4, 4, 4] and inp.slot_ids.tolist() == [0, 2, 4, 4]
+    attn = inp.model.attn
+    assert attn.slot_mapping.tolist() == [5 * BS + 3, 8 * BS + 0, 9 * BS + 1, 9 * BS + 2, 0, 0]
+    assert inp.model.positions.tolist() == [3, 4, 5, 6, 0, 0] and attn.kv_lens.tolist() == [5, 7, 0, 0]
+    assert attn.cu_q_lens.tolist() == [0, 2, 4, 4, 4] and inp.sampler.slot_ids.tolist() == [0, 2, 4, 4]
     t.clear_row(2)
     assert t.table[2].tolist() == [0, 0, 0] and t.num_blocks[2] == 0
     with pytest.raises(ValueError, match="max_blocks_per_seq"):

@@ -265,7 +265,6 @@ def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache(tiny, 
 
 @pytest.mark.parametrize("knob, field", [
     (dict(prefill_attention="cudnn"), "prefill_attention"),
-    (dict(precompile_sampler_modes=("fast",)), "precompile_sampler_modes"),
     (dict(decode_attention="flash"), "decode_attention"),
 ])
 def test_bad_engine_knobs_name_the_field(tiny, knob, field):
@@ -284,7 +283,7 @@ def test_each_step_compiles_the_sampler_its_requests_need(tiny_llm):
     mixed = token_ids(tiny_llm.generate(prompts, [greedy, top1, free]))
     assert mixed[:2] == expected[:2]
     assert mixed[2] != expected[2]  # random sampling really ran beside them
-    modes = {key[-1] for key in tiny_llm.engine.runner.compiled_variants}
+    modes = {key[2] for key in tiny_llm.engine.runner.graphs.executables if key[0] == "sampler"}
     assert {"greedy", "sort"} <= modes
 
 
@@ -314,4 +313,5 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, monkeyp
     llm = LLM(tiny[0], **BASE)
     assert llm.engine.runner.kernels.decode == kernel
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
-    assert {variant[2] for variant in llm.engine.runner.compiled_variants} == {False, True}   # decode_only
+    decode_only = {key[3] for key in llm.engine.runner.graphs.executables if key[0] == "model"}
+    assert decode_only == {False, True}

@@ -42,16 +42,16 @@ def runner(tiny):
 
 def engine_inputs(runner, syn):
     """The engine's own prepare_inputs for the rows a synthetic batch describes (same tokens, blocks, seeds)."""
-    n, bs = int(syn.attn.num_seqs[0]), runner.cfg.block_size
-    cu, kv_lens = syn.attn.cu_q_lens, syn.attn.kv_lens
+    n, bs = int(syn.model.attn.num_seqs[0]), runner.cfg.block_size
+    cu, kv_lens = syn.model.attn.cu_q_lens, syn.model.attn.kv_lens
     rows = []
     for i in range(n):
         count = int(cu[i + 1] - cu[i])
         tokens = np.zeros(kv_lens[i], np.int32)
-        tokens[kv_lens[i] - count:] = syn.token_ids[cu[i]:cu[i + 1]]
+        tokens[kv_lens[i] - count:] = syn.model.token_ids[cu[i]:cu[i + 1]]
         seq = Sequence(i, str(i), 0, tokens.tolist(), int(kv_lens[i]), SWEEP_SAMPLING, seed=i)
         runner.slot_of[i] = i
-        runner.block_table.write(i, 0, syn.attn.block_tables[i, :-(-kv_lens[i] // bs)].tolist())
+        runner.block_table.write(i, 0, syn.model.attn.block_tables[i, :-(-kv_lens[i] // bs)].tolist())
         rows.append(StepRow(seq, int(kv_lens[i]) - count, count, samples=True, num_generated=0))
     return runner.prepare_inputs(rows)
 
@@ -60,11 +60,11 @@ def engine_inputs(runner, syn):
                                   SweepCase(32, 8, 40, "mixed"), SweepCase(64, 4, 20, "mixed")], ids=str)
 def test_synthetic_inputs_are_what_the_engine_builds(runner, case):
     syn = synthetic_inputs(runner, case, np.random.default_rng(0))
-    n = int(syn.attn.num_seqs[0])
+    n = int(syn.model.attn.num_seqs[0])
     try:
         eng = engine_inputs(runner, syn)
-        assert eng.variant == syn.variant
-        jax.tree.map(np.testing.assert_array_equal, eng, syn)
+        assert (eng.model.key, eng.sampler.key) == (syn.model.key, syn.sampler.key)
+        jax.tree.map(np.testing.assert_array_equal, (eng.model, eng.sampler), (syn.model, syn.sampler))
         out_eng = jax.tree.map(np.asarray, runner.run(eng)[0])
         out_syn = jax.tree.map(np.asarray, runner.run(syn)[0])
     finally:
@@ -81,24 +81,24 @@ def test_decode_cases_run_the_engines_decode_graph(tiny, monkeypatch):
     import jaxserve.engine.runner as runner_module
     monkeypatch.setattr(runner_module, "resolve_attention_kernels", lambda *_: AttentionKernels("pallas", "triton"))
     r, rng = ModelRunner(tiny, CFG), np.random.default_rng(0)
-    assert synthetic_inputs(r, SweepCase(16, 8, 40, "decode"), rng).attn.decode_only
-    assert not synthetic_inputs(r, SweepCase(32, 8, 40, "mixed"), rng).attn.decode_only
+    assert synthetic_inputs(r, SweepCase(16, 8, 40, "decode"), rng).model.attn.decode_only
+    assert not synthetic_inputs(r, SweepCase(32, 8, 40, "mixed"), rng).model.attn.decode_only
 
 
 def test_padded_decode_bucket_is_consistent(runner):
     """A bucket the engine would not pick for the batch (8 decodes in 64 tokens) is still a valid batch."""
     case = SweepCase(64, 8, 100, "decode")
     syn = synthetic_inputs(runner, case, np.random.default_rng(1))
-    a, bs = syn.attn, runner.cfg.block_size
+    a, bs = syn.model.attn, runner.cfg.block_size
     assert int(a.num_seqs[0]) == 8 and (a.kv_lens == 100).all() and (np.diff(a.cu_q_lens) == 1).all()
-    assert (syn.positions[:8] == 99).all() and (syn.positions[8:] == 0).all()
+    assert (syn.model.positions[:8] == 99).all() and (syn.model.positions[8:] == 0).all()
     np.testing.assert_array_equal(a.slot_mapping[:8] // bs, a.block_tables[np.arange(8), 99 // bs])
     np.testing.assert_array_equal(a.slot_mapping[:8] % bs, 99 % bs)
     assert (a.slot_mapping[8:] == 0).all()
     used = a.block_tables[a.block_tables > 0]
     assert len(used) == 8 * math.ceil(100 / bs) == len(np.unique(used))
-    np.testing.assert_array_equal(syn.logits_indices, np.arange(8))
-    assert (runner.cfg.max_num_seqs > syn.slot_ids).all() and syn.sample_mask.all()
+    np.testing.assert_array_equal(syn.model.logits_indices, np.arange(8))
+    assert (runner.cfg.max_num_seqs > syn.sampler.slot_ids).all() and syn.sampler.sample_mask.all()
 
 
 def test_case_layout_fills_the_bucket():

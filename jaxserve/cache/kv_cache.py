@@ -53,21 +53,31 @@ def copy_blocks(cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
     All sources are read before any destination is written. dst ids must be distinct. N is padded to a
     power-of-two bucket (>= COPY_BUCKET_MIN) so few variants compile; N == 0 makes no device call.
     """
+    if len(src) == 0 and len(dst) == 0:
+        return cache
+    return _copy_blocks(cache, *pad_block_copies(src, dst, cache[0][0].shape[0]))
+
+
+def pad_block_copies(src, dst, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Checked (src, dst) padded to copy_bucket(n); padding pairs have out-of-bounds dsts, which are skipped."""
     src, dst = np.asarray(src, np.int32), np.asarray(dst, np.int32)
-    num_blocks, n = cache[0][0].shape[0], len(src)
+    n = len(src)
     if len(dst) != n:
         raise ValueError(f"src and dst differ in length: {n} != {len(dst)}")
-    if n == 0:
-        return cache
-    if min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_blocks:
+    if n and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_blocks):
         raise ValueError(f"src/dst block ids must be in [0, {num_blocks})")
     if len(np.unique(dst)) != n:
         raise ValueError("dst block ids must be distinct")
-    size = max(COPY_BUCKET_MIN, 1 << (n - 1).bit_length())
+    size = copy_bucket(n)
     src_padded = np.zeros(size, np.int32)
-    dst_padded = np.arange(num_blocks, num_blocks + size, dtype=np.int32)  # out of bounds: dropped
+    dst_padded = np.arange(num_blocks, num_blocks + size, dtype=np.int32)
     src_padded[:n], dst_padded[:n] = src, dst
-    return _copy_blocks(cache, src_padded, dst_padded)
+    return src_padded, dst_padded
+
+
+def copy_bucket(n: int) -> int:
+    """Copies per call are padded to a power of two >= COPY_BUCKET_MIN: few compiled variants."""
+    return max(COPY_BUCKET_MIN, 1 << max(n - 1, 0).bit_length())
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:

@@ -22,6 +22,17 @@ class StreamDelta:
     finish_reason: str | None
 
 
+def has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and bool(tokenizer.chat_template)
+
+
+def apply_chat_template(tokenizer, conversation, add_generation_prompt: bool = True) -> str:
+    """A conversation ([{"role", "content"}, ...]) as the prompt text of the model's chat template."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("messages: this model has no chat template")
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
 class LLM:
     """LLM(model=None) loads the embedded SmolLM2; model may also be a GGUF file, a HF checkpoint directory or
     a directory written by `jaxserve convert`. Engine knobs (EngineConfig fields) pass as keyword arguments."""
@@ -57,10 +68,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> str:
-        tok = self.engine.tokenizer
-        if tok is None or not tok.chat_template:
-            raise ValueError("messages: this model has no chat template")
-        return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return apply_chat_template(self.engine.tokenizer, conversation, add_generation_prompt)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield text deltas of one request as they are generated (stop strings held back safely)."""

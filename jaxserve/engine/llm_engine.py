@@ -53,7 +53,7 @@ class Launched:
 def enable_compilation_cache(path: str | None) -> None:
     if path:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)   # every graph: restarts compile nothing
 
 
 def check_config(cfg: EngineConfig, max_position_embeddings: int) -> None:
@@ -79,6 +79,7 @@ class LLMEngine:
         self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
         if cfg.precompile:
             self.runner.precompile()
+        self.runner.graphs.started = True   # from here on a compile stalls the streams: counted
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -279,4 +280,5 @@ class LLMEngine:
                 "kv_blocks_total": self.kv.num_blocks - 1, "kv_blocks_free": self.kv.num_free_blocks,
                 "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
-                "compiled_buckets": len(self.runner.compiled_variants)}
+                "compiled_buckets": len(self.runner.graphs.executables),
+                "compiles_after_start": self.runner.graphs.compiles_after_start}

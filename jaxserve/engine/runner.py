@@ -1,7 +1,9 @@
 """The model runner: device state (weights, paged KV cache, penalty state), the device slots of the running
-sequences, bucketed static-shape inputs, and one jitted step per bucket — embed -> layers (scatter KV writes +
-ragged paged attention) -> logits of each sequence's last token -> sampling — with the cache and penalty state
-donated. `execute` consumes one `SchedulerOutput`."""
+sequences, bucketed static-shape inputs, and the compiled graphs of a step — the model (embed -> layers with
+scatter KV writes + ragged paged attention -> logits of each row's last token) per (token bucket, seq bucket),
+the sampler per (seq bucket, mode, logprobs), all-position prompt logprobs per token bucket — with the cache and
+penalty state donated. Every graph compiles before serving (`precompile`); `execute` consumes one
+`SchedulerOutput`."""
 from __future__ import annotations
 
 import functools
@@ -13,22 +15,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from jaxserve.cache.block_table import BlockTable
-from jaxserve.cache.kv_cache import (allocate_kv_cache, copy_blocks, describe_kv_capacity, kv_bytes_per_block,
-                                     num_blocks_for_memory)
-from jaxserve.config import EngineConfig
-from jaxserve.engine.sampler import PenaltyState, init_penalty_state, mode_for, reset_slots, sample
+from jaxserve.cache.kv_cache import (_copy_blocks, allocate_kv_cache, copy_bucket, describe_kv_capacity,
+                                     kv_bytes_per_block, num_blocks_for_memory, pad_block_copies)
+from jaxserve.config import SAMPLER_MODES, EngineConfig
+from jaxserve.engine.compilation import CompilationManager
+from jaxserve.engine.sampler import PenaltyState, SamplerOutput, init_penalty_state, mode_for, reset_slots, sample
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
 from jaxserve.engine.sequence import PENDING, Sequence
-from jaxserve.engine.step_inputs import StepInputs, build_step_inputs
+from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs, pad
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
 from jaxserve.models.loader import LoadedModel
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
+MIN_RESET_WIDTH = 16   # penalty resets pad prompt + output tokens to a power of two from here
 
 
 def pow2_ladder(low: int, high: int) -> tuple[int, ...]:
@@ -56,25 +59,26 @@ class PromptLogprobs:
     top_logprobs: jax.Array
 
 
-def run_step(params, kv_cache, penalty: PenaltyState, last_tokens, inp: StepInputs, *, graphdef,
-             kernels: AttentionKernels):
-    """The jitted step: (kv_cache, penalty, (SamplerOutput, PromptLogprobs | None), last_tokens)."""
+def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, graphdef, kernels: AttentionKernels):
+    """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H])."""
     model = nnx.merge(graphdef, params)
     # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
     token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
     hidden, kv_cache = model(token_ids, inp.positions, kv_cache, PagedAttention(inp.attn, kernels))
-    logits = model.logits(hidden[inp.logits_indices])
+    return kv_cache, model.logits(hidden[inp.logits_indices]), hidden
+
+
+def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_tokens: int):
+    """The sampler graph: (penalty, SamplerOutput, this step's samples padded to num_last_tokens)."""
     out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
-                          num_logprobs=inp.num_logprobs, mode=inp.sampler_mode)
-    last_tokens = jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens)
-    prompt_lp = prompt_logprobs_of(model, hidden, inp) if inp.prompt_logprobs else None
-    return kv_cache, penalty, (out, prompt_lp), last_tokens
+                          num_logprobs=inp.num_logprobs, mode=inp.mode)
+    return penalty, out, jnp.zeros(num_last_tokens, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
 
 
-def prompt_logprobs_of(model, hidden, inp: StepInputs) -> PromptLogprobs:
-    """All-position logits ([T, V]: only compiled into steps that serve a prompt_logprobs request)."""
-    logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)
-    target = jnp.take_along_axis(logprobs, jnp.maximum(inp.next_prompt_ids, 0)[:, None], axis=-1)[:, 0]
+def run_prompt_logprobs(params, hidden, next_prompt_ids, *, graphdef) -> PromptLogprobs:
+    """All-position logprobs ([T, V]: run only for steps that serve a prompt_logprobs request)."""
+    logprobs = jax.nn.log_softmax(nnx.merge(graphdef, params).logits(hidden), axis=-1)
+    target = jnp.take_along_axis(logprobs, jnp.maximum(next_prompt_ids, 0)[:, None], axis=-1)[:, 0]
     top, ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     return PromptLogprobs(target, ids.astype(jnp.int32), top)
 
@@ -83,7 +87,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
         self.cfg, self.model_config = cfg, loaded.config
         graphdef, self.params = nnx.split(loaded.model)
-        mc, dtype = loaded.config, loaded.model.embed_tokens.embedding[...].dtype
+        mc = loaded.config
+        self.dtype = dtype = loaded.model.embed_tokens.embedding[...].dtype
         self.token_buckets, self.seq_buckets = bucket_ladders(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.penalty = init_penalty_state(cfg.max_num_seqs, mc.vocab_size)
@@ -93,10 +98,13 @@ class ModelRunner:
         self.prev_rows: dict[int, int] = {}   # seq_id -> row of the last launched step that samples it
         self.eos_token_ids = loaded.eos_token_ids
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim)
-        self._step = jax.jit(functools.partial(run_step, graphdef=graphdef, kernels=self.kernels),
-                             donate_argnums=(1, 2))
+        self.graphs = CompilationManager()
+        self._model = jax.jit(functools.partial(run_model, graphdef=graphdef, kernels=self.kernels),
+                              donate_argnums=1)
+        self._sampler = jax.jit(functools.partial(run_sampler, num_last_tokens=self.seq_buckets[-1]),
+                                donate_argnums=1)
+        self._prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, graphdef=graphdef))
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)   # the previous step's samples, on device
-        self.compiled_variants: set[tuple] = set()
         bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         self.num_blocks = cfg.num_blocks or num_blocks_for_memory(
             bytes_per_block, activation_peak_bytes=self.activation_bytes(dtype), fraction=cfg.memory_fraction)
@@ -105,29 +113,65 @@ class ModelRunner:
                                           mc.head_dim, dtype)
 
     def activation_bytes(self, dtype) -> int:
-        """XLA's temp memory for the largest bucket's step, compiled against a 2-block stand-in cache (temp
-        memory does not depend on the cache's size): reserved before the KV cache takes what is left."""
+        """XLA's temp memory for the largest bucket's model and sampler graphs, the model compiled against a
+        2-block stand-in cache (temp memory does not depend on the cache's size): reserved before the KV cache
+        takes what is left."""
         mc = self.model_config
         block = jax.ShapeDtypeStruct((2, self.cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype)
         inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1],
                                num_logprobs=MAX_LOGPROBS, sampler_mode="sort")
-        compiled = self._step.lower(self.params, [(block, block)] * mc.num_layers, self.penalty, self.last_tokens,
-                                    inp).compile()
-        analysis = compiled.memory_analysis()
-        peak = analysis.temp_size_in_bytes if analysis is not None else 0
+        model = self._model.lower(self.params, [(block, block)] * mc.num_layers, self.last_tokens, inp.model)
+        sampler = self._lower_sampler(inp.sampler)
+        peak = sum(getattr(g.compile().memory_analysis(), "temp_size_in_bytes", 0) for g in (model, sampler))
         print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
         return peak
 
     def precompile(self) -> None:
-        """Compile every (tokens, seqs) bucket and sampler mode ahead of time, and the decode-only graph of
-        each seq bucket; the persistent cache makes restarts fast. Logprob variants compile on first use."""
+        """Compile every graph the engine can run, before it serves: the model per bucket (and the decode-only
+        graph per seq bucket), the sampler per seq bucket, mode and logprobs, prompt logprobs per token bucket,
+        block copies and penalty resets per padded size. The persistent cache makes restarts fast."""
+        graphs = {}
+        for t, s, decode_only in self._model_shapes():
+            inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only)
+            graphs[("model", *inp.model.key)] = functools.partial(self._lower_model, inp.model)
+        for s in self.seq_buckets:
+            for mode in SAMPLER_MODES:
+                for num_logprobs in (0, MAX_LOGPROBS):
+                    inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
+                                           num_logprobs=num_logprobs).sampler
+                    graphs[("sampler", *inp.key)] = functools.partial(self._lower_sampler, inp)
+            for width in pow2_ladder(MIN_RESET_WIDTH, self.cfg.max_model_len):
+                graphs[("reset", s, width)] = functools.partial(self._lower_reset, s, width)
+        for t in self.token_buckets:
+            graphs[("prompt", t)] = functools.partial(self._lower_prompt_logprobs, t)
+        for n in pow2_ladder(copy_bucket(1), copy_bucket(self.cfg.max_num_seqs)):
+            graphs[("copy", n)] = functools.partial(self._lower_copy, np.zeros(n, np.int32))
+        self.graphs.compile_all(graphs)
+        self.graphs.precompiled = True
+
+    def _model_shapes(self) -> list[tuple[int, int, bool]]:
         shapes = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets]
         if self.kernels.has_decode_kernel:
             shapes += [(bucket_for(s, self.token_buckets), s, True) for s in self.seq_buckets]
-        graphs = [(*shape, mode) for shape in shapes for mode in self.cfg.precompile_sampler_modes]
-        for t, s, decode_only, mode in tqdm(graphs, desc="compiling step graphs", unit="graph", file=sys.stderr,
-                                            disable=None):
-            self.run(self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, sampler_mode=mode))
+        return shapes
+
+    def _lower_model(self, inp: ModelInputs):
+        return self._model.lower(self.params, self.kv_cache, self.last_tokens, inp)
+
+    def _lower_sampler(self, inp: SamplerInputs):
+        logits = jax.ShapeDtypeStruct((len(inp.slot_ids), self.model_config.vocab_size), jnp.float32)
+        return self._sampler.lower(logits, self.penalty, inp)
+
+    def _lower_prompt_logprobs(self, num_tokens: int):
+        hidden = jax.ShapeDtypeStruct((num_tokens, self.model_config.hidden_size), self.dtype)
+        return self._prompt_logprobs.lower(self.params, hidden, np.zeros(num_tokens, np.int32))
+
+    def _lower_copy(self, ids: np.ndarray):
+        return _copy_blocks.lower(self.kv_cache, ids, ids)
+
+    def _lower_reset(self, num_rows: int, width: int):
+        ids = np.zeros((num_rows, width), np.int32)
+        return reset_slots.lower(self.penalty, np.zeros(num_rows, np.int32), ids, ids)
 
     def step_inputs(self, **kw) -> StepInputs:
         """build_step_inputs with this engine's constants. Steps whose rows all decode one token run the decode
@@ -139,12 +183,21 @@ class ModelRunner:
                                  eos_token_ids=self.eos_token_ids,
                                  decode_only=decode_only and self.kernels.has_decode_kernel, **kw)
 
-    def run(self, inp: StepInputs):
-        """One jitted step on ready inputs: (SamplerOutput, PromptLogprobs | None) as device arrays, no sync."""
-        self.compiled_variants.add(inp.variant)
-        self.kv_cache, self.penalty, out, self.last_tokens = self._step(
-            self.params, self.kv_cache, self.penalty, self.last_tokens, inp)
-        return out
+    def compile_step(self, inp: StepInputs) -> list[jax.stages.Compiled]:
+        """The model and sampler executables of inp's step, compiled now if need be (the bucket sweep)."""
+        return [self.graphs.get(("model", *inp.model.key), functools.partial(self._lower_model, inp.model)),
+                self.graphs.get(("sampler", *inp.sampler.key), functools.partial(self._lower_sampler, inp.sampler))]
+
+    def run(self, inp: StepInputs) -> tuple[SamplerOutput, PromptLogprobs | None]:
+        """One step on ready inputs through the compiled graphs: device arrays, no sync."""
+        model, sampler = self.compile_step(inp)
+        self.kv_cache, logits, hidden = model(self.params, self.kv_cache, self.last_tokens, inp.model)
+        self.penalty, out, self.last_tokens = sampler(logits, self.penalty, inp.sampler)
+        if inp.next_prompt_ids is None:
+            return out, None
+        num_tokens = len(inp.next_prompt_ids)
+        prompt = self.graphs.get(("prompt", num_tokens), functools.partial(self._lower_prompt_logprobs, num_tokens))
+        return out, prompt(self.params, hidden, inp.next_prompt_ids)
 
     def execute(self, out: SchedulerOutput):
         """Apply the step's slot, block-table and cache changes and launch it: device outputs (None without
@@ -156,7 +209,7 @@ class ModelRunner:
         for seq_id, start, block_ids in out.block_updates:
             self.block_table.write(self.slot_of[seq_id], start, block_ids)
         if len(out.copies[0]):
-            self.kv_cache = copy_blocks(self.kv_cache, *out.copies)
+            self._copy_blocks(*out.copies)
         self._reset_penalties(out.placed)
         if not out.rows:
             return None
@@ -170,18 +223,27 @@ class ModelRunner:
             self.block_table.clear_row(slot)
             self.free_slots.append(slot)
 
+    def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        src, dst = pad_block_copies(src, dst, self.num_blocks)
+        copy = self.graphs.get(("copy", len(src)), functools.partial(self._lower_copy, src))
+        self.kv_cache = copy(self.kv_cache, src, dst)
+
     def _reset_penalties(self, seqs: list[Sequence]) -> None:
-        """Fresh penalty state for newly placed sequences (prompt mask; counts of tokens already generated)."""
+        """Fresh penalty state for newly placed sequences (prompt mask; counts of tokens already generated),
+        padded to a seq bucket (padding rows reset the scratch slot) and a power-of-two width."""
         if not seqs:
             return
         outputs = [s.confirmed_output_ids for s in seqs]
-        width = 1 << max(1, max(s.num_prompt_tokens + len(o) for s, o in zip(seqs, outputs)) - 1).bit_length()
-        prompt, output = np.full((2, len(seqs), width), -1, np.int32)
+        rows = bucket_for(len(seqs), self.seq_buckets)
+        width = bucket_for(max(s.num_prompt_tokens + len(o) for s, o in zip(seqs, outputs)),
+                           pow2_ladder(MIN_RESET_WIDTH, self.cfg.max_model_len))
+        prompt, output = np.full((2, rows, width), -1, np.int32)
         for i, (s, o) in enumerate(zip(seqs, outputs)):
             prompt[i, :s.num_prompt_tokens] = s.token_ids[:s.num_prompt_tokens]
             output[i, :len(o)] = o
-        slots = np.array([self.slot_of[s.seq_id] for s in seqs], np.int32)
-        self.penalty = reset_slots(self.penalty, slots, prompt, output)
+        slots = pad([self.slot_of[s.seq_id] for s in seqs], rows, fill=self.cfg.max_num_seqs)
+        reset = self.graphs.get(("reset", rows, width), functools.partial(self._lower_reset, rows, width))
+        self.penalty = reset(self.penalty, slots, prompt, output)
 
     def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:
         counts = [r.count for r in rows]
@@ -196,7 +258,7 @@ class ModelRunner:
             seeds=[r.seq.seed for r in rows], num_generated=[r.num_generated for r in rows],
             logits_from=[r.logits_from for r in rows], prev_index=self._prev_index(rows, counts, token_ids),
             next_prompt_ids=next_prompt_ids(rows, len(token_ids)) if prompt else None,
-            num_logprobs=MAX_LOGPROBS if any(r.seq.params.logprobs for r in rows) else 0, prompt_logprobs=prompt,
+            num_logprobs=MAX_LOGPROBS if any(r.seq.params.logprobs for r in rows) else 0,
             sampler_mode=mode_for([r.seq.params for r in rows if r.samples], self.model_config.vocab_size))
 
     def _prev_index(self, rows: list[StepRow], counts: list[int], token_ids: np.ndarray) -> np.ndarray:

@@ -1,5 +1,9 @@
-"""The jitted step's inputs, static-shape (padded to a token bucket T and a sequence bucket S), and the one
-builder that makes them: for the runner's steps, its compile-time dummies and the bucket sweep alike."""
+"""The inputs of one engine step, static-shape (padded to a token bucket T and a sequence bucket S), and the one
+builder that makes them: for the runner's steps, its compile-time dummies and the bucket sweep alike.
+
+A step runs up to three compiled graphs, each keyed by its own few static values: the model (T, S, decode-only),
+the sampler (S, sampler mode, logprobs) and, for prompt logprobs only, the all-position logprobs (T). The model
+graph never depends on how requests sample, so sampling options never multiply the expensive graphs."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -19,25 +23,37 @@ def static(default):
 
 @jax.tree_util.register_dataclass
 @dataclass(slots=True)
-class StepInputs:
+class ModelInputs:
     token_ids: jax.Array        # [T]
     positions: jax.Array        # [T]
     attn: AttentionBatch
     logits_indices: jax.Array   # [S] flat index of the token whose logits each row samples
-    slot_ids: jax.Array         # [S] persistent slot of each row (padding: the scratch slot)
-    sample_mask: jax.Array      # [S]
-    sampling: SamplingTensors
     prev_index: jax.Array       # [T] row of the previous step whose sample this input is; -1: token_ids has it
-    next_prompt_ids: jax.Array  # [T] the prompt token after each input token (prompt logprobs); -1: none
-    num_logprobs: int = static(0)          # top-k logprobs returned per row (0 or MAX_LOGPROBS)
-    prompt_logprobs: bool = static(False)  # all-position logits for a prompt_logprobs request
-    sampler_mode: str = static("sort")     # config.SAMPLER_MODES
 
     @property
-    def variant(self) -> tuple:
-        """What selects the compiled graph: the buckets and every static field."""
-        return (len(self.token_ids), len(self.slot_ids), self.attn.decode_only, self.num_logprobs,
-                self.prompt_logprobs, self.sampler_mode)
+    def key(self) -> tuple:
+        return len(self.token_ids), len(self.logits_indices), self.attn.decode_only
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class SamplerInputs:
+    sampling: SamplingTensors
+    slot_ids: jax.Array         # [S] persistent slot of each row (padding: the scratch slot)
+    sample_mask: jax.Array      # [S]
+    num_logprobs: int = static(0)       # top-k logprobs returned per row (0 or MAX_LOGPROBS)
+    mode: str = static("sort")          # config.SAMPLER_MODES
+
+    @property
+    def key(self) -> tuple:
+        return len(self.slot_ids), self.mode, self.num_logprobs
+
+
+@dataclass(slots=True)
+class StepInputs:
+    model: ModelInputs
+    sampler: SamplerInputs
+    next_prompt_ids: np.ndarray | None = None   # [T] the prompt token after each input token; None: no prompt logprobs
 
 
 def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratch_slot: int,
@@ -47,7 +63,7 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                       num_generated: Sequence[int] = (), eos_token_ids: Sequence[int] = (),
                       logits_from: Sequence[int] | None = None, prev_index: np.ndarray | None = None,
                       next_prompt_ids: np.ndarray | None = None, decode_only: bool = False, num_logprobs: int = 0,
-                      prompt_logprobs: bool = False, sampler_mode: str = "sort") -> StepInputs:
+                      sampler_mode: str = "sort") -> StepInputs:
     """Host (numpy) inputs of one step over n real rows (decodes first), padded to the buckets.
 
     Per row: `starts` (first position computed), `counts` (tokens computed), `block_tables` [n, W] (its blocks),
@@ -69,12 +85,13 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                                                                       np.arange(n_rows), logits_from)
     attn = AttentionBatch(slot_mapping, cu, pad(starts + counts, num_seqs), pad(block_tables, num_seqs),
                           np.array([n_rows], np.int32), decode_only)
+    model = ModelInputs(pad(token_ids, num_tokens), positions, attn, pad(own_last[from_row], num_seqs),
+                        pad(prev_index if prev_index is not None else [], num_tokens, fill=-1))
     sampling = make_sampling_tensors(params, seeds, num_generated, num_rows=num_seqs, eos_token_ids=eos_token_ids)
-    return StepInputs(pad(token_ids, num_tokens), positions, attn, pad(own_last[from_row], num_seqs),
-                      pad(slots, num_seqs, fill=scratch_slot), pad(sample_mask, num_seqs, dtype=bool), sampling,
-                      pad(prev_index if prev_index is not None else [], num_tokens, fill=-1),
-                      pad(next_prompt_ids if next_prompt_ids is not None else [], num_tokens, fill=-1),
-                      num_logprobs, prompt_logprobs, sampler_mode)
+    sampler = SamplerInputs(sampling, pad(slots, num_seqs, fill=scratch_slot),
+                            pad(sample_mask, num_seqs, dtype=bool), num_logprobs, sampler_mode)
+    prompt = None if next_prompt_ids is None else pad(next_prompt_ids, num_tokens, fill=-1)
+    return StepInputs(model, sampler, prompt)
 
 
 def pad(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:

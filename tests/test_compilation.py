@@ -1,0 +1,88 @@
+"""No graph compiles while serving: every graph compiles before the engine serves, whatever the mix of requests,
+and a warm restart takes them all from the persistent compilation cache (CPU, a tiny random model)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import ModelConfig
+from jaxserve.models.loader import random_model
+
+TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=512, eos_token_ids=(1,))
+KNOBS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, min_prefill_chunk=16,
+             token_buckets=(16, 64), seq_buckets=(4, 8), compile_cache_dir=None)
+
+
+def mixed_requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Every kind of request: greedy, sampled (top-k/p, min-p), penalties, logprobs, prompt logprobs, n > 1,
+    stop ids under min_tokens, a long prompt (chunked prefill)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=12),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=1, max_tokens=12),
+              SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, seed=2, max_tokens=12),
+              SamplingParams(temperature=0.0, logprobs=3, max_tokens=12),
+              SamplingParams(temperature=0.0, prompt_logprobs=2, max_tokens=4),
+              SamplingParams(temperature=1.0, n=3, seed=3, max_tokens=12),
+              SamplingParams(temperature=0.0, stop_token_ids=[5, 6, 7], min_tokens=4, max_tokens=12),
+              SamplingParams(temperature=0.0, max_tokens=8)]
+    prompts = [[2 + (i * 7 + j) % 120 for j in range(n)] for i, n in enumerate((5, 17, 33, 9, 40, 3, 12, 200))]
+    return prompts, params
+
+
+@pytest.mark.parametrize("knobs", [dict(num_blocks=128), dict(num_blocks=22)], ids=["roomy", "preempting"])
+def test_no_graph_compiles_after_start_whatever_the_requests(knobs):
+    llm = LLM(random_model(TINY, jnp.float32), **KNOBS, **knobs)
+    compiled = llm.engine.stats()["compiled_buckets"]
+    prompts, params = mixed_requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs += llm.generate(prompts[:1] * 6, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # copies
+    stats = llm.engine.stats()
+    assert all(o.finished for o in outs) and outs[4].prompt_logprobs[1] is not None
+    assert stats["compiles_after_start"] == 0 and stats["compiled_buckets"] == compiled
+    if knobs["num_blocks"] == 22:
+        assert stats["preemptions"] > 0
+
+
+def test_lazy_graphs_are_counted():
+    """Without precompile every graph compiles on first use, while serving: the counter says so."""
+    llm = LLM(random_model(TINY, jnp.float32), **KNOBS, num_blocks=64, precompile=False)
+    llm.generate([[2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats["compiles_after_start"] == stats["compiled_buckets"] > 0
+
+
+WARM_START = textwrap.dedent("""
+    import json, sys
+    import jax
+    counts = {"/jax/compilation_cache/cache_hits": 0, "/jax/compilation_cache/cache_misses": 0}
+    jax.monitoring.register_event_listener(lambda event, **_: event in counts and counts.__setitem__(event,
+                                           counts[event] + 1))
+    import jax.numpy as jnp
+    from jaxserve import LLM
+    from jaxserve.config import ModelConfig
+    from jaxserve.models.loader import random_model
+    cfg = json.loads(sys.argv[1])
+    cfg = ModelConfig(**{**cfg, "eos_token_ids": tuple(cfg["eos_token_ids"])})
+    LLM(random_model(cfg, jnp.float32), **json.loads(sys.argv[2]))
+    print(json.dumps({k.rsplit("/", 1)[1]: v for k, v in counts.items()}))
+""")
+
+
+def test_a_warm_restart_compiles_nothing(tmp_path):
+    """The persistent compilation cache is on by default and keyed by the graphs: a second start of the same
+    engine finds every graph there."""
+    from dataclasses import asdict
+    knobs = {**KNOBS, "token_buckets": [16, 64], "seq_buckets": [4, 8], "num_blocks": 64,
+             "compile_cache_dir": str(tmp_path / "xla")}
+    runs = [subprocess.run([sys.executable, "-c", WARM_START, json.dumps(asdict(TINY)), json.dumps(knobs)],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    cold, warm = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert cold["cache_misses"] > 0
+    assert warm["cache_misses"] == 0 and warm["cache_hits"] >= cold["cache_misses"]
