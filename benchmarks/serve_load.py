@@ -7,6 +7,16 @@ Datasets are built and iterated with grain: `random` (uniform lengths around --i
 `sharegpt` (a ShareGPT-format JSON file: first human turn as prompt, the reply's token count as output length).
 Outputs are greedy with EOS ignored so that every request generates exactly its output length.
 
+--invalid-frac F ... adds, interleaved with the valid requests, invalid ones in that share of all requests (the
+ways a bad client errs: top_p 1.5, max_tokens 0, temperature -1, n 0, a token id out of the vocabulary or
+negative, an empty prompt, a prompt longer than max_model_len, in turn). Each must fail fast with
+INVALID_ARGUMENT; the valid requests stay the same at every fraction and alone make throughput and latency, so
+the rows show whether invalid traffic slows valid traffic. Every point reuses the same prompts, so the valid
+requests (warm-up included) of each F > 0 carry their own cache salt: each fraction meets the prefix cache as
+F = 0 does. A point
+with F > 0 gets `invalid_frac` in params, `invalid_rejected` (INVALID_ARGUMENT), `invalid_errors` (any other
+end, by status) and `reject_*_ms` (time to the rejection).
+
 The script starts `jaxserve serve` itself (--config / --model / --server-args pass through; its engine
 precompiles before the ready line) and stops it with SIGTERM, unless --target names a running server.
 
@@ -14,6 +24,12 @@ precompiles before the ready line) and stops it with SIGTERM, unless --target na
       --server-args "--max-num-seqs 16 --max-model-len 1024 --num-blocks 512"                  # CPU, SmolLM2
   python benchmarks/serve_load.py --config configs/llama3-8b-random.yaml --num-prompts 512 --input-len 512 \
       --output-len 128 --max-concurrency 256 --request-rate 4 16 inf                          # one H100
+  python benchmarks/serve_load.py --num-prompts 16 --input-len 32 --output-len 8 --max-concurrency 4 \
+      --invalid-frac 0 0.25 --server-args "--max-num-seqs 8 --max-model-len 512 --num-blocks 256" \
+      --out /tmp/serve_smoke.json                                             # CPU, invalid traffic (smoke)
+  python benchmarks/serve_load.py --config configs/llama3-8b-random.yaml --num-prompts 512 --input-len 512 \
+      --output-len 128 --max-concurrency 256 --invalid-frac 0 0.2 0.5 \
+      --out benchmarks/results/serve_invalid_gpu.json                         # one H100, invalid traffic
 
 Per request: TTFT = first token - send; TPOT = (last - first token) / (output tokens - 1); ITL = gap between
 consecutive messages, split evenly over the tokens a message carries. Rows: benchmarks/results/serve_<backend>.json
@@ -23,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -34,12 +52,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 SERVER_ENV = dict(os.environ)
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # this process must not claim the server's GPU
 
 import grain  # noqa: E402
+import grpc  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -48,10 +69,14 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import write_rows  # noqa: E402
 from jaxserve.client import Client  # noqa: E402
 from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.serve import jaxserve_pb2 as pb  # noqa: E402
+from jaxserve.serve.client import generate_request  # noqa: E402
 
 READY_TIMEOUT_S = 3600            # an 8B model loads and precompiles its buckets before the ready line
 MIN_SHAREGPT_PROMPT_TOKENS = 4
 MIN_OUTPUT_TOKENS = 2             # TPOT needs two tokens
+OK, HUNG = "OK", "HUNG"           # statuses beside grpc's codes: HUNG = no end within the call's timeout
+DEFAULT_MAX_WAITING = 512
 
 
 @dataclass(slots=True)
@@ -60,15 +85,24 @@ class BenchRequest:
     prompt_len: int
     output_len: int
 
+    def message(self, cache_salt: str | None = None) -> pb.GenerateRequest:
+        return generate_request(self.prompt, SamplingParams(temperature=0.0, max_tokens=self.output_len,
+                                                            ignore_eos=True), 0, cache_salt)
+
 
 @dataclass(slots=True)
 class RequestResult:
-    ok: bool
+    status: str = OK                  # a grpc.StatusCode name, HUNG, or the name of another exception
     error: str = ""
+    cancelled: bool = False           # the client cancelled it before its last message
     ttft: float = 0.0
     e2e: float = 0.0
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
 
     @property
     def tpot(self) -> float:
@@ -134,37 +168,78 @@ async def build_requests(args, client: Client) -> list[BenchRequest]:
 
 
 # ---- load ---------------------------------------------------------------------------------------------
-async def send(client: Client, req: BenchRequest, limit: asyncio.Semaphore) -> RequestResult:
-    params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
-    async with limit:
-        start = last = time.perf_counter()
-        result = RequestResult(ok=True)
-        try:
-            async for response in client.generate(req.prompt, params):
-                now, new = time.perf_counter(), sum(len(c.token_ids) for c in response.outputs)
-                if new and not result.output_tokens:
-                    result.ttft = now - start
-                elif new:
-                    result.itl += [(now - last) / new] * new
-                result.output_tokens += new
-                last = now if new else last
-        except Exception as e:  # a failed request is counted, not fatal
-            return RequestResult(ok=False, error=f"{type(e).__name__}: {e}")
+def status_of(error: Exception) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code().name
+    return HUNG if isinstance(error, TimeoutError) else type(error).__name__
+
+
+async def read_stream(call, result: RequestResult, start: float, cancel_after: int) -> None:
+    """Time the call's messages into result; cancel_after > 0: cancel the call after that many messages."""
+    last, messages = start, 0
+    try:
+        async for response in call:
+            now, new = time.perf_counter(), sum(len(c.token_ids) for c in response.outputs)
+            if new and not result.output_tokens:
+                result.ttft = now - start
+            elif new:
+                result.itl += [(now - last) / new] * new
+            result.output_tokens += new
+            last = now if new else last
+            messages += 1
+            if messages == cancel_after and not response.finished:
+                result.cancelled = True
+                break
+    finally:
+        call.cancel()
         result.e2e = last - start
+
+
+async def send(client: Client, message: pb.GenerateRequest, limit: asyncio.Semaphore, cancel_after: int = 0,
+               timeout: float | None = None) -> RequestResult:
+    """One Generate call under `limit`; a call that fails, or does not end within timeout s (HUNG), is counted,
+    not fatal (e2e is then the time to the failure)."""
+    async with limit:
+        start, result = time.perf_counter(), RequestResult()
+        try:
+            async with asyncio.timeout(timeout):
+                await read_stream(client.stub.Generate(message), result, start, cancel_after)
+        except Exception as e:
+            result = RequestResult(status=status_of(e), error=f"{type(e).__name__}: {e}",
+                                   e2e=time.perf_counter() - start)
         return result
 
 
-async def run_point(client: Client, requests: list[BenchRequest], rate: float, concurrency: int, seed: int):
+async def run_point(client: Client, messages: list[pb.GenerateRequest], rate: float, concurrency: int, seed: int):
     """Send every request (Poisson arrivals at `rate`, at most `concurrency` in flight); wall seconds, results."""
-    gaps = np.random.default_rng(seed).exponential(1 / rate, len(requests)) if math.isfinite(rate) else \
-        np.zeros(len(requests))
+    gaps = np.random.default_rng(seed).exponential(1 / rate, len(messages)) if math.isfinite(rate) else \
+        np.zeros(len(messages))
     limit = asyncio.Semaphore(concurrency)
     start, tasks = time.perf_counter(), []
-    for req, gap in zip(requests, gaps):
-        tasks.append(asyncio.create_task(send(client, req, limit)))
+    for message, gap in zip(messages, gaps):
+        tasks.append(asyncio.create_task(send(client, message, limit)))
         await asyncio.sleep(gap)
     results = await asyncio.gather(*tasks)
     return time.perf_counter() - start, results
+
+
+def invalid_messages(count: int, info: pb.ModelInfoResponse) -> list[pb.GenerateRequest]:
+    """`count` requests a bad client sends, cycling through the kinds of mistake (sampling, prompt)."""
+    ids = [1] * 8
+    kinds = (({"top_p": 1.5}, ids), ({"max_tokens": 0}, ids), ({"temperature": -1.0}, ids), ({"n": 0}, ids),
+             ({}, [info.vocab_size] * 8), ({}, [-1] * 8), ({}, []), ({}, [1] * (info.max_model_len + 1)))
+    return [pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingOptions(**{"max_tokens": 8, **options}))
+            for options, ids in itertools.islice(itertools.cycle(kinds), count)]
+
+
+def even_spots(n: int) -> np.ndarray:
+    return (np.arange(n) + 0.5) / max(n, 1)
+
+
+def interleave(valid: list, invalid: list) -> tuple[list, np.ndarray]:
+    """Both lists spread evenly over one, each in its order; and where the invalid ones went (a mask)."""
+    order = np.argsort(np.concatenate([even_spots(len(valid)), even_spots(len(invalid))]), kind="stable")
+    return [(valid + invalid)[i] for i in order], order >= len(valid)
 
 
 def percentiles(name: str, values_s: list[float]) -> dict:
@@ -190,39 +265,70 @@ def summarize(params: dict, wall: float, results: list[RequestResult], requests:
             "preemptions": after.preemptions - before.preemptions}
 
 
+def invalid_summary(results: list[RequestResult]) -> dict:
+    """The invalid requests' ends: INVALID_ARGUMENT (as they must), any other status, and how fast."""
+    statuses = Counter(r.status for r in results)
+    rejected = statuses.pop(grpc.StatusCode.INVALID_ARGUMENT.name, 0)
+    return {"invalid_requests": len(results), "invalid_rejected": rejected, "invalid_errors": dict(statuses),
+            **percentiles("reject", [r.e2e for r in results if r.status == grpc.StatusCode.INVALID_ARGUMENT.name])}
+
+
+def cache_salt(invalid_frac: float) -> str | None:
+    """The valid requests' prefix-cache namespace at this invalid fraction (points reuse the prompts)."""
+    return f"invalid-frac-{invalid_frac:g}" if invalid_frac else None
+
+
+def point_params(args, num_prompts: int, rate: float, concurrency: int, invalid_frac: float, model: str) -> dict:
+    return {"dataset": args.dataset, "num_prompts": num_prompts, "input_len": args.input_len,
+            "output_len": args.output_len, "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
+            "request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": concurrency, "model": model,
+            **({"invalid_frac": invalid_frac} if invalid_frac else {})}
+
+
+async def measure_point(client: Client, args, requests: list[BenchRequest], info: pb.ModelInfoResponse,
+                        point: tuple[float, int, float], model: str) -> dict:
+    """One row: the valid requests with round(n * f / (1 - f)) invalid ones among them (f of all requests)."""
+    rate, concurrency, invalid_frac = point
+    invalid = invalid_messages(round(len(requests) * invalid_frac / (1 - invalid_frac)), info)
+    messages, is_invalid = interleave([r.message(cache_salt(invalid_frac)) for r in requests], invalid)
+    before = await client.server_stats()
+    wall, results = await run_point(client, messages, rate, concurrency, args.seed)
+    row = summarize(point_params(args, len(requests), *point, model), wall,
+                    [r for r, bad in zip(results, is_invalid) if not bad], requests, before,
+                    await client.server_stats())
+    return row | (invalid_summary([r for r, bad in zip(results, is_invalid) if bad]) if invalid_frac else {})
+
+
 async def sweep(args, target: str) -> tuple[list[dict], str]:
     async with Client(target) as client:
         requests = await build_requests(args, client)
         info = await client.model_info()
         model = pathlib.Path(args.config).stem if args.config else info.model
-        if args.warmup_prompts:   # first transfers, allocator, any bucket the server compiles lazily
-            await run_point(client, requests[:args.warmup_prompts], math.inf, max(args.max_concurrency), args.seed)
+        for salt in dict.fromkeys(map(cache_salt, args.invalid_frac)) if args.warmup_prompts else ():
+            # first transfers, allocator, any bucket the server compiles lazily; each fraction's cache namespace
+            await run_point(client, [r.message(salt) for r in requests[:args.warmup_prompts]], math.inf,
+                            max(args.max_concurrency), args.seed)
         rows = []
-        for rate in args.request_rate:
-            for concurrency in args.max_concurrency:
-                before = await client.server_stats()
-                wall, results = await run_point(client, requests, rate, concurrency, args.seed)
-                params = {"dataset": args.dataset, "num_prompts": len(requests), "input_len": args.input_len,
-                          "output_len": args.output_len, "prefix_len": args.prefix_len if args.dataset == "prefix"
-                          else 0, "request_rate": rate if math.isfinite(rate) else "inf",
-                          "max_concurrency": concurrency, "model": model}
-                rows.append(summarize(params, wall, results, requests, before, await client.server_stats()))
-                print_row(rows[-1])
+        for point in itertools.product(args.request_rate, args.max_concurrency, args.invalid_frac):
+            rows.append(await measure_point(client, args, requests, info, point, model))
+            print_row(rows[-1])
         return rows, info.device
 
 
 def print_row(row: dict) -> None:
     p = row["params"]
+    invalid = (f" | invalid {p['invalid_frac']:g}: {row['invalid_rejected']}/{row['invalid_requests']} rejected, "
+               f"p99 {row['reject_p99_ms']:.1f} ms, other ends {row['invalid_errors']}" if "invalid_frac" in p else "")
     print(f"rate {p['request_rate']:>4} conc {p['max_concurrency']:>4}: {row['tok_s']:8.1f} out tok/s "
           f"{row['req_s']:6.2f} req/s | TTFT p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms | "
           f"TPOT p50 {row['tpot_p50_ms']:7.1f} p99 {row['tpot_p99_ms']:7.1f} ms | ITL p50 {row['itl_p50_ms']:7.1f} "
-          f"p99 {row['itl_p99_ms']:7.1f} ms | failed {row['failed']}", flush=True)
+          f"p99 {row['itl_p99_ms']:7.1f} ms | failed {row['failed']}{invalid}", flush=True)
 
 
 # ---- the server ---------------------------------------------------------------------------------------
-def start_server(args, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+def start_server(args, log: pathlib.Path, max_waiting: int) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics",
-           "--max-waiting", str(max(512, args.num_prompts)), *shlex.split(args.server_args)]
+           "--max-waiting", str(max_waiting), *shlex.split(args.server_args)]
     cmd += ["--config", args.config] if args.config else []
     cmd += ["--model", args.model] if args.model else []
     with open(log, "w") as out:
@@ -244,12 +350,33 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+@contextlib.contextmanager
+def serving(args, max_waiting: int) -> Iterator[tuple[str, subprocess.Popen | None]]:
+    """(target, None) for --target; else a server started for the block (its output in --server-log or a
+    temporary file) and stopped after it, with its process."""
+    if args.target:
+        yield args.target, None
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, target = start_server(args, pathlib.Path(args.server_log or pathlib.Path(tmp) / "server.log"),
+                                    max_waiting)
+        try:
+            yield target, proc
+        finally:
+            stop_server(proc)
+
+
 # ---- results ------------------------------------------------------------------------------------------
+def point_label(p: dict) -> str:
+    invalid = f"\ninvalid {p['invalid_frac']:g}" if "invalid_frac" in p else ""
+    return f"rate {p['request_rate']}\nconc {p['max_concurrency']}{invalid}"
+
+
 def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels = [f"rate {r['params']['request_rate']}\nconc {r['params']['max_concurrency']}" for r in rows]
+    labels = [point_label(r["params"]) for r in rows]
     x = np.arange(len(rows))
     fig, (ax_tok, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax_tok.bar(x, [r["tok_s"] for r in rows], color="tab:blue")
@@ -266,11 +393,16 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     print(f"wrote {path}")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="host:port of a running server (default: start one)")
     p.add_argument("--config", default=None, help="YAML run config for the server it starts")
     p.add_argument("--model", default=None, help="model for the server it starts")
     p.add_argument("--server-args", default="", help="extra `jaxserve serve` flags, one string")
+    p.add_argument("--server-log", default=None, help="keep the started server's output here")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_server_args(p)
     p.add_argument("--dataset", choices=["random", "prefix", "sharegpt"], default="random")
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -280,6 +412,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], help="requests/s; inf: all at once")
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[8])
+    p.add_argument("--invalid-frac", type=float, nargs="+", default=[0.0],
+                   help="share of all requests that are invalid, interleaved with the valid ones; 0: none")
     p.add_argument("--warmup-prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/serve_<backend>.json)")
@@ -293,19 +427,14 @@ def check_args(args) -> None:
             raise ValueError(f"{name} must be >= 1")
     if min(args.max_concurrency) < 1 or min(args.request_rate) <= 0:
         raise ValueError("max_concurrency must be >= 1 and request_rate > 0")
+    if not all(0 <= f < 1 for f in args.invalid_frac):
+        raise ValueError("invalid_frac must be in [0, 1)")
 
 
 def cmd_serve_load(args, command: str) -> None:
     check_args(args)
-    proc = None
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.target is None:
-            proc, target = start_server(args, pathlib.Path(tmp) / "server.log")
-        try:
-            rows, device = asyncio.run(sweep(args, args.target or target))
-        finally:
-            if proc is not None:
-                stop_server(proc)
+    with serving(args, max(DEFAULT_MAX_WAITING, args.num_prompts)) as (target, _):
+        rows, device = asyncio.run(sweep(args, target))
     # Only now touch this process's device: on a GPU machine the server had it to itself.
     out = pathlib.Path(args.out or ROOT / f"benchmarks/results/serve_{jax.default_backend()}.json")
     write_rows(out, rows, command)
@@ -314,15 +443,20 @@ def cmd_serve_load(args, command: str) -> None:
          f"{p['num_prompts']} requests x {p['input_len']} in / {p['output_len']} out (greedy)")
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(ap)
+def run_main(script: str, doc: str, add_script_args, run, argv=None) -> None:
+    """Parse argv and call run(args, command line); a ValueError exits with `<script>: error: ...`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_script_args(ap)
     args = ap.parse_args(argv)
-    command = "python benchmarks/serve_load.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = f"python benchmarks/{script}.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     try:
-        cmd_serve_load(args, command)
+        run(args, command)
     except ValueError as e:
-        sys.exit(f"serve_load: error: {e}")
+        sys.exit(f"{script}: error: {e}")
+
+
+def main(argv=None) -> None:
+    run_main("serve_load", __doc__, add_args, cmd_serve_load, argv)
 
 
 if __name__ == "__main__":

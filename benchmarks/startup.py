@@ -34,7 +34,7 @@ def one_start(config: str, cache_dir: str) -> dict:
     ready = time.perf_counter()
     stats = engine.stats()
     return {"model_s": created - start, "engine_s": ready - created, "total_s": ready - start,
-            "compiled_graphs": stats["compiled_buckets"]}
+            "compiled_graphs": stats["compiled_graphs"]}
 
 
 def main() -> None:

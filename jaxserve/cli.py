@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from jaxserve.config import EngineConfig, load_run_config
-from jaxserve.engine.llm import LLM
+from jaxserve.engine.llm import LLM, has_chat_template
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_run, save_converted
@@ -49,9 +49,14 @@ def make_llm(args, **engine_kwargs) -> LLM:
 
 
 def cmd_generate(args) -> None:
+    """Each prompt as the user's message of a chat when the model has a chat template (an instruct model answers
+    it, rather than continuing the text), unless --raw."""
     params = sampling_params(args)
     llm = make_llm(args, precompile=False)   # one-shot use: compile only the buckets it needs
-    outputs = llm.generate(args.prompts, params)
+    if args.raw or not has_chat_template(llm.get_tokenizer()):
+        outputs = llm.generate(args.prompts, params)
+    else:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
     for prompt, out in zip(args.prompts, outputs):
         c = out.outputs[0]
         if args.json:
@@ -101,7 +106,8 @@ def serve_options(args) -> server.ServeOptions:
                                metrics_port=None if args.no_metrics else args.metrics_port,
                                max_waiting=args.max_waiting, grace_period_s=args.grace_period,
                                max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                               scheduling_policy=args.scheduling_policy, reflection=not args.no_reflection)
+                               scheduling_policy=args.scheduling_policy, reflection=not args.no_reflection,
+                               http_port=args.http_port, api_key=args.api_key)
 
 
 def cmd_serve(args) -> None:
@@ -125,13 +131,19 @@ def cmd_client(args) -> None:
 
 
 def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve the model over gRPC (health, reflection, Prometheus metrics)")
+    p = sub.add_parser("serve", help="serve the model over gRPC (health, reflection, Prometheus metrics) and, with "
+                                     "--http-port, an OpenAI-compatible HTTP API")
     add_model_args(p)
     p.add_argument("--host", default=server.DEFAULT_HOST, help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=server.DEFAULT_PORT, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=server.DEFAULT_METRICS_PORT,
                    help="Prometheus port (0: any free)")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                        "/health, /metrics) on this port (0: any free port)")
+    p.add_argument("--api-key", default=None,
+                   help="the HTTP API's /v1 routes require `Authorization: Bearer KEY` (the gRPC API does not)")
     p.add_argument("--max-waiting", type=int, default=server.DEFAULT_MAX_WAITING,
                    help="requests without a first token before new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--grace-period", type=float, default=server.DEFAULT_GRACE_PERIOD_S,
@@ -175,9 +187,11 @@ def add_bench_parser(sub, with_commands: bool) -> None:
 def build_parser(with_bench_commands: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete prompts (raw text, no chat template)")
+    gen = sub.add_parser("generate", help="answer prompts (each a user message, through the model's chat "
+                                          "template when it has one; --raw: complete the text)")
     add_model_args(gen)
     add_sampling_args(gen)
+    gen.add_argument("--raw", action="store_true", help="plain completion of the prompt text, no chat template")
     gen.add_argument("--json", action="store_true", help='one JSON object per prompt: {"prompt","token_ids","text"}')
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=cmd_generate)

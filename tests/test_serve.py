@@ -330,7 +330,7 @@ def test_prometheus_metrics(server):
     for histogram in ("time_to_first_token", "time_per_output_token", "inter_token_latency"):
         assert value(f"jaxserve_{histogram}_seconds_count") >= 1
     assert value("jaxserve_requests_total", outcome="finished") >= 1
-    assert value("jaxserve_compiled_buckets") >= 1
+    assert value("jaxserve_compiled_graphs") >= 1 and value("jaxserve_compiles_after_start_total") >= 0
     assert value("jaxserve_kv_blocks_free") == stats.kv_blocks_free
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_hit_rate",
                   "preemptions_total", "serving"):

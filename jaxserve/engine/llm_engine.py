@@ -77,9 +77,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
-        if cfg.precompile:
-            self.runner.precompile()
-        self.runner.graphs.started = True   # from here on a compile stalls the streams: counted
+        self.runner.graphs.started = True   # the runner compiled every graph (cfg.precompile): a compile now is counted
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -280,5 +278,5 @@ class LLMEngine:
                 "kv_blocks_total": self.kv.num_blocks - 1, "kv_blocks_free": self.kv.num_free_blocks,
                 "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
-                "compiled_buckets": len(self.runner.graphs.executables),
+                "compiled_graphs": len(self.runner.graphs.executables),
                 "compiles_after_start": self.runner.graphs.compiles_after_start}

@@ -32,6 +32,7 @@ from jaxserve.models.loader import LoadedModel
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
 MIN_RESET_WIDTH = 16   # penalty resets pad prompt + output tokens to a power of two from here
+PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, not [T, V] (5 GB at 4K x 128K)
 
 
 def pow2_ladder(low: int, high: int) -> tuple[int, ...]:
@@ -76,11 +77,19 @@ def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_t
 
 
 def run_prompt_logprobs(params, hidden, next_prompt_ids, *, graphdef) -> PromptLogprobs:
-    """All-position logprobs ([T, V]: run only for steps that serve a prompt_logprobs request)."""
-    logprobs = jax.nn.log_softmax(nnx.merge(graphdef, params).logits(hidden), axis=-1)
-    target = jnp.take_along_axis(logprobs, jnp.maximum(next_prompt_ids, 0)[:, None], axis=-1)[:, 0]
-    top, ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-    return PromptLogprobs(target, ids.astype(jnp.int32), top)
+    """All-position logprobs (run only for steps that serve a prompt_logprobs request), PROMPT_LOGPROBS_ROWS
+    tokens at a time."""
+    model, rows = nnx.merge(graphdef, params), math.gcd(len(hidden), PROMPT_LOGPROBS_ROWS)
+
+    def chunk(args):
+        h, nxt = args
+        logprobs = jax.nn.log_softmax(model.logits(h), axis=-1)
+        target = jnp.take_along_axis(logprobs, jnp.maximum(nxt, 0)[:, None], axis=-1)[:, 0]
+        top, ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+        return PromptLogprobs(target, ids.astype(jnp.int32), top)
+
+    out = jax.lax.map(chunk, (hidden.reshape(-1, rows, hidden.shape[-1]), next_prompt_ids.reshape(-1, rows)))
+    return jax.tree.map(lambda x: x.reshape(len(hidden), *x.shape[2:]), out)
 
 
 class ModelRunner:
@@ -109,20 +118,24 @@ class ModelRunner:
         self.num_blocks = cfg.num_blocks or num_blocks_for_memory(
             bytes_per_block, activation_peak_bytes=self.activation_bytes(dtype), fraction=cfg.memory_fraction)
         print(describe_kv_capacity(self.num_blocks, cfg.block_size, bytes_per_block), file=sys.stderr)
+        self.cache_shape = [(jax.ShapeDtypeStruct((self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim),
+                                                  dtype),) * 2] * mc.num_layers
+        if cfg.precompile:   # before the cache takes the memory: compiling (autotuning) needs room to run kernels
+            self.precompile()
         self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads,
                                           mc.head_dim, dtype)
 
     def activation_bytes(self, dtype) -> int:
-        """XLA's temp memory for the largest bucket's model and sampler graphs, the model compiled against a
-        2-block stand-in cache (temp memory does not depend on the cache's size): reserved before the KV cache
+        """XLA's temp memory for the largest bucket's model, sampler and prompt-logprob graphs (summed: safe
+        whichever runs), the model compiled against a 2-block stand-in cache (temp memory does not depend on the cache's size): reserved before the KV cache
         takes what is left."""
         mc = self.model_config
         block = jax.ShapeDtypeStruct((2, self.cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype)
         inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1],
                                num_logprobs=MAX_LOGPROBS, sampler_mode="sort")
         model = self._model.lower(self.params, [(block, block)] * mc.num_layers, self.last_tokens, inp.model)
-        sampler = self._lower_sampler(inp.sampler)
-        peak = sum(getattr(g.compile().memory_analysis(), "temp_size_in_bytes", 0) for g in (model, sampler))
+        graphs = (model, self._lower_sampler(inp.sampler), self._lower_prompt_logprobs(self.token_buckets[-1]))
+        peak = sum(getattr(g.compile().memory_analysis(), "temp_size_in_bytes", 0) for g in graphs)
         print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
         return peak
 
@@ -156,7 +169,7 @@ class ModelRunner:
         return shapes
 
     def _lower_model(self, inp: ModelInputs):
-        return self._model.lower(self.params, self.kv_cache, self.last_tokens, inp)
+        return self._model.lower(self.params, self.cache_shape, self.last_tokens, inp)
 
     def _lower_sampler(self, inp: SamplerInputs):
         logits = jax.ShapeDtypeStruct((len(inp.slot_ids), self.model_config.vocab_size), jnp.float32)
@@ -167,7 +180,7 @@ class ModelRunner:
         return self._prompt_logprobs.lower(self.params, hidden, np.zeros(num_tokens, np.int32))
 
     def _lower_copy(self, ids: np.ndarray):
-        return _copy_blocks.lower(self.kv_cache, ids, ids)
+        return _copy_blocks.lower(self.cache_shape, ids, ids)
 
     def _lower_reset(self, num_rows: int, width: int):
         ids = np.zeros((num_rows, width), np.int32)

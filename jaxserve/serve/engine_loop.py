@@ -1,11 +1,12 @@
-"""The engine thread of `jaxserve serve`.
+"""The engine's threads under `jaxserve serve`, shared by its front ends (gRPC and OpenAI HTTP).
 
 The engine is synchronous and not thread-safe, so one thread owns it (EngineLoop): it runs queued commands
 (add, abort), steps while there is work and hands each step's outputs to the event loop in one
-`call_soon_threadsafe`. gRPC handlers never touch the engine: they enqueue commands and await their request's
-asyncio queue. Outputs are cumulative, so a handler that falls behind sends only the newest (as a delta).
-A handler that ends before its request finished (client cancel, expired deadline, shutdown) aborts it; the
-abort runs before the next step, so the request's blocks are free within one engine step.
+`call_soon_threadsafe`. A second thread converts, chat-templates and tokenizes requests, so neither the engine
+nor the event loop ever waits on a long prompt. Handlers never touch the engine: they enqueue commands and await
+their request's asyncio queue. Outputs are cumulative, so a handler that falls behind sends only the newest (as a
+delta). A handler that ends before its request finished (client cancel or disconnect, expired deadline,
+shutdown) aborts it; the abort runs before the next step, so the request's blocks are free within one step.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import itertools
 import queue
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from jaxserve.engine.llm_engine import LLMEngine
@@ -30,6 +32,19 @@ class EngineFailed(Exception):
 
 class Overloaded(Exception):
     """Too many requests wait for their first token (RESOURCE_EXHAUSTED)."""
+
+
+REFUSALS = (ValueError, Overloaded, EngineFailed)   # what a front end answers with an error status
+
+
+@dataclass(slots=True)
+class Submission:
+    """A request as the engine takes it, converted (and a text prompt tokenized) on the tokenizer thread."""
+    prompt: str | list[int]
+    token_ids: list[int] | None     # a text prompt's; None for a token-id prompt
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -53,6 +68,7 @@ class EngineLoop:
         self.snapshot = self._stats()
         self._ids = itertools.count()
         self.thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -61,10 +77,39 @@ class EngineLoop:
     async def stop(self) -> None:
         self.commands.put(STOP)
         await asyncio.to_thread(self.thread.join)
+        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
-    def open(self, prompt, token_ids: list[int] | None, params: SamplingParams, priority: int,
-             cache_salt: str | None) -> tuple[str, Stream]:
-        """Queue a request (token_ids: a text prompt's, already tokenized) and the stream its outputs come on."""
+    async def off_engine(self, fn, *args):
+        """fn(*args) on the tokenizer thread: request conversion, chat templates, (de)tokenization."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int] | None:
+        """A text prompt's token ids (None for token ids); on the tokenizer thread, inside a front end's conversion."""
+        return self.engine.tokenize(prompt) if isinstance(prompt, str) else None
+
+    async def generate(self, submission: Submission, timer) -> AsyncIterator[RequestOutput]:
+        """The request's cumulative outputs, the newest only when several queued up; `timer` counts how it ends.
+        A refusal or failure raises; leaving early aborts the request at once."""
+        request_id, out = None, None
+        try:
+            request_id, stream = self.open(submission)
+            while out is None or not out.finished:
+                out = await stream.queue.get()
+                while not stream.queue.empty():
+                    out = stream.queue.get_nowait()
+                if isinstance(out, Exception):
+                    raise out
+                timer.observe(out)
+                yield out
+        except REFUSALS as e:
+            timer.end(e)
+            raise
+        finally:
+            self.close(request_id)   # None: never opened
+            timer.end()
+
+    def open(self, submission: Submission) -> tuple[str, Stream]:
+        """Queue a request and the stream its outputs come on."""
         if self.failure is not None:
             raise self.failure
         if self.num_pending >= self.max_waiting:
@@ -73,7 +118,7 @@ class EngineLoop:
         request_id = str(next(self._ids))
         self.streams[request_id] = stream = Stream()
         self.num_pending += 1
-        self.commands.put(("add", request_id, prompt, token_ids, params, priority, cache_salt))
+        self.commands.put(("add", request_id, submission))
         return request_id, stream
 
     def close(self, request_id: str) -> None:
@@ -140,10 +185,10 @@ class EngineLoop:
 
     def _execute(self, command: tuple) -> None:
         match command:
-            case ("add", request_id, prompt, token_ids, params, priority, cache_salt):
+            case ("add", request_id, sub):
                 try:
-                    self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
-                                            cache_salt=cache_salt, prompt_token_ids=token_ids)
+                    self.engine.add_request(sub.prompt, sub.params, request_id=request_id, priority=sub.priority,
+                                            cache_salt=sub.cache_salt, prompt_token_ids=sub.token_ids)
                 except ValueError as e:   # bad input: the engine is unchanged
                     self.loop.call_soon_threadsafe(self._deliver_error, request_id, e)
             case ("abort", request_id):
@@ -160,7 +205,7 @@ class EngineLoop:
         queries = s["prefix_cache_queries"]
         return {**{k: s[k] for k in ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "kv_usage",
                                      "prefix_cache_queries", "prefix_cache_hits", "preemptions",
-                                     "compiled_buckets")},
+                                     "compiled_graphs", "compiles_after_start")},
                 "kv_blocks_used": s["kv_blocks_total"] - s["kv_blocks_free"],
                 "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0,
                 "engine_steps": self.steps}

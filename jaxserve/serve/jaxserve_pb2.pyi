@@ -191,7 +191,7 @@ class ServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatsResponse(_message.Message):
-    __slots__ = ("running", "waiting", "pending", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions", "compiled_buckets", "engine_steps", "serving")
+    __slots__ = ("running", "waiting", "pending", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions", "compiled_graphs", "engine_steps", "serving", "compiles_after_start")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
@@ -203,9 +203,10 @@ class ServerStatsResponse(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
-    COMPILED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    COMPILES_AFTER_START_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     pending: int
@@ -217,7 +218,8 @@ class ServerStatsResponse(_message.Message):
     prefix_cache_hits: int
     prefix_cache_hit_rate: float
     preemptions: int
-    compiled_buckets: int
+    compiled_graphs: int
     engine_steps: int
     serving: bool
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., compiled_buckets: _Optional[int] = ..., engine_steps: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
+    compiles_after_start: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., compiled_graphs: _Optional[int] = ..., engine_steps: _Optional[int] = ..., serving: _Optional[bool] = ..., compiles_after_start: _Optional[int] = ...) -> None: ...

@@ -1,13 +1,19 @@
-"""Prometheus metrics of the gRPC server: per-request latency histograms observed by the handlers, and engine
-gauges read at scrape time from the engine loop's latest stats snapshot (so scraping never touches the engine)."""
+"""Prometheus metrics of `jaxserve serve` (both front ends, one registry): per-request latency histograms and
+outcomes, and engine gauges read at scrape time from the engine loop's latest stats snapshot (so scraping never
+touches the engine). Served on --metrics-port, and at /metrics of the HTTP front end."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest,
+                               start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.engine.llm_engine import AdmissionError
+from jaxserve.engine.sequence import RequestOutput
+from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 
 # Bucket edges in seconds: TTFT spans queueing + prefill; per-token latencies span one engine step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -28,10 +34,20 @@ ENGINE_METRICS = (
     ("jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries", True),
     ("jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits", True),
     ("jaxserve_preemptions", "Sequences preempted for lack of KV blocks.", "preemptions", True),
-    ("jaxserve_compiled_buckets", "Step graphs compiled so far.", "compiled_buckets", False),
+    ("jaxserve_compiled_graphs", "Graphs compiled so far.", "compiled_graphs", False),
+    ("jaxserve_compiles_after_start", "Graphs compiled while serving (each stalls every stream; should stay 0).",
+     "compiles_after_start", True),
     ("jaxserve_engine_steps", "Engine steps run.", "engine_steps", True),
     ("jaxserve_serving", "1 while the engine is healthy and the server accepts requests.", "serving", False),
 )
+
+
+# error -> outcome in the requests metric; the first that matches (an AdmissionError is a ValueError)
+OUTCOMES = ((AdmissionError, "rejected"), (ValueError, "invalid"), (Overloaded, "rejected"), (EngineFailed, "failed"))
+
+
+def outcome(error: Exception) -> str:
+    return next(name for kind, name in OUTCOMES if isinstance(error, kind))
 
 
 class EngineStatsCollector:
@@ -65,6 +81,10 @@ class ServerMetrics:
         r.register(EngineStatsCollector(snapshot))
         self.http_server = None
 
+    def exposition(self) -> tuple[bytes, str]:
+        """The registry in Prometheus' text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
     def serve_http(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP in a daemon thread; returns the bound port (port 0 picks a free one)."""
         self.http_server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -78,14 +98,18 @@ class ServerMetrics:
 
 @dataclass(slots=True)
 class RequestTimer:
-    """Latency bookkeeping of one request, fed with its cumulative token count as outputs arrive."""
+    """Latency and outcome bookkeeping of one request, fed with its cumulative outputs as they arrive."""
     metrics: ServerMetrics
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None
     last: float | None = None
     num_tokens: int = 0        # tokens of the longest output so far (n > 1 outputs advance together)
+    output: RequestOutput | None = None
+    ended: bool = False
 
-    def observe(self, num_tokens: int) -> None:
+    def observe(self, out: RequestOutput) -> None:
+        self.output = out
+        num_tokens = max(len(c.token_ids) for c in out.outputs)
         new = num_tokens - self.num_tokens
         if new <= 0:
             return
@@ -98,13 +122,19 @@ class RequestTimer:
                 self.metrics.itl.observe((now - self.last) / new)
         self.last, self.num_tokens = now, num_tokens
 
-    def finish(self, outcome: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
-        m = self.metrics
-        m.requests.labels(outcome).inc()
-        m.generation_tokens.inc(generated_tokens)
-        if outcome != "finished":
+    def end(self, error: Exception | None = None) -> None:
+        """Count the request, once: refused or failed (error), finished, or aborted (left before it finished)."""
+        if self.ended:
             return
-        m.prompt_tokens.inc(prompt_tokens)
+        self.ended, m, out = True, self.metrics, self.output
+        result = outcome(error) if error is not None else "finished" if out is not None and out.finished else "aborted"
+        m.requests.labels(result).inc()
+        if out is None:
+            return
+        m.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        if result != "finished":
+            return
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
         m.e2e.observe(time.perf_counter() - self.start)
         if self.num_tokens > 1:
             m.tpot.observe((self.last - self.first) / (self.num_tokens - 1))

@@ -1,6 +1,7 @@
-"""`jaxserve serve`: a grpc.aio server (with health, reflection and Prometheus metrics) over one LLMEngine,
-driven through its engine thread (engine_loop.py). Tokenization runs on a thread of its own, so a long prompt
-never stalls the engine's steps; an engine failure turns health NOT_SERVING and the process exits 1."""
+"""`jaxserve serve`: a grpc.aio server (with health, reflection and Prometheus metrics) and, with --http-port, the
+OpenAI-compatible HTTP server (openai_http.py) in the same event loop, over one LLMEngine driven through its engine
+thread (engine_loop.py). Tokenization runs on a thread of its own, so a long prompt never stalls the engine's
+steps; an engine failure turns health NOT_SERVING (HTTP /health 503) and the process exits 1."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,6 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -27,8 +27,9 @@ from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serve.convert import (delta_response, detokenize, full_response, model_info, request_prompt,
                                     sampling_params)
-from jaxserve.serve.engine_loop import EngineFailed, EngineLoop, Overloaded
+from jaxserve.serve.engine_loop import REFUSALS, EngineFailed, EngineLoop, Overloaded, Submission
 from jaxserve.serve.metrics import RequestTimer, ServerMetrics
+from jaxserve.serve.openai_http import HttpServer, OpenAIApp
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -40,11 +41,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
-# error -> (status of the call, outcome in the requests metric); the first that matches
-ERRORS = ((AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected"),
-          (ValueError, grpc.StatusCode.INVALID_ARGUMENT, "invalid"),
-          (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected"),
-          (EngineFailed, grpc.StatusCode.UNAVAILABLE, "failed"))
+# error -> status of the call; the first that matches
+GRPC_CODES = ((AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED), (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+              (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED), (EngineFailed, grpc.StatusCode.UNAVAILABLE))
 
 
 @dataclass(slots=True)
@@ -59,9 +58,11 @@ class ServeOptions:
     tls_key: str | None = None
     scheduling_policy: str = "fcfs"                     # "priority": requests' priority orders the queue
     reflection: bool = True
+    http_port: int | None = None                        # the OpenAI-compatible HTTP server; 0: any free port
+    api_key: str | None = None                          # required by the HTTP server as `Authorization: Bearer`
 
     def __post_init__(self):
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {value}")
@@ -75,6 +76,8 @@ class ServeOptions:
             raise ValueError("tls_cert and tls_key: give both or neither")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
 
     def read_tls(self) -> tuple[bytes, bytes] | None:
         """(key, certificate chain) PEM bytes, or None without TLS; a missing or non-PEM file is a ValueError."""
@@ -93,7 +96,8 @@ class ServeOptions:
 
     def check_bindable(self) -> None:
         """Before the model loads: the host resolves and the ports are free (a ValueError naming which)."""
-        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
+        ports = (("--port", self.port), ("--metrics-port", self.metrics_port), ("--http-port", self.http_port))
+        for flag, port in ports:
             if port is None:
                 continue
             try:
@@ -110,7 +114,6 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                  opts: ServeOptions):
         self.engine_loop, self.info, self.metrics, self.opts = engine_loop, info, metrics, opts
         self.engine = engine_loop.engine   # only its thread-safe tokenize / tokenizer, on the tokenizer thread
-        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
 
     async def Generate(self, request, context):
         sent: dict[int, tuple[int, int, bool]] = {}
@@ -140,56 +143,35 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return pb.ServerStatsResponse(**self.engine_loop.stats())
 
     async def _outputs(self, request, context) -> AsyncIterator[RequestOutput]:
-        """The request's cumulative outputs, newest only when several queued up; errors end the call."""
+        """The request's cumulative outputs (engine_loop.generate); a refusal or failure ends the call."""
         timer = RequestTimer(self.metrics)
         try:
-            prompt, params = request_prompt(request), sampling_params(request.sampling)
-            if request.priority and self.opts.scheduling_policy == "fcfs":
-                raise ValueError("priority: this server serves first come, first served (start it with "
-                                 "--scheduling-policy priority to honour priorities)")
-            ids = await self._tokenized(prompt)
-            cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-            request_id, stream = self.engine_loop.open(prompt, ids, params, request.priority, cache_salt)
-        except (ValueError, Overloaded, EngineFailed) as e:
-            timer.finish(classify(e)[1])
+            submission = await self.engine_loop.off_engine(self._submission, request)
+            async with contextlib.aclosing(self.engine_loop.generate(submission, timer)) as outputs:
+                async for out in outputs:
+                    yield out
+        except REFUSALS as e:
+            timer.end(e)
             await abort(context, e)
-        outcome, out = "aborted", None
-        try:
-            while out is None or not out.finished:
-                out = await stream.queue.get()
-                while not stream.queue.empty():
-                    out = stream.queue.get_nowait()
-                if isinstance(out, Exception):
-                    outcome = classify(out)[1]
-                    await abort(context, out)
-                timer.observe(max(len(c.token_ids) for c in out.outputs))
-                yield out
-            outcome = "finished"
-        finally:
-            self.engine_loop.close(request_id)
-            done = isinstance(out, RequestOutput)
-            timer.finish(outcome, len(out.prompt_token_ids) if done else 0,
-                         sum(len(c.token_ids) for c in out.outputs) if done else 0)
 
-    async def _tokenized(self, prompt) -> list[int] | None:
-        """A text prompt's ids, tokenized on the tokenizer thread; None for a token-id prompt."""
-        if not isinstance(prompt, str):
-            return None
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, self.engine.tokenize, prompt)
+    def _submission(self, request) -> Submission:
+        """On the tokenizer thread: the request converted, checked and tokenized."""
+        prompt, params = request_prompt(request), sampling_params(request.sampling)
+        if request.priority and self.opts.scheduling_policy == "fcfs":
+            raise ValueError("priority: this server serves first come, first served (start it with "
+                             "--scheduling-policy priority to honour priorities)")
+        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        return Submission(prompt, self.engine_loop.prompt_ids(prompt), params, request.priority, cache_salt)
 
     async def _off_engine(self, context, fn, *args):
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+            return await self.engine_loop.off_engine(fn, *args)
         except ValueError as e:
             await abort(context, e)
 
 
-def classify(error: Exception) -> tuple[grpc.StatusCode, str]:
-    return next((code, outcome) for kind, code, outcome in ERRORS if isinstance(error, kind))
-
-
 async def abort(context, error: Exception):
-    await context.abort(classify(error)[0], str(error))
+    await context.abort(next(code for kind, code in GRPC_CODES if isinstance(error, kind)), str(error))
 
 
 def address(host: str, port: int) -> str:
@@ -197,7 +179,8 @@ def address(host: str, port: int) -> str:
 
 
 class Server:
-    """The gRPC server, health and reflection services, metrics endpoint and engine thread of one engine."""
+    """The gRPC server, health and reflection services, metrics endpoint, OpenAI HTTP server (with --http-port)
+    and engine threads of one engine."""
 
     def __init__(self, engine: LLMEngine, opts: ServeOptions, model_name: str):
         self.opts = opts
@@ -205,8 +188,11 @@ class Server:
         self.engine_loop = EngineLoop(engine, opts.max_waiting, self._on_engine_failure)
         self.metrics = ServerMetrics(self.engine_loop.stats)
         self.servicer = JaxServeServicer(self.engine_loop, model_info(engine, model_name), self.metrics, opts)
+        self.http = None if opts.http_port is None else HttpServer(
+            OpenAIApp(self.engine_loop, self.metrics, model_name, opts.api_key, opts.max_message_bytes).app,
+            opts.host, opts.http_port, opts.grace_period_s)
         self.grpc: grpc.aio.Server | None = None
-        self.port = self.metrics_port = None
+        self.port = self.metrics_port = self.http_port = None
         self.failed = asyncio.Event()   # the engine failed: the process should exit non-zero
 
     async def start(self) -> None:
@@ -226,6 +212,8 @@ class Server:
         await self.grpc.start()
         if opts.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(opts.host, opts.metrics_port)
+        if self.http is not None:
+            self.http_port = await self.http.start()
 
     def _bind(self, addr: str) -> int:
         tls = self.opts.read_tls()
@@ -235,12 +223,11 @@ class Server:
 
     async def stop(self) -> None:
         """Drain: health NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period
-        (the rest are cancelled, which aborts their requests), then stop the engine thread."""
+        (the rest are cancelled, which aborts their requests), then stop the engine threads."""
         await self.health.enter_graceful_shutdown()
-        await self.grpc.stop(self.opts.grace_period_s)
+        await asyncio.gather(self.grpc.stop(self.opts.grace_period_s), *([self.http.stop()] if self.http else []))
         await self.engine_loop.stop()
         self.metrics.shutdown()
-        self.servicer.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def _on_engine_failure(self) -> None:
         for service in ("", SERVICE_NAME):
@@ -310,7 +297,8 @@ async def serve_until_signal(engine: LLMEngine, opts: ServeOptions, model_name: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_then_force, stop)
     metrics = f" metrics=http://{address(opts.host, server.metrics_port)}/metrics" if server.metrics_port else ""
-    print(f"jaxserve serve: ready grpc={address(opts.host, server.port)}{metrics}", file=sys.stderr, flush=True)
+    http = f" http=http://{address(opts.host, server.http_port)}/v1" if server.http_port else ""
+    print(f"jaxserve serve: ready grpc={address(opts.host, server.port)}{metrics}{http}", file=sys.stderr, flush=True)
     await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
     if server.failed.is_set():

@@ -1,0 +1,421 @@
+"""The OpenAI-compatible HTTP front end of `jaxserve serve --http-port`: /v1/completions and /v1/chat/completions
+(server-sent events when streaming, ending with `data: [DONE]`), /v1/models, /health and /metrics. A Starlette app
+served by uvicorn in the gRPC server's event loop, over the same engine loop. A request body is parsed,
+chat-templated and tokenized on the engine loop's tokenizer thread; its cumulative RequestOutputs become an OpenAI
+response, or chunks of per-choice deltas. A client that disconnects aborts its request at once. Errors are
+OpenAI-shaped: {"error": {"message", "type", "param", "code"}}."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import re
+import secrets
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+import uvicorn
+from jinja2 import TemplateError
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from jaxserve.engine.llm import apply_chat_template
+from jaxserve.engine.llm_engine import AdmissionError
+from jaxserve.engine.sampling_params import SamplingParams, short
+from jaxserve.engine.sequence import CompletionOutput, RequestOutput
+from jaxserve.serve.engine_loop import REFUSALS, EngineLoop, Overloaded, Submission
+from jaxserve.serve.metrics import RequestTimer, ServerMetrics
+
+# request fields (OpenAI's, and vLLM's extensions) that are SamplingParams fields of the same name and meaning
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
+                   "include_stop_str_in_output")
+ENGINE_FIELDS = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt"}   # what engine errors name first
+UNSUPPORTED = ("echo", "suffix", "logit_bias", "tools", "functions", "response_format")
+DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's for /v1/completions; chat runs up to max_model_len
+MIN_LOGPROB = -9999.0            # what -inf is sent as (vLLM's choice)
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable"}   # the rest: invalid_request_error
+
+
+class APIError(ValueError):
+    """An OpenAI-shaped error; a ValueError, so the requests metric counts it as invalid input."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status)
+
+
+def api_error(error: Exception, renames: dict[str, str]) -> APIError:
+    """A refusal as an OpenAI error, `param` the field its message names first (in the request's own terms).
+    AdmissionError: a request that can never fit the KV pool is the client's to change, 400 (as OpenAI answers a
+    context too long; not 413, which clients and proxies take for a body-size limit); a full queue is 429, as is
+    Overloaded; EngineFailed is 503."""
+    if isinstance(error, APIError):
+        return error
+    message = str(error)
+    if isinstance(error, AdmissionError):
+        status, code = (400, "context_length_exceeded") if "KV pool" in message else (429, "queue_full")
+    elif isinstance(error, ValueError):
+        status, code = 400, None
+    else:
+        status, code = (429, "server_overloaded") if isinstance(error, Overloaded) else (503, "engine_failed")
+    name = re.match(r"[a-z_]*", message)[0]
+    return APIError(status, message, renames.get(name, name) if name in ENGINE_FIELDS else None, code)
+
+
+# ---- requests ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Parsed:
+    submission: Submission
+    chat: bool
+    stream: bool
+    include_usage: bool
+    renames: dict[str, str]   # engine field name -> this request's
+
+
+def json_object(body: bytes) -> dict:
+    try:
+        value = json.loads(body)
+    except ValueError as e:   # UnicodeDecodeError included
+        raise APIError(400, f"body: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def flag(mapping: dict, name: str) -> bool:
+    value = mapping.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise APIError(400, f"{name} must be a bool, got {short(value)}", name)
+    return bool(value)
+
+
+def field_renames(request: dict, chat: bool) -> dict[str, str]:
+    if not chat:
+        return {}
+    max_tokens = "max_completion_tokens" if request.get("max_completion_tokens") is not None else "max_tokens"
+    return {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
+
+
+def sampling_params(request: dict, chat: bool) -> SamplingParams:
+    kwargs = {name: request[name] for name in SAMPLING_FIELDS if request.get(name) is not None}
+    max_tokens = request.get("max_completion_tokens") if chat else None
+    max_tokens = request.get("max_tokens") if max_tokens is None else max_tokens
+    default = None if chat else DEFAULT_COMPLETION_TOKENS
+    return SamplingParams(**kwargs, max_tokens=default if max_tokens is None else max_tokens,
+                          logprobs=num_logprobs(request, chat))
+
+
+def num_logprobs(request: dict, chat: bool) -> int | None:
+    """Top logprobs per token (None: none). Completions: `logprobs` is the count; chat: a bool, `top_logprobs`
+    the count."""
+    if not chat:
+        return request.get("logprobs")
+    top = request.get("top_logprobs")
+    if top is not None and not flag(request, "logprobs"):
+        raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+    return (0 if top is None else top) if flag(request, "logprobs") else None
+
+
+def completion_prompt(request: dict) -> str | list[int]:
+    """The prompt, text or token ids (anything else the engine refuses, naming it)."""
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]   # the batch form, holding one prompt
+    if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "prompt: one prompt per request (a batch of prompts is not supported)", "prompt")
+    return prompt
+
+
+def chat_message(message) -> dict:
+    """{role, content} with the content as text (a list of text parts joined)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise APIError(400, f"messages: each must be an object with a string role, got {short(message)}", "messages")
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        content = "".join(str(p.get("text", "")) for p in content)
+    if content is not None and not isinstance(content, str):
+        raise APIError(400, f"messages: content must be a string or text parts, got {short(content)}", "messages")
+    return {"role": message["role"], "content": content or ""}
+
+
+# ---- responses ------------------------------------------------------------------------------------------
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Reply:
+    """One request's response: whole, or chunks of per-choice deltas of its cumulative outputs."""
+
+    def __init__(self, parsed: Parsed, model: str, token_text: Callable[[int], str]):
+        self.chat, self.include_usage, self.token_text = parsed.chat, parsed.include_usage, token_text
+        self.num_top = parsed.submission.params.logprobs
+        self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                     "model": model}
+        self.sent: dict[int, tuple[int, int, bool]] = {}   # choice -> characters, tokens, finish reason sent
+
+    def full(self, out: RequestOutput) -> dict:
+        choices = [self.choice(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+        return {**self.header(chunk=False), "choices": choices, "usage": usage(out)}
+
+    def chunks(self, out: RequestOutput) -> Iterator[dict]:
+        """A chunk per choice that changed since the last call (OpenAI sends one choice per chunk)."""
+        for c in out.outputs:
+            seen = c.index in self.sent
+            chars, tokens, done = self.sent.get(c.index, (0, 0, False))
+            if seen and len(c.text) == chars and len(c.token_ids) == tokens and (done or c.finish_reason is None):
+                continue
+            self.sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+            yield {**self.header(chunk=True), "choices": [self.choice(c, chars, tokens, first=not seen)]}
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        return {**self.header(chunk=True), "choices": [], "usage": usage(out)}
+
+    def header(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {**self.head, "object": kind, **({"usage": None} if chunk and self.include_usage else {})}
+
+    def choice(self, c: CompletionOutput, chars: int | None = None, tokens: int = 0, first: bool = False) -> dict:
+        """The whole output (chars None), or what follows `chars` characters and `tokens` tokens as a delta."""
+        text, ids = c.text[chars or 0:], c.token_ids[tokens:]
+        logprobs = None if c.logprobs is None else self.logprobs(ids, c.logprobs[tokens:len(c.token_ids)])
+        if not self.chat:
+            body = {"text": text}
+        elif chars is None:
+            body = {"message": {"role": "assistant", "content": text}}
+        else:
+            body = {"delta": {"role": "assistant", "content": text} if first else {"content": text} if text else {}}
+        return {"index": c.index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def logprobs(self, ids: list[int], per_token: list[dict[int, float]]) -> dict:
+        """Each token's logprob and the top `num_top` (the engine's dicts: the sampled token's entry + the top);
+        -inf is clamped, as JSON has no infinities."""
+        per_token = [{t: max(v, MIN_LOGPROB) for t, v in lp.items()} for lp in per_token]
+        top = [sorted(lp.items(), key=lambda kv: -kv[1])[:self.num_top] for lp in per_token]
+        text = self.token_text
+        if not self.chat:
+            return {"tokens": [text(t) for t in ids], "token_logprobs": [lp[t] for t, lp in zip(ids, per_token)],
+                    "top_logprobs": [{text(t): v for t, v in best} for best in top]}
+        entry = lambda t, v: {"token": text(t), "logprob": v, "bytes": list(text(t).encode())}  # noqa: E731
+        return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(*kv) for kv in best]}
+                            for t, lp, best in zip(ids, per_token, top)]}
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed whenever the response ends: Starlette cancels a stream whose
+    client disconnected but leaves the generator suspended, and closing it is what aborts the engine request."""
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"body: more than {limit:,} bytes (--max-message-bytes)", code="request_too_large")
+    return b"".join(chunks)
+
+
+async def unless_disconnected(request: Request, work) -> Response:
+    """work's response, unless the client disconnects first: then work is cancelled, which aborts its request.
+    (Read the body first: this listens on the same channel.)"""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()
+        await asyncio.wait((task,))
+    return Response(status_code=499) if task.cancelled() else task.result()   # 499: nginx's "client closed"
+
+
+async def disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- the app --------------------------------------------------------------------------------------------
+class OpenAIApp:
+    """The routes over one engine loop; `app` is the ASGI application."""
+
+    def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, api_key: str | None,
+                 max_body_bytes: int):
+        self.engine_loop, self.metrics, self.model_name = engine_loop, metrics, model_name
+        self.max_body_bytes, self.created = max_body_bytes, int(time.time())
+        self.tokenizer = tok = engine_loop.engine.tokenizer
+        self.token_text = functools.cache(lambda t: tok.decode([t]) if tok is not None else f"token_id:{t}")
+        routes = [Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.scrape)]
+        handlers = {APIError: lambda _, e: e.response(), HTTPException: http_error, Exception: internal_error}
+        app = Starlette(routes=routes, exception_handlers=handlers)
+        self.app = app if api_key is None else BearerAuth(app, api_key)
+
+    async def completions(self, request: Request) -> Response:
+        return await unless_disconnected(request, self.respond(await read_body(request, self.max_body_bytes), False))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await unless_disconnected(request, self.respond(await read_body(request, self.max_body_bytes), True))
+
+    async def respond(self, body: bytes, chat: bool) -> Response:
+        timer, parsed = RequestTimer(self.metrics), None
+        try:
+            parsed = await self.engine_loop.off_engine(self.parse, body, chat)
+            outputs = self.engine_loop.generate(parsed.submission, timer)
+            out = await anext(outputs)   # a refusal gets an HTTP status only before the response starts
+            reply = Reply(parsed, self.model_name, self.token_text)
+            if parsed.stream:
+                return EventStream(self.events(reply, out, outputs))
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    pass
+            return JSONResponse(reply.full(out))
+        except REFUSALS as e:
+            timer.end(e)
+            raise api_error(e, parsed.renames if parsed else {}) from None
+
+    def parse(self, body: bytes, chat: bool) -> Parsed:
+        """On the tokenizer thread: the request body checked, converted, chat-templated and tokenized."""
+        request = json_object(body)
+        renames = field_renames(request, chat)
+        try:
+            if request.get("model") not in (None, self.model_name):
+                raise APIError(404, f"model {short(request['model'])} does not exist; this server serves "
+                                    f"{self.model_name!r}", "model", "model_not_found")
+            if unsupported := [name for name in UNSUPPORTED if request.get(name) and request[name] != {"type": "text"}]:
+                raise APIError(400, f"{unsupported[0]}: not supported by this server", unsupported[0])
+            params = sampling_params(request, chat)
+            prompt = self.chat_prompt(request) if chat else completion_prompt(request)
+            stream, options = flag(request, "stream"), request.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise APIError(400, f"stream_options must be an object, got {short(options)}", "stream_options")
+            return Parsed(Submission(prompt, self.engine_loop.prompt_ids(prompt), params), chat, stream,
+                          stream and flag(options, "include_usage"), renames)
+        except ValueError as e:
+            raise api_error(e, renames) from None
+
+    def chat_prompt(self, request: dict) -> str:
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "messages must be a non-empty list of {role, content}", "messages")
+        try:
+            return apply_chat_template(self.tokenizer, [chat_message(m) for m in messages])
+        except TemplateError as e:   # the template's own checks, e.g. roles that must alternate
+            raise APIError(400, f"messages: {e}", "messages") from None
+
+    async def events(self, reply: Reply, out: RequestOutput, outputs) -> AsyncIterator[str]:
+        """The stream's events; a refusal or failure after the response started is an error event."""
+        async with contextlib.aclosing(outputs):
+            try:
+                while True:
+                    for chunk in reply.chunks(out):
+                        yield sse(chunk)
+                    if out.finished:
+                        break
+                    out = await anext(outputs)
+                if reply.include_usage:
+                    yield sse(reply.usage_chunk(out))
+            except REFUSALS as e:
+                yield sse(api_error(e, {}).body())
+        yield "data: [DONE]\n\n"
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
+                "max_model_len": self.engine_loop.engine.cfg.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        failure = self.engine_loop.failure
+        return Response(status_code=200) if failure is None else APIError(503, str(failure)).response()
+
+    async def scrape(self, request: Request) -> Response:
+        body, content_type = self.metrics.exposition()
+        return Response(body, media_type=content_type)
+
+
+def http_error(request: Request, error: HTTPException) -> Response:
+    """Starlette's own refusals (unknown route, wrong method) in OpenAI's shape."""
+    return APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}").response()
+
+
+def internal_error(request: Request, error: Exception) -> Response:
+    return APIError(500, f"internal error: {type(error).__name__}").response()
+
+
+class BearerAuth:
+    """401 unless a /v1 request carries `Authorization: Bearer <key>` (/health and /metrics stay open to probes)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                response = APIError(401, "Authorization: Bearer <api key> missing or wrong", code="invalid_api_key")
+                return await response.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+# ---- the server ----------------------------------------------------------------------------------------
+class EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn that leaves signals alone: `jaxserve serve` drains both front ends on SIGTERM itself."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+class HttpServer:
+    """uvicorn serving an ASGI app in the running event loop (beside grpc.aio)."""
+
+    def __init__(self, app, host: str, port: int, grace_period_s: float):
+        self.host, self.port = host, port
+        self.uvicorn = EmbeddedUvicorn(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                                                      timeout_graceful_shutdown=grace_period_s))
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Bind and serve; the bound port (port 0 picks a free one)."""
+        family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((self.host, self.port), family=family)
+        self.task = asyncio.create_task(self.uvicorn.serve(sockets=[sock]))
+        while not self.uvicorn.started:   # startup is one step; a failure ends the task
+            if self.task.done():
+                self.task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop accepting; in-flight responses get the grace period, then are cancelled (aborting their requests)."""
+        self.uvicorn.should_exit = True
+        if self.task is not None:
+            await self.task

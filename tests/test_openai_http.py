@@ -1,0 +1,288 @@
+"""The OpenAI-compatible HTTP front end through the official `openai` client (and httpx2, which it is built on):
+one in-process server per module (embedded SmolLM2, small engine, lazy compile) on loopback, checked against the
+offline API; a second one over a stuck, then failing, engine step for the refusal statuses."""
+import asyncio
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+
+from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
+from jaxserve.engine.llm_engine import AdmissionError
+from jaxserve.serve.engine_loop import EngineFailed, Overloaded
+from jaxserve.serve.openai_http import api_error
+from jaxserve.serve.server import ServeOptions, Server
+
+REPO = Path(__file__).resolve().parents[1]
+KNOBS = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=128, num_blocks=256)
+MODEL, KEY = "smollm2-135m-instruct", "test-key"
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+LONG = {"prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+IDLE_TIMEOUT_S = 60
+
+
+@contextlib.contextmanager
+def in_process(engine: LLMEngine, **opts):
+    """A Server with an HTTP port on an event loop of its own thread (as `jaxserve serve` runs it)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
+    thread.start()
+    call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
+
+    async def start():
+        server = Server(engine, ServeOptions(port=0, metrics_port=None, http_port=0, grace_period_s=1.0, **opts),
+                        MODEL)
+        await server.start()
+        return server
+
+    server = call(start())
+    try:
+        yield server
+    finally:
+        call(server.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def base_url(server: Server) -> str:
+    return f"http://127.0.0.1:{server.http_port}"
+
+
+def wait_idle(server: Server) -> dict:
+    """Stats once nothing runs, waits or holds KV blocks (or the last seen, after IDLE_TIMEOUT_S)."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while True:
+        s = server.engine_loop.stats()
+        if not (s["running"] or s["waiting"] or s["pending"] or s["kv_blocks_used"]) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(smollm):
+    with in_process(LLMEngine(smollm, EngineConfig(precompile=False, **KNOBS)), api_key=KEY) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=base_url(server) + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(smollm):
+    return LLM(smollm, precompile=False, **KNOBS)
+
+
+def test_completion_matches_offline(client, offline):
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    want = offline.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    assert (got.object, got.model, got.id.startswith("cmpl-")) == ("text_completion", MODEL, True)
+    assert [(c.index, c.text, c.finish_reason) for c in got.choices] == [(0, want.outputs[0].text, "length")]
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+        len(want.prompt_token_ids), 12, len(want.prompt_token_ids) + 12)
+
+
+def test_chat_matches_llm_chat(client, offline):
+    got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=24, temperature=0)
+    want = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+    c = want.outputs[0]
+    assert got.object == "chat.completion" and got.choices[0].message.role == "assistant"
+    assert (got.choices[0].message.content, got.choices[0].finish_reason) == (c.text, c.finish_reason)
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_token_ids), len(c.token_ids))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_streamed_chunks_concatenate_to_the_full_text_with_usage_last(client, chat):
+    if chat:
+        kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+        create, text = client.chat.completions.create, lambda ch: ch.delta.content or ""
+        full = create(**kwargs).choices[0].message.content
+    else:
+        kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+        create, text = client.completions.create, lambda ch: ch.text
+        full = create(**kwargs).choices[0].text
+    chunks = list(create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert len(chunks) > 3 and all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert "".join(text(ch) for c in chunks[:-1] for ch in c.choices) == full
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    if chat:
+        assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_n_seed_and_stop_match_offline_per_choice(client, offline):
+    params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, stop=["."])
+    kwargs = dict(model=MODEL, prompt=PROMPT, n=3, temperature=0.9, seed=7, max_tokens=12, stop=["."])
+    full = client.completions.create(**kwargs)
+    streamed = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for ch in chunk.choices:
+            text, _ = streamed.get(ch.index, ("", None))
+            streamed[ch.index] = (text + ch.text, ch.finish_reason)
+    want = [(c.text, c.finish_reason) for c in offline.generate([PROMPT], params, use_tqdm=False)[0].outputs]
+    assert [(c.text, c.finish_reason) for c in full.choices] == want
+    assert [streamed[i] for i in range(3)] == want
+    assert len(set(want)) > 1 and any(reason == "stop" for _, reason in want)
+
+
+def test_logprobs_completion_and_chat(client, offline, smollm):
+    decode = lambda t: smollm.tokenizer.decode([t])  # noqa: E731
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    want = offline.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3), use_tqdm=False)
+    c, lp = want[0].outputs[0], got.choices[0].logprobs
+    assert lp.tokens == [decode(t) for t in c.token_ids]
+    assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(c.token_ids, c.logprobs)], abs=1e-4)
+    assert [len(top) for top in lp.top_logprobs] == [3] * 6
+    assert all(max(top.values()) == pytest.approx(v, abs=1e-4) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    want = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=6, logprobs=2), use_tqdm=False)
+    c, content = want[0].outputs[0], chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [decode(t) for t in c.token_ids]
+    assert [e.logprob for e in content] == pytest.approx([d[t] for t, d in zip(c.token_ids, c.logprobs)], abs=1e-4)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in content)   # greedy
+    assert bytes(content[0].bytes).decode() == content[0].token
+
+
+BAD = {   # name -> (chat, request fields, status, param)
+    "top_p": (False, dict(top_p=1.5), 400, "top_p"),
+    "temperature": (True, dict(temperature=-1), 400, "temperature"),
+    "n": (False, dict(n=0), 400, "n"),
+    "n>max_num_seqs": (False, dict(n=17), 400, "n"),                       # the engine's check, on its thread
+    "max_completion_tokens": (True, dict(max_completion_tokens=0), 400, "max_completion_tokens"),
+    "top_logprobs": (True, dict(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    "top_logprobs-alone": (True, dict(top_logprobs=2), 400, "top_logprobs"),
+    "messages": (True, dict(messages=[]), 400, "messages"),
+    "prompt-empty": (False, dict(prompt=""), 400, "prompt"),
+    "prompt-too-long": (False, dict(prompt=[1] * 600), 400, "prompt"),
+    "prompt-batch": (False, dict(prompt=["a", "b"]), 400, "prompt"),
+    "stop": (False, dict(stop=[""]), 400, "stop"),
+    "unsupported": (False, dict(echo=True), 400, "echo"),
+    "model": (True, dict(model="gpt-4"), 404, "model"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_an_openai_error_naming_the_field(client, server, case):
+    chat, fields, status, param = BAD[case]
+    request = dict(model=MODEL, max_tokens=4, **({"messages": MESSAGES} if chat else {"prompt": PROMPT}))
+    request.update(fields)
+    create = client.chat.completions.create if chat else client.completions.create
+    with pytest.raises(openai.APIStatusError) as err:
+        create(**{k: v for k, v in request.items() if k in ("model", "messages", "prompt")},
+               extra_body={k: v for k, v in request.items() if k not in ("model", "messages", "prompt")})
+    assert err.value.status_code == status
+    assert err.value.body["param"] == param and err.value.body["type"] and err.value.body["message"], err.value.body
+    assert server.engine_loop.stats()["serving"]
+
+
+def test_api_key_health_models_metrics_and_unknown_routes(server, client):
+    url = base_url(server)
+    with openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError) as err:
+            wrong.models.list()
+    assert err.value.body["code"] == "invalid_api_key"
+    assert httpx2.post(url + "/v1/completions", json={"prompt": PROMPT}, timeout=10).status_code == 401
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx2.get(url + "/health", timeout=10).status_code == 200        # probes need no key
+    unknown = httpx2.get(url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    metrics = httpx2.get(url + "/metrics", timeout=10).text
+    finished = re.search(r'^jaxserve_requests_total\{outcome="finished"\} (\S+)$', metrics, re.M)
+    assert finished and float(finished[1]) >= 1 and "jaxserve_time_to_first_token_seconds_count" in metrics
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_a_disconnected_client_frees_its_slot_and_blocks_at_once(server, stream):
+    before = wait_idle(server)
+    headers, body = {"Authorization": f"Bearer {KEY}"}, {"model": MODEL, **LONG, "stream": stream}
+    with httpx2.Client(base_url=base_url(server), headers=headers, timeout=httpx2.Timeout(60, read=3)) as http:
+        if stream:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                first = next(line for line in response.iter_lines() if line)
+            assert response.status_code == 200 and json.loads(first.removeprefix("data: "))["choices"]
+        else:   # the client gives up waiting and closes the connection
+            with pytest.raises(httpx2.ReadTimeout):
+                http.post("/v1/completions", json=body)
+    after = wait_idle(server)
+    assert (after["running"], after["waiting"], after["pending"], after["kv_blocks_used"]) == (0, 0, 0, 0)
+    assert 0 < after["engine_steps"] - before["engine_steps"] < LONG["max_tokens"] // 2   # aborted, not run out
+
+
+def test_refusal_statuses_and_tokenization_off_the_engine_thread(smollm):
+    """Can never fit: 400; past max_waiting: 429; after an engine failure: 503, /health 503. Text is templated
+    and tokenized on the tokenizer thread."""
+    gate, threads = threading.Event(), []
+    engine = LLMEngine(smollm, EngineConfig(precompile=False, **{**KNOBS, "num_blocks": 24}))
+    tokenize = engine.tokenize
+    engine.tokenize = lambda *a: threads.append(threading.current_thread().name) or tokenize(*a)
+
+    def stuck_step():
+        gate.wait(30)
+        raise RuntimeError("injected device failure")
+    engine.step = stuck_step
+
+    with in_process(engine, max_waiting=1) as server, \
+            openai.OpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        with pytest.raises(openai.BadRequestError) as never_fits:
+            c.completions.create(model=MODEL, prompt=list(range(1, 300)), max_tokens=200)
+        waiting = []
+        first = threading.Thread(target=lambda: waiting.append(error_of(c.chat.completions.create, model=MODEL,
+                                                                        messages=MESSAGES, max_tokens=4)))
+        first.start()
+        deadline = time.monotonic() + 30
+        while server.engine_loop.stats()["pending"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        overloaded = error_of(c.completions.create, model=MODEL, prompt=PROMPT, max_tokens=4)
+        gate.set()
+        first.join(30)
+        after = error_of(c.completions.create, model=MODEL, prompt=PROMPT, max_tokens=4)
+        health = httpx2.get(base_url(server) + "/health", timeout=10)
+    assert never_fits.value.body["code"] == "context_length_exceeded" and "KV pool" in never_fits.value.message
+    assert overloaded.status_code == 429 and "max_waiting" in overloaded.message
+    assert [e.status_code for e in waiting + [after]] == [503, 503] and "injected" in after.message
+    assert health.status_code == 503
+    assert threads and all(name.startswith("jaxserve-tokenizer") for name in threads)
+
+
+def error_of(create, **kwargs) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as err:
+        create(**kwargs)
+    return err.value
+
+
+def test_admission_errors_map_to_statuses():
+    full = api_error(AdmissionError("queue full: 3 requests wait (max_queued_requests=3); retry later"), {})
+    never = api_error(AdmissionError("prompt (300 tokens) + max_tokens (200) can reach 500 tokens; the KV pool "
+                                     "holds 368 per sequence"), {"prompt": "messages"})
+    assert (full.status, full.code, never.status, never.param) == (429, "queue_full", 400, "messages")
+    assert (api_error(Overloaded("x"), {}).status, api_error(EngineFailed("x"), {}).status) == (429, 503)
+
+
+def test_serve_refuses_a_busy_http_port_before_loading_the_model():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics", "--http-port",
+               str(busy.getsockname()[1])]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2 and re.fullmatch(r"jaxserve serve: error: --http-port \d+ on --host 127.0.0.1: "
+                                                r"cannot bind .*", out.stderr.strip()), out.stderr
