@@ -239,6 +239,8 @@ def random_model(cfg: ModelConfig, dtype, seed: int = 0) -> LoadedModel:
         leaves, tree = jax.tree.flatten(abstract)
         keys = jax.random.split(key, len(leaves))
         return jax.tree.unflatten(tree, [jnp.ones(x.shape, x.dtype) if x.ndim == 1 else
-                                         (0.02 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+                                         0.02 * jax.random.normal(k, x.shape, x.dtype)
                                          for k, x in zip(keys, leaves)])
-    return LoadedModel(cfg, nnx.merge(graphdef, init(jax.random.key(seed))), None, "random")
+    # RngBitGenerator keys: the bits come from one fused device generator, not threefry per element, and straight
+    # in the model dtype (no f32 copy of an 8B model).
+    return LoadedModel(cfg, nnx.merge(graphdef, init(jax.random.key(seed, impl="rbg"))), None, "random")
