@@ -260,7 +260,8 @@ def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache(tiny, 
     for p in range(1, len(prompt)):
         entry = out.prompt_logprobs[p]
         assert abs(entry[prompt[p]] - ref[p - 1, prompt[p]]) < LOGPROB_TOLERANCE
-        assert set(np.argsort(ref[p - 1])[-3:]) <= set(entry)
+        third = np.sort(ref[p - 1])[-3]   # HF's top 3, up to near-ties that the tolerance cannot order
+        assert len(entry) >= 3 and all(ref[p - 1, t] >= third - LOGPROB_TOLERANCE for t in entry if t != prompt[p])
 
 
 @pytest.mark.parametrize("knob, field", [
