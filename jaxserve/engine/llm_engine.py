@@ -17,7 +17,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, StepRow
-from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceStatus, next_seq_id,
+from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, next_seq_id,
                                       stable_seed)
 from jaxserve.models.loader import LoadedModel
 
