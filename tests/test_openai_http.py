@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
-from jaxserve.engine.llm_engine import AdmissionError
+from jaxserve.engine.llm_engine import NeverFits, QueueFull
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 from jaxserve.serve.openai_http import api_error
 from jaxserve.serve.server import ServeOptions, Server
@@ -269,8 +269,8 @@ def error_of(create, **kwargs) -> openai.APIStatusError:
 
 
 def test_admission_errors_map_to_statuses():
-    full = api_error(AdmissionError("queue full: 3 requests wait (max_queued_requests=3); retry later"), {})
-    never = api_error(AdmissionError("prompt (300 tokens) + max_tokens (200) can reach 500 tokens; the KV pool "
+    full = api_error(QueueFull("queue full: 3 requests wait (max_queued_requests=3); retry later"), {})
+    never = api_error(NeverFits("prompt (300 tokens) + max_tokens (200) can reach 500 tokens; the KV pool "
                                      "holds 368 per sequence"), {"prompt": "messages"})
     assert (full.status, full.code, never.status, never.param) == (429, "queue_full", 400, "messages")
     assert (api_error(Overloaded("x"), {}).status, api_error(EngineFailed("x"), {}).status) == (429, 503)

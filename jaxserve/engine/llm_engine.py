@@ -26,8 +26,15 @@ MAX_CACHE_SALT_CHARS = 256         # the salt is hashed into every block hash of
 
 
 class AdmissionError(ValueError):
-    """A well-formed request the engine cannot take: it can never fit the KV pool, or the queue is full.
-    Servers answer RESOURCE_EXHAUSTED (HTTP 429/503) rather than INVALID_ARGUMENT."""
+    """A well-formed request the engine cannot take. Servers answer RESOURCE_EXHAUSTED, not INVALID_ARGUMENT."""
+
+
+class NeverFits(AdmissionError):
+    """The request could never fit the KV pool: the client must ask for less (HTTP 400)."""
+
+
+class QueueFull(AdmissionError):
+    """The queue bounds are reached: retry later (HTTP 429)."""
 
 
 @dataclass(slots=True)
@@ -152,7 +159,7 @@ class LLMEngine:
         total = min(num_prompt + (params.max_tokens or cfg.max_model_len), cfg.max_model_len)
         usable = kv.num_blocks - 1 - kv.watermark_blocks
         if -(-total // cfg.block_size) > usable:
-            raise AdmissionError(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) can reach "
+            raise NeverFits(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) can reach "
                                  f"{total} tokens; the KV pool holds {usable * cfg.block_size} per sequence "
                                  f"(num_blocks={kv.num_blocks}): lower max_tokens or give the cache more blocks")
 
@@ -160,11 +167,11 @@ class LLMEngine:
         waiting, max_requests, max_tokens = self.scheduler.waiting, self.cfg.max_queued_requests, \
             self.cfg.max_queued_tokens
         if max_requests is not None and len(waiting) >= max_requests:
-            raise AdmissionError(f"queue full: {len(waiting)} requests wait (max_queued_requests={max_requests}); "
+            raise QueueFull(f"queue full: {len(waiting)} requests wait (max_queued_requests={max_requests}); "
                                  "retry later")
         queued = sum(s.num_tokens - s.num_computed_tokens for s in waiting) if max_tokens is not None else 0
         if max_tokens is not None and queued + num_prompt > max_tokens:
-            raise AdmissionError(f"queue full: {queued} prompt tokens wait and {num_prompt} more would exceed "
+            raise QueueFull(f"queue full: {queued} prompt tokens wait and {num_prompt} more would exceed "
                                  f"max_queued_tokens={max_tokens}; retry later")
 
     def _detokenizer(self, prompt_ids, params):

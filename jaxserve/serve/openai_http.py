@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxserve.engine.llm import apply_chat_template
-from jaxserve.engine.llm_engine import AdmissionError
+from jaxserve.engine.llm_engine import AdmissionError, NeverFits
 from jaxserve.engine.sampling_params import SamplingParams, short
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
 from jaxserve.serve.engine_loop import REFUSALS, EngineLoop, Overloaded, Submission
@@ -70,7 +70,7 @@ def api_error(error: Exception, renames: dict[str, str]) -> APIError:
         return error
     message = str(error)
     if isinstance(error, AdmissionError):
-        status, code = (400, "context_length_exceeded") if "KV pool" in message else (429, "queue_full")
+        status, code = (400, "context_length_exceeded") if isinstance(error, NeverFits) else (429, "queue_full")
     elif isinstance(error, ValueError):
         status, code = 400, None
     else:
