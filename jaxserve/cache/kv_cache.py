@@ -33,7 +33,7 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     """Write token t's K/V to flat slot slot_mapping[t] (= block * block_size + offset); padding uses slot 0.
 
     Pure: call inside the jitted step with the cache donated, and it is updated in place. On an NVIDIA GPU this
-    is the CUDA custom call (several times the XLA scatter's speed: benchmarks/NOTES_cuda.md), elsewhere its
+    is the CUDA custom call (measured faster than the XLA scatter: benchmarks/NOTES_cuda.md), elsewhere its
     pure-JAX reference, the same scatter.
     """
     return custom_calls.reshape_and_cache(k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
@@ -48,7 +48,7 @@ def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
 
 def copy_blocks(cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
     """Copy blocks src[i] -> dst[i] in every layer in one device call; the cache is donated (updated in place).
-    On an NVIDIA GPU the CUDA custom call copies (about 2x the XLA scatter: benchmarks/NOTES_cuda.md).
+    On an NVIDIA GPU the CUDA custom call copies (measured faster than XLA: benchmarks/NOTES_cuda.md).
 
     All sources are read before any destination is written. dst ids must be distinct. N is padded to a
     power-of-two bucket (>= COPY_BUCKET_MIN) so few variants compile; N == 0 makes no device call.
