@@ -88,14 +88,19 @@ def matmul_tflops(n: int | None = None) -> float:
     return 2 * n**3 / ms / 1e9
 
 
+def row_key(row: dict) -> tuple:
+    return row["bench"], row["impl"], json.dumps(row.get("params"), sort_keys=True)
+
+
 def write_rows(path: str | pathlib.Path, rows: list[dict], command: str) -> None:
-    """Replace this device's rows of the same benches in the results file; keep other devices' rows."""
+    """Replace this device's rows of the same bench, impl and params in the results file; keep the rest (other
+    devices, other params: runs of one benchmark with different flags add up in one file)."""
     path = pathlib.Path(path)
     meta = {"device": device_name(), "jax": jax.__version__, "commit": commit(), "command": command}
     new = [{**r, **meta} for r in rows]
-    keys = {(r["bench"], r["impl"]) for r in new}
+    keys = {row_key(r) for r in new}
     old = json.loads(path.read_text()) if path.exists() else []
-    kept = [r for r in old if r.get("device") != meta["device"] or (r["bench"], r["impl"]) not in keys]
+    kept = [r for r in old if r.get("device") != meta["device"] or row_key(r) not in keys]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(kept + new, indent=1) + "\n")
     print(f"wrote {len(new)} rows to {path}")

@@ -2,6 +2,10 @@
 # The H100 runs behind the committed GPU results, as device calls of under 10 minutes each (time limits sum
 # to at most 540 s per part). Results and a log land under $OUT; copy them to benchmarks/results/.
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh engine      # offline + HF peer
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh offline     # default vs tuned config, greedy vs sampled
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1      # batch-1 decode, mosaic prefill, start-up
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh http        # HTTP beside gRPC, same server
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh load        # checkpoint streaming, sampler filters
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh attention   # the kernel sweep with every peer
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh serve       # gRPC load benchmark at two request rates
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh tests       # the GPU-relevant tests, compiled on the GPU
@@ -10,7 +14,9 @@ set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
-LOG=$OUT/gpu_session_${1:?engine, attention, serve, tests or sweep}.log
+TUNED="seq_buckets=[256] token_buckets=[256,512,1024,2048,3072,4096]"   # the throughput-only ladder
+SAMPLED="--temperature 0.8 --top-p 0.95 --top-k 50"
+LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, attention, serve, tests or sweep}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -21,6 +27,24 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 case $1 in
   engine)
     run 540 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json" ;;
+  offline)   # the 256 x 512/128 workload: default config and the tuned ladder, greedy and sampled
+    run 130 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_configs_gpu.json"
+    run 130 python benchmarks/offline.py --config $CONFIG $SAMPLED --out "$OUT/offline_configs_gpu.json"
+    run 130 python benchmarks/offline.py --config $CONFIG --set $TUNED --out "$OUT/offline_configs_gpu.json"
+    run 130 python benchmarks/offline.py --config $CONFIG $SAMPLED --set $TUNED --out "$OUT/offline_configs_gpu.json" ;;
+  batch1)   # start-up first, into the engine's default cache dir: the runs after it start warm
+    run 330 python benchmarks/startup.py --config $CONFIG --cache-dir ~/.cache/jaxserve/xla --out "$OUT/startup_h100.json"
+    run 90 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_configs_gpu.json"
+    run 90 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
+      --out "$OUT/offline_batch1_gpu.json"
+    run 150 python benchmarks/offline.py --config $CONFIG --set prefill_attention=mosaic \
+      --out "$OUT/offline_configs_gpu.json" ;;
+  http)
+    run 540 python benchmarks/serve_load.py --config $CONFIG --num-prompts 512 --input-len 512 --output-len 128 \
+      --max-concurrency 256 --request-rate 8 32 inf --protocol grpc http --out "$OUT/serve_http_gpu.json" ;;
+  load)
+    run 330 python benchmarks/load_checkpoint.py --config $CONFIG --dir /tmp/ckpt-8b --out "$OUT/load_checkpoint_h100.json"
+    run 200 python benchmarks/bench_sampler.py "$OUT/sampler.json" ;;
   attention)
     run 540 python benchmarks/attention.py --out "$OUT/attention_h100.json" ;;
   tests)   # tests that use the smollm fixtures need the embedded model's package, which the GPU image lacks

@@ -1,10 +1,16 @@
-"""Offline throughput: N prompts x input_len random tokens, output_len greedy tokens each (EOS ignored).
+"""Offline throughput: N prompts x input_len random tokens, output_len tokens each (EOS ignored), greedy or
+sampled (--temperature / --top-p / --top-k).
 
 Reports output tok/s, TTFT and TPOT, and the roofline for the workload from numbers measured in the same
 run: (weights + KV) bytes of every decode step over the copy bandwidth, plus the prefill FLOPs over the
-bf16 matmul rate. `--peer transformers-cb` also runs HF transformers continuous batching on the same shapes.
+bf16 matmul rate; TPOT beside one mid-run decode step's bytes over that bandwidth (`tpot_roofline_frac`: at
+batch 1, the weight-read roofline). `--set knob=value` overrides the config's engine knobs.
+`--peer transformers-cb` also runs HF transformers continuous batching on the same shapes.
 
   python benchmarks/offline.py --config configs/llama3-8b-random.yaml            # GPU
+  python benchmarks/offline.py --config configs/llama3-8b-random.yaml --temperature 0.8 --top-p 0.95 --top-k 50
+  python benchmarks/offline.py --config configs/llama3-8b-random.yaml --num-prompts 1 --input-len 128 \
+      --output-len 512                                                          # GPU, batch-1 decode
   python benchmarks/offline.py --num-prompts 32 --input-len 128 --output-len 32  # CPU, embedded model
 """
 from __future__ import annotations
@@ -27,17 +33,34 @@ from jaxserve.config import load_run_config, model_config_from_hf  # noqa: E402
 from jaxserve.models.loader import load_run  # noqa: E402
 
 
+def decode_step_bytes(cfg, n, context, dtype_bytes):
+    """One decode step's least traffic: every weight once, n sequences' K/V at that context."""
+    return (cfg.num_params + n * context * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim) * dtype_bytes
+
+
 def roofline_s(cfg, n, input_len, output_len, gbps, tflops, dtype_bytes):
-    weights = cfg.num_params * dtype_bytes
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    decode_bytes = sum(weights + n * (input_len + j) * kv_per_token for j in range(1, output_len))
+    decode_bytes = sum(decode_step_bytes(cfg, n, input_len + j, dtype_bytes) for j in range(1, output_len))
     prefill_flops = 2 * cfg.num_params * n * input_len
     return decode_bytes / (gbps * 1e9) + prefill_flops / (tflops * 1e12)
 
 
-def run_jaxserve(loaded, engine_cfg, prompts, output_len):
+def override(engine_cfg, assignments):
+    """--set knob=value (YAML values) over the config's engine knobs, checked like the config."""
+    import dataclasses
+
+    import yaml
+    changes = {}
+    for item in assignments:
+        name, sep, value = item.partition("=")
+        if not sep or name not in {f.name for f in dataclasses.fields(engine_cfg)}:
+            raise SystemExit(f"--set {item!r}: expected KNOB=VALUE with an engine knob (see jaxserve/config.py)")
+        changes[name] = yaml.safe_load(value)
+    return dataclasses.replace(engine_cfg, **changes)
+
+
+def run_jaxserve(loaded, engine_cfg, prompts, output_len, sampling: dict):
     llm = LLM(loaded, config=engine_cfg)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(**sampling, max_tokens=output_len, ignore_eos=True, seed=0)
     llm.generate(prompts[:min(8, len(prompts))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)   # warm-up beyond precompile: first transfers, allocator
     engine = llm.engine
@@ -98,9 +121,16 @@ def run_peer_process(argv):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None)
+    ap.add_argument("--tensor-parallel-size", type=int, default=None, help="devices to split the model over "
+                                                                           "(overrides the config)")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--set", nargs="+", default=[], metavar="KNOB=VALUE",
+                    help="override engine knobs of the config, e.g. --set prefill_attention=mosaic seq_buckets=[256]")
     ap.add_argument("--peer", choices=["none", "transformers-cb"], default="none")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/offline_<device>.json)")
@@ -111,24 +141,33 @@ def main(argv=None):
         print(json.dumps(run_transformers_cb(cfg, make_prompts(cfg, args), args.output_len)))
         return
     peer_result = run_peer_process(argv) if args.peer == "transformers-cb" else None
-    loaded, engine_cfg = load_run(None, args.config)
+    loaded, engine_cfg = load_run(None, args.config, tensor_parallel_size=args.tensor_parallel_size)
+    engine_cfg = override(engine_cfg, args.set)
     cfg = loaded.config
     prompts = make_prompts(cfg, args)
     gbps, tflops = copy_bandwidth_gbps(), matmul_tflops()
     dtype_bytes = jnp.dtype(loaded.model.embed_tokens.embedding[...].dtype).itemsize
     roof = roofline_s(cfg, args.num_prompts, args.input_len, args.output_len, gbps, tflops, dtype_bytes)
-    wall, ntok, ttft, tpot, stats = run_jaxserve(loaded, engine_cfg, prompts, args.output_len)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    wall, ntok, ttft, tpot, stats = run_jaxserve(loaded, engine_cfg, prompts, args.output_len, sampling)
+    tpot_roof_ms = decode_step_bytes(cfg, args.num_prompts, args.input_len + args.output_len // 2,
+                                     dtype_bytes) / (gbps * 1e9) * 1e3
     params = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              **sampling, "seq_buckets": list(engine_cfg.seq_buckets or []),
+              "prefill_attention": engine_cfg.prefill_attention, "set": args.set,
               "decode_attention": engine_cfg.decode_attention, "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
               "token_buckets": list(engine_cfg.token_buckets or []), "async_scheduling": engine_cfg.async_scheduling,
+              "tensor_parallel_size": engine_cfg.tensor_parallel_size,
               "model": "llama3-8b-random" if loaded.source == "random" else loaded.source}
     rows = [{"bench": "offline", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": ntok / wall,
              "wall_s": wall, "roofline_s": roof, "roofline_frac": roof / wall, "copy_gbps": gbps,
              "matmul_tflops": tflops, "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.quantile(ttft, .99)),
              "tpot_p50_ms": float(np.median(tpot) * 1e3), "tpot_p99_ms": float(np.quantile(tpot, .99) * 1e3),
+             "tpot_roofline_ms": tpot_roof_ms, "tpot_roofline_frac": tpot_roof_ms / (np.median(tpot) * 1e3),
              "engine": stats}]
     print(f"jaxserve: {wall:.2f} s, {ntok / wall:.0f} output tok/s, roofline {roof:.2f} s ({roof / wall:.0%}), "
-          f"TTFT p50 {rows[0]['ttft_p50_s']:.2f} s, TPOT p50 {rows[0]['tpot_p50_ms']:.1f} ms", flush=True)
+          f"TTFT p50 {rows[0]['ttft_p50_s']:.2f} s, TPOT p50 {rows[0]['tpot_p50_ms']:.1f} ms "
+          f"(decode-step roofline {tpot_roof_ms:.1f} ms: {rows[0]['tpot_roofline_frac']:.0%})", flush=True)
     out = args.out or f"benchmarks/results/offline_{jax.default_backend()}.json"
     write_rows(out, rows, command)
     if peer_result:

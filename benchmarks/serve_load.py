@@ -2,6 +2,14 @@
 (--request-rate, `inf`: all at once) under a cap on requests in flight (--max-concurrency); each point of the
 sweep (rate x concurrency) reports throughput and TTFT / TPOT / ITL / end-to-end latency p50 / p99.
 
+--protocol grpc http runs each point once per protocol, back to back, against the same server (started with
+--http-port too): the HTTP pass streams the same requests through the OpenAI API (/v1/completions, server-sent
+events, with vLLM's extra fields ignore_eos, cache_salt and return_token_ids, so that each chunk's time is split
+over the tokens it carries as a gRPC message's is; the closing usage chunk must count them). Rows carry
+`protocol`; an HTTP row also `vs_grpc_pct`, its relative difference from the gRPC row of its point (throughput,
+TTFT / TPOT / ITL p50), which the summary prints. Each protocol has its own prefix-cache namespace (cache salt),
+warmed just before its first point, and the passes alternate, so each meets the cache as the other does.
+
 Datasets are built and iterated with grain: `random` (uniform lengths around --input-len / --output-len),
 `prefix` (one --prefix-len shared prefix + a random --input-len suffix: the prefix cache at work) or
 `sharegpt` (a ShareGPT-format JSON file: first human turn as prompt, the reply's token count as output length).
@@ -12,13 +20,14 @@ ways a bad client errs: top_p 1.5, max_tokens 0, temperature -1, n 0, a token id
 negative, an empty prompt, a prompt longer than max_model_len, in turn). Each must fail fast with
 INVALID_ARGUMENT; the valid requests stay the same at every fraction and alone make throughput and latency, so
 the rows show whether invalid traffic slows valid traffic. Every point reuses the same prompts, so the valid
-requests (warm-up included) of each F > 0 carry their own cache salt: each fraction meets the prefix cache as
-F = 0 does. A point
-with F > 0 gets `invalid_frac` in params, `invalid_rejected` (INVALID_ARGUMENT), `invalid_errors` (any other
-end, by status) and `reject_*_ms` (time to the rejection).
+requests (warm-up included, just before the fraction's first point) of each F > 0 carry their own cache salt:
+each fraction meets the prefix cache as F = 0 does. A point
+with F > 0 gets `invalid_frac` in params, `invalid_rejected` (INVALID_ARGUMENT; over HTTP, 400), `invalid_errors`
+(any other end, by status) and `reject_*_ms` (time to the rejection).
 
 The script starts `jaxserve serve` itself (--config / --model / --server-args pass through; its engine
-precompiles before the ready line) and stops it with SIGTERM, unless --target names a running server.
+precompiles before the ready line) and stops it with SIGTERM, unless --target names a running server (and
+--http-target its OpenAI API, for --protocol http).
 
   python benchmarks/serve_load.py --num-prompts 64 --input-len 128 --output-len 32 --max-concurrency 1 4 8 \
       --server-args "--max-num-seqs 16 --max-model-len 1024 --num-blocks 512"                  # CPU, SmolLM2
@@ -30,16 +39,25 @@ precompiles before the ready line) and stops it with SIGTERM, unless --target na
   python benchmarks/serve_load.py --config configs/llama3-8b-random.yaml --num-prompts 512 --input-len 512 \
       --output-len 128 --max-concurrency 256 --invalid-frac 0 0.2 0.5 \
       --out benchmarks/results/serve_invalid_gpu.json                         # one H100, invalid traffic
+  python benchmarks/serve_load.py --num-prompts 16 --input-len 32 --output-len 8 --max-concurrency 4 \
+      --protocol grpc http --server-args "--max-num-seqs 8 --max-model-len 512 --num-blocks 256" \
+      --out /tmp/serve_http_smoke.json                                        # CPU, gRPC and HTTP (smoke)
+  python benchmarks/serve_load.py --config configs/llama3-8b-random.yaml --num-prompts 512 --input-len 512 \
+      --output-len 128 --max-concurrency 256 --request-rate 8 32 inf --protocol grpc http \
+      --out benchmarks/results/serve_http_gpu.json                            # one H100, HTTP beside gRPC
 
 Per request: TTFT = first token - send; TPOT = (last - first token) / (output tokens - 1); ITL = gap between
-consecutive messages, split evenly over the tokens a message carries. Rows: benchmarks/results/serve_<backend>.json
-(`ms` = wall time of the point, `tok_s` = output tokens / wall) and a PNG beside it.
+consecutive messages (HTTP: chunks), split evenly over the tokens a message carries. Every request must generate
+exactly its output length (`wrong_length` counts those that did not). Rows:
+benchmarks/results/serve_<backend>.json (`ms` = wall time of the point, `tok_s` = output tokens / wall) and a PNG
+beside it. The HTTP client is the standard library's asyncio streams (HttpClient says why).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -52,8 +70,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 SERVER_ENV = dict(os.environ)
@@ -76,7 +95,11 @@ READY_TIMEOUT_S = 3600            # an 8B model loads and precompiles its bucket
 MIN_SHAREGPT_PROMPT_TOKENS = 4
 MIN_OUTPUT_TOKENS = 2             # TPOT needs two tokens
 OK, HUNG = "OK", "HUNG"           # statuses beside grpc's codes: HUNG = no end within the call's timeout
+REJECTED = (grpc.StatusCode.INVALID_ARGUMENT.name, "HTTP_400")   # how each protocol refuses bad input
 DEFAULT_MAX_WAITING = 512
+INVALID_MAX_TOKENS = 8
+KEEP_ALIVE_S = 4.0                # reuse an idle HTTP connection only this long: uvicorn closes them after 5 s
+PROTOCOL_COLORS = {"grpc": "tab:blue", "http": "tab:purple"}
 
 
 @dataclass(slots=True)
@@ -88,6 +111,18 @@ class BenchRequest:
     def message(self, cache_salt: str | None = None) -> pb.GenerateRequest:
         return generate_request(self.prompt, SamplingParams(temperature=0.0, max_tokens=self.output_len,
                                                             ignore_eos=True), 0, cache_salt)
+
+    def body(self, cache_salt: str | None = None) -> bytes:
+        """The same request for /v1/completions (ignore_eos and cache_salt: vLLM's extra fields)."""
+        salt = {"cache_salt": cache_salt} if cache_salt else {}
+        return http_body({"prompt": self.prompt, "max_tokens": self.output_len, "temperature": 0.0,
+                          "ignore_eos": True, **salt})
+
+
+def http_body(fields: dict) -> bytes:
+    """A streamed completion whose chunks carry their token ids and whose last chunk is the usage."""
+    return json.dumps({**fields, "stream": True, "stream_options": {"include_usage": True},
+                       "return_token_ids": True}).encode()
 
 
 @dataclass(slots=True)
@@ -168,68 +203,209 @@ async def build_requests(args, client: Client) -> list[BenchRequest]:
 
 
 # ---- load ---------------------------------------------------------------------------------------------
+class HttpError(Exception):
+    """A response whose status is not 200."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status} {message}")
+        self.status = status
+
+
+class StreamError(Exception):
+    """An error event inside a started stream, or a usage chunk missing or miscounting the streamed tokens."""
+
+
 def status_of(error: Exception) -> str:
     if isinstance(error, grpc.aio.AioRpcError):
         return error.code().name
+    if isinstance(error, HttpError):
+        return f"HTTP_{error.status}"
     return HUNG if isinstance(error, TimeoutError) else type(error).__name__
 
 
-async def read_stream(call, result: RequestResult, start: float, cancel_after: int) -> None:
-    """Time the call's messages into result; cancel_after > 0: cancel the call after that many messages."""
-    last, messages = start, 0
+class HttpClient:
+    """Streamed POSTs to <url>/completions over kept-alive HTTP/1.1 connections, one per request in flight. Plain
+    asyncio streams rather than httpx2 (the openai client's): on loopback SSE this costs ~28 us of client CPU per
+    event to httpx2's ~65, and at saturation the client's one event loop must not be what an HTTP row measures."""
+
+    def __init__(self, url: str):
+        parts = urllib.parse.urlsplit(url)
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.head = (f"POST {parts.path.rstrip('/')}/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: ").encode()
+        self.idle: list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The last idle connection unless it idled past the server's keep-alive, else a new one."""
+        while self.idle:
+            since, reader, writer = self.idle.pop()
+            if time.monotonic() - since < KEEP_ALIVE_S:
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self.host, self.port)
+
+    async def events(self, body: bytes) -> AsyncIterator[dict]:
+        """POST body; its server-sent events up to [DONE]. The connection is kept only after a whole response: one
+        left early is closed, which the server takes for a disconnect (an abort)."""
+        reader, writer = await self.connection()
+        whole = False
+        try:
+            writer.write(self.head + b"%d\r\n\r\n" % len(body) + body)
+            status, headers = await read_head(reader)
+            if status != 200:
+                message = await reader.readexactly(int(headers.get("content-length", 0)))
+                whole = True
+                raise HttpError(status, message.decode(errors="replace"))
+            async for payload in sse_payloads(reader):
+                if payload != b"[DONE]":
+                    yield json.loads(payload)
+            whole = True
+        finally:
+            if whole:
+                self.idle.append((time.monotonic(), reader, writer))
+            else:
+                writer.close()
+
+    async def aclose(self) -> None:
+        for _, _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """A response's status and headers (names lower-cased)."""
+    status_line = await reader.readline()
+    if not status_line:
+        raise ConnectionError("the server closed the connection")
+    headers = {}
+    while (line := await reader.readline()).strip():
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.lower()] = value.strip()
+    return int(status_line.split()[1]), headers
+
+
+async def sse_payloads(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The `data:` payloads of a chunked text/event-stream body, to its last chunk."""
+    pending = b""
+    while size := int((await reader.readline()).split(b";")[0], 16):
+        *events, pending = (pending + (await reader.readexactly(size + 2))[:-2]).split(b"\n\n")
+        for event in events:
+            yield event.removeprefix(b"data: ")
+    await reader.readline()   # the empty trailer section
+
+
+async def grpc_stream(client: Client, message: pb.GenerateRequest) -> AsyncIterator[tuple[int, bool]]:
+    """(new tokens, finished) per message of a Generate call; leaving early cancels it."""
+    call = client.stub.Generate(message)
     try:
         async for response in call:
-            now, new = time.perf_counter(), sum(len(c.token_ids) for c in response.outputs)
-            if new and not result.output_tokens:
-                result.ttft = now - start
-            elif new:
-                result.itl += [(now - last) / new] * new
-            result.output_tokens += new
-            last = now if new else last
-            messages += 1
-            if messages == cancel_after and not response.finished:
-                result.cancelled = True
-                break
+            yield sum(len(c.token_ids) for c in response.outputs), response.finished
     finally:
         call.cancel()
+
+
+async def http_stream(http: HttpClient, body: bytes) -> AsyncIterator[tuple[int, bool]]:
+    """(new tokens, finished) per chunk of a streamed completion (one choice); the usage chunk must count the
+    tokens the chunks carried."""
+    counted, usage = 0, None
+    async with contextlib.aclosing(http.events(body)) as events:   # leaving early closes the connection at once
+        async for event in events:
+            if "error" in event:
+                raise StreamError(event["error"]["message"])
+            usage = event.get("usage") or usage
+            for choice in event["choices"]:
+                counted += len(choice["token_ids"])
+                yield len(choice["token_ids"]), choice["finish_reason"] is not None
+    if usage is None or usage["completion_tokens"] != counted:
+        raise StreamError(f"usage {usage} does not count the {counted} tokens streamed")
+
+
+async def read_stream(stream: AsyncIterator[tuple[int, bool]], result: RequestResult, start: float,
+                      cancel_after: int) -> None:
+    """Time the stream's messages into result; cancel_after > 0: leave it (cancelling the request) after that
+    many messages."""
+    last, messages = start, 0
+    try:
+        async with contextlib.aclosing(stream):
+            async for new, finished in stream:
+                now = time.perf_counter()
+                if new and not result.output_tokens:
+                    result.ttft = now - start
+                elif new:
+                    result.itl += [(now - last) / new] * new
+                result.output_tokens += new
+                last = now if new else last
+                messages += 1
+                if messages == cancel_after and not finished:
+                    result.cancelled = True
+                    break
+    finally:
         result.e2e = last - start
 
 
-async def send(client: Client, message: pb.GenerateRequest, limit: asyncio.Semaphore, cancel_after: int = 0,
-               timeout: float | None = None) -> RequestResult:
-    """One Generate call under `limit`; a call that fails, or does not end within timeout s (HUNG), is counted,
-    not fatal (e2e is then the time to the failure)."""
+async def send_stream(stream: AsyncIterator[tuple[int, bool]], limit: asyncio.Semaphore, cancel_after: int = 0,
+                      timeout: float | None = None) -> RequestResult:
+    """One request's stream, started under `limit`; one that fails, or does not end within timeout s (HUNG), is
+    counted, not fatal (e2e is then the time to the failure)."""
     async with limit:
         start, result = time.perf_counter(), RequestResult()
         try:
             async with asyncio.timeout(timeout):
-                await read_stream(client.stub.Generate(message), result, start, cancel_after)
+                await read_stream(stream, result, start, cancel_after)
         except Exception as e:
             result = RequestResult(status=status_of(e), error=f"{type(e).__name__}: {e}",
                                    e2e=time.perf_counter() - start)
         return result
 
 
-async def run_point(client: Client, messages: list[pb.GenerateRequest], rate: float, concurrency: int, seed: int):
+async def send(client: Client, message: pb.GenerateRequest, limit: asyncio.Semaphore, cancel_after: int = 0,
+               timeout: float | None = None) -> RequestResult:
+    """One Generate call under `limit` (send_stream over gRPC)."""
+    return await send_stream(grpc_stream(client, message), limit, cancel_after, timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class Transport:
+    """One protocol's way to send the benchmark's requests: a request's payload (with its cache salt), an invalid
+    request's (sampling options, prompt ids), and a payload's stream of (new tokens, finished)."""
+    name: str
+    request: Callable[[BenchRequest, str | None], object]
+    invalid: Callable[[dict, list[int]], object]
+    stream: Callable[[object], AsyncIterator[tuple[int, bool]]]
+
+
+def grpc_transport(client: Client) -> Transport:
+    def invalid(options: dict, ids: list[int]) -> pb.GenerateRequest:
+        sampling = pb.SamplingOptions(**{"max_tokens": INVALID_MAX_TOKENS, **options})
+        return pb.GenerateRequest(prompt_token_ids=ids, sampling=sampling)
+    return Transport("grpc", BenchRequest.message, invalid, functools.partial(grpc_stream, client))
+
+
+def http_transport(http: HttpClient) -> Transport:
+    invalid = lambda options, ids: http_body({"prompt": ids, "max_tokens": INVALID_MAX_TOKENS, **options})  # noqa: E731
+    return Transport("http", BenchRequest.body, invalid, functools.partial(http_stream, http))
+
+
+async def run_point(stream: Callable[[object], AsyncIterator], messages: list, rate: float, concurrency: int,
+                    seed: int):
     """Send every request (Poisson arrivals at `rate`, at most `concurrency` in flight); wall seconds, results."""
     gaps = np.random.default_rng(seed).exponential(1 / rate, len(messages)) if math.isfinite(rate) else \
         np.zeros(len(messages))
     limit = asyncio.Semaphore(concurrency)
     start, tasks = time.perf_counter(), []
     for message, gap in zip(messages, gaps):
-        tasks.append(asyncio.create_task(send(client, message, limit)))
+        tasks.append(asyncio.create_task(send_stream(stream(message), limit)))
         await asyncio.sleep(gap)
     results = await asyncio.gather(*tasks)
     return time.perf_counter() - start, results
 
 
-def invalid_messages(count: int, info: pb.ModelInfoResponse) -> list[pb.GenerateRequest]:
-    """`count` requests a bad client sends, cycling through the kinds of mistake (sampling, prompt)."""
+def invalid_kinds(count: int, info: pb.ModelInfoResponse) -> list[tuple[dict, list[int]]]:
+    """`count` (sampling options, prompt ids) a bad client sends, cycling through the kinds of mistake."""
     ids = [1] * 8
     kinds = (({"top_p": 1.5}, ids), ({"max_tokens": 0}, ids), ({"temperature": -1.0}, ids), ({"n": 0}, ids),
              ({}, [info.vocab_size] * 8), ({}, [-1] * 8), ({}, []), ({}, [1] * (info.max_model_len + 1)))
-    return [pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingOptions(**{"max_tokens": 8, **options}))
-            for options, ids in itertools.islice(itertools.cycle(kinds), count)]
+    return list(itertools.islice(itertools.cycle(kinds), count))
 
 
 def even_spots(n: int) -> np.ndarray:
@@ -257,6 +433,7 @@ def summarize(params: dict, wall: float, results: list[RequestResult], requests:
     return {"bench": "serve", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": out_tokens / wall,
             "req_s": len(ok) / wall, "total_tok_s": (in_tokens + out_tokens) / wall, "completed": len(ok),
             "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
+            "wrong_length": sum(r.output_tokens != q.output_len for q, r in zip(requests, results) if r.ok),
             "output_tokens": out_tokens, "prompt_tokens": in_tokens,
             **percentiles("ttft", [r.ttft for r in ok]),
             **percentiles("tpot", [r.tpot for r in ok if r.output_tokens > 1]),
@@ -268,78 +445,113 @@ def summarize(params: dict, wall: float, results: list[RequestResult], requests:
 def invalid_summary(results: list[RequestResult]) -> dict:
     """The invalid requests' ends: INVALID_ARGUMENT (as they must), any other status, and how fast."""
     statuses = Counter(r.status for r in results)
-    rejected = statuses.pop(grpc.StatusCode.INVALID_ARGUMENT.name, 0)
+    rejected = sum(statuses.pop(status, 0) for status in REJECTED)
     return {"invalid_requests": len(results), "invalid_rejected": rejected, "invalid_errors": dict(statuses),
-            **percentiles("reject", [r.e2e for r in results if r.status == grpc.StatusCode.INVALID_ARGUMENT.name])}
+            **percentiles("reject", [r.e2e for r in results if r.status in REJECTED])}
 
 
-def cache_salt(invalid_frac: float) -> str | None:
-    """The valid requests' prefix-cache namespace at this invalid fraction (points reuse the prompts)."""
-    return f"invalid-frac-{invalid_frac:g}" if invalid_frac else None
+def cache_salt(invalid_frac: float, protocol: str) -> str | None:
+    """The valid requests' prefix-cache namespace at this invalid fraction through this protocol: points reuse the
+    prompts, so each (fraction, protocol) meets the cache as gRPC at F = 0 does."""
+    return "-".join(([] if protocol == "grpc" else [protocol]) +
+                    ([f"invalid-frac-{invalid_frac:g}"] if invalid_frac else [])) or None
 
 
-def point_params(args, num_prompts: int, rate: float, concurrency: int, invalid_frac: float, model: str) -> dict:
+def point_params(args, num_prompts: int, rate: float, concurrency: int, invalid_frac: float, model: str,
+                 protocol: str) -> dict:
     return {"dataset": args.dataset, "num_prompts": num_prompts, "input_len": args.input_len,
             "output_len": args.output_len, "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
             "request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": concurrency, "model": model,
-            **({"invalid_frac": invalid_frac} if invalid_frac else {})}
+            "protocol": protocol, **({"invalid_frac": invalid_frac} if invalid_frac else {})}
 
 
-async def measure_point(client: Client, args, requests: list[BenchRequest], info: pb.ModelInfoResponse,
-                        point: tuple[float, int, float], model: str) -> dict:
+async def measure_point(transport: Transport, client: Client, args, requests: list[BenchRequest],
+                        info: pb.ModelInfoResponse, point: tuple[float, int, float], model: str) -> dict:
     """One row: the valid requests with round(n * f / (1 - f)) invalid ones among them (f of all requests)."""
     rate, concurrency, invalid_frac = point
-    invalid = invalid_messages(round(len(requests) * invalid_frac / (1 - invalid_frac)), info)
-    messages, is_invalid = interleave([r.message(cache_salt(invalid_frac)) for r in requests], invalid)
+    invalid = [transport.invalid(*kind) for kind in
+               invalid_kinds(round(len(requests) * invalid_frac / (1 - invalid_frac)), info)]
+    salt = cache_salt(invalid_frac, transport.name)
+    messages, is_invalid = interleave([transport.request(r, salt) for r in requests], invalid)
     before = await client.server_stats()
-    wall, results = await run_point(client, messages, rate, concurrency, args.seed)
-    row = summarize(point_params(args, len(requests), *point, model), wall,
+    wall, results = await run_point(transport.stream, messages, rate, concurrency, args.seed)
+    row = summarize(point_params(args, len(requests), *point, model, transport.name), wall,
                     [r for r, bad in zip(results, is_invalid) if not bad], requests, before,
                     await client.server_stats())
     return row | (invalid_summary([r for r, bad in zip(results, is_invalid) if bad]) if invalid_frac else {})
 
 
-async def sweep(args, target: str) -> tuple[list[dict], str]:
-    async with Client(target) as client:
+async def warm_up(transport: Transport, args, requests: list[BenchRequest], salt: str | None) -> None:
+    """First transfers and connections, the allocator, any bucket the server compiles lazily; and the cache
+    namespace, as a point leaves it for the next. Run just before the namespace's first point, so that no other
+    pass comes between to evict it (passes of other namespaces would, unevenly)."""
+    await run_point(transport.stream, [transport.request(r, salt) for r in requests[:args.warmup_prompts]],
+                    math.inf, max(args.max_concurrency), args.seed)
+
+
+async def sweep(args, ready: dict[str, str]) -> tuple[list[dict], str]:
+    """Every point, once per protocol back to back; the rows and the server's device."""
+    async with Client(ready["grpc"]) as client, contextlib.AsyncExitStack() as stack:
+        http = HttpClient(ready["http"]) if "http" in args.protocol else None
+        if http:
+            stack.push_async_callback(http.aclose)
+        transports = [grpc_transport(client) if name == "grpc" else http_transport(http) for name in args.protocol]
         requests = await build_requests(args, client)
         info = await client.model_info()
         model = pathlib.Path(args.config).stem if args.config else info.model
-        for salt in dict.fromkeys(map(cache_salt, args.invalid_frac)) if args.warmup_prompts else ():
-            # first transfers, allocator, any bucket the server compiles lazily; each fraction's cache namespace
-            await run_point(client, [r.message(salt) for r in requests[:args.warmup_prompts]], math.inf,
-                            max(args.max_concurrency), args.seed)
-        rows = []
+        rows, warmed = [], set()
         for point in itertools.product(args.request_rate, args.max_concurrency, args.invalid_frac):
-            rows.append(await measure_point(client, args, requests, info, point, model))
-            print_row(rows[-1])
+            for transport in transports:
+                if (salt := cache_salt(point[2], transport.name)) not in warmed:
+                    warmed.add(salt)
+                    await warm_up(transport, args, requests, salt)
+                rows.append(await measure_point(transport, client, args, requests, info, point, model))
+            compare_protocols(rows[-len(transports):])
+            for row in rows[-len(transports):]:
+                print_row(row)
         return rows, info.device
+
+
+def compare_protocols(rows: list[dict]) -> None:
+    """The HTTP row of a point gets vs_grpc_pct: how much higher than gRPC's each figure is, in percent."""
+    by = {r["params"]["protocol"]: r for r in rows}
+    if {"grpc", "http"} <= by.keys():
+        grpc_row, http_row = by["grpc"], by["http"]
+        http_row["vs_grpc_pct"] = {k: 100 * (http_row[k] / grpc_row[k] - 1) if grpc_row[k] else math.nan
+                                   for k in ("tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms")}
 
 
 def print_row(row: dict) -> None:
     p = row["params"]
     invalid = (f" | invalid {p['invalid_frac']:g}: {row['invalid_rejected']}/{row['invalid_requests']} rejected, "
                f"p99 {row['reject_p99_ms']:.1f} ms, other ends {row['invalid_errors']}" if "invalid_frac" in p else "")
-    print(f"rate {p['request_rate']:>4} conc {p['max_concurrency']:>4}: {row['tok_s']:8.1f} out tok/s "
-          f"{row['req_s']:6.2f} req/s | TTFT p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms | "
+    wrong = f" | WRONG LENGTH {row['wrong_length']}" if row["wrong_length"] else ""
+    vs = row.get("vs_grpc_pct")
+    vs = (f" | vs grpc: tok/s {vs['tok_s']:+.1f}% TTFT {vs['ttft_p50_ms']:+.1f}% TPOT {vs['tpot_p50_ms']:+.1f}% "
+          f"ITL {vs['itl_p50_ms']:+.1f}%" if vs else "")
+    print(f"{p['protocol']:>4} rate {p['request_rate']:>4} conc {p['max_concurrency']:>4}: {row['tok_s']:8.1f} out "
+          f"tok/s {row['req_s']:6.2f} req/s | TTFT p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms | "
           f"TPOT p50 {row['tpot_p50_ms']:7.1f} p99 {row['tpot_p99_ms']:7.1f} ms | ITL p50 {row['itl_p50_ms']:7.1f} "
-          f"p99 {row['itl_p99_ms']:7.1f} ms | failed {row['failed']}{invalid}", flush=True)
+          f"p99 {row['itl_p99_ms']:7.1f} ms | failed {row['failed']}{wrong}{invalid}{vs}", flush=True)
 
 
 # ---- the server ---------------------------------------------------------------------------------------
-def start_server(args, log: pathlib.Path, max_waiting: int) -> tuple[subprocess.Popen, str]:
+def start_server(args, log: pathlib.Path, max_waiting: int, http: bool) -> tuple[subprocess.Popen, dict[str, str]]:
+    """The server and its ready line's endpoints: {"grpc": host:port, "http": its /v1 URL if http}."""
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics",
            "--max-waiting", str(max_waiting), *shlex.split(args.server_args)]
     cmd += ["--config", args.config] if args.config else []
     cmd += ["--model", args.model] if args.model else []
+    cmd += ["--http-port", "0"] if http else []
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=SERVER_ENV)
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while not (match := re.search(r"ready grpc=(\S+)", log.read_text())):
+    while not (match := re.search(r"ready (grpc=.*)", log.read_text())):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"jaxserve serve did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
-    return proc, match.group(1)
+    return proc, dict(part.split("=", 1) for part in match.group(1).split())
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -351,25 +563,32 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def serving(args, max_waiting: int) -> Iterator[tuple[str, subprocess.Popen | None]]:
-    """(target, None) for --target; else a server started for the block (its output in --server-log or a
-    temporary file) and stopped after it, with its process."""
+def endpoints(args, max_waiting: int, http: bool = False) -> Iterator[tuple[dict[str, str], subprocess.Popen | None]]:
+    """({"grpc": --target, "http": --http-target}, None) for --target; else a server started for the block (its
+    output in --server-log or a temporary file; with an HTTP port if http) and stopped after it, with its process."""
     if args.target:
-        yield args.target, None
+        yield {"grpc": args.target, **({"http": args.http_target} if http else {})}, None
         return
     with tempfile.TemporaryDirectory() as tmp:
-        proc, target = start_server(args, pathlib.Path(args.server_log or pathlib.Path(tmp) / "server.log"),
-                                    max_waiting)
+        proc, ready = start_server(args, pathlib.Path(args.server_log or pathlib.Path(tmp) / "server.log"),
+                                   max_waiting, http)
         try:
-            yield target, proc
+            yield ready, proc
         finally:
             stop_server(proc)
+
+
+@contextlib.contextmanager
+def serving(args, max_waiting: int) -> Iterator[tuple[str, subprocess.Popen | None]]:
+    """endpoints() over gRPC alone: (its address, the process or None)."""
+    with endpoints(args, max_waiting) as (ready, proc):
+        yield ready["grpc"], proc
 
 
 # ---- results ------------------------------------------------------------------------------------------
 def point_label(p: dict) -> str:
     invalid = f"\ninvalid {p['invalid_frac']:g}" if "invalid_frac" in p else ""
-    return f"rate {p['request_rate']}\nconc {p['max_concurrency']}{invalid}"
+    return f"{p['protocol']}\nrate {p['request_rate']}\nconc {p['max_concurrency']}{invalid}"
 
 
 def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
@@ -379,7 +598,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     labels = [point_label(r["params"]) for r in rows]
     x = np.arange(len(rows))
     fig, (ax_tok, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_tok.bar(x, [r["tok_s"] for r in rows], color="tab:blue")
+    ax_tok.bar(x, [r["tok_s"] for r in rows], color=[PROTOCOL_COLORS[r["params"]["protocol"]] for r in rows])
     ax_tok.set(title="output throughput", ylabel="tok/s", xticks=x, xticklabels=labels)
     for i, (metric, color) in enumerate((("ttft", "tab:orange"), ("tpot", "tab:green"), ("itl", "tab:red"))):
         for q, alpha in (("p50", 1.0), ("p99", 0.45)):
@@ -414,6 +633,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[8])
     p.add_argument("--invalid-frac", type=float, nargs="+", default=[0.0],
                    help="share of all requests that are invalid, interleaved with the valid ones; 0: none")
+    p.add_argument("--protocol", choices=["grpc", "http"], nargs="+", default=["grpc"],
+                   help="each point runs once per protocol, against the same server")
+    p.add_argument("--http-target", default=None,
+                   help="with --target and --protocol http: the running server's OpenAI API, http://host:port/v1")
     p.add_argument("--warmup-prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/serve_<backend>.json)")
@@ -429,18 +652,21 @@ def check_args(args) -> None:
         raise ValueError("max_concurrency must be >= 1 and request_rate > 0")
     if not all(0 <= f < 1 for f in args.invalid_frac):
         raise ValueError("invalid_frac must be in [0, 1)")
+    args.protocol = list(dict.fromkeys(args.protocol))
+    if args.target and "http" in args.protocol and not args.http_target:
+        raise ValueError("http_target: --target with --protocol http needs --http-target")
 
 
 def cmd_serve_load(args, command: str) -> None:
     check_args(args)
-    with serving(args, max(DEFAULT_MAX_WAITING, args.num_prompts)) as (target, _):
-        rows, device = asyncio.run(sweep(args, target))
+    with endpoints(args, max(DEFAULT_MAX_WAITING, args.num_prompts), "http" in args.protocol) as (ready, _):
+        rows, device = asyncio.run(sweep(args, ready))
     # Only now touch this process's device: on a GPU machine the server had it to itself.
     out = pathlib.Path(args.out or ROOT / f"benchmarks/results/serve_{jax.default_backend()}.json")
     write_rows(out, rows, command)
     p = rows[0]["params"]
-    plot(rows, out.with_suffix(".png"), f"jaxserve serve: {p['model']} on {device}, {p['dataset']} prompts, "
-         f"{p['num_prompts']} requests x {p['input_len']} in / {p['output_len']} out (greedy)")
+    plot(rows, out.with_suffix(".png"), f"jaxserve serve ({' vs '.join(args.protocol)}): {p['model']} on {device}, "
+         f"{p['dataset']} prompts, {p['num_prompts']} requests x {p['input_len']} in / {p['output_len']} out (greedy)")
 
 
 def run_main(script: str, doc: str, add_script_args, run, argv=None) -> None:

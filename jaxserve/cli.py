@@ -28,6 +28,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"embedded model name ({DEFAULT_MODEL}), GGUF file, HF checkpoint or converted directory")
     p.add_argument("--dtype", choices=["f32", "bf16"], default=None, help="default: f32 on CPU, bf16 on GPU")
     p.add_argument("--config", default=None, help="YAML engine config (see configs/)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="devices the model is split over (overrides --config; default 1)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +46,7 @@ def sampling_params(args) -> SamplingParams:
 
 
 def make_llm(args, **engine_kwargs) -> LLM:
-    loaded, engine = load_run(args.model, args.config, args.dtype)
+    loaded, engine = load_run(args.model, args.config, args.dtype, args.tensor_parallel_size)
     return LLM(loaded, config=engine, **engine_kwargs)
 
 
@@ -89,15 +91,16 @@ def cmd_convert(args) -> None:
 
 def served_engine_config(args) -> EngineConfig:
     """--config's engine section (or the defaults) with the engine flags on top, checked whole."""
-    knobs = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    knobs = {k: getattr(args, k) for k in ENGINE_FLAGS + ("tensor_parallel_size",) if getattr(args, k) is not None}
     if args.no_precompile:
         knobs["precompile"] = False
     return replace(load_run_config(args.config).engine if args.config else EngineConfig(), **knobs)
 
 
-def load_served_model(args) -> tuple[LoadedModel, str]:
-    """The model of --model / --config (whose `model: random` builds random weights) and its served name."""
-    loaded, _ = load_run(args.model, args.config, args.dtype)
+def load_served_model(args, cfg: EngineConfig) -> tuple[LoadedModel, str]:
+    """The model of --model / --config (whose `model: random` builds random weights) on cfg's devices, and its
+    served name."""
+    loaded, _ = load_run(args.model, args.config, args.dtype, cfg.tensor_parallel_size)
     return loaded, loaded.source if args.config else args.model
 
 
@@ -116,7 +119,7 @@ def cmd_serve(args) -> None:
     opts, cfg = serve_options(args), served_engine_config(args)
     opts.read_tls()
     opts.check_bindable()
-    loaded, name = load_served_model(args)
+    loaded, name = load_served_model(args, cfg)
     if code := server.serve(opts, loaded, cfg, name):
         raise SystemExit(code)
 

@@ -118,7 +118,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
 # The names a knob may take (models/attention.py and engine/sampler.py give them meaning).
 DECODE_ATTENTION = ("auto", "cuda")
 PREFILL_ATTENTION = ("triton", "mosaic")
-SAMPLER_MODES = ("greedy", "sample", "sort")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
+SAMPLER_MODES = ("greedy", "sample", "filter")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
 
 
 @dataclass(slots=True)
@@ -149,6 +149,8 @@ class EngineConfig:
     # prompt tokens beyond which new requests are refused with AdmissionError (retry later).
     max_queued_requests: int | None = None
     max_queued_tokens: int | None = None
+    # Devices the model is split over, Megatron-style (models/sharding.py); the loader places the weights on them
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("token_buckets", "seq_buckets"):
@@ -157,7 +159,8 @@ class EngineConfig:
         check_engine_config(self)
 
 
-POSITIVE_INTS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk", "block_size")
+POSITIVE_INTS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk", "block_size",
+                 "tensor_parallel_size")
 OPTIONAL_POSITIVE_INTS = ("max_queued_requests", "max_queued_tokens")
 BOOLS = ("enable_prefix_caching", "async_scheduling", "precompile")
 

@@ -285,7 +285,7 @@ def test_each_step_compiles_the_sampler_its_requests_need(tiny_llm):
     assert mixed[:2] == expected[:2]
     assert mixed[2] != expected[2]  # random sampling really ran beside them
     modes = {key[2] for key in tiny_llm.engine.runner.graphs.executables if key[0] == "sampler"}
-    assert {"greedy", "sort"} <= modes
+    assert {"greedy", "filter"} <= modes
 
 
 def test_attention_kernels_are_what_runs_here():

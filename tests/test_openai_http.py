@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front end through the official `openai` client (and httpx2, which it is built on):
 one in-process server per module (embedded SmolLM2, small engine, lazy compile) on loopback, checked against the
-offline API; a second one over a stuck, then failing, engine step for the refusal statuses."""
+offline API; a second one over a stuck, then failing, engine step for the refusal statuses; a third over a tiny
+random model without a tokenizer (the benchmarks' kind), served token ids."""
 import asyncio
 import contextlib
 import json
@@ -14,11 +15,14 @@ import time
 from pathlib import Path
 
 import httpx2
+import jax.numpy as jnp
 import openai
 import pytest
 
 from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
+from jaxserve.config import ModelConfig
 from jaxserve.engine.llm_engine import NeverFits, QueueFull
+from jaxserve.models.loader import random_model
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 from jaxserve.serve.openai_http import api_error
 from jaxserve.serve.server import ServeOptions, Server
@@ -174,6 +178,9 @@ BAD = {   # name -> (chat, request fields, status, param)
     "prompt-batch": (False, dict(prompt=["a", "b"]), 400, "prompt"),
     "stop": (False, dict(stop=[""]), 400, "stop"),
     "unsupported": (False, dict(echo=True), 400, "echo"),
+    "cache_salt": (False, dict(cache_salt=7), 400, "cache_salt"),
+    "cache_salt-too-long": (False, dict(cache_salt="s" * 10_000), 400, "cache_salt"),   # the engine's check
+    "return_token_ids": (False, dict(return_token_ids="yes"), 400, "return_token_ids"),
     "model": (True, dict(model="gpt-4"), 404, "model"),
 }
 
@@ -207,6 +214,14 @@ def test_api_key_health_models_metrics_and_unknown_routes(server, client):
     metrics = httpx2.get(url + "/metrics", timeout=10).text
     finished = re.search(r'^jaxserve_requests_total\{outcome="finished"\} (\S+)$', metrics, re.M)
     assert finished and float(finished[1]) >= 1 and "jaxserve_time_to_first_token_seconds_count" in metrics
+
+
+def test_connections_send_at_once(server, client):
+    """TCP_NODELAY on every accepted connection: without it Nagle holds each streamed event until the client's
+    delayed ACK, ~40 ms (the listening socket must carry it: asyncio does not set it on uvicorn's)."""
+    client.models.list()   # leaves a kept-alive connection
+    sockets = [c.transport.get_extra_info("socket") for c in server.http.uvicorn.server_state.connections]
+    assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
@@ -286,3 +301,55 @@ def test_serve_refuses_a_busy_http_port_before_loading_the_model():
                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 2 and re.fullmatch(r"jaxserve serve: error: --http-port \d+ on --host 127.0.0.1: "
                                                 r"cannot bind .*", out.stderr.strip()), out.stderr
+
+
+# ---- a model without a tokenizer (random weights: what the GPU serving benchmarks run) ----------------------
+TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+IDS = list(range(3, 40))
+TOKEN_IDS = dict(ignore_eos=True, return_token_ids=True)
+
+
+@pytest.fixture(scope="module")
+def bare():
+    """(server, client) over TINY random weights, tokenizer None."""
+    engine = LLMEngine(random_model(TINY, jnp.float32), EngineConfig(precompile=False, **KNOBS))
+    assert engine.tokenizer is None
+    with in_process(engine) as server, \
+            openai.OpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield server, c
+
+
+def test_token_id_prompts_without_a_tokenizer_stream_and_count_tokens(bare):
+    _, client = bare
+    full = client.completions.create(model=MODEL, prompt=IDS, max_tokens=9, temperature=0, logprobs=1,
+                                     extra_body=TOKEN_IDS)
+    choice = full.choices[0]
+    assert (choice.text, choice.finish_reason, len(choice.token_ids)) == ("", "length", 9)
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.token_ids]
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(IDS), 9)
+    chunks = list(client.completions.create(model=MODEL, prompt=IDS, max_tokens=9, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=TOKEN_IDS))
+    assert all(ch.text == "" for c in chunks[:-1] for ch in c.choices)
+    assert [t for c in chunks[:-1] for ch in c.choices for t in ch.token_ids] == choice.token_ids   # greedy
+    assert chunks[-1].usage.completion_tokens == 9 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_without_a_tokenizer_chat_and_text_prompts_are_400s(bare):
+    server, client = bare
+    chat = error_of(client.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=4)
+    text = error_of(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=4)
+    assert (chat.status_code, chat.body["param"], "no tokenizer" in chat.message) == (400, "messages", True)
+    assert (text.status_code, text.body["param"], "no tokenizer" in text.message) == (400, "prompt", True)
+    assert server.engine_loop.stats()["serving"]
+
+
+def test_cache_salt_is_a_prefix_cache_namespace(bare):
+    server, client = bare
+    prompt = list(range(1, 100))
+
+    def hits(salt):
+        before = wait_idle(server)["prefix_cache_hits"]
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt})
+        return wait_idle(server)["prefix_cache_hits"] - before
+    assert (hits("a"), hits("a") > 0, hits("b"), hits("b") > 0) == (0, True, 0, True)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from jaxserve.engine.sampler import (SUPPRESS_WIDTH, SamplingTensors, apply_penalties, filter_min_p, filter_top_k_top_p,
-                                     init_penalty_state, make_sampling_tensors, mode_for, reset_slots, sample)
+from jaxserve.engine.sampler import (SUPPRESS_WIDTH, SamplingTensors, apply_penalties, effective_top_k, filter_min_p,
+                                     filter_top_k_top_p, init_penalty_state, make_sampling_tensors, mode_for,
+                                     reset_slots, sample)
 from jaxserve.engine.sampling_params import SamplingParams
 
 V = 256
@@ -99,6 +100,71 @@ def test_filter_functions_match_reference_on_random_rows():
     kept = np.isfinite(np.asarray(jax.jit(filter_min_p)(kept, min_p)))
     ref = np.stack([allowed_reference(logits[i], 1.0, top_k[i], top_p[i], min_p[i]) for i in range(rows)])
     np.testing.assert_array_equal(kept, ref)
+
+
+def sort_top_k_top_p(logits, top_k, top_p):
+    """The sort-based top-k / top-p that the library's sort-free filter replaced, as the pure-JAX reference:
+    renormalise over the top-k set (ties with the k-th value included), keep ranks until the mass before reaches
+    top_p, cut at the last kept value."""
+    ranked = -jnp.sort(-logits, axis=-1)
+    in_top_k = ranked >= jnp.take_along_axis(ranked, top_k[:, None] - 1, axis=-1)
+    probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    cutoff = jnp.take_along_axis(ranked, keep.sum(axis=-1, keepdims=True) - 1, axis=-1)
+    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+
+
+def mixed_rows(rng, rows, vocab):
+    """Rows of every awkward kind: spread and flat normals, heavy ties, one value throughout, bf16-rounded,
+    signed zeros, some with -inf entries (suppressed ids). Each row keeps at least one finite value."""
+    kinds = [lambda: rng.normal(size=vocab) * rng.choice([0.3, 3.0, 40.0]),
+             lambda: rng.choice(rng.normal(size=3) * 4, vocab),
+             lambda: np.full(vocab, rng.normal()),
+             lambda: np.asarray(jnp.asarray(rng.normal(size=vocab) * 3, jnp.bfloat16), np.float64),
+             lambda: rng.choice([-0.0, 0.0, 1.0, -1.0], vocab)]
+    logits = np.stack([kinds[rng.integers(len(kinds))]() for _ in range(rows)]).astype(np.float32)
+    suppressed = (rng.random((rows, vocab)) < rng.choice([0.0, 0.05, 0.9], (rows, 1))) & (np.arange(vocab) > 0)
+    return np.where(suppressed, -np.inf, logits).astype(np.float32)
+
+
+def kept_mass(row, cutoff, kth):
+    """float64: the share of the top-k set's mass (cut at kth) in the values >= cutoff."""
+    x = row.astype(np.float64)
+    w = np.where(x >= kth, np.exp(x - x.max()), 0.0)
+    return w[x >= cutoff].sum() / w.sum()
+
+
+@pytest.mark.parametrize("pivots", [1, 2, 7, 31])
+@pytest.mark.parametrize("seed", range(3))
+def test_filter_matches_sort_reference(seed, pivots):
+    """Exactly the sort's cut, but where the two cuts' kept mass lies within 1e-5 of top_p (float32 sums in
+    another order may round either way there); then the smaller kept set must be that near-tie."""
+    rng = np.random.default_rng([seed, pivots])
+    rows, vocab = int(rng.integers(1, 24)), int(rng.choice([rng.integers(1, 300), rng.integers(4000, 9000)]))
+    logits = mixed_rows(rng, rows, vocab)
+    top_k = effective_top_k(rng.choice([0, -1, 1, 3, vocab, int(rng.integers(1, vocab + 1))], rows), vocab)
+    top_p = rng.choice([1.0, 0.9, 0.5, 1e-6, rng.uniform(0.05, 1.0)], rows).astype(np.float32)
+    got = np.asarray(jax.jit(filter_top_k_top_p, static_argnames="pivots")(logits, top_k, top_p, pivots=pivots))
+    want = np.asarray(jax.jit(sort_top_k_top_p)(logits, top_k, top_p))
+    assert not np.isnan(got).any() and ((got == logits) | (got == -np.inf)).all()
+    for i in np.flatnonzero((got != want).any(axis=-1)):
+        assert top_p[i] < 1.0, f"row {i}: the top-k cut differs"
+        kth = np.sort(logits[i])[::-1][top_k[i] - 1]
+        smaller = max(got[i][got[i] > -np.inf].min(), want[i][want[i] > -np.inf].min())
+        assert abs(kept_mass(logits[i], smaller, kth) - top_p[i]) < 1e-5, f"row {i}: the top-p cut differs"
+
+
+def test_filter_counts_nan_as_neg_inf_and_keeps_inf():
+    row = np.array([1.0, np.nan, 3.0, np.inf, 2.0, np.inf, -np.inf, np.nan], np.float32)
+    rows = np.stack([row, row, row, np.full(8, np.nan, np.float32), np.full(8, -np.inf, np.float32)])
+    top_k, top_p = np.array([8, 8, 3, 8, 8]), np.array([1.0, 0.5, 1.0, 0.5, 0.5], np.float32)
+    got = np.asarray(jax.jit(filter_top_k_top_p)(rows, top_k, top_p))
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[0], np.where(np.isnan(row), -np.inf, row))   # NaN is never kept
+    np.testing.assert_array_equal(got[1], np.where(row == np.inf, np.inf, -np.inf))  # the infs hold all the mass
+    np.testing.assert_array_equal(got[2], np.where(row >= 3.0, row, -np.inf))
+    assert (got[3:] == -np.inf).all()
 
 
 def test_top_k_keeps_ties():
@@ -283,7 +349,7 @@ def test_make_sampling_tensors_pads_and_splits_seeds():
     ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=3.0)] * 2, "sample"),
     ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, min_p=0.05)], "sample"),
     ([SamplingParams(temperature=0.9, top_k=V)] * 2, "sample"),  # top_k = vocab filters nothing
-    ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8)], "sort"),
+    ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8)], "filter"),
 ])
 def test_cheapest_mode_gives_the_full_samplers_tokens(params, mode):
     """The host picks a compiled variant per step: it must sample exactly what the all-features one does."""
@@ -296,7 +362,7 @@ def test_cheapest_mode_gives_the_full_samplers_tokens(params, mode):
     args = (jnp.asarray(logits), tensors(params, seeds=[7] * n, gen=[3] * n), state, np.arange(n, dtype=np.int32),
             np.ones(n, bool))
     cheap, cheap_state = sample_jit(*args, mode=mode)
-    full, full_state = sample_jit(*args, mode="sort")
+    full, full_state = sample_jit(*args, mode="filter")
     np.testing.assert_array_equal(cheap.tokens, full.tokens)
     np.testing.assert_array_equal(cheap_state.output_counts, full_state.output_counts)
     if any(p.repetition_penalty != 1.0 for p in params):  # the penalty case would break under "greedy"

@@ -7,8 +7,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
 import custom_calls
+from jaxserve.models.sharding import KV_CACHE, per_shard
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -40,22 +42,26 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
                                           slot_mapping)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    # Padding pairs have out-of-bounds dsts, which the copy skips; every layer reads its sources first.
-    return [custom_calls.copy_blocks(k, v, src, dst) for k, v in cache]
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
+def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, mesh: Mesh | None = None) -> KVCache:
+    # Padding pairs have out-of-bounds dsts, which the copy skips; every layer reads its sources first. Under
+    # tensor parallelism each device copies the blocks of its own kv heads.
+    def copy(cache, src, dst):
+        return [custom_calls.copy_blocks(k, v, src, dst) for k, v in cache]
+    return per_shard(copy, mesh, (KV_CACHE, P(), P()), KV_CACHE)(cache, src, dst)
 
 
-def copy_blocks(cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
+def copy_blocks(cache: KVCache, src: np.ndarray, dst: np.ndarray, mesh: Mesh | None = None) -> KVCache:
     """Copy blocks src[i] -> dst[i] in every layer in one device call; the cache is donated (updated in place).
-    On an NVIDIA GPU the CUDA custom call copies (measured faster than XLA: benchmarks/NOTES_cuda.md).
+    On an NVIDIA GPU the CUDA custom call copies (measured faster than XLA: benchmarks/NOTES_cuda.md). A cache
+    split over a mesh's "tp" axis (models/sharding.KV_CACHE) needs that mesh.
 
     All sources are read before any destination is written. dst ids must be distinct. N is padded to a
     power-of-two bucket (>= COPY_BUCKET_MIN) so few variants compile; N == 0 makes no device call.
     """
     if len(src) == 0 and len(dst) == 0:
         return cache
-    return _copy_blocks(cache, *pad_block_copies(src, dst, cache[0][0].shape[0]))
+    return _copy_blocks(cache, *pad_block_copies(src, dst, cache[0][0].shape[0]), mesh)
 
 
 def pad_block_copies(src, dst, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,11 +117,12 @@ def num_blocks_for_memory(bytes_per_block: int, *, device: jax.Device | None = N
     return num_blocks
 
 
-def describe_kv_capacity(num_blocks: int, block_size: int, bytes_per_block: int) -> str:
-    """One line for the start-up log; the null block is not usable capacity."""
+def describe_kv_capacity(num_blocks: int, block_size: int, bytes_per_block: int, devices: int = 1) -> str:
+    """One line for the start-up log (bytes_per_block: on each of `devices`); the null block is not usable
+    capacity."""
     usable = num_blocks - 1
     return (f"KV cache: {usable:,} blocks x {block_size} = {usable * block_size:,} tokens "
-            f"({usable * bytes_per_block / 2**30:.2f} GiB)")
+            f"({usable * bytes_per_block / 2**30:.2f} GiB{f' on each of {devices} devices' if devices > 1 else ''})")
 
 
 def _available_host_bytes() -> int:

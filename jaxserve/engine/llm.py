@@ -12,6 +12,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sequence import RequestOutput
 from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
+from jaxserve.models.sharding import make_mesh
 
 
 @dataclass(slots=True)
@@ -35,7 +36,8 @@ def apply_chat_template(tokenizer, conversation, add_generation_prompt: bool = T
 
 class LLM:
     """LLM(model=None) loads the embedded SmolLM2; model may also be a GGUF file, a HF checkpoint directory or
-    a directory written by `jaxserve convert`. Engine knobs (EngineConfig fields) pass as keyword arguments."""
+    a directory written by `jaxserve convert`. Engine knobs (EngineConfig fields) pass as keyword arguments; a
+    model loaded here is placed on tensor_parallel_size devices (a LoadedModel must already be on them)."""
 
     def __init__(self, model: str | LoadedModel | None = DEFAULT_MODEL, dtype: str | None = None,
                  config: EngineConfig | None = None, **engine_kwargs):
@@ -44,7 +46,8 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine arguments {sorted(unknown)}; known: {sorted(known)}")
         cfg = replace(config or EngineConfig(), **engine_kwargs)
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype,
+                                                                          make_mesh(cfg.tensor_parallel_size))
         self.engine = LLMEngine(loaded, cfg)
 
     def get_tokenizer(self):

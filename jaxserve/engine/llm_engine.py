@@ -4,7 +4,6 @@ come back are turned into outputs. Device state is the runner's."""
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +12,7 @@ import numpy as np
 
 from jaxserve.cache.kv_cache_manager import KVCacheManager
 from jaxserve.config import EngineConfig
+from jaxserve.engine.compilation import enable_compilation_cache
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling_params import SamplingParams
@@ -55,12 +55,6 @@ class Request:
 class Launched:
     rows: list[StepRow]
     out: tuple   # (SamplerOutput, PromptLogprobs | None) as device arrays
-
-
-def enable_compilation_cache(path: str | None) -> None:
-    if path:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)   # every graph: restarts compile nothing
 
 
 def check_config(cfg: EngineConfig, max_position_embeddings: int) -> None:
@@ -286,4 +280,5 @@ class LLMEngine:
                 "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
                 "compiled_graphs": len(self.runner.graphs.executables),
+                "graphs_from_cache": self.runner.graphs.loaded_from_cache,
                 "compiles_after_start": self.runner.graphs.compiles_after_start}

@@ -6,6 +6,7 @@ penalty state donated. Every graph compiles before serving (`precompile`); `exec
 `SchedulerOutput`."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -15,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.cache.block_table import BlockTable
 from jaxserve.cache.kv_cache import (_copy_blocks, allocate_kv_cache, copy_bucket, describe_kv_capacity,
                                      kv_bytes_per_block, num_blocks_for_memory, pad_block_copies)
 from jaxserve.config import SAMPLER_MODES, EngineConfig
-from jaxserve.engine.compilation import CompilationManager
+from jaxserve.engine.compilation import CompilationManager, ExecutableCache, fingerprint
 from jaxserve.engine.sampler import PenaltyState, SamplerOutput, init_penalty_state, mode_for, reset_slots, sample
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
@@ -28,17 +30,18 @@ from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs, pad
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
 from jaxserve.models.loader import LoadedModel
+from jaxserve.models.sharding import KV_CACHE, TP, cache_kv_heads
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
-MIN_RESET_WIDTH = 16   # penalty resets pad prompt + output tokens to a power of two from here
+MIN_RESET_WIDTH = 64   # penalty resets pad prompt + output tokens to a power of four from here (few graphs)
 PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, not [T, V] (5 GB at 4K x 128K)
 
 
-def pow2_ladder(low: int, high: int) -> tuple[int, ...]:
-    """Powers of two from low up to high, high itself always included."""
-    ladder = [low << i for i in range(max(0, math.ceil(math.log2(high / low))) + 1) if low << i < high]
-    return tuple(ladder + [high])
+def pow2_ladder(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
+    """low, low * factor, ... (powers of two for factor 2, 4, ...) below high, then high itself."""
+    ladder = [low * factor ** i for i in range(max(0, math.ceil(math.log(high / low, factor))) + 1)]
+    return tuple([x for x in ladder if x < high] + [high])
 
 
 def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
@@ -60,12 +63,12 @@ class PromptLogprobs:
     top_logprobs: jax.Array
 
 
-def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, graphdef, kernels: AttentionKernels):
+def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, graphdef, kernels: AttentionKernels, mesh: Mesh):
     """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H])."""
     model = nnx.merge(graphdef, params)
     # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
     token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
-    hidden, kv_cache = model(token_ids, inp.positions, kv_cache, PagedAttention(inp.attn, kernels))
+    hidden, kv_cache = model(token_ids, inp.positions, kv_cache, PagedAttention(inp.attn, kernels, mesh))
     return kv_cache, model.logits(hidden[inp.logits_indices]), hidden
 
 
@@ -92,50 +95,92 @@ def run_prompt_logprobs(params, hidden, next_prompt_ids, *, graphdef) -> PromptL
     return jax.tree.map(lambda x: x.reshape(len(hidden), *x.shape[2:]), out)
 
 
+def tensor_parallel_mesh(loaded: LoadedModel, cfg: EngineConfig) -> Mesh:
+    """The mesh the model was loaded on, which must be the config's tensor_parallel_size devices."""
+    if (tp := loaded.mesh.shape[TP]) != cfg.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} but the model was loaded on {tp} "
+                         f"device(s): load it with tensor_parallel_size={cfg.tensor_parallel_size} "
+                         f"(models.loader.load_run, or load_model(mesh=make_mesh({cfg.tensor_parallel_size})))")
+    return loaded.mesh
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
         self.cfg, self.model_config = cfg, loaded.config
         graphdef, self.params = nnx.split(loaded.model)
         mc = loaded.config
+        self.mesh = tensor_parallel_mesh(loaded, cfg)
+        self.replicated, self.cache_sharding = NamedSharding(self.mesh, P()), NamedSharding(self.mesh, KV_CACHE)
+        self.kv_heads = cache_kv_heads(mc.num_kv_heads, cfg.tensor_parallel_size)
         self.dtype = dtype = loaded.model.embed_tokens.embedding[...].dtype
         self.token_buckets, self.seq_buckets = bucket_ladders(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-        self.penalty = init_penalty_state(cfg.max_num_seqs, mc.vocab_size)
+        self.reset_widths = pow2_ladder(MIN_RESET_WIDTH, cfg.max_model_len, factor=4)
         self.block_table = BlockTable(cfg.max_num_seqs, self.max_blocks_per_seq)
         self.free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self.slot_of: dict[int, int] = {}     # seq_id -> device slot: block-table row and penalty state
         self.prev_rows: dict[int, int] = {}   # seq_id -> row of the last launched step that samples it
         self.eos_token_ids = loaded.eos_token_ids
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim)
-        self.graphs = CompilationManager()
-        self._model = jax.jit(functools.partial(run_model, graphdef=graphdef, kernels=self.kernels),
-                              donate_argnums=1)
-        self._sampler = jax.jit(functools.partial(run_sampler, num_last_tokens=self.seq_buckets[-1]),
-                                donate_argnums=1)
-        self._prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, graphdef=graphdef))
-        self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)   # the previous step's samples, on device
-        bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        self.num_blocks = cfg.num_blocks or num_blocks_for_memory(
-            bytes_per_block, activation_peak_bytes=self.activation_bytes(dtype), fraction=cfg.memory_fraction)
-        print(describe_kv_capacity(self.num_blocks, cfg.block_size, bytes_per_block), file=sys.stderr)
-        self.cache_shape = [(jax.ShapeDtypeStruct((self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim),
-                                                  dtype),) * 2] * mc.num_layers
+        self.graphs = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
+            mc, dataclasses.asdict(cfg), str(dtype), [d.device_kind for d in self.mesh.devices.flat], self.kernels)))
+        self._jit_graphs(graphdef)
+        self.penalty = jax.jit(init_penalty_state, static_argnums=(0, 1), out_shardings=self.replicated)(
+            cfg.max_num_seqs, mc.vocab_size)
+        self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32,   # the previous step's samples, on device
+                                     device=self.replicated)
+        self.num_blocks = self._kv_blocks(dtype)
+        self.graphs.cache.fingerprint += f" num_blocks={self.num_blocks}"   # the graphs from here on depend on it
+        self.cache_shape = [(self.cache_struct(self.num_blocks, dtype),) * 2] * mc.num_layers
         if cfg.precompile:   # before the cache takes the memory: compiling (autotuning) needs room to run kernels
             self.precompile()
-        self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads,
-                                          mc.head_dim, dtype)
+        self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size, self.kv_heads,
+                                          mc.head_dim, dtype, self.cache_sharding)
+
+    def _jit_graphs(self, graphdef) -> None:
+        """The step's graphs, their shardings explicit so that XLA never moves the weights or the cache: weights
+        as loaded, the cache split on kv heads (donated: updated in place), everything else replicated — the
+        model's logits gathered from the vocab-split LM head for the sampler, which runs whole on every device."""
+        rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
+        cache = [(self.cache_sharding,) * 2] * self.model_config.num_layers
+        self._model = jax.jit(functools.partial(run_model, graphdef=graphdef, kernels=self.kernels, mesh=self.mesh),
+                              in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep, rep),
+                              donate_argnums=1)
+        self._sampler = jax.jit(functools.partial(run_sampler, num_last_tokens=self.seq_buckets[-1]),
+                                in_shardings=rep, out_shardings=rep, donate_argnums=1)
+        self._prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, graphdef=graphdef),
+                                        in_shardings=(params, rep, rep), out_shardings=rep)
+        self._reset_slots = jax.jit(reset_slots, in_shardings=rep, out_shardings=rep, donate_argnums=0)
+
+    def _kv_blocks(self, dtype) -> int:
+        """The config's num_blocks, or as many as fit each device's memory left by weights and activations."""
+        mc, cfg = self.model_config, self.cfg
+        bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size,   # on each device
+                                             self.kv_heads // cfg.tensor_parallel_size, mc.head_dim, dtype)
+        num_blocks = cfg.num_blocks or num_blocks_for_memory(
+            bytes_per_block, activation_peak_bytes=self.activation_bytes(dtype), fraction=cfg.memory_fraction)
+        print(describe_kv_capacity(num_blocks, cfg.block_size, bytes_per_block, cfg.tensor_parallel_size),
+              file=sys.stderr)
+        return num_blocks
+
+    def cache_struct(self, num_blocks: int, dtype) -> jax.ShapeDtypeStruct:
+        """One layer's K or V cache, abstract: what graphs compile against."""
+        shape = (num_blocks, self.cfg.block_size, self.kv_heads, self.model_config.head_dim)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.cache_sharding)
 
     def activation_bytes(self, dtype) -> int:
         """XLA's temp memory for the largest bucket's model, sampler and prompt-logprob graphs (summed: safe
         whichever runs), the model compiled against a 2-block stand-in cache (temp memory does not depend on the cache's size): reserved before the KV cache
         takes what is left."""
-        mc = self.model_config
-        block = jax.ShapeDtypeStruct((2, self.cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype)
+        mc, block = self.model_config, self.cache_struct(2, dtype)
         inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1],
-                               num_logprobs=MAX_LOGPROBS, sampler_mode="sort")
-        model = self._model.lower(self.params, [(block, block)] * mc.num_layers, self.last_tokens, inp.model)
-        graphs = (model, self._lower_sampler(inp.sampler), self._lower_prompt_logprobs(self.token_buckets[-1]))
-        peak = sum(getattr(g.compile().memory_analysis(), "temp_size_in_bytes", 0) for g in graphs)
+                               num_logprobs=MAX_LOGPROBS, sampler_mode="filter")
+        graphs = {("peak", "model"): lambda: self._model.lower(self.params, [(block, block)] * mc.num_layers,
+                                                                self.last_tokens, inp.model),
+                  ("peak", "sampler"): lambda: self._lower_sampler(inp.sampler),
+                  ("peak", "prompt"): lambda: self._lower_prompt_logprobs(self.token_buckets[-1])}
+        peak = sum(getattr(self.graphs.peek(key, lower).memory_analysis(), "temp_size_in_bytes", 0)
+                   for key, lower in graphs.items())
         print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
         return peak
 
@@ -153,7 +198,7 @@ class ModelRunner:
                     inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
                                            num_logprobs=num_logprobs).sampler
                     graphs[("sampler", *inp.key)] = functools.partial(self._lower_sampler, inp)
-            for width in pow2_ladder(MIN_RESET_WIDTH, self.cfg.max_model_len):
+            for width in self.reset_widths:
                 graphs[("reset", s, width)] = functools.partial(self._lower_reset, s, width)
         for t in self.token_buckets:
             graphs[("prompt", t)] = functools.partial(self._lower_prompt_logprobs, t)
@@ -163,7 +208,10 @@ class ModelRunner:
         self.graphs.precompiled = True
 
     def _model_shapes(self) -> list[tuple[int, int, bool]]:
-        shapes = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets]
+        """Every (token bucket, seq bucket) a step can pad to — a seq bucket above a token bucket only where the
+        seq bucket below it is smaller (a step has at most one sequence per token) — and the decode-only ones."""
+        seqs = self.seq_buckets
+        shapes = [(t, s, False) for t in self.token_buckets for i, s in enumerate(seqs) if i == 0 or seqs[i - 1] < t]
         if self.kernels.has_decode_kernel:
             shapes += [(bucket_for(s, self.token_buckets), s, True) for s in self.seq_buckets]
         return shapes
@@ -180,11 +228,11 @@ class ModelRunner:
         return self._prompt_logprobs.lower(self.params, hidden, np.zeros(num_tokens, np.int32))
 
     def _lower_copy(self, ids: np.ndarray):
-        return _copy_blocks.lower(self.cache_shape, ids, ids)
+        return _copy_blocks.lower(self.cache_shape, ids, ids, mesh=self.mesh)
 
     def _lower_reset(self, num_rows: int, width: int):
         ids = np.zeros((num_rows, width), np.int32)
-        return reset_slots.lower(self.penalty, np.zeros(num_rows, np.int32), ids, ids)
+        return self._reset_slots.lower(self.penalty, np.zeros(num_rows, np.int32), ids, ids)
 
     def step_inputs(self, **kw) -> StepInputs:
         """build_step_inputs with this engine's constants. Steps whose rows all decode one token run the decode
@@ -243,13 +291,12 @@ class ModelRunner:
 
     def _reset_penalties(self, seqs: list[Sequence]) -> None:
         """Fresh penalty state for newly placed sequences (prompt mask; counts of tokens already generated),
-        padded to a seq bucket (padding rows reset the scratch slot) and a power-of-two width."""
+        padded to a seq bucket (padding rows reset the scratch slot) and a width of `reset_widths`."""
         if not seqs:
             return
         outputs = [s.confirmed_output_ids for s in seqs]
         rows = bucket_for(len(seqs), self.seq_buckets)
-        width = bucket_for(max(s.num_prompt_tokens + len(o) for s, o in zip(seqs, outputs)),
-                           pow2_ladder(MIN_RESET_WIDTH, self.cfg.max_model_len))
+        width = bucket_for(max(s.num_prompt_tokens + len(o) for s, o in zip(seqs, outputs)), self.reset_widths)
         prompt, output = np.full((2, rows, width), -1, np.int32)
         for i, (s, o) in enumerate(zip(seqs, outputs)):
             prompt[i, :s.num_prompt_tokens] = s.token_ids[:s.num_prompt_tokens]

@@ -13,7 +13,7 @@ compiled variant each), not by `lax.cond`: on GPU an XLA conditional reads its p
 which stalls the dispatching thread until the device gets there and so serialises host and device.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,6 +27,12 @@ from jaxserve.engine.sampling_params import GREEDY_TEMPERATURE, MAX_STOP_TOKEN_I
 # and at most MAX_STOP_TOKEN_IDS stop ids.
 SUPPRESS_WIDTH = 2 * MAX_STOP_TOKEN_IDS
 NEG_INF = float("-inf")
+# Cuts that each pass of the top-k / top-p threshold search tests past its lower bound. A pass reads the [S, V]
+# logits once, and 32 key bits take ceil(32 / log2(P + 1)) passes per threshold: more pivots, fewer reads but more
+# arithmetic per element. On an H100 (V = 128256) P = 7 was fastest at S = 64 and 256 and tied with 15 at S = 8;
+# benchmarks/bench_sampler.py sweeps it.
+SEARCH_PIVOTS = 7
+SEARCH_CHUNK = 4096  # longest row the search reduces whole: see `chunked`
 
 
 @jax.tree_util.register_dataclass
@@ -91,22 +97,21 @@ def reset_slots(state: PenaltyState, slots: jax.Array, prompt_ids: jax.Array,
 
 def mode_for(params: Sequence[SamplingParams], vocab_size: int) -> str:
     """The cheapest static variant (config.SAMPLER_MODES: "greedy" argmax only; "sample" + penalties,
-    temperature, min-p, Gumbel noise; "sort" + top-k / top-p, which sort every row) that serves every request
-    sampling in this step."""
-    def needs_sort(p):
+    temperature, min-p, Gumbel noise; "filter" + top-k / top-p) that serves every request sampling in this step."""
+    def needs_filter(p):
         return 0 < p.top_k < vocab_size or p.top_p < 1.0
 
     random = [p for p in params if p.temperature >= GREEDY_TEMPERATURE]
-    if any(map(needs_sort, random)):
-        return "sort"
+    if any(map(needs_filter, random)):
+        return "filter"
     penalties = any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params)
     return "sample" if random or penalties else "greedy"
 
 
-def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array,
-           sample_mask: jax.Array, *, num_logprobs: int = 0, mode: str = "sort") -> tuple[SamplerOutput, PenaltyState]:
+def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array, sample_mask: jax.Array,
+           *, num_logprobs: int = 0, mode: str = "filter") -> tuple[SamplerOutput, PenaltyState]:
     """Sample one token per row of logits [S, V]; count it in the row's slot where sample_mask [S] holds.
-    `mode` (static) must cover every row's parameters (`mode_for`); "sort" covers all."""
+    `mode` (static) must cover every row's parameters (`mode_for`); "filter" covers all."""
     logits = logits.astype(jnp.float32)
     penalised = logits if mode == "greedy" else apply_penalties(logits, t, state, slot_ids)
     penalised = suppress(penalised, t.suppress_ids)
@@ -114,7 +119,7 @@ def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids:
         tokens = argmax(penalised)
     else:
         random_rows = sample_mask & (t.temperature >= GREEDY_TEMPERATURE)
-        tokens = sample_random(penalised, t, random_rows, sort=mode == "sort")
+        tokens = sample_random(penalised, t, random_rows, top_k_top_p=mode == "filter")
     counts = state.output_counts.at[slot_ids, tokens].add(sample_mask.astype(jnp.int32))
     return raw_logprobs(logits, tokens, num_logprobs), PenaltyState(state.prompt_mask, counts)
 
@@ -138,11 +143,12 @@ def suppress(logits: jax.Array, ids: jax.Array) -> jax.Array:
     return logits.at[rows, drop_padding(ids, logits.shape[1])].set(NEG_INF, mode="drop")
 
 
-def sample_random(logits: jax.Array, t: SamplingTensors, random_rows: jax.Array, *, sort: bool) -> jax.Array:
+def sample_random(logits: jax.Array, t: SamplingTensors, random_rows: jax.Array, *,
+                  top_k_top_p: bool) -> jax.Array:
     """Temperature, filters, then Gumbel-max on random_rows; the other rows take the plain argmax."""
     vocab_size = logits.shape[1]
     scaled = logits / jnp.where(random_rows, t.temperature, 1.0)[:, None]
-    if sort:
+    if top_k_top_p:
         scaled = filter_top_k_top_p(scaled, effective_top_k(t.top_k, vocab_size), t.top_p)
     scaled = filter_min_p(scaled, t.min_p)  # max logit survives top-k/top-p: the same as min-p on the full row
     noise = jax.vmap(row_gumbel, in_axes=(0, 0, None))(t.seed, t.gen_index, vocab_size)
@@ -153,18 +159,83 @@ def effective_top_k(top_k: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
 
 
-def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Keep each row's top_k largest, then the fewest of those whose renormalised mass reaches top_p.
-    Cut by value, so ties with the last kept token are kept too."""
-    vocab_size = logits.shape[1]
-    ranked = -jnp.sort(-logits, axis=-1)
-    ranked = jnp.where(jnp.arange(vocab_size) < top_k[:, None], ranked, NEG_INF)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # top_p 1: no rounding may cut the tail
-    num_kept = jnp.minimum(keep.sum(axis=-1), top_k)
-    cutoff = jnp.take_along_axis(ranked, num_kept[:, None] - 1, axis=-1)
-    return jnp.where(logits >= cutoff, logits, NEG_INF)
+def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+                       pivots: int = SEARCH_PIVOTS) -> jax.Array:
+    """Keep each row's top_k largest, then the fewest of those whose renormalised mass (softmax over the top-k
+    set) reaches top_p (top_p >= 1 keeps them all). Cut by value, so ties with the last kept token are kept too;
+    NaN counts as -inf. No sort: each cut is an exact threshold on the values' order-preserving u32 keys, which a
+    search finds in a fixed number of passes over the rows (`search_passes(pivots)` each)."""
+    x = jnp.where(jnp.isnan(logits), NEG_INF, logits)
+    rows = chunked(x)
+    top = x.max(axis=-1, keepdims=True)
+    weights = jnp.exp(jnp.where(rows == top[..., None], 0.0, rows - top[..., None]))  # also right at max = inf
+    top_k, top_p = top_k[:, None].astype(jnp.float32), top_p[:, None]
+    lowest, highest = jnp.zeros_like(top, jnp.uint32), jnp.full_like(top, 2**32 - 1, jnp.uint32)
+    kth = threshold(rows, jnp.ones_like(rows), lambda _: top_k, lowest, highest, pivots)
+    goal = lambda kept_mass: jnp.where(top_p >= 1.0, jnp.inf, top_p * kept_mass)  # 1: no rounding cuts the tail
+    cutoff = threshold(rows, weights, goal, kth, order_key(top), pivots)  # the top-p cut is at or above kth
+    return jnp.where(x >= key_value(cutoff), x, NEG_INF)
+
+
+def chunked(x: jax.Array) -> jax.Array:
+    """[S, V] -> [S, C, W], -inf padded (-inf changes no count that matters, and weighs 0): rows of at most
+    SEARCH_CHUNK, which XLA reduces whole. A longer row's reduction it splits into two kernels, and the filter ran
+    20% slower that way at S = 64 on an H100."""
+    num_chunks = -(-x.shape[1] // SEARCH_CHUNK)
+    width = -(-x.shape[1] // num_chunks)
+    padded = jnp.pad(x, ((0, 0), (0, num_chunks * width - x.shape[1])), constant_values=NEG_INF)
+    return padded.reshape(x.shape[0], num_chunks, width)
+
+
+def order_key(x: jax.Array) -> jax.Array:
+    """f32 -> u32 in the same order, -0 = +0, -inf below every finite value: sign-magnitude to offset binary."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    magnitude, zero = bits & 0x7FFFFFFF, jnp.uint32(2**31)
+    return jnp.where(bits >> 31 == 1, zero - magnitude, zero + magnitude)
+
+
+def key_value(key: jax.Array) -> jax.Array:
+    """The f32 v with x >= v exactly where order_key(x) >= key, for x not NaN: order_key's inverse, -inf below
+    its range and NaN (nothing is >= it) above."""
+    zero = jnp.uint32(2**31)
+    value = jax.lax.bitcast_convert_type(jnp.where(key >= zero, key - zero, (zero - key) | zero), jnp.float32)
+    return jnp.where(key < order_key(jnp.float32(NEG_INF)), NEG_INF, value)
+
+
+def threshold(rows: jax.Array, weights: jax.Array, goal: Callable[[jax.Array], jax.Array], lo: jax.Array,
+              hi: jax.Array, pivots: int) -> jax.Array:
+    """Per row, the largest key t in [lo, hi] (u32 [S, 1]) with mass(order_key(rows) >= t) >= goal(that mass at
+    lo), which must hold at lo: a (pivots + 1)-ary search whose every pass sums the weights above lo and `pivots`
+    evenly spaced cuts past it in one read of the rows, narrowing [lo, hi] (pivots + 1)-fold. Python-unrolled:
+    a data-dependent loop would read its predicate back to the host. Mass falls as t rises, so the cuts that reach
+    the goal are the first n."""
+    target = None
+    for _ in range(search_passes(pivots)):
+        width = hi - lo
+        step = width // (pivots + 1) + 1
+
+        def cut(i):  # cut(0) = lo, cut(pivots) <= hi; u32 throughout, so no step overflows
+            return lo + jnp.minimum(i * step, width)
+
+        mass = mass_above(rows, weights, key_value(cut(jnp.arange(pivots + 1, dtype=jnp.uint32))))
+        target = goal(mass[:, :1]) if target is None else target
+        n = (mass[:, 1:] >= target).sum(axis=-1, keepdims=True, dtype=jnp.uint32)
+        lo, hi = cut(n), jnp.where(n < pivots, cut(n + 1) - 1, hi)
+    return lo
+
+
+def search_passes(pivots: int) -> int:
+    """Passes that narrow 2**32 keys to one, (pivots + 1)-fold each."""
+    return next(n for n in range(1, 33) if (pivots + 1) ** n >= 2**32)
+
+
+def mass_above(rows: jax.Array, weights: jax.Array, cuts: jax.Array) -> jax.Array:
+    """[S, K]: the summed weights [S, C, W] of each row's values at or above each of its K cuts [S, K]. One variadic
+    reduction, so one kernel reads the rows once for all the cuts (a reduction over a broadcast [S, K, C, W] ran
+    slower on an H100)."""
+    above = tuple(jnp.where(rows >= cuts[:, i, None, None], weights, 0.0) for i in range(cuts.shape[1]))
+    sums = jax.lax.reduce(above, (np.float32(0),) * len(above), lambda a, b: tuple(map(jnp.add, a, b)), (2,))
+    return jnp.stack(sums, axis=-1).sum(axis=1)
 
 
 def filter_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:

@@ -42,7 +42,7 @@ class SamplerInputs:
     slot_ids: jax.Array         # [S] persistent slot of each row (padding: the scratch slot)
     sample_mask: jax.Array      # [S]
     num_logprobs: int = static(0)       # top-k logprobs returned per row (0 or MAX_LOGPROBS)
-    mode: str = static("sort")          # config.SAMPLER_MODES
+    mode: str = static("filter")        # config.SAMPLER_MODES
 
     @property
     def key(self) -> tuple:
@@ -63,7 +63,7 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                       num_generated: Sequence[int] = (), eos_token_ids: Sequence[int] = (),
                       logits_from: Sequence[int] | None = None, prev_index: np.ndarray | None = None,
                       next_prompt_ids: np.ndarray | None = None, decode_only: bool = False, num_logprobs: int = 0,
-                      sampler_mode: str = "sort") -> StepInputs:
+                      sampler_mode: str = "filter") -> StepInputs:
     """Host (numpy) inputs of one step over n real rows (decodes first), padded to the buckets.
 
     Per row: `starts` (first position computed), `counts` (tokens computed), `block_tables` [n, W] (its blocks),

@@ -3,18 +3,22 @@
 `attend` runs either a dense causal attention over one sequence (the plain full-sequence forward kept for
 tests) or, given a paged KV layer and a `PagedAttention` (the step's `AttentionBatch` and the engine's
 `AttentionKernels`), scatters the new K/V into the donated cache and runs ragged paged attention over the
-flattened batch. Model code never knows which. The engine's kernel choice is resolved here, once.
+flattened batch. Model code never knows which. The engine's kernel choice is resolved here, once. Under tensor
+parallelism the paged step runs per device on its heads (`paged_attention` under models/sharding.per_shard).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
 import custom_calls
 from jaxserve.cache.kv_cache import write_kv
 from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
+from jaxserve.models.sharding import HEADS, KV_CACHE, per_shard
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_impl
 
 
@@ -66,9 +70,11 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
 
 @dataclass(frozen=True, slots=True)
 class PagedAttention:
-    """What the model's layers pass to `attend` in a paged step: the step's batch and the engine's kernels."""
+    """What the model's layers pass to `attend` in a paged step: the step's batch, the engine's kernels and the
+    mesh its weights and cache are split over."""
     batch: AttentionBatch
     kernels: AttentionKernels
+    mesh: Mesh
 
 
 def dense_causal_attention(q, k, v, positions, *, sm_scale: float, sliding_window: int | None):
@@ -85,10 +91,25 @@ def dense_causal_attention(q, k, v, positions, *, sm_scale: float, sliding_windo
 
 def attend(q, k, v, positions, kv_layer, paged: PagedAttention | None, *, sm_scale: float,
            sliding_window: int | None = None):
-    """Returns (out [T, Hq, D], updated kv_layer)."""
+    """Returns (out [T, Hq, D], updated kv_layer).
+
+    Paged, over a "tp" mesh: each device writes and attends with its own heads — q and the output split on q
+    heads, the new k/v and the cache on kv heads, the batch metadata whole — and o_proj's row-parallel matmul
+    then all-reduces. The model's q heads must split evenly (models/sharding.check_tensor_parallel). When tp
+    exceeds the kv heads, the cache holds each kv head once per shard whose q heads use it
+    (sharding.cache_kv_heads), so k/v (from replicated projections) are repeated to the cache's heads first."""
     if kv_layer is None:
         return dense_causal_attention(q, k, v, positions, sm_scale=sm_scale, sliding_window=sliding_window), None
-    batch, kernels = paged.batch, paged.kernels
+    if (repeat := kv_layer[0].shape[2] // k.shape[1]) > 1:
+        k, v = jnp.repeat(k, repeat, axis=1), jnp.repeat(v, repeat, axis=1)
+    step = functools.partial(paged_attention, kernels=paged.kernels, sm_scale=sm_scale, sliding_window=sliding_window)
+    return per_shard(step, paged.mesh, (HEADS, HEADS, HEADS, KV_CACHE, P()), (HEADS, KV_CACHE))(
+        q, k, v, kv_layer, paged.batch)
+
+
+def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: AttentionKernels, sm_scale: float,
+                    sliding_window: int | None):
+    """Write the new k/v into the donated kv_layer, then attend over the pages: (out, kv_layer)."""
     k_cache, v_cache = write_kv(*kv_layer, k, v, batch.slot_mapping)
     if batch.decode_only and kernels.decode == "cuda":
         out = cuda_decode(q, k_cache, v_cache, batch, sm_scale=sm_scale, sliding_window=sliding_window)

