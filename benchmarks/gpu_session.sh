@@ -4,7 +4,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh engine      # offline + HF peer
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh offline     # default vs tuned config, greedy vs sampled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1      # batch-1 decode, mosaic prefill, start-up
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh http        # HTTP beside gRPC, same server
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh http        # HTTP beside gRPC, cold/warm start-up, mosaic prefill
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh load        # checkpoint streaming, sampler filters
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh attention   # the kernel sweep with every peer
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh serve       # gRPC load benchmark at two request rates
@@ -40,8 +40,12 @@ case $1 in
     run 150 python benchmarks/offline.py --config $CONFIG --set prefill_attention=mosaic \
       --out "$OUT/offline_configs_gpu.json" ;;
   http)
-    run 540 python benchmarks/serve_load.py --config $CONFIG --num-prompts 512 --input-len 512 --output-len 128 \
-      --max-concurrency 256 --request-rate 8 32 inf --protocol grpc http --out "$OUT/serve_http_gpu.json" ;;
+    run 260 python benchmarks/serve_load.py --config $CONFIG --num-prompts 256 --input-len 512 --output-len 128 \
+      --max-concurrency 256 --request-rate 32 inf --protocol grpc http --out "$OUT/serve_http_gpu.json"
+    run 140 python benchmarks/startup.py --config $CONFIG --cache-dir /tmp/cold-cache --out "$OUT/startup_h100.json"
+    for knob in prefill_attention=triton prefill_attention=mosaic; do
+      run 110 python benchmarks/offline.py --config $CONFIG --set $knob --out "$OUT/offline_mosaic_gpu.json"
+    done ;;
   load)
     run 330 python benchmarks/load_checkpoint.py --config $CONFIG --dir /tmp/ckpt-8b --out "$OUT/load_checkpoint_h100.json"
     run 200 python benchmarks/bench_sampler.py "$OUT/sampler.json" ;;
