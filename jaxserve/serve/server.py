@@ -1,7 +1,8 @@
 """`jaxserve serve`: a grpc.aio server (with health, reflection and Prometheus metrics) and, with --http-port, the
-OpenAI-compatible HTTP server (openai_http.py) in the same event loop, over one LLMEngine driven through its engine
-thread (engine_loop.py). Tokenization runs on a thread of its own, so a long prompt never stalls the engine's
-steps; an engine failure turns health NOT_SERVING (HTTP /health 503) and the process exits 1."""
+OpenAI-compatible HTTP server (openai_http.py) in the same event loop, over one LLMEngine, or one per data-parallel
+replica, each driven through its engine thread (engine_loop.py). Tokenization runs on a thread of its own, so a
+long prompt never stalls the engines' steps; once every engine failed, health turns NOT_SERVING (HTTP /health
+503) and the process exits 1."""
 from __future__ import annotations
 
 import asyncio
@@ -19,10 +20,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import AdmissionError, LLMEngine
 from jaxserve.engine.sequence import RequestOutput
-from jaxserve.models.loader import LoadedModel
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serve.convert import (delta_response, detokenize, full_response, model_info, request_prompt,
@@ -38,6 +37,7 @@ DEFAULT_MAX_WAITING = 512             # requests without a first token before RE
 DEFAULT_GRACE_PERIOD_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a 128k-token prompt as int64 ids is ~1 MiB
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
+STATS_FIELDS = frozenset(pb.ServerStatsResponse.DESCRIPTOR.fields_by_name)   # of the engine loop's stats
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -140,7 +140,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return self.info
 
     async def ServerStats(self, request, context):
-        return pb.ServerStatsResponse(**self.engine_loop.stats())
+        return pb.ServerStatsResponse(**{k: v for k, v in self.engine_loop.stats().items() if k in STATS_FIELDS})
 
     async def _outputs(self, request, context) -> AsyncIterator[RequestOutput]:
         """The request's cumulative outputs (engine_loop.generate); a refusal or failure ends the call."""
@@ -180,14 +180,15 @@ def address(host: str, port: int) -> str:
 
 class Server:
     """The gRPC server, health and reflection services, metrics endpoint, OpenAI HTTP server (with --http-port)
-    and engine threads of one engine."""
+    and engine threads of one engine, or of each data-parallel replica's (a list of engines of one model)."""
 
-    def __init__(self, engine: LLMEngine, opts: ServeOptions, model_name: str):
+    def __init__(self, engines: LLMEngine | list[LLMEngine], opts: ServeOptions, model_name: str):
         self.opts = opts
         self.health = health.aio.HealthServicer()
-        self.engine_loop = EngineLoop(engine, opts.max_waiting, self._on_engine_failure)
+        engines = [engines] if isinstance(engines, LLMEngine) else engines
+        self.engine_loop = EngineLoop(engines, opts.max_waiting, self._on_engine_failure)
         self.metrics = ServerMetrics(self.engine_loop.stats)
-        self.servicer = JaxServeServicer(self.engine_loop, model_info(engine, model_name), self.metrics, opts)
+        self.servicer = JaxServeServicer(self.engine_loop, model_info(engines[0], model_name), self.metrics, opts)
         self.http = None if opts.http_port is None else HttpServer(
             OpenAIApp(self.engine_loop, self.metrics, model_name, opts.api_key, opts.max_message_bytes).app,
             opts.host, opts.http_port, opts.grace_period_s)
@@ -230,6 +231,7 @@ class Server:
         self.metrics.shutdown()
 
     async def _on_engine_failure(self) -> None:
+        """Every engine failed: NOT_SERVING, and the process exits 1."""
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.failed.set()
@@ -289,9 +291,9 @@ def refuse_undecodable(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
 
 
-async def serve_until_signal(engine: LLMEngine, opts: ServeOptions, model_name: str) -> int:
-    """Serve until SIGTERM/SIGINT (a second one exits at once) or an engine failure; the exit code."""
-    server = Server(engine, opts, model_name)
+async def serve_until_signal(engines: LLMEngine | list[LLMEngine], opts: ServeOptions, model_name: str) -> int:
+    """Serve until SIGTERM/SIGINT (a second one exits at once) or every engine failed; the exit code."""
+    server = Server(engines, opts, model_name)
     await server.start()
     stop, loop = asyncio.Event(), asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -317,6 +319,6 @@ def stop_then_force(stop: asyncio.Event) -> None:
     stop.set()
 
 
-def serve(opts: ServeOptions, loaded: LoadedModel, cfg: EngineConfig, model_name: str) -> int:
-    """Serve until SIGTERM or SIGINT, then drain; 1 if the engine failed."""
-    return asyncio.run(serve_until_signal(LLMEngine(loaded, cfg), opts, model_name))
+def serve(opts: ServeOptions, engines: list[LLMEngine], model_name: str) -> int:
+    """Serve until SIGTERM or SIGINT, then drain; 1 if every engine failed."""
+    return asyncio.run(serve_until_signal(engines, opts, model_name))
