@@ -1,0 +1,418 @@
+"""vAttention mode (issue #20): each sequence's KV cache is one contiguous row of a virtual range, its physical
+pages mapped as tokens arrive (design: shared/vattention-design.md; mechanism: custom_calls/csrc/vmm_manager.cu).
+
+The policy lives here, and only here (the C++ manager executes it): a sequence's slot is its row (its batch
+index), admission is by page budget (pages no live sequence needs, mapped or not), growth maps pages before the
+step that writes them (plus a look-ahead from unmapped pages, on the mapper thread), free keeps the slot's pages
+mapped (deferred reclamation) and a new sequence best-fits into the free slot whose mapped pages serve it best;
+pages are reclaimed from free slots (and from live slots' look-ahead) only when the pool runs short.
+
+`VAttentionKVCacheManager` has KVCacheManager's public interface and return values, in block units, so the
+scheduler runs it unchanged; its block ids are identity ids over the cache viewed as blocks (stage 1: the paged
+kernels run unchanged): block i of slot s is s * blocks_per_slot + i. Row 0 is the null row: its first page
+stays mapped so that padding writes (block 0) land there, and sequences get slots 1..num_slots.
+Prefix caching and copy-on-write are off in this mode; an n > 1 fork gets its own slot and a copy of the
+parent's KV.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
+
+import numpy as np
+
+PAGE_SIZE = 2 << 20  # the stock driver's only VMM granularity (measured on H100)
+
+
+class ForkError(RuntimeError):
+    """An n > 1 fork found no slot or pages for its copy of the parent's KV."""
+
+
+@dataclass(frozen=True)
+class VmmGeometry:
+    """Where tokens live: num_slots + 1 rows (row 0 null) of tokens_per_slot tokens of token_bytes per range."""
+    num_slots: int        # sequence slots (max_num_seqs)
+    max_model_len: int
+    block_size: int
+    token_bytes: int      # one token in one range: layers*Hkv*D*itemsize (megacache) or Hkv*D*itemsize (per layer)
+    num_pages: int        # pool pages; each backs the same virtual page in every range
+    page_size: int = PAGE_SIZE
+
+    def __post_init__(self):
+        for name in ("num_slots", "max_model_len", "block_size", "token_bytes", "num_pages", "page_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def rows(self) -> int:
+        return self.num_slots + 1
+
+    @cached_property
+    def tokens_per_slot(self) -> int:
+        """max_model_len rounded up so that a row is whole pages and whole blocks."""
+        quantum = math.lcm(self.block_size, self.page_size // math.gcd(self.token_bytes, self.page_size))
+        return -(-self.max_model_len // quantum) * quantum
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.tokens_per_slot * self.token_bytes
+
+    @property
+    def pages_per_slot(self) -> int:
+        return self.slot_bytes // self.page_size
+
+    @property
+    def blocks_per_slot(self) -> int:
+        return self.tokens_per_slot // self.block_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Leading pages of a row that hold its first num_tokens tokens (a token may straddle two pages)."""
+        return -(-num_tokens * self.token_bytes // self.page_size)
+
+    def blocks_in(self, num_pages: int) -> int:
+        """Whole blocks' worth of tokens in num_pages pages: the paged manager's units, rounded down."""
+        return num_pages * self.page_size // (self.block_size * self.token_bytes)
+
+
+def identity_block_table(slots: Sequence[int], blocks_per_slot: int, width: int | None = None) -> np.ndarray:
+    """[len(slots), width] int32: block i of slot s is s * blocks_per_slot + i (the contiguous cache as blocks)."""
+    width = blocks_per_slot if width is None else width
+    if not 0 < width <= blocks_per_slot:
+        raise ValueError(f"width must be in (0, {blocks_per_slot}], got {width}")
+    return (np.asarray(slots, np.int32)[:, None] * blocks_per_slot + np.arange(width, dtype=np.int32)).astype(np.int32)
+
+
+class PageMapper(Protocol):
+    """Executes the manager's decisions; a slot's mapped pages are always its leading pages."""
+
+    def map(self, slot: int, num_pages: int) -> None: ...        # mapped when it returns
+    def map_ahead(self, slot: int, num_pages: int) -> None: ...  # may finish later (look-ahead)
+    def trim(self, slot: int, keep_pages: int) -> None: ...      # pages past keep_pages back to the pool
+    def num_mapped(self, slot: int) -> int: ...
+
+
+class FakePageMapper:
+    """CPU stand-in: no memory, the pool as page ids and the ids mapped in each slot; refuses what the driver
+    and the pool would (a map past the row, an empty pool). Look-ahead pages take pool pages at once but count
+    as ready (safe for a step to touch) only once a synchronous map covers them, as on the mapper thread."""
+
+    def __init__(self, num_pages: int, num_rows: int, pages_per_slot: int):
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.pages: list[list[int]] = [[] for _ in range(num_rows)]
+        self.ready = [0] * num_rows
+        self.pages_per_slot = pages_per_slot
+        self.log: list[tuple[str, int, int]] = []
+
+    def map(self, slot: int, num_pages: int) -> None:
+        self._take(slot, num_pages, "map")
+        self.ready[slot] = max(self.ready[slot], num_pages)
+
+    def map_ahead(self, slot: int, num_pages: int) -> None:
+        self._take(slot, num_pages, "map_ahead")
+
+    def trim(self, slot: int, keep_pages: int) -> None:
+        self.log.append(("trim", slot, keep_pages))
+        while len(self.pages[slot]) > keep_pages:
+            self.free.append(self.pages[slot].pop())
+        self.ready[slot] = min(self.ready[slot], keep_pages)
+
+    def _take(self, slot: int, num_pages: int, op: str) -> None:
+        if num_pages > self.pages_per_slot:
+            raise ValueError(f"slot {slot}: {num_pages} pages exceed a row of {self.pages_per_slot}")
+        self.log.append((op, slot, num_pages))
+        while len(self.pages[slot]) < num_pages:
+            if not self.free:
+                raise MemoryError("page pool exhausted")
+            self.pages[slot].append(self.free.pop())
+
+    def num_mapped(self, slot: int) -> int:
+        return len(self.pages[slot])
+
+
+class CudaPageMapper:
+    """The C++ manager, one per device (tensor parallelism: every device maps the same pages of its shard).
+
+    num_tensors: 2 (megacache K, V: [rows, tokens_per_slot, layers, Hkv, D]) or 2 * layers (per-layer K, V as
+    [rows * blocks_per_slot, block_size, Hkv, D], the paged kernels' layout). dry_run: no driver (CPU tests)."""
+
+    def __init__(self, geometry: VmmGeometry, *, num_tensors: int, devices: Sequence[int] = (0,),
+                 dry_run: bool = False, library: str | None = None):
+        from custom_calls import vmm  # deferred: builds or loads the CUDA library on first use
+
+        self.managers = [vmm.VmmManager(device=d, num_slots=geometry.rows, num_tensors=num_tensors,
+                                        slot_bytes=geometry.slot_bytes, num_pages=geometry.num_pages,
+                                        page_size=geometry.page_size, dry_run=dry_run, path=library)
+                         for d in devices]
+
+    def map(self, slot: int, num_pages: int) -> None:
+        for m in self.managers:
+            m.map(slot, num_pages)
+
+    def map_ahead(self, slot: int, num_pages: int) -> None:
+        for m in self.managers:
+            m.map_async(slot, num_pages)
+
+    def trim(self, slot: int, keep_pages: int) -> None:
+        for m in self.managers:
+            m.trim(slot, keep_pages)
+
+    def num_mapped(self, slot: int) -> int:
+        counts = set()
+        for m in self.managers:
+            m.sync()
+            counts.add(m.num_mapped(slot))
+        (count,) = counts
+        return count
+
+    def export(self, tensor: int, shape: tuple[int, ...], dtype) -> list:
+        """Range `tensor` on every device, as zero-copy jax.Arrays."""
+        return [m.export(tensor, shape, dtype) for m in self.managers]
+
+    def close(self) -> None:
+        for m in self.managers:
+            m.close()
+
+
+@dataclass(slots=True)
+class SlotSeq:
+    slot: int
+    num_computed: int = 0  # tokens covered by all allocate calls so far
+
+
+@dataclass(slots=True)
+class _Copies:
+    """Fork copies not yet handed out, and the slots that must keep their pages until they are."""
+    pairs: list[tuple[int, int]] = field(default_factory=list)   # (src, dst) block ids
+    held: set[int] = field(default_factory=set)
+
+
+class VAttentionKVCacheManager:
+    """KVCacheManager's interface over a virtually contiguous cache; page accounting as the module says."""
+
+    def __init__(self, geometry: VmmGeometry, mapper: PageMapper, *, watermark: float = 0.01,
+                 lookahead_tokens: int = 0, enable_prefix_caching: bool = False):
+        if enable_prefix_caching:
+            raise ValueError("prefix caching is off in vattention mode (pages are per slot, not shared)")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if lookahead_tokens < 0:
+            raise ValueError(f"lookahead_tokens must be >= 0, got {lookahead_tokens}")
+        g = self.geometry = geometry
+        self.mapper, self.block_size, self.lookahead_tokens = mapper, g.block_size, lookahead_tokens
+        self.enable_prefix_caching = False
+        self.null_pages = g.pages_for(g.block_size)   # row 0's first block: where padding tokens write
+        self.usable_pages = g.num_pages - self.null_pages
+        if self.usable_pages < 1:
+            raise ValueError(f"num_pages={g.num_pages} leaves no page beside the null block's {self.null_pages}")
+        self.watermark_pages = int(watermark * self.usable_pages)
+        self.num_blocks = 1 + g.blocks_in(self.usable_pages)   # block-unit capacity + the null block, as paged
+        self.watermark_blocks = self.num_blocks - 1 - g.blocks_in(self.usable_pages - self.watermark_pages)
+        self.mapped = [0] * g.rows   # leading pages mapped per slot, look-ahead in flight included
+        self.ready = [0] * g.rows    # leading pages a synchronous map has covered
+        self.pinned = [0] * g.rows   # pages a slot may not lose: its live tokens, a fork's source, the null block
+        self.total_mapped = self.total_pinned = 0
+        self.free_slots = list(range(1, g.rows))
+        self.seqs: dict[Hashable, SlotSeq] = {}
+        self.live: dict[int, SlotSeq] = {}   # slot -> its sequence
+        self.updates: dict[Hashable, int] = {}   # seq -> first block index changed since take_block_updates
+        self.copies, self._fork_copies = _Copies(), _Copies()   # handed out next take_copies / the one after
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self._pin(0, self.null_pages)
+        self._ensure_mapped(0, self.null_pages)
+
+    # ---- the paged manager's interface ---------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Budget: pages no live sequence needs (unmapped, or mapped in free slots or as look-ahead)."""
+        return self.geometry.num_pages - self.total_pinned
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.geometry.blocks_in(self.num_free_pages)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_pages / self.usable_pages
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        """Exact per-sequence capacity (the block units round down): the row, or the pool past the watermark."""
+        g = self.geometry
+        return min(g.max_model_len, (self.usable_pages - self.watermark_pages) * g.page_size // g.token_bytes)
+
+    def slot_of(self, seq_id: Hashable) -> int:
+        return self._seq(seq_id).slot
+
+    def block_ids(self, seq_id: Hashable) -> list[int]:
+        seq = self._seq(seq_id)
+        return self._identity(seq.slot, 0, self._num_blocks(seq.num_computed))
+
+    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                      block_hashes: list[bytes] | None = None) -> int:
+        """Prefix caching is off in vattention mode: never a hit."""
+        return 0
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                 cache_salt: str | None = None, block_hashes: list[bytes] | None = None) -> tuple[bool, int]:
+        """As KVCacheManager.allocate (no prefix hits: the second value is always 0). Short of pages (or, on
+        admission, of a slot or of the watermark) -> (False, 0) with nothing changed."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        seq = self.seqs.get(seq_id)
+        start = 0 if seq is None else seq.num_computed
+        end = start + num_new_tokens
+        if end > len(token_ids):
+            raise ValueError(f"num_new_tokens={num_new_tokens}: {end} tokens exceed len(token_ids)={len(token_ids)}")
+        if end > self.geometry.max_model_len:
+            raise ValueError(f"{end} tokens exceed max_model_len={self.geometry.max_model_len}")
+        if seq is None:
+            return self._admit(seq_id, end, len(token_ids)), 0
+        if self.geometry.pages_for(end) - self.pinned[seq.slot] > self.num_free_pages:
+            return False, 0
+        self._grow(seq_id, seq, end)
+        return True, 0
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """The child gets its own slot and, at the step after next, a copy of the parent's blocks (the parent's
+        last chunk is written by the step launched with this fork, so the copy must come after it).
+        Raises ForkError when no slot or pages are left for the copy: unlike the paged manager's shared blocks,
+        the copy needs its pages now, so the scheduler must leave room for n > 1 children (see can_fork)."""
+        if child_id in self.seqs:
+            raise ValueError(f"child_id {child_id!r} already has blocks")
+        parent = self._seq(parent_id)
+        need = self.geometry.pages_for(parent.num_computed)
+        if not self.free_slots or need > self.num_free_pages:
+            raise ForkError(f"vattention fork of {parent_id!r}: {need} pages and a slot needed, "
+                            f"{self.num_free_pages} pages and {len(self.free_slots)} slots free")
+        child = self._place(child_id, need)
+        self._grow(child_id, child, parent.num_computed)
+        n = self._num_blocks(parent.num_computed)
+        self._fork_copies.pairs += zip(self._identity(parent.slot, 0, n), self._identity(child.slot, 0, n))
+        self._fork_copies.held.add(parent.slot)
+
+    def can_fork(self, seq_id: Hashable, num_children: int) -> bool:
+        """Slots and pages for num_children copies of the seq's tokens so far."""
+        need = self.geometry.pages_for(self._seq(seq_id).num_computed)
+        return len(self.free_slots) >= num_children and need * num_children <= self.num_free_pages
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a finished, aborted or preempted seq: its slot keeps its pages mapped (deferred reclamation).
+
+        Raises KeyError for an unknown seq_id: a double free is a scheduler bug and must not pass silently.
+        """
+        seq = self._seq(seq_id)
+        del self.seqs[seq_id], self.live[seq.slot]
+        self.updates.pop(seq_id, None)
+        for batch in (self.copies, self._fork_copies):   # a child gone before its copy: drop the copy
+            batch.pairs = [p for p in batch.pairs if p[1] // self.geometry.blocks_per_slot != seq.slot]
+        if not self._held(seq.slot):   # a fork's source keeps its pages pinned until its copy is handed out
+            self._pin(seq.slot, 0)
+        self.free_slots.append(seq.slot)
+
+    def take_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) int32 block ids of the fork copies due now, for one copy_blocks call; clears them. The
+        slots they read from keep their pages pinned until then (a new owner of such a slot writes after the
+        copy: the runner copies before the step)."""
+        due, self.copies, self._fork_copies = self.copies, self._fork_copies, _Copies()
+        for slot in due.held - self.copies.held:
+            seq = self.live.get(slot)
+            self._pin(slot, 0 if seq is None else self.geometry.pages_for(seq.num_computed))
+        src = np.fromiter((s for s, _ in due.pairs), np.int32, len(due.pairs))
+        dst = np.fromiter((d for _, d in due.pairs), np.int32, len(due.pairs))
+        return src, dst
+
+    def take_block_updates(self) -> list[tuple[Hashable, int, list[int]]]:
+        """(seq_id, start, block_ids[start:]) per seq whose block list grew since the last call; clears."""
+        out = [(s, i, self._identity(self.seqs[s].slot, i, self._num_blocks(self.seqs[s].num_computed)))
+               for s, i in self.updates.items()]
+        self.updates.clear()
+        return out
+
+    # ---- slots and pages -----------------------------------------------------------------------------
+    def _admit(self, seq_id: Hashable, end: int, num_tokens: int) -> bool:
+        need = self.geometry.pages_for(end)
+        if not self.free_slots or self.num_free_pages - need < self.watermark_pages:
+            return False
+        self._grow(seq_id, self._place(seq_id, need), end)
+        self.prefix_cache_queries += num_tokens
+        return True
+
+    def _place(self, seq_id: Hashable, need: int) -> SlotSeq:
+        slot = self._best_fit(need)
+        self.free_slots.remove(slot)
+        seq = self.seqs[seq_id] = self.live[slot] = SlotSeq(slot)
+        self.updates[seq_id] = 0
+        return seq
+
+    def _best_fit(self, need: int) -> int:
+        """The free slot with the fewest mapped pages that still covers `need`; failing that, the most mapped
+        (fewest new maps). Ties: the lowest slot."""
+        fits = [s for s in self.free_slots if self.mapped[s] >= need]
+        if fits:
+            return min(fits, key=lambda s: (self.mapped[s], s))
+        return max(self.free_slots, key=lambda s: (self.mapped[s], -s))
+
+    def _grow(self, seq_id: Hashable, seq: SlotSeq, end: int) -> None:
+        """Cover tokens [0, end) of a placed seq: pin and map its pages (the budget was checked), then look ahead."""
+        g = self.geometry
+        old_blocks, need = self._num_blocks(seq.num_computed), g.pages_for(end)
+        if self._num_blocks(end) > old_blocks:
+            self.updates[seq_id] = min(self.updates.get(seq_id, old_blocks), old_blocks)
+        seq.num_computed = end
+        self._pin(seq.slot, max(need, self.pinned[seq.slot]))
+        self._ensure_mapped(seq.slot, need)
+        ahead = min(g.pages_for(end + self.lookahead_tokens), g.pages_per_slot)
+        extra = min(ahead - self.mapped[seq.slot], g.num_pages - self.total_mapped)
+        if self.lookahead_tokens and extra > 0:   # only from unmapped pages: look-ahead never reclaims
+            self._set_mapped(seq.slot, self.mapped[seq.slot] + extra)
+            self.mapper.map_ahead(seq.slot, self.mapped[seq.slot])
+
+    def _ensure_mapped(self, slot: int, need: int) -> None:
+        """Pages [0, need) of slot mapped before the step runs: look-ahead pages may still be in flight."""
+        if need <= self.ready[slot]:
+            return
+        self._reclaim(need - self.mapped[slot] - (self.geometry.num_pages - self.total_mapped), slot)
+        self._set_mapped(slot, max(need, self.mapped[slot]))
+        self.mapper.map(slot, need)
+        self.ready[slot] = need
+
+    def _reclaim(self, num_pages: int, keep_slot: int) -> None:
+        """Unmap num_pages spare pages (mapped, not pinned), largest spare first: small free slots stay whole
+        for best fit. Enough exist whenever total pins fit the pool."""
+        while num_pages > 0:
+            donor = max((s for s in range(self.geometry.rows) if s != keep_slot),
+                        key=lambda s: self.mapped[s] - self.pinned[s])
+            take = min(self.mapped[donor] - self.pinned[donor], num_pages)
+            if take <= 0:
+                raise AssertionError("vattention accounting: pins exceed the page pool")
+            self._set_mapped(donor, self.mapped[donor] - take)
+            self.ready[donor] = min(self.ready[donor], self.mapped[donor])
+            self.mapper.trim(donor, self.mapped[donor])
+            num_pages -= take
+
+    def _held(self, slot: int) -> bool:
+        return slot in self.copies.held or slot in self._fork_copies.held
+
+    def _pin(self, slot: int, pages: int) -> None:
+        self.total_pinned += pages - self.pinned[slot]
+        self.pinned[slot] = pages
+
+    def _set_mapped(self, slot: int, pages: int) -> None:
+        self.total_mapped += pages - self.mapped[slot]
+        self.mapped[slot] = pages
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _identity(self, slot: int, start: int, end: int) -> list[int]:
+        base = slot * self.geometry.blocks_per_slot
+        return list(range(base + start, base + end))
+
+    def _seq(self, seq_id: Hashable) -> SlotSeq:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown seq_id {seq_id!r}")
+        return seq
