@@ -10,13 +10,14 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh serve       # gRPC load benchmark at two request rates
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh tests       # the GPU-relevant tests, compiled on the GPU
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh sweep       # the bucket sweep's decode rows
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-70b   # #19 on nvidia-h200-x2
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
 TUNED="seq_buckets=[256] token_buckets=[256,512,1024,2048,3072,4096]"   # the throughput-only ladder
 SAMPLED="--temperature 0.8 --top-p 0.95 --top-k 50"
-LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, attention, serve, tests or sweep}.log
+LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, attention, serve, tests, sweep or scale*}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -55,6 +56,21 @@ case $1 in
     run 540 python -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_custom_calls.py \
       tests/test_ragged_paged_attention.py tests/test_engine.py \
       -k "not test_batched_greedy and not prefix_caching_on_and_off and not stream_yields" ;;
+  scale)   # nvidia-h200-x2: TP2 vs one GPU of the same machine; batch-1 TPOT; DP2 vs DP1 through the server
+    for w in "--output-len 128" "--input-len 128 --output-len 1024"; do
+      for tp in 1 2; do run 100 python benchmarks/offline.py --config $CONFIG $w --tensor-parallel-size $tp \
+        --out "$OUT/scale_offline_h200.json"; done
+    done
+    for tp in 1 2; do run 60 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 \
+      --output-len 512 --tensor-parallel-size $tp --out "$OUT/scale_batch1_h200.json"; done ;;
+  scale-dp)
+    for dp in 1 2; do run 250 python benchmarks/serve_load.py --config $CONFIG --num-prompts 512 --input-len 512 \
+      --output-len 128 --max-concurrency 512 --request-rate inf --server-args "--data-parallel-size $dp" \
+      --out "$OUT/scale_dp_h200.json"; done ;;
+  scale-70b)   # 140 GB of random weights over 2 x H200
+    run 330 python benchmarks/offline.py --config configs/llama3-70b-random.yaml --out "$OUT/scale_70b_h200.json"
+    run 200 python benchmarks/offline.py --config configs/llama3-70b-random.yaml --num-prompts 1 --input-len 128 \
+      --output-len 256 --out "$OUT/scale_70b_h200.json" ;;
   sweep)
     run 540 python benchmarks/sweep.py --config $CONFIG --token-buckets 256 1024 4096 --seq-buckets 64 256 \
       --contexts 512 2048 --kinds decode --warmup 2 --repeats 5 --out "$OUT/sweep_gpu_decode.json" ;;

@@ -4,7 +4,8 @@ sampled (--temperature / --top-p / --top-k).
 Reports output tok/s, TTFT and TPOT, and the roofline for the workload from numbers measured in the same
 run: (weights + KV) bytes of every decode step over the copy bandwidth, plus the prefill FLOPs over the
 bf16 matmul rate; TPOT beside one mid-run decode step's bytes over that bandwidth (`tpot_roofline_frac`: at
-batch 1, the weight-read roofline). `--set knob=value` overrides the config's engine knobs.
+batch 1, the weight-read roofline); under tensor parallelism both bounds divide by the tp devices, each
+reading and multiplying its shard. `--set knob=value` overrides the config's engine knobs.
 `--peer transformers-cb` also runs HF transformers continuous batching on the same shapes.
 
   python benchmarks/offline.py --config configs/llama3-8b-random.yaml            # GPU
@@ -147,11 +148,12 @@ def main(argv=None):
     prompts = make_prompts(cfg, args)
     gbps, tflops = copy_bandwidth_gbps(), matmul_tflops()
     dtype_bytes = jnp.dtype(loaded.model.embed_tokens.embedding[...].dtype).itemsize
-    roof = roofline_s(cfg, args.num_prompts, args.input_len, args.output_len, gbps, tflops, dtype_bytes)
+    tp = engine_cfg.tensor_parallel_size   # tp devices read and multiply in parallel: the bounds scale by tp
+    roof = roofline_s(cfg, args.num_prompts, args.input_len, args.output_len, gbps, tflops, dtype_bytes) / tp
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     wall, ntok, ttft, tpot, stats = run_jaxserve(loaded, engine_cfg, prompts, args.output_len, sampling)
     tpot_roof_ms = decode_step_bytes(cfg, args.num_prompts, args.input_len + args.output_len // 2,
-                                     dtype_bytes) / (gbps * 1e9) * 1e3
+                                     dtype_bytes) / (gbps * 1e9) * 1e3 / tp
     params = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               **sampling, "seq_buckets": list(engine_cfg.seq_buckets or []),
               "prefill_attention": engine_cfg.prefill_attention, "set": args.set,

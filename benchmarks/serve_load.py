@@ -462,7 +462,8 @@ def point_params(args, num_prompts: int, rate: float, concurrency: int, invalid_
     return {"dataset": args.dataset, "num_prompts": num_prompts, "input_len": args.input_len,
             "output_len": args.output_len, "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
             "request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": concurrency, "model": model,
-            "protocol": protocol, **({"invalid_frac": invalid_frac} if invalid_frac else {})}
+            "protocol": protocol, **({"invalid_frac": invalid_frac} if invalid_frac else {}),
+            **({"server_args": args.server_args} if args.server_args and not args.target else {})}
 
 
 async def measure_point(transport: Transport, client: Client, args, requests: list[BenchRequest],
