@@ -10,7 +10,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh serve       # gRPC load benchmark at two request rates
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh tests       # the GPU-relevant tests, compiled on the GPU
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh sweep       # the bucket sweep's decode rows
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-70b   # #19 on nvidia-h200-x2
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-collectives|scale-70b   # #19 on nvidia-h200-x2
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
@@ -67,6 +67,14 @@ case $1 in
     for dp in 1 2; do run 250 python benchmarks/serve_load.py --config $CONFIG --num-prompts 512 --input-len 512 \
       --output-len 128 --max-concurrency 512 --request-rate inf --server-args "--data-parallel-size $dp" \
       --out "$OUT/scale_dp_h200.json"; done ;;
+  scale-collectives)   # decode-sized all-reduces at TP2: NCCL vs XLA's one-shot kernel, latency-hiding scheduler
+    ONE_SHOT=--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE LHS=--xla_gpu_enable_latency_hiding_scheduler=true
+    for flags in "" $ONE_SHOT $LHS; do XLA_FLAGS="$flags" run 90 python benchmarks/offline.py --config $CONFIG \
+      --num-prompts 1 --input-len 128 --output-len 512 --tensor-parallel-size 2 --out "$OUT/scale_collectives_h200.json"
+    done
+    for flags in "" $ONE_SHOT; do XLA_FLAGS="$flags" run 130 python benchmarks/offline.py --config $CONFIG \
+      --input-len 128 --output-len 1024 --tensor-parallel-size 2 --out "$OUT/scale_collectives_h200.json"
+    done ;;
   scale-70b)   # 140 GB of random weights over 2 x H200
     run 330 python benchmarks/offline.py --config configs/llama3-70b-random.yaml --out "$OUT/scale_70b_h200.json"
     run 200 python benchmarks/offline.py --config configs/llama3-70b-random.yaml --num-prompts 1 --input-len 128 \

@@ -160,6 +160,7 @@ def main(argv=None):
               "decode_attention": engine_cfg.decode_attention, "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
               "token_buckets": list(engine_cfg.token_buckets or []), "async_scheduling": engine_cfg.async_scheduling,
               "tensor_parallel_size": engine_cfg.tensor_parallel_size,
+              **({"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}),
               "model": "llama3-8b-random" if loaded.source == "random" else loaded.source}
     rows = [{"bench": "offline", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": ntok / wall,
              "wall_s": wall, "roofline_s": roof, "roofline_frac": roof / wall, "copy_gbps": gbps,
