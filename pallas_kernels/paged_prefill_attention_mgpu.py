@@ -17,6 +17,8 @@ their own keep the tensor cores fed. Same cache layout and metadata; decodes sta
 - q tiles start at any row, which a swizzled TMA cannot address: q and the output pass through a plain SMEM
   buffer; outputs leave by a ladder of power-of-two-row TMA stores, so a tile never writes the next
   sequence's rows. Rows of decode sequences are left alone (the caller merges them in, in place).
+- Contiguous (vAttention) caches: given `slots` and `blocks_per_slot` in place of the block table, page c of
+  sequence s is slots[s] * blocks_per_slot + c, computed (`TablePages` / `SlotPages`).
 """
 import functools
 from dataclasses import dataclass
@@ -89,22 +91,53 @@ def work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, rows):
     return jnp.concatenate([meta, jnp.stack([total, 0, 0, 0])[None].astype(jnp.int32)])
 
 
-def paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, sm_scale,
-                            sliding_window=None, tuning: PrefillTuning = PrefillTuning(), interpret=False):
-    """Attention rows of the non-decode sequences and zeros for the padding tail; decode rows undefined."""
+def paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, sm_scale,
+                            sliding_window=None, tuning: PrefillTuning = PrefillTuning(), interpret=False,
+                            blocks_per_slot: int | None = None):
+    """Attention rows of the non-decode sequences and zeros for the padding tail; decode rows undefined.
+    blocks: the block table [max_seqs, max_blocks], or (blocks_per_slot given) the slots [max_seqs]."""
     num_tokens, num_q_heads, head_dim = q.shape
     rows = COMPUTE_WGS * tuning.block_q
     meta = work_items(cu_q_lens, kv_lens, jnp.asarray(num_seqs).reshape(()), num_tokens, rows)
     kernel = functools.partial(
         mosaic_prefill_kernel, tuning=tuning, sm_scale=float(sm_scale), sliding_window=sliding_window,
-        group=num_q_heads // k_cache.shape[2], max_blocks=block_tables.shape[1])
+        group=num_q_heads // k_cache.shape[2], blocks_per_slot=blocks_per_slot)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(scratch(q.dtype, head_dim, tuning, k_cache.shape[1], interpret),),
         grid=(tuning.num_ctas,), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params(interpret),
-    )(meta, q, k_cache, v_cache, block_tables)
+    )(meta, q, k_cache, v_cache, blocks)
+
+
+@dataclass(frozen=True)
+class TablePages:
+    """Paged: page c of sequence s is the block table's entry [s, c], one load per page copy."""
+    ref: Any  # block_tables [max_seqs, max_blocks]
+
+    def of(self, seq):
+        return seq  # the table row
+
+    def page(self, seq, col):
+        return self.ref[seq, jnp.minimum(col, self.ref.shape[1] - 1)]
+
+
+@dataclass(frozen=True)
+class SlotPages:
+    """Contiguous: sequence s owns cache row slots[s], so its page c is slots[s] * blocks_per_slot + c."""
+    ref: Any  # slots [max_seqs]
+    blocks_per_slot: int
+
+    def of(self, seq):
+        return self.ref[seq] * self.blocks_per_slot  # the row's first page: one load per work item
+
+    def page(self, first, col):
+        return first + jnp.minimum(col, self.blocks_per_slot - 1)
+
+
+def page_addressing(blocks_ref, blocks_per_slot) -> TablePages | SlotPages:
+    return TablePages(blocks_ref) if blocks_per_slot is None else SlotPages(blocks_ref, blocks_per_slot)
 
 
 @jax.tree_util.register_dataclass
@@ -202,8 +235,8 @@ def locate(meta_ref, w, num_q_heads, block_q, block_kv, sliding_window) -> Item:
     return Item(head, q_start, q_end, pos, seq, lo, hi, pos + rows)
 
 
-def mosaic_prefill_kernel(meta_ref, q_ref, k_ref, v_ref, bt_ref, out_ref, scratch: Scratch, *, tuning, sm_scale,
-                          sliding_window, group, max_blocks):
+def mosaic_prefill_kernel(meta_ref, q_ref, k_ref, v_ref, blocks_ref, out_ref, scratch: Scratch, *, tuning, sm_scale,
+                          sliding_window, group, blocks_per_slot):
     """One CTA: its compute warpgroups and its memory warpgroup walk the same work items, in the same order."""
     num_q_heads = q_ref.shape[1]
     total = meta_ref[meta_ref.shape[0] - 1, 0] * num_q_heads
@@ -226,9 +259,9 @@ def mosaic_prefill_kernel(meta_ref, q_ref, k_ref, v_ref, bt_ref, out_ref, scratc
     def _():
         plgpu.set_max_registers(40, action="decrease")
         plgpu.warp_map(functools.partial(
-            stream_warp, k=KVStream(k_ref, scratch.k), v=KVStream(v_ref, scratch.v), bt_ref=bt_ref,
-            items=lambda n: locate_w(item_of(n, cta)), num_items=num_items, tuning=tuning, group=group,
-            max_blocks=max_blocks))
+            stream_warp, k=KVStream(k_ref, scratch.k), v=KVStream(v_ref, scratch.v),
+            pages=page_addressing(blocks_ref, blocks_per_slot), items=lambda n: locate_w(item_of(n, cta)),
+            num_items=num_items, tuning=tuning, group=group))
 
 
 def item_index(n, cta, *, num_ctas, alternate):
@@ -238,15 +271,14 @@ def item_index(n, cta, *, num_ctas, alternate):
     return n * num_ctas + (jnp.where(n % 2 == 0, cta, num_ctas - 1 - cta) if alternate else cta)
 
 
-def stream_warp(warp, *, k: KVStream, v: KVStream, bt_ref, items, num_items, tuning, group, max_blocks):
+def stream_warp(warp, *, k: KVStream, v: KVStream, pages: TablePages | SlotPages, items, num_items, tuning, group):
     """One warp of the memory warpgroup: warps 0-1 stream K, warps 2-3 stream V, each TMA-copying every other page
     of each KV step [lo, hi) of every work item into the ring. K runs ahead without waiting for V buffers to free
     up, and the copies of a step issue from two warps at once."""
     depth = tuning.max_concurrent_steps
     lane = warp % 2
     for role, kv in enumerate((k, v)):
-        stream = functools.partial(stream_item, lane=lane, kv=kv, bt_ref=bt_ref, tuning=tuning, group=group,
-                                   max_blocks=max_blocks)
+        stream = functools.partial(stream_item, lane=lane, kv=kv, pages=pages, tuning=tuning, group=group)
 
         @pl.when(warp // 2 == role)
         def _(stream=stream, free=kv.ring.free):
@@ -256,21 +288,22 @@ def stream_warp(warp, *, k: KVStream, v: KVStream, bt_ref, items, num_items, tun
                 pl.when(last >= 0)(lambda: plgpu.barrier_wait(free.at[last % depth]))
 
 
-def stream_item(item: Item, step, *, lane, kv: KVStream, bt_ref, tuning, group, max_blocks):
+def stream_item(item: Item, step, *, lane, kv: KVStream, pages: TablePages | SlotPages, tuning, group):
     """Pages lane, lane + 2, ... of the item's KV steps, K or V; returns the running step count."""
     block_size = kv.cache.shape[1]
-    pages, kv_head = tuning.block_kv // block_size, item.head // group
+    per_step, kv_head = tuning.block_kv // block_size, item.head // group
+    seq_pages = pages.of(item.seq)
 
     def one(s, step):
         slot = step % tuning.max_concurrent_steps
         copies = []
-        for j in range(pl.cdiv(pages, 2)):
-            i = jnp.minimum(2 * j + lane, pages - 1)
-            c = s * pages + i
+        for j in range(pl.cdiv(per_step, 2)):
+            i = jnp.minimum(2 * j + lane, per_step - 1)
+            c = s * per_step + i
             # Pages past the last visible key may not exist in the table: read the null block instead (the compute
             # side zeroes those V rows). The ids load before the wait below, so their latency hides behind it.
-            page = jnp.where(c * block_size < item.key_bound, bt_ref[item.seq, jnp.minimum(c, max_blocks - 1)], 0)
-            copies.append((i, page, 2 * j + lane < pages))  # an odd page count leaves lane 1 one copy short
+            page = jnp.where(c * block_size < item.key_bound, pages.page(seq_pages, c), 0)
+            copies.append((i, page, 2 * j + lane < per_step))  # an odd page count leaves lane 1 one copy short
         pl.when(step >= tuning.max_concurrent_steps)(lambda: plgpu.barrier_wait(kv.ring.free.at[slot]))
         for i, page, live in copies:
             @pl.when(live)

@@ -32,6 +32,12 @@ tiles from its grid position and issues its first block-table and K/V loads befo
 (`decode_only_kernel`); split programs count themselves done on an atomic counter and the last of each
 decode merges the partials in the same launch. So a short context waits on two dependent loads, not on the
 whole chain from num_seqs to K/V plus a merge launch (benchmarks/NOTES_attention.md, v6).
+
+Contiguous mode (vAttention, `contiguous_ragged_attention`): each sequence's KV is one row (slot) of the cache,
+which viewed as blocks makes block i of slot s the block s * blocks_per_slot + i. The same launches run with
+`slots` [max_seqs] in place of the block table: each program loads its sequence's slot once and computes every
+block id from it, so no table is built on the host, read, or gathered. Only the addressing differs
+(`BlockTable` / `SlotRows`, the kernels' `blocks`); the paged launches lower exactly as before.
 """
 import dataclasses
 import functools
@@ -47,7 +53,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import paged_prefill_attention_mgpu as mgpu_prefill
 from pallas_kernels.common import (LOG2E, exp2_shift, init_carry, interpret_params, normalize,
                                    online_softmax_step, per_row)
-from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention_reference import (contiguous_ragged_attention_reference,
+                                                              ragged_paged_attention_reference)
 
 IMPLS = ("auto", "pallas", "reference")
 PREFILL_BACKENDS = ("auto", "triton", "mosaic")
@@ -84,12 +91,18 @@ class Geometry:
     head_dim: int
     block_size: int
     max_seqs: int
-    max_blocks: int
+    max_blocks: int  # per sequence: the block table's width, or (contiguous) blocks_per_slot
+    contiguous: bool  # blocks are addressed by slot (SlotRows), not by table (BlockTable)
 
     @classmethod
-    def of(cls, q, k_cache, block_tables) -> "Geometry":
-        return cls(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], block_tables.shape[0],
-                   block_tables.shape[1])
+    def of(cls, q, k_cache, blocks, blocks_per_slot: int | None) -> "Geometry":
+        """blocks: the block table (blocks_per_slot None), or the slots."""
+        contiguous = blocks_per_slot is not None
+        return cls(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], blocks.shape[0],
+                   blocks_per_slot if contiguous else blocks.shape[1], contiguous)
+
+    def addressing(self, blocks_ref) -> "BlockTable | SlotRows":
+        return SlotRows(blocks_ref) if self.contiguous else BlockTable(blocks_ref)
 
     @property
     def group(self) -> int:
@@ -114,10 +127,41 @@ class Scores:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockTable:
+    """Paged addressing: block i of sequence s is the host-built table's entry [s, i], gathered tile by tile."""
+    ref: Any  # flat block tables [max_seqs * max_blocks]
+
+    def of(self, seq, geo):
+        return seq  # the table row: each tile loads its own entries
+
+    def block(self, seq, col, masked, live, geo, num_pages):
+        """Block ids of columns `col` (see attend_tile for `masked`)."""
+        if masked == "speculative":  # unmasked: clamp the row read, and the ids, to real ones
+            return jnp.clip(plgpu.load(self.ref.at[jnp.minimum(seq, geo.max_seqs - 1) * geo.max_blocks + col]),
+                            0, num_pages - 1)
+        return gather(self.ref.at[seq * geo.max_blocks + col], live if masked else None)  # garbage past kv_len
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRows:
+    """Contiguous addressing: sequence s owns cache row slots[s], so its block i is slots[s] * blocks_per_slot + i
+    (blocks_per_slot = geo.max_blocks): one scalar load per program, then arithmetic; no table, no gather."""
+    ref: Any  # slots [max_seqs]
+
+    def of(self, seq, geo):
+        return self.ref[jnp.minimum(seq, geo.max_seqs - 1)] * geo.max_blocks  # the row's first block
+
+    def block(self, first, col, masked, live, geo, num_pages):
+        if masked == "speculative":  # loads unmasked, and slots past num_seqs may hold anything
+            return jnp.clip(first + col, 0, num_pages - 1)
+        return first + col
+
+
+@dataclass(frozen=True, slots=True)
 class PagedKV:
-    """A layer's paged cache inside the Triton kernels: flat block tables [max_seqs * max_blocks], and K and V as
-    rows [num_blocks * block_size * num_kv_heads, head_dim] (row (page * block_size + key) * kv_heads + kv head)."""
-    block_tables: Any
+    """A layer's cache inside the Triton kernels: the addressing of its blocks, and K and V as rows
+    [num_blocks * block_size * num_kv_heads, head_dim] (row (block * block_size + key) * kv_heads + kv head)."""
+    blocks: BlockTable | SlotRows
     k: Any
     v: Any
 
@@ -138,28 +182,59 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
     (token i is sequence i's; anything else is undefined), so the pallas impl runs one launch without
     split-K. `tuning`: fields of `Tuning`.
     """
-    num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs,
+    return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, None,
+                            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
+                            prefill_backend=prefill_backend, decode_only=decode_only, interpret=interpret, **tuning)
+
+
+def contiguous_ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *, blocks_per_slot: int,
+                                sm_scale: float, **options) -> jax.Array:
+    """`ragged_paged_attention` on a contiguous (vAttention) cache: sequence i's KV is row slots[i] of the cache,
+    its first kv_lens[i] tokens, with no block table. The cache stays [num_blocks, block_size, kv_heads,
+    head_dim], num_blocks = rows * blocks_per_slot (a row's tokens are its blocks', in order); slots int32
+    [max_seqs], each < rows for live sequences (entries past num_seqs are ignored). options: as
+    `ragged_paged_attention`'s (sliding_window, soft_cap, impl, prefill_backend, decode_only, interpret, tuning).
+    """
+    return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, blocks_per_slot,
+                            sm_scale=sm_scale, **options)
+
+
+def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_slot: int | None, *,
+                     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                     impl: str = "auto", prefill_backend: str = "auto", decode_only: bool = False,
+                     interpret: bool = False, **tuning) -> jax.Array:
+    """Both public entry points: `blocks` is the block table (blocks_per_slot None) or the slots (contiguous)."""
+    num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slot, num_seqs,
                             sm_scale, sliding_window, soft_cap, impl, prefill_backend)
     scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
     if resolve_impl(impl, interpret) == "reference":
         if tuning:
             raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")
-        return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables,
-                                                num_seqs, **dataclasses.asdict(scores))
+        return reference_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_slot,
+                                   scores)
     check_pallas_shapes(q, k_cache)
     tuning = make_tuning(q.dtype, tuning)
+    args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
     if decode_only:
-        return one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, scores=scores,
-                                 tuning=tuning, interpret=interpret)
-    mosaic = prefill_on_mosaic(q, k_cache, block_tables, scores, tuning, prefill_backend, interpret)
+        return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret,
+                                 blocks_per_slot=blocks_per_slot)
+    mosaic = prefill_on_mosaic(q, k_cache, blocks, scores, tuning, prefill_backend, interpret)
     # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
     # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
     run = attention_launches if mosaic is not None and interpret else pallas_attention
-    return run(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, scores=scores, tuning=tuning,
-               interpret=interpret, mosaic=mosaic)
+    return run(*args, scores=scores, tuning=tuning, interpret=interpret, mosaic=mosaic,
+               blocks_per_slot=blocks_per_slot)
 
 
-def prefill_on_mosaic(q, k_cache, block_tables, scores: Scores, tuning: Tuning, backend: str,
+def reference_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_slot, scores: Scores):
+    options = dataclasses.asdict(scores)
+    if blocks_per_slot is None:
+        return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, **options)
+    return contiguous_ragged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
+                                                 blocks_per_slot=blocks_per_slot, **options)
+
+
+def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backend: str,
                       interpret: bool) -> mgpu_prefill.PrefillTuning | None:
     """The Mosaic GPU prefill tuning when that kernel serves the prefill rows, else None (Triton does)."""
     prefill_tuning = mgpu_prefill.PrefillTuning(block_kv=tuning.mosaic_block_kv)
@@ -172,7 +247,7 @@ def prefill_on_mosaic(q, k_cache, block_tables, scores: Scores, tuning: Tuning, 
     # auto: only Hopper, and only shapes with room for more tokens than sequences (a decode-only shape would
     # pay the extra launches of the Mosaic path for nothing).
     if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
-                              or q.shape[0] <= block_tables.shape[0]):
+                              or q.shape[0] <= blocks.shape[0]):
         return None
     # one CTA per SM; the CPU interpreter (no core count) simulates a few, each taking several work items
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
@@ -198,8 +273,8 @@ def make_tuning(dtype, overrides: dict) -> Tuning:
     return tuning
 
 
-def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, sm_scale, sliding_window,
-                 soft_cap, impl, prefill_backend):
+def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slot, num_seqs, sm_scale,
+                 sliding_window, soft_cap, impl, prefill_backend):
     """Validate shapes, dtypes and options; return num_seqs as int32 [1]."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -219,10 +294,8 @@ def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs
     if kv_lens.ndim != 1 or cu_q_lens.shape != (kv_lens.shape[0] + 1,):
         raise ValueError(f"kv_lens must be [max_seqs] and cu_q_lens [max_seqs + 1], got {kv_lens.shape}, "
                          f"{cu_q_lens.shape}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != kv_lens.shape[0]:
-        raise ValueError(f"block_tables must be [max_seqs={kv_lens.shape[0]}, max_blocks_per_seq], "
-                         f"got {block_tables.shape}")
-    for name, x in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), ("block_tables", block_tables)):
+    blocks_name = check_blocks(blocks, blocks_per_slot, kv_lens, k_cache)
+    for name, x in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), (blocks_name, blocks)):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
     num_seqs = jnp.asarray(num_seqs)
@@ -235,6 +308,21 @@ def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs
     if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0):
         raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
     return num_seqs.astype(jnp.int32).reshape(1)
+
+
+def check_blocks(blocks, blocks_per_slot, kv_lens, k_cache) -> str:
+    """The block table [max_seqs, max_blocks], or slots [max_seqs] over a cache of whole rows; returns its name."""
+    if blocks_per_slot is None:
+        if blocks.ndim != 2 or blocks.shape[0] != kv_lens.shape[0]:
+            raise ValueError(f"block_tables must be [max_seqs={kv_lens.shape[0]}, max_blocks_per_seq], "
+                             f"got {blocks.shape}")
+        return "block_tables"
+    if not isinstance(blocks_per_slot, int) or blocks_per_slot < 1 or k_cache.shape[0] % blocks_per_slot:
+        raise ValueError(f"blocks_per_slot must be an int >= 1 dividing num_blocks={k_cache.shape[0]} (the cache "
+                         f"is whole rows), got {blocks_per_slot!r}")
+    if blocks.shape != kv_lens.shape:
+        raise ValueError(f"slots must be [max_seqs={kv_lens.shape[0]}], got {blocks.shape}")
+    return "slots"
 
 
 def check_pallas_shapes(q, k_cache):
@@ -253,36 +341,38 @@ def is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
-                       tuning: Tuning, interpret: bool, mosaic: mgpu_prefill.PrefillTuning | None):
-    geo = Geometry.of(q, k_cache, block_tables)
-    meta = (num_seqs, cu_q_lens, kv_lens, block_tables.reshape(-1))
+def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
+                       tuning: Tuning, interpret: bool, mosaic: mgpu_prefill.PrefillTuning | None,
+                       blocks_per_slot: int | None = None):
+    geo = Geometry.of(q, k_cache, blocks, blocks_per_slot)
+    meta = (num_seqs, cu_q_lens, kv_lens, blocks.reshape(-1))
     rows = (q.reshape(-1, geo.head_dim), k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
     parts, lse = decode_call(geo, scores, tuning, interpret)(*meta, *rows)
     if mosaic is None:
         out = prefill_call(geo, scores, tuning, interpret, q.dtype)(*meta, *rows, parts, lse)
         return out.reshape(q.shape)
-    out = mgpu_prefill.paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs,
+    out = mgpu_prefill.paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
                                                sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
-                                               tuning=mosaic, interpret=interpret)
+                                               tuning=mosaic, interpret=interpret, blocks_per_slot=blocks_per_slot)
     out = merge_call(geo, tuning, interpret, q.dtype)(num_seqs, cu_q_lens, parts, lse, out.reshape(-1, geo.head_dim))
     return out.reshape(q.shape)
 
 
-pallas_attention = jax.jit(attention_launches, static_argnames=("scores", "tuning", "interpret", "mosaic"))
+pallas_attention = jax.jit(attention_launches,
+                           static_argnames=("scores", "tuning", "interpret", "mosaic", "blocks_per_slot"))
 
 
-@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret"))
-def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *, scores: Scores,
-                      tuning: Tuning, interpret: bool):
-    geo = Geometry.of(q, k_cache, block_tables)
+@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret", "blocks_per_slot"))
+def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
+                      tuning: Tuning, interpret: bool, blocks_per_slot: int | None = None):
+    geo = Geometry.of(q, k_cache, blocks, blocks_per_slot)
     splits = min(decode_slots(geo, tuning) // geo.decode_rows, tuning.decode_max_splits)  # fixed by the shape
     slots = max(geo.num_tokens, splits * geo.decode_rows)  # every token row has a program to zero it
     tile = tuning.split_decode_kv_tile if splits > 1 else tuning.decode_kv_tile
     kernel = functools.partial(decode_only_kernel, geo=geo, scores=scores, splits=splits,
                                tile=max(tile, geo.block_size), rows=max(16, geo.group_pad), interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), q.dtype)]
-    args = [num_seqs, kv_lens, block_tables.reshape(-1), q.reshape(-1, geo.head_dim),
+    args = [num_seqs, kv_lens, blocks.reshape(-1), q.reshape(-1, geo.head_dim),
             k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim)]
     if splits > 1:  # float32 partials, their log2-sum-exp, and a zeroed done-counter per (kv head, decode)
         out_shape += [jax.ShapeDtypeStruct((slots * geo.num_q_heads, geo.head_dim), jnp.float32),
@@ -349,8 +439,8 @@ def merge_kernel(num_seqs_ref, cu_ref, parts_ref, lse_ref, _, o_ref, *, geo, slo
                    slots, max_splits)
 
 
-def triton_prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, o_ref,
-                          *, geo, scores, block_q, tile, num_blocks, slots, max_splits):
+def triton_prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref,
+                          o_ref, *, geo, scores, block_q, tile, num_blocks, slots, max_splits):
     kv_head, pid = pl.program_id(0), pl.program_id(1)
     num_seqs = num_seqs_ref[0]
 
@@ -360,7 +450,8 @@ def triton_prefill_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_re
 
     @pl.when(pid >= geo.decode_rows)
     def _():  # the last (longest causal) blocks first
-        attend_block(cu_ref, kv_lens_ref, q_ref, o_ref, PagedKV(bt_ref, k_ref, v_ref), num_seqs, kv_head,
+        cache = PagedKV(geo.addressing(blocks_ref), k_ref, v_ref)
+        attend_block(cu_ref, kv_lens_ref, q_ref, o_ref, cache, num_seqs, kv_head,
                      num_blocks - 1 - (pid - geo.decode_rows), geo, scores, block_q, tile)
 
 
@@ -383,7 +474,8 @@ def attend_block(cu_ref, kv_lens_ref, q_ref, o_ref, cache: PagedKV, num_seqs, kv
     if scores.sliding_window is not None:
         t_lo = jnp.minimum(jnp.maximum(oldest - scores.sliding_window + 1, 0) // tile, t_hi)
         full_lo = pl.cdiv(jnp.maximum(newest - scores.sliding_window + 1, 0), tile)
-    step = functools.partial(attend_tile, q=q, q_pos=kv_len - q_len + token, seq=seq, kv_len=kv_len,
+    step = functools.partial(attend_tile, q=q, q_pos=kv_len - q_len + token, seq_blocks=cache.blocks.of(seq, geo),
+                             kv_len=kv_len,
                              kv_head=kv_head, cache=cache, geo=geo, scores=scores, tile=tile)
     acc, _, l = attend_range(init_carry(q.shape), t_lo, t_hi, full_lo, jnp.maximum(oldest + 1, 0) // tile, step)
     store_tile_rows(o_ref, q_row, row_ok, normalize(acc, l).astype(o_ref.dtype))
@@ -423,7 +515,7 @@ def locate_block(cu_ref, num_seqs, block, geo, block_q):
     return seq, q_start, q_len, (block - jnp.sum(jnp.where(i == seq, first_block, 0))) * block_q
 
 
-def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, *, geo,
+def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_ref, parts_ref, lse_ref, *, geo,
                   scores, slots, max_splits, tile, rows):
     """Mixed batch, decode role: one split of a decode (the slots are shared out among the decodes at run
     time), float32 partials and log2-sum-exp; the prefill (or merge) launch merges them."""
@@ -441,21 +533,22 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref
     t_lo, t_hi = first // tile, pl.cdiv(kv_len, tile)
     per_split = pl.cdiv(t_hi - t_lo, splits)
     lo = jnp.minimum(t_lo + split * per_split, t_hi)
-    step = functools.partial(attend_tile, q=q, q_pos=jnp.full((rows,), kv_len - 1), seq=seq, kv_len=kv_len,
-                             kv_head=kv_head, cache=PagedKV(bt_ref, k_ref, v_ref), geo=geo, scores=scores,
-                             tile=tile)
+    cache = PagedKV(geo.addressing(blocks_ref), k_ref, v_ref)
+    step = functools.partial(attend_tile, q=q, q_pos=jnp.full((rows,), kv_len - 1),
+                             seq_blocks=cache.blocks.of(seq, geo), kv_len=kv_len, kv_head=kv_head, cache=cache,
+                             geo=geo, scores=scores, tile=tile)
     acc, m, l = attend_range(init_carry(q.shape), lo, jnp.minimum(lo + per_split, t_hi), pl.cdiv(first, tile),
                              kv_len // tile, step)
     store_partials(parts_ref, lse_ref, slot * geo.num_q_heads + head, row_ok, acc, m, l)
 
 
-def decode_only_kernel(num_seqs_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, geo, scores, splits, tile,
+def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_ref, *refs, geo, scores, splits, tile,
                        rows, interpret):
     """Decode-only batch (token i is decode i), one launch. Program (kv head, slot) attends tiles
     split, split + splits, ... of decode slot // splits, `splits` fixed by the shape. Nothing it loads first
-    waits for another load: without a window its first tile's block-table entries and K/V are fetched before
-    the context length arrives (clamped to a real page, masked after), so a short context costs two dependent
-    loads, as on a contiguous cache. Split programs write partials and count themselves done on an atomic
+    waits for another load: without a window its first tile's block ids (table entries, or its cache slot) and
+    K/V are fetched before the context length arrives (clamped to a real page, masked after), so a short context
+    costs two dependent loads. Split programs write partials and count themselves done on an atomic
     counter; the last one of a decode merges them. Programs past the decodes zero their token's rows."""
     if splits > 1:  # the zeroed done-counters come in first, aliased to count_ref
         _, out_ref, parts_ref, lse_ref, count_ref = refs
@@ -471,8 +564,9 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *
     q = load_tile_rows(q_ref, jnp.minimum(seq, geo.num_tokens - 1) * geo.num_q_heads + head, r < geo.group)
     first = 0 if scores.sliding_window is None else jnp.maximum(kv_len - scores.sliding_window, 0)
     t0 = first // tile + split  # this program's tiles: t0, t0 + splits, ...
-    step = functools.partial(strided_tile, t0=t0, splits=splits, q=q, q_pos=jnp.full((rows,), kv_len - 1), seq=seq,
-                             kv_len=kv_len, kv_head=kv_head, cache=PagedKV(bt_ref, k_ref, v_ref), geo=geo,
+    cache = PagedKV(geo.addressing(blocks_ref), k_ref, v_ref)
+    step = functools.partial(strided_tile, t0=t0, splits=splits, q=q, q_pos=jnp.full((rows,), kv_len - 1),
+                             seq_blocks=cache.blocks.of(seq, geo), kv_len=kv_len, kv_head=kv_head, cache=cache, geo=geo,
                              scores=scores, tile=tile)
     carry = step(0, init_carry(q.shape), masked="speculative")
     n = pl.cdiv(jnp.maximum(pl.cdiv(kv_len, tile) - t0, 0), splits)
@@ -546,19 +640,16 @@ def attend_range(carry, lo, hi, full_lo, full_hi, step):
     return lax.fori_loop(b, hi, functools.partial(step, masked=True), carry)
 
 
-def attend_tile(t, carry, *, masked, q, q_pos, seq, kv_len, kv_head, cache: PagedKV, geo, scores, tile):
-    """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page. masked: False (all
-    keys visible), True, or "speculative": the loads do not wait for kv_len (pages read are clamped to real
-    ones; keys past kv_len are masked and their V rows zeroed, since 0 x NaN would leak)."""
+def attend_tile(t, carry, *, masked, q, q_pos, seq_blocks, kv_len, kv_head, cache: PagedKV, geo, scores, tile):
+    """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page (seq_blocks: the
+    sequence as `cache.blocks.of` gives it). masked: False (all keys visible), True, or "speculative": the loads
+    do not wait for kv_len (pages read are clamped to real ones; keys past kv_len are masked and their V rows
+    zeroed, since 0 x NaN would leak)."""
     key = t * tile + jnp.arange(tile)
     live = key < kv_len
     col = jnp.minimum(key // geo.block_size, geo.max_blocks - 1)
-    if masked == "speculative":
-        num_pages = cache.k.shape[0] // (geo.block_size * geo.num_kv_heads)
-        page = jnp.clip(plgpu.load(cache.block_tables.at[jnp.minimum(seq, geo.max_seqs - 1) * geo.max_blocks + col]),
-                        0, num_pages - 1)
-    else:  # past kv_len the block table may hold anything
-        page = gather(cache.block_tables.at[seq * geo.max_blocks + col], live if masked else None)
+    num_pages = cache.k.shape[0] // (geo.block_size * geo.num_kv_heads)
+    page = cache.blocks.block(seq_blocks, col, masked, live, geo, num_pages)
     kv_row = (page * geo.block_size + key % geo.block_size) * geo.num_kv_heads + kv_head
     mask = live if masked is True else None
     s = logits(q, load_tile_rows(cache.k, kv_row, mask), scores)

@@ -4,6 +4,11 @@ Every token is processed independently: it finds its sequence, then walks that s
 columns `kv_blocks_per_step` at a time with an online softmax. Each step gathers only those blocks for
 each token ([num_tokens, kv_blocks_per_step * block_size, kv_heads, head_dim]), never the whole context,
 and the trip count comes from the longest live sequence rather than from the block table's width.
+
+Contiguous (vAttention) caches, where sequence i's KV is row slots[i] of the cache (block j of slot s is
+s * blocks_per_slot + j): `contiguous_ragged_attention_reference` runs the paged reference over that identity
+table (the CPU path, as lean as the paged one); `contiguous_slice_reference` reads each row directly as one
+slice, no block ids, dense: the test oracle that shares no addressing with either.
 """
 import functools
 
@@ -73,3 +78,45 @@ def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_len, bloc
     alpha = jnp.exp(m_prev - m_safe)
     pv = jnp.einsum("tkgn,tnkd->tkgd", p, v, precision=lax.Precision.HIGHEST)
     return m, l_prev * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+
+def identity_block_tables(slots, blocks_per_slot: int):
+    """[max_seqs, blocks_per_slot] int32: row i lists slot slots[i]'s blocks, slots[i] * blocks_per_slot + j."""
+    return slots[:, None] * blocks_per_slot + jnp.arange(blocks_per_slot, dtype=jnp.int32)
+
+
+def contiguous_ragged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *,
+                                          blocks_per_slot: int, **options) -> jax.Array:
+    """Same contract as `contiguous_ragged_attention`: the paged reference over the slots' identity table."""
+    return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens,
+                                            identity_block_tables(slots, blocks_per_slot), num_seqs, **options)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks_per_slot", "sm_scale", "sliding_window", "soft_cap"))
+def contiguous_slice_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *, blocks_per_slot: int,
+                               sm_scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None) -> jax.Array:
+    """`contiguous_ragged_attention_reference` written directly: each token reads its sequence's whole row of the
+    cache viewed as [rows, blocks_per_slot * block_size, kv_heads, head_dim] and attends its first kv_len keys.
+    Memory [num_tokens, row length, kv_heads, head_dim]: for tests and small shapes."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    seq, q_pos, kv_len = locate_tokens(cu_q_lens, kv_lens, jnp.reshape(num_seqs, ()), num_tokens)
+    k, v = (c.reshape(-1, blocks_per_slot * c.shape[1], num_kv_heads, head_dim)[slots[seq]].astype(jnp.float32)
+            for c in (k_cache, v_cache))  # [tokens, keys, kv_heads, head_dim]
+    key = jnp.arange(k.shape[1])
+    live = key[None, :] < kv_len[:, None]
+    v = jnp.where(live[..., None, None], v, 0.0)  # keys past kv_len were never written (NaN x 0 would leak)
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    s = jnp.einsum("tkgd,tnkd->tkgn", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    visible = live & (key[None, :] <= q_pos[:, None])
+    if sliding_window is not None:
+        visible &= key[None, :] > q_pos[:, None] - sliding_window
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))  # padding tokens see no key: zeros, not NaN
+    out = jnp.einsum("tkgn,tnkd->tkgd", p, v, precision=lax.Precision.HIGHEST)
+    out = out / jnp.maximum(p.sum(-1), jnp.finfo(jnp.float32).tiny)[..., None]
+    return out.reshape(q.shape).astype(q.dtype)
