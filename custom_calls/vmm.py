@@ -62,6 +62,7 @@ def load(path: str | None = None) -> ctypes.CDLL:
     return library
 
 
+@functools.cache   # once per process: every engine (data-parallel replicas too) calls it
 def register_fence(path: str | None = None) -> None:
     """Registers the FFI fence handler for platform CUDA (as custom_calls.register does for the others)."""
     jax.ffi.register_ffi_target(FENCE_TARGET, jax.ffi.pycapsule(getattr(load(path), FENCE_SYMBOL)), platform="CUDA")

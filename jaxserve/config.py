@@ -119,6 +119,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
 DECODE_ATTENTION = ("auto", "cuda")
 PREFILL_ATTENTION = ("triton", "mosaic")
 SAMPLER_MODES = ("greedy", "sample", "filter")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
+KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py (issue #20)
 
 
 @dataclass(slots=True)
@@ -151,6 +152,10 @@ class EngineConfig:
     max_queued_tokens: int | None = None
     # Devices the model is split over, Megatron-style (models/sharding.py); the loader places the weights on them
     tensor_parallel_size: int = 1
+    # "paged", or "vattention": each sequence's KV in one contiguous row of a virtual range whose pages are mapped
+    # on demand (stage 1: the paged kernels run on it through identity block tables; no prefix caching)
+    kv_backend: str = "paged"
+    vattention_lookahead_tokens: int = 0   # vattention: pages mapped ahead of a sequence's tokens, off the step
 
     def __post_init__(self):
         for name in ("token_buckets", "seq_buckets"):
@@ -188,6 +193,14 @@ def check_engine_config(c: EngineConfig) -> None:
     need(isinstance(c.watermark, (int, float)) and 0 <= c.watermark < 1, "watermark", "must be in [0, 1)")
     need(c.decode_attention in DECODE_ATTENTION, "decode_attention", f"must be one of {DECODE_ATTENTION}")
     need(c.prefill_attention in PREFILL_ATTENTION, "prefill_attention", f"must be one of {PREFILL_ATTENTION}")
+    need(c.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
+    need(is_int(c.vattention_lookahead_tokens) and c.vattention_lookahead_tokens >= 0, "vattention_lookahead_tokens",
+         "must be an int >= 0")
+    if c.kv_backend == "vattention":
+        need(not c.enable_prefix_caching, "enable_prefix_caching", "must be false with kv_backend: vattention "
+             "(its pages are per sequence, not shared): set enable_prefix_caching: false")
+        need(c.tensor_parallel_size == 1, "tensor_parallel_size", "must be 1 with kv_backend: vattention (the "
+             "per-device ranges are not yet combined into one sharded cache)")
     need(c.compile_cache_dir is None or isinstance(c.compile_cache_dir, str), "compile_cache_dir",
          "must be a path or null")
     need(c.max_num_seqs + c.min_prefill_chunk <= c.max_num_batched_tokens, "max_num_batched_tokens",

@@ -42,8 +42,21 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
+    @property
+    def max_tokens_per_seq(self) -> int:
+        """Tokens one sequence can hold: the pool past the null block and the watermark."""
+        return (self.num_blocks - 1 - self.watermark_blocks) * self.block_size
+
     def block_ids(self, seq_id: Hashable) -> list[int]:
         return [b.block_id for b in self._seq(seq_id).blocks]
+
+    def can_fork(self, seq_id: Hashable, num_children: int, num_tokens: int | None = None) -> bool:
+        """Always: children share the parent's blocks (copy-on-write takes blocks later, through allocate)."""
+        return True
+
+    def forks_fit(self, num_tokens: int, n: int) -> bool:
+        """Always: n sequences share one prompt's blocks."""
+        return True
 
     def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None,
                       block_hashes: list[bytes] | None = None) -> int:

@@ -69,8 +69,10 @@ class VmmGeometry:
         return self.tokens_per_slot // self.block_size
 
     def pages_for(self, num_tokens: int) -> int:
-        """Leading pages of a row that hold its first num_tokens tokens (a token may straddle two pages)."""
-        return -(-num_tokens * self.token_bytes // self.page_size)
+        """Leading pages of a row that hold the blocks of its first num_tokens tokens: the kernels and block
+        copies touch whole blocks, and a block (or a token) may straddle two pages."""
+        whole_blocks = -(-num_tokens // self.block_size) * self.block_size
+        return -(-whole_blocks * self.token_bytes // self.page_size)
 
     def blocks_in(self, num_pages: int) -> int:
         """Whole blocks' worth of tokens in num_pages pages: the paged manager's units, rounded down."""
@@ -239,9 +241,11 @@ class VAttentionKVCacheManager:
 
     @property
     def max_tokens_per_seq(self) -> int:
-        """Exact per-sequence capacity (the block units round down): the row, or the pool past the watermark."""
+        """Exact per-sequence capacity (the block units round down): the row, or the whole blocks of the pool
+        past the watermark."""
         g = self.geometry
-        return min(g.max_model_len, (self.usable_pages - self.watermark_pages) * g.page_size // g.token_bytes)
+        pool_tokens = (self.usable_pages - self.watermark_pages) * g.page_size // g.token_bytes
+        return min(g.max_model_len, pool_tokens // g.block_size * g.block_size)
 
     def slot_of(self, seq_id: Hashable) -> int:
         return self._seq(seq_id).slot
@@ -293,10 +297,18 @@ class VAttentionKVCacheManager:
         self._fork_copies.pairs += zip(self._identity(parent.slot, 0, n), self._identity(child.slot, 0, n))
         self._fork_copies.held.add(parent.slot)
 
-    def can_fork(self, seq_id: Hashable, num_children: int) -> bool:
-        """Slots and pages for num_children copies of the seq's tokens so far."""
-        need = self.geometry.pages_for(self._seq(seq_id).num_computed)
-        return len(self.free_slots) >= num_children and need * num_children <= self.num_free_pages
+    def can_fork(self, seq_id: Hashable, num_children: int, num_tokens: int | None = None) -> bool:
+        """Slots and pages for num_children copies of the seq's first num_tokens tokens (default: those so far),
+        beside what the seq itself needs to reach them (a seq not yet admitted: its slot and pages too)."""
+        seq = self.seqs.get(seq_id)
+        need = self.geometry.pages_for(self._seq(seq_id).num_computed if num_tokens is None else num_tokens)
+        own = need if seq is None else max(0, need - self.pinned[seq.slot])
+        return len(self.free_slots) >= num_children + (seq is None) and \
+            own + need * num_children <= self.num_free_pages
+
+    def forks_fit(self, num_tokens: int, n: int) -> bool:
+        """Whether n copies of num_tokens tokens fit the pool at all (a parent and its n - 1 forks)."""
+        return n * self.geometry.pages_for(num_tokens) <= self.usable_pages
 
     def free(self, seq_id: Hashable) -> None:
         """Release a finished, aborted or preempted seq: its slot keeps its pages mapped (deferred reclamation).

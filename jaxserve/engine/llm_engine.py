@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxserve.cache.kv_cache_manager import KVCacheManager
+from jaxserve.cache.vattention import VAttentionKVCacheManager
 from jaxserve.config import EngineConfig
 from jaxserve.engine.compilation import enable_compilation_cache
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -72,13 +73,21 @@ class LLMEngine:
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.runner = ModelRunner(loaded, cfg)
-        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size,
-                                 enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
+        self.kv = self._kv_cache_manager()
         self.scheduler = Scheduler(cfg, self.kv)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
         self.runner.graphs.started = True   # the runner compiled every graph (cfg.precompile): a compile now is counted
+
+    def _kv_cache_manager(self) -> KVCacheManager | VAttentionKVCacheManager:
+        """The block manager of the config's kv_backend; the scheduler drives either through the same interface."""
+        cfg, runner = self.cfg, self.runner
+        if cfg.kv_backend == "vattention":
+            return VAttentionKVCacheManager(runner.vmm_geometry, runner.page_mapper, watermark=cfg.watermark,
+                                            lookahead_tokens=cfg.vattention_lookahead_tokens)
+        return KVCacheManager(runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                              watermark=cfg.watermark)
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -148,14 +157,17 @@ class LLMEngine:
         self._check_queue(len(ids))
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
-        """A sequence longer than the KV pool would wait forever (or preempt itself forever): refuse it now."""
+        """A sequence longer than the KV pool would wait forever (or preempt itself forever): refuse it now; so
+        is a request whose n copies of the prompt can never fit together (vattention forks copy it)."""
         cfg, kv = self.cfg, self.kv
         total = min(num_prompt + (params.max_tokens or cfg.max_model_len), cfg.max_model_len)
-        usable = kv.num_blocks - 1 - kv.watermark_blocks
-        if -(-total // cfg.block_size) > usable:
+        if total > kv.max_tokens_per_seq:
             raise NeverFits(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) can reach "
-                                 f"{total} tokens; the KV pool holds {usable * cfg.block_size} per sequence "
+                                 f"{total} tokens; the KV pool holds {kv.max_tokens_per_seq} per sequence "
                                  f"(num_blocks={kv.num_blocks}): lower max_tokens or give the cache more blocks")
+        if not kv.forks_fit(num_prompt, params.n):
+            raise NeverFits(f"n={params.n} copies of the prompt ({num_prompt} tokens) can never fit the KV pool "
+                            f"together (kv_backend={cfg.kv_backend}): lower n or give the cache more memory")
 
     def _check_queue(self, num_prompt: int) -> None:
         waiting, max_requests, max_tokens = self.scheduler.waiting, self.cfg.max_queued_requests, \

@@ -7,10 +7,12 @@ penalty state donated. Every graph compiles before serving (`precompile`); `exec
 multi-host engine, engine/distributed.py)."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import math
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,9 +23,12 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from custom_calls import vmm
 from jaxserve.cache.block_table import BlockTable
-from jaxserve.cache.kv_cache import (_copy_blocks, allocate_kv_cache, copy_bucket, describe_kv_capacity,
-                                     kv_bytes_per_block, num_blocks_for_memory, pad_block_copies)
+from jaxserve.cache.kv_cache import (CPU_MAX_KV_BYTES, KVCache, _copy_blocks, allocate_kv_cache, copy_bucket,
+                                     describe_kv_capacity, kv_bytes_per_block, num_blocks_for_memory,
+                                     pad_block_copies)
+from jaxserve.cache.vattention import PAGE_SIZE, CudaPageMapper, FakePageMapper, PageMapper, VmmGeometry
 from jaxserve.config import SAMPLER_MODES, EngineConfig
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache, fingerprint
 from jaxserve.engine.sampler import PenaltyState, SamplerOutput, init_penalty_state, mode_for, reset_slots, sample
@@ -39,6 +44,9 @@ MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
 MIN_RESET_WIDTH = 64   # penalty resets pad prompt + output tokens to a power of four from here (few graphs)
 PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, not [T, V] (5 GB at 4K x 128K)
+# vattention's page size on CPU, where FakePageMapper stands in for the driver: the GPU's 2 MiB, so that the CPU
+# runs the GPU's geometry; tests lower it so that a tiny model's prompts span many pages.
+CPU_VMM_PAGE_SIZE = PAGE_SIZE
 
 
 def pow2_ladder(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
@@ -79,13 +87,17 @@ class DeviceStep:
         return self.copies is None and self.resets is None and self.inputs is None
 
 
-def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, graphdef, kernels: AttentionKernels, mesh: Mesh):
+def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, graphdef, kernels: AttentionKernels, mesh: Mesh,
+              vmm_fence: bool = False):
     """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H])."""
     model = nnx.merge(graphdef, params)
     # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
     token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
     hidden, kv_cache = model(token_ids, inp.positions, kv_cache, PagedAttention(inp.attn, kernels, mesh))
-    return kv_cache, model.logits(hidden[inp.logits_indices]), hidden
+    logits = model.logits(hidden[inp.logits_indices])
+    if vmm_fence:   # vattention on GPU: the logits follow every cache read; unmaps wait for this fence
+        logits = vmm.fence(logits)
+    return kv_cache, logits, hidden
 
 
 def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_tokens: int):
@@ -137,6 +149,9 @@ class ModelRunner:
         self.slot_of: dict[int, int] = {}     # seq_id -> device slot: block-table row and penalty state
         self.prev_rows: dict[int, int] = {}   # seq_id -> row of the last launched step that samples it
         self.eos_token_ids = loaded.eos_token_ids
+        self.vmm_on_device = cfg.kv_backend == "vattention" and self.mesh.devices.flat[0].platform != "cpu"
+        if self.vmm_on_device:
+            vmm.register_fence()
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim)
         self.graphs = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
             mc, dataclasses.asdict(cfg), str(dtype), [(d.id, d.device_kind) for d in self.mesh.devices.flat],
@@ -147,13 +162,17 @@ class ModelRunner:
             cfg.max_num_seqs, mc.vocab_size)
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32,   # the previous step's samples, on device
                                      device=self.replicated)
-        self.num_blocks = self._kv_blocks(dtype)
+        # vattention: the cache viewed as blocks is the whole virtual range (identity block ids); paged: the pool
+        self.vmm_geometry = self._vmm_geometry(dtype) if cfg.kv_backend == "vattention" else None
+        self.num_blocks = self._kv_blocks(dtype) if self.vmm_geometry is None else \
+            self.vmm_geometry.rows * self.vmm_geometry.blocks_per_slot
         self.graphs.cache.fingerprint += f" num_blocks={self.num_blocks}"   # the graphs from here on depend on it
         self.cache_shape = [(self.cache_struct(self.num_blocks, dtype),) * 2] * mc.num_layers
         if cfg.precompile:   # before the cache takes the memory: compiling (autotuning) needs room to run kernels
             self.precompile()
-        self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size, self.kv_heads,
-                                          mc.head_dim, dtype, self.cache_sharding)
+        self.page_mapper: PageMapper | None = None if self.vmm_geometry is None else self._page_mapper()
+        self.kv_cache = self._vmm_cache(dtype) if self.vmm_on_device else allocate_kv_cache(
+            mc.num_layers, self.num_blocks, cfg.block_size, self.kv_heads, mc.head_dim, dtype, self.cache_sharding)
 
     def _jit_graphs(self, graphdef) -> None:
         """The step's graphs, their shardings explicit so that XLA never moves the weights or the cache: weights
@@ -161,7 +180,8 @@ class ModelRunner:
         model's logits gathered from the vocab-split LM head for the sampler, which runs whole on every device."""
         rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
         cache = [(self.cache_sharding,) * 2] * self.model_config.num_layers
-        self._model = jax.jit(functools.partial(run_model, graphdef=graphdef, kernels=self.kernels, mesh=self.mesh),
+        self._model = jax.jit(functools.partial(run_model, graphdef=graphdef, kernels=self.kernels, mesh=self.mesh,
+                                                vmm_fence=self.vmm_on_device),
                               in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep, rep),
                               donate_argnums=1)
         self._sampler = jax.jit(functools.partial(run_sampler, num_last_tokens=self.seq_buckets[-1]),
@@ -181,6 +201,49 @@ class ModelRunner:
         print(describe_kv_capacity(num_blocks, cfg.block_size, bytes_per_block, cfg.tensor_parallel_size),
               file=sys.stderr)
         return num_blocks
+
+    def _vmm_geometry(self, dtype) -> VmmGeometry:
+        """vattention's rows (a slot per sequence + the null row) and page pool: the config's num_blocks as the
+        pages their tokens need (+ the null block's), or as many pages as fit beside weights and activations.
+        Per-layer ranges (2 * layers tensors, the paged kernels' layout): a pool page is a page in each."""
+        mc, cfg = self.model_config, self.cfg
+        page_size = PAGE_SIZE if self.vmm_on_device else CPU_VMM_PAGE_SIZE
+        token_bytes = self.kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize   # tensor_parallel_size is 1
+        layout = VmmGeometry(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, token_bytes, 1, page_size)
+        num_ranges = 2 * mc.num_layers
+        range_bytes = num_ranges * layout.rows * layout.slot_bytes
+        if not self.vmm_on_device and range_bytes > CPU_MAX_KV_BYTES:   # the CPU stand-in allocates it all
+            raise ValueError(f"kv_backend=vattention on CPU allocates the whole virtual range, "
+                             f"{range_bytes / 2**30:.1f} GiB (> {CPU_MAX_KV_BYTES / 2**30:.0f} GiB): lower "
+                             "max_num_seqs or max_model_len")
+        num_pages = (layout.pages_for(cfg.block_size) + layout.pages_for((cfg.num_blocks - 1) * cfg.block_size)
+                     if cfg.num_blocks else self._blocks_that_fit(num_ranges * page_size, dtype))
+        geometry = dataclasses.replace(layout, num_pages=num_pages)
+        print(f"KV cache (vattention): {num_pages:,} pages of {page_size / 2**20:g} MiB in each of "
+              f"{num_ranges} ranges = {num_pages * page_size // token_bytes:,} tokens "
+              f"({num_pages * num_ranges * page_size / 2**30:.2f} GiB); {geometry.rows} rows of "
+              f"{geometry.tokens_per_slot:,} tokens reserved", file=sys.stderr)
+        return geometry
+
+    def _page_mapper(self) -> PageMapper:
+        """The C++ manager on GPU (its page pool is created now: after precompile, like the paged cache), the
+        fake one on CPU. The cache arrays alias its memory: they are dropped at exit, before it goes."""
+        g = self.vmm_geometry
+        if not self.vmm_on_device:
+            return FakePageMapper(g.num_pages, g.rows, g.pages_per_slot)
+        mapper = CudaPageMapper(g, num_tensors=2 * self.model_config.num_layers,
+                                devices=[d.local_hardware_id for d in self.mesh.local_devices])
+        atexit.register(_drop_vmm_cache, weakref.ref(self))
+        return mapper
+
+    def _vmm_cache(self, dtype) -> KVCache:
+        """Each layer's K and V as the manager's ranges, zero copy ([rows * blocks_per_slot, block, Hkv, D])."""
+        struct = self.cache_shape[0][0]
+
+        def export(tensor: int) -> jax.Array:
+            pieces = self.page_mapper.export(tensor, struct.shape, dtype)
+            return jax.make_array_from_single_device_arrays(struct.shape, self.cache_sharding, pieces)
+        return [(export(2 * layer), export(2 * layer + 1)) for layer in range(self.model_config.num_layers)]
 
     def _blocks_that_fit(self, bytes_per_block: int, dtype) -> int:
         """Blocks that fit the memory left on each of this engine's own devices (a data-parallel replica's are not
@@ -366,6 +429,13 @@ class ModelRunner:
         owners = np.searchsorted(np.cumsum(counts), pending, side="right")
         prev_index[pending] = [self.prev_rows[rows[i].seq.seq_id] for i in owners]
         return prev_index
+
+
+def _drop_vmm_cache(runner_ref: weakref.ref) -> None:
+    """At exit: the arrays aliasing the VMM ranges go before the manager (else teardown order may segfault)."""
+    if (runner := runner_ref()) is not None:
+        runner.kv_cache = None
+        runner.page_mapper.close()
 
 
 def next_prompt_ids(rows: list[StepRow], num_tokens: int) -> np.ndarray:

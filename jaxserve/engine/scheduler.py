@@ -5,7 +5,9 @@ Running decodes claim their token first; prefill (chunked) gets what is left of 
 check keeps at least `min_prefill_chunk` (seed 002's `max(n_ubatch, T - D)`), so a long prompt never freezes
 decoding and decoding never starves prefill. Short of KV blocks, the newest running sequence is preempted
 by recompute: its blocks go back to the pool (tail first) and it waits at the queue's front; on resume its
-freed blocks usually still hit the prefix cache. A sequence is advanced when it is scheduled: the step's tokens
+freed blocks usually still hit the prefix cache. A request's n > 1 siblings are forked in the KV manager as its
+prompt's last chunk is scheduled; where forks take room (vattention copies the prompt's KV), that chunk waits until
+the manager says they fit, and admissions wait behind it. A sequence is advanced when it is scheduled: the step's tokens
 count as computed and a sampling row appends a PENDING token, which the engine fills when the sample lands.
 """
 from __future__ import annotations
@@ -54,6 +56,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._preempted: list[int] = []
         self._finished: list[int] = []
+        self._children: dict[int, list[Sequence]] = {}   # parent seq_id -> siblings forked in the KV manager this step
+        self._fork_waits = False   # a parent's last prompt chunk waits for its forks' room this step
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: (s.priority, s.arrival_time))
@@ -75,12 +79,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.cfg.max_num_batched_tokens
         for seq in [s for s in self.running if self._decodes(s)]:
-            if self._grow(seq, 1, out):
+            if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, out):   # not preempted by an older one
                 self._add_row(out, seq, 1)
         budget -= len(out.rows)
+        self._fork_waits = False
         for seq in [s for s in self.running if s.is_prefill]:
             budget -= self._schedule_chunk(seq, budget, out)
-        while self.waiting and budget > 0 and self._has_room(self.waiting[0]):
+        while self.waiting and budget > 0 and not self._fork_waits and self._has_room(self.waiting[0]):
             used = self._admit(self.waiting[0], budget, out)
             if not used:
                 break
@@ -104,14 +109,18 @@ class Scheduler:
 
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if n <= 0 or seq.status is not SequenceStatus.RUNNING or not self._grow(seq, n, out):
+        if n <= 0 or seq.status is not SequenceStatus.RUNNING or not self._forks_fit(seq, n) \
+                or not self._grow(seq, n, out):
             return 0
         self._add_row(out, seq, n)
+        self._fork_kv(seq, n)
         return n
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         cached = self.kv.lookup_prefix(seq.token_ids, seq.cache_salt, seq.block_hashes)
         n = min(seq.num_tokens - cached, budget)
+        if not self._forks_fit(seq, n, cached):
+            return 0
         ok, cached = self.kv.allocate(seq.seq_id, seq.token_ids, n, seq.cache_salt, seq.block_hashes)
         if not ok:
             return 0
@@ -120,7 +129,26 @@ class Scheduler:
         self.running.append(seq)
         out.placed.append(seq)
         self._add_row(out, seq, n)
+        self._fork_kv(seq, n)
         return n
+
+    def _forks_fit(self, seq: Sequence, n: int, start: int | None = None) -> bool:
+        """Whether a chunk of n tokens from `start` may run: always, unless it ends the prompt of a parent whose
+        forks find no room in the KV manager yet (then it waits, and so do admissions behind it)."""
+        end = (seq.num_computed_tokens if start is None else start) + n
+        if not seq.num_forks_pending or end < seq.num_tokens:
+            return True
+        fits = self.kv.can_fork(seq.seq_id, seq.num_forks_pending, end)
+        self._fork_waits |= not fits
+        return fits
+
+    def _fork_kv(self, seq: Sequence, n: int) -> None:
+        """The siblings of a parent whose prompt ends with this chunk, forked in the KV manager at once: nothing
+        scheduled after it in this step can take their room. Their rows (and seats) follow in _fork."""
+        if seq.num_forks_pending and seq.num_computed_tokens + n >= seq.num_tokens:
+            children = self._children[seq.seq_id] = [seq.fork(i) for i in range(1, seq.num_forks_pending + 1)]
+            for child in children:
+                self.kv.fork(seq.seq_id, child.seq_id)
 
     def _add_row(self, out: SchedulerOutput, seq: Sequence, n: int, logits_from: int = -1) -> None:
         start = seq.num_computed_tokens
@@ -146,19 +174,15 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _fork(self, out: SchedulerOutput) -> None:
-        """Siblings of a request whose prompt completes this step share its blocks and sample its logits."""
+        """Siblings of a request whose prompt completes this step (forked in the KV manager by _fork_kv) run,
+        sampling its logits."""
         for i, row in enumerate(list(out.rows)):
-            parent = row.seq
-            if not (parent.num_forks_pending and row.samples):
-                continue
-            for index in range(1, parent.num_forks_pending + 1):
-                child = parent.fork(index)
-                self.kv.fork(parent.seq_id, child.seq_id)
+            for child in self._children.pop(row.seq.seq_id, ()):
                 self.running.append(child)
                 out.placed.append(child)
                 out.forks.append(child)
                 self._add_row(out, child, 0, logits_from=i)
-            parent.num_forks_pending = 0
+                row.seq.num_forks_pending = 0   # counted as seats (_has_room) until the children run
 
     @staticmethod
     def _advance(row: StepRow) -> None:

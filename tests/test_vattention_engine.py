@@ -1,0 +1,240 @@
+"""vAttention mode (issue #20) in the engine, on CPU. Stage 1 runs the paged kernels over the cache viewed as blocks
+with identity block tables, so where the schedule is the same as paged mode's, greedy tokens and logprobs must be
+bit-identical to it (and tokens wherever the pool differs: preemption, forks waiting for their pages). Every step
+must touch only pages the (fake) mapper made ready, and no compiled graph may read the whole cache array.
+
+The CPU stand-in's page size is lowered here (tests only: runner.CPU_VMM_PAGE_SIZE): a 2 MiB page holds 16K of the
+tiny model's 128-byte tokens, so no prompt would ever cross a page."""
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine import runner as runner_module
+from jaxserve.engine.llm_engine import NeverFits
+from jaxserve.models.loader import random_model
+
+from test_compilation import KNOBS, TINY, mixed_requests
+
+PAGE_SIZE = 1000   # 7.8 of TINY's 128-byte tokens (2 kv heads x 16 x f32): tokens and 16-token blocks straddle pages
+VATTENTION = dict(kv_backend="vattention", enable_prefix_caching=False)
+PAGED = dict(enable_prefix_caching=False)   # the reference: the same schedule (vattention has no prefix hits)
+BASE = {**KNOBS, "precompile": False, "num_blocks": 256}
+PROMPTS = [[2 + (i * 7 + j) % 120 for j in range(n)] for i, n in enumerate((5, 17, 33, 9, 40, 3, 12, 200, 70, 31, 8,
+                                                                             100))]   # 12 > max_num_seqs: slots reused
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, logprobs=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(TINY, jnp.float32)
+
+
+@pytest.fixture(autouse=True)
+def small_pages(monkeypatch):
+    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", PAGE_SIZE)
+
+
+def results(llm: LLM, prompts, params) -> list:
+    """Every output of every request: tokens, logprobs, prompt logprobs (compared exactly)."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [([(c.token_ids, c.logprobs) for c in o.outputs], o.prompt_logprobs) for o in outs]
+
+
+def tokens(res: list) -> list:
+    return [[ids for ids, _ in outs] for outs, _ in res]
+
+
+def watch_pages(llm: LLM) -> list:
+    """Before each step launches: every cache write, every block a row reads (up to its last token) and every
+    block copy must lie on pages the fake mapper has made ready (on a GPU any other page is unmapped), each row's
+    blocks in one row of the range. Returns the steps checked."""
+    runner, g = llm.engine.runner, llm.engine.kv.geometry
+    mapper, checked = runner.page_mapper, []
+
+    def ready(block_ids, offsets) -> bool:
+        rows, blocks_in_row = np.divmod(np.asarray(block_ids), g.blocks_per_slot)
+        return all(g.pages_for(b * g.block_size + o + 1) <= mapper.ready[r]
+                   for r, b, o in zip(rows, blocks_in_row, np.asarray(offsets)))
+
+    def check(step):
+        if step.inputs is not None:
+            attn = step.inputs.model.attn
+            writes = attn.slot_mapping
+            assert ready(writes // g.block_size, writes % g.block_size), "a step writes an unmapped page"
+            for table, kv_len in zip(attn.block_tables[:attn.num_seqs[0]], attn.kv_lens):
+                blocks = table[:-(-kv_len // g.block_size)]
+                assert len(set(blocks // g.blocks_per_slot)) == 1 and ready(blocks, [g.block_size - 1] * len(blocks))
+        if step.copies is not None:
+            assert ready(np.concatenate(step.copies), [g.block_size - 1] * 2 * len(step.copies[0]))
+        checked.append(step)
+    runner.on_launch = check
+    return checked
+
+
+@pytest.mark.parametrize("lookahead", [0, 24])
+def test_greedy_tokens_and_logprobs_are_bit_identical_to_paged(tiny, lookahead):
+    """Chunked prefill across pages (a 200-token prompt in 64-token chunks, 26 pages), more requests than slots,
+    prompt logprobs: the same steps as paged mode, so the same bits."""
+    params = [GREEDY] * 11 + [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2)]
+    expected = results(LLM(tiny, **BASE, **PAGED), PROMPTS, params)
+    llm = LLM(tiny, **BASE, **VATTENTION, vattention_lookahead_tokens=lookahead)
+    steps = watch_pages(llm)
+    assert results(llm, PROMPTS, params) == expected
+    kv, stats = llm.engine.kv, llm.engine.stats()
+    assert len(steps) > 20 and max(kv.mapped) >= kv.geometry.pages_for(200) > 20
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["compiles_after_start"] > 0
+    assert any(op == "map_ahead" for op, _, _ in llm.engine.runner.page_mapper.log) == (lookahead > 0)
+
+
+def test_preemption_under_a_small_page_pool_keeps_the_tokens(tiny):
+    expected = results(LLM(tiny, **BASE, **PAGED), PROMPTS, GREEDY)
+    llm = LLM(tiny, **{**BASE, "num_blocks": 30}, **VATTENTION)   # 63 pages: 492 tokens for 12 x up to 220
+    watch_pages(llm)
+    assert tokens(results(llm, PROMPTS, GREEDY)) == tokens(expected)
+    stats = llm.engine.stats()
+    assert stats["preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("num_blocks", [256, 30], ids=["roomy", "forks-wait"])
+def test_forks_copy_the_prompt_and_wait_for_their_pages(tiny, num_blocks, monkeypatch):
+    """n = 3 (seeded sampling): each child decodes from its copy of the parent's KV. In a small pool the prompt's
+    last chunk waits until the copies fit (never a ForkError); in a roomy one the steps, so the bits, are paged's."""
+    prompts = PROMPTS[7:9] + [PROMPTS[11], PROMPTS[4]]   # 200, 70, 100 tokens, then the n = 3 request's 40
+    params = [GREEDY] * 3 + [SamplingParams(temperature=1.0, n=3, seed=3, max_tokens=20, logprobs=2)]
+    expected = results(LLM(tiny, **BASE, **PAGED), prompts, params)
+    llm = LLM(tiny, **{**BASE, "num_blocks": num_blocks}, **VATTENTION)
+    watch_pages(llm)
+    kv, answers = llm.engine.kv, []
+    can_fork = kv.can_fork
+    monkeypatch.setattr(kv, "can_fork", lambda *a: answers.append(can_fork(*a)) or answers[-1])
+    got = results(llm, prompts, params)
+    assert got == expected if num_blocks == 256 else tokens(got) == tokens(expected)
+    assert len(set(map(tuple, tokens(got)[3]))) == 3 and (False in answers) == (num_blocks == 30)
+
+
+def test_requests_that_never_fit_are_refused_and_the_engine_keeps_serving(tiny):
+    """Pool of 19 usable pages = 148 tokens of one sequence (paged: 9 blocks = 144): a longer request, a prompt
+    longer than a slot, or n copies of a prompt that cannot fit together are refused at once."""
+    llm = LLM(tiny, **{**BASE, "num_blocks": 10}, **VATTENTION)
+    engine = llm.engine
+    assert engine.kv.max_tokens_per_seq == 144
+    with pytest.raises(NeverFits, match="holds 144 per sequence"):
+        engine.add_request([3] * 100, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        engine.add_request([3] * 300, SamplingParams(max_tokens=1))
+    with pytest.raises(NeverFits, match="n=3 copies"):
+        engine.add_request([3] * 60, SamplingParams(max_tokens=4, n=3))
+    params = SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=20)
+    expected = results(LLM(tiny, **BASE, **PAGED), [PROMPTS[1]], params)
+    assert tokens(results(llm, [PROMPTS[1]], params)) == tokens(expected)
+    assert not engine.scheduler.has_work() and not engine.requests
+
+
+@pytest.fixture(scope="module")
+def precompiled(tiny):
+    """Two engines compiled before serving: vattention and its paged reference."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", PAGE_SIZE)
+        return (LLM(tiny, **{**KNOBS, "num_blocks": 128}, **VATTENTION),
+                LLM(tiny, **{**KNOBS, "num_blocks": 128}, **PAGED))
+
+
+def test_no_graph_compiles_after_start_and_every_request_kind_matches_paged(precompiled):
+    llm, paged = precompiled
+    prompts, params = mixed_requests()
+    assert results(llm, prompts, params) == results(paged, prompts, params)
+    assert llm.engine.stats()["compiles_after_start"] == 0
+
+
+CACHE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "fusion", "scatter", "gather",
+             "dynamic-slice", "dynamic-update-slice", "custom-call"}   # in-place writes, indexed reads, plumbing
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+|\(.*?\)) ([a-z][\w\-]*)\((.*)$")
+ARRAY = re.compile(r"^[a-z]\w*\[([\d,]*)\]")
+
+
+def whole_cache_ops(hlo: str, cache_size: int) -> set[str]:
+    """Opcodes outside CACHE_OPS that produce or take an array of the cache's size (any shape: bitcasts reshape
+    it), in every computation, fusions' insides included: a copy, a slice, an elementwise op, a reduction..."""
+    bad, sizes = set(), {}
+    for line in hlo.splitlines():
+        if not (m := INSTRUCTION.match(line)):
+            continue
+        name, result, opcode, rest = m.groups()
+        dims = ARRAY.match(result)
+        sizes[name] = math.prod(int(d) for d in dims.group(1).split(",") if d) if dims else None
+        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+        if opcode not in CACHE_OPS and cache_size in [sizes[name]] + [sizes.get(o) for o in operands]:
+            bad.add(opcode)
+    return bad
+
+
+def check_cache_untouched_whole(compiled, cache_struct) -> None:
+    """The cache goes in and out aliased (donated: updated in place) and only CACHE_OPS touch arrays its size."""
+    hlo, size = compiled.as_text(), math.prod(cache_struct.shape)
+    header = hlo.split("\n", 1)[0]
+    params = re.search(r"entry_computation_layout=\{\((.*?)\)->", header).group(1)
+    shape = re.escape(f"[{','.join(map(str, cache_struct.shape))}]")
+    cache_params = [i for i, p in enumerate(re.split(r", (?:/\*index=\d+\*/)?", params)) if re.match(r"\w+" + shape, p)]
+    aliased = {int(i) for i in re.findall(r"\(\s*(\d+), \{\}, (?:may|must)-alias\)", header)}
+    assert cache_params and set(cache_params) <= aliased, f"cache parameters {cache_params} not aliased: {header}"
+    assert not whole_cache_ops(hlo, size), whole_cache_ops(hlo, size)
+
+
+def test_no_compiled_step_reads_the_whole_cache(precompiled):
+    """Every graph that takes the cache (the model per bucket, block copies): aliased in and out, and touched only
+    by the scatter, the kernels' indexed reads and custom calls. On a GPU anything else reads unmapped pages."""
+    runner = precompiled[0].engine.runner
+    struct = runner.cache_shape[0][0]
+    graphs = {k: v for k, v in runner.graphs.executables.items() if k[0] in ("model", "copy")}
+    assert len(graphs) >= 4
+    for compiled in graphs.values():
+        check_cache_untouched_whole(compiled, struct)
+
+
+def test_the_cache_guard_catches_a_dropped_donation_and_a_whole_cache_read(precompiled):
+    runner = precompiled[0].engine.runner
+    struct = runner.cache_shape[0][0]
+    inp = runner.step_inputs(num_tokens=16, num_seqs=4).model
+    undonated = jax.jit(runner._model.__wrapped__).lower(runner.params, runner.cache_shape, runner.last_tokens, inp)
+    with pytest.raises(AssertionError, match="not aliased"):
+        check_cache_untouched_whole(undonated.compile(), struct)
+    summed = jax.jit(lambda c: (c + 1, c.sum()), donate_argnums=0).lower(struct).compile()
+    with pytest.raises(AssertionError, match="add|reduce"):
+        check_cache_untouched_whole(summed, struct)
+
+
+@pytest.mark.parametrize("knobs, field", [
+    (dict(kv_backend="contiguous"), "kv_backend"),
+    (dict(kv_backend="vattention"), "enable_prefix_caching"),   # its default is true: say to set it false
+    (dict(kv_backend="vattention", enable_prefix_caching=False, vattention_lookahead_tokens=-1),
+     "vattention_lookahead_tokens"),
+    (dict(kv_backend="vattention", enable_prefix_caching=False, tensor_parallel_size=2), "tensor_parallel_size"),
+])
+def test_bad_vattention_knobs_name_the_field(knobs, field):
+    with pytest.raises(ValueError, match=f"engine config: {field} "):
+        EngineConfig(**knobs)
+
+
+def test_cpu_refuses_a_virtual_range_it_cannot_allocate(tiny, monkeypatch):
+    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", 2 << 20)   # 16K tokens a row: 9 rows x 4 ranges = 72 MiB
+    monkeypatch.setattr(runner_module, "CPU_MAX_KV_BYTES", 64 << 20)
+    with pytest.raises(ValueError, match="whole virtual range, 0.1 GiB .* lower max_num_seqs or max_model_len"):
+        LLM(tiny, **BASE, **VATTENTION)
+
+
+def test_smollm2_greedy_matches_paged(smollm, monkeypatch):
+    """The embedded model: 768-byte tokens, 4 KiB pages (5.3 tokens a page, blocks straddle pages)."""
+    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", 4096)
+    knobs = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, min_prefill_chunk=16,
+                 token_buckets=(32,), seq_buckets=(4,), num_blocks=64, precompile=False, compile_cache_dir=None)
+    ids = [smollm.tokenizer(p)["input_ids"] for p in ("The capital of France is", "def fib(n):" * 6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+    llm = LLM(smollm, **knobs, **VATTENTION)
+    watch_pages(llm)
+    assert results(llm, ids, params) == results(LLM(smollm, **knobs, **PAGED), ids, params)
