@@ -120,6 +120,7 @@ DECODE_ATTENTION = ("auto", "cuda")
 PREFILL_ATTENTION = ("triton", "mosaic")
 SAMPLER_MODES = ("greedy", "sample", "filter")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
 KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py (issue #20)
+VATTENTION_KERNELS = ("contiguous", "identity")   # models/attention.py: slots, or identity block tables
 
 
 @dataclass(slots=True)
@@ -153,9 +154,12 @@ class EngineConfig:
     # Devices the model is split over, Megatron-style (models/sharding.py); the loader places the weights on them
     tensor_parallel_size: int = 1
     # "paged", or "vattention": each sequence's KV in one contiguous row of a virtual range whose pages are mapped
-    # on demand (stage 1: the paged kernels run on it through identity block tables; no prefix caching)
+    # on demand (no prefix caching)
     kv_backend: str = "paged"
     vattention_lookahead_tokens: int = 0   # vattention: pages mapped ahead of a sequence's tokens, off the step
+    # vattention's attention: "contiguous" (the kernels address each row from its slot id; a step carries one slot
+    # per sequence, no block table) or "identity" (stage 1: the paged kernels over identity block tables)
+    vattention_kernels: str = "contiguous"
 
     def __post_init__(self):
         for name in ("token_buckets", "seq_buckets"):
@@ -194,6 +198,7 @@ def check_engine_config(c: EngineConfig) -> None:
     need(c.decode_attention in DECODE_ATTENTION, "decode_attention", f"must be one of {DECODE_ATTENTION}")
     need(c.prefill_attention in PREFILL_ATTENTION, "prefill_attention", f"must be one of {PREFILL_ATTENTION}")
     need(c.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
+    need(c.vattention_kernels in VATTENTION_KERNELS, "vattention_kernels", f"must be one of {VATTENTION_KERNELS}")
     need(is_int(c.vattention_lookahead_tokens) and c.vattention_lookahead_tokens >= 0, "vattention_lookahead_tokens",
          "must be an int >= 0")
     if c.kv_backend == "vattention":

@@ -1,10 +1,13 @@
-"""vAttention mode (issue #20) in the engine, on CPU. Stage 1 runs the paged kernels over the cache viewed as blocks
-with identity block tables, so where the schedule is the same as paged mode's, greedy tokens and logprobs must be
-bit-identical to it (and tokens wherever the pool differs: preemption, forks waiting for their pages). Every step
-must touch only pages the (fake) mapper made ready, and no compiled graph may read the whole cache array.
+"""vAttention mode (issue #20) in the engine, on CPU, with both kernel addressings: "contiguous" (stage 2: a step
+carries each row's slot, the kernels compute its block ids; no block table anywhere) and "identity" (stage 1: the
+paged kernels over identity block tables). Where the schedule is the same as paged mode's, greedy tokens and
+logprobs must be bit-identical to it, so to each other (and tokens wherever the pool differs: preemption, forks
+waiting for their pages). Every step must touch only pages the (fake) mapper made ready, and no compiled graph may
+read the whole cache array.
 
 The CPU stand-in's page size is lowered here (tests only: runner.CPU_VMM_PAGE_SIZE): a 2 MiB page holds 16K of the
 tiny model's 128-byte tokens, so no prompt would ever cross a page."""
+import dataclasses
 import math
 import re
 
@@ -17,12 +20,14 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine import runner as runner_module
 from jaxserve.engine.llm_engine import NeverFits
+from jaxserve.models.attention import AttentionKernels
 from jaxserve.models.loader import random_model
 
 from test_compilation import KNOBS, TINY, mixed_requests
 
 PAGE_SIZE = 1000   # 7.8 of TINY's 128-byte tokens (2 kv heads x 16 x f32): tokens and 16-token blocks straddle pages
-VATTENTION = dict(kv_backend="vattention", enable_prefix_caching=False)
+VATTENTION = dict(kv_backend="vattention", enable_prefix_caching=False)   # vattention_kernels: contiguous
+KERNELS = ("contiguous", "identity")
 PAGED = dict(enable_prefix_caching=False)   # the reference: the same schedule (vattention has no prefix hits)
 BASE = {**KNOBS, "precompile": False, "num_blocks": 256}
 PROMPTS = [[2 + (i * 7 + j) % 120 for j in range(n)] for i, n in enumerate((5, 17, 33, 9, 40, 3, 12, 200, 70, 31, 8,
@@ -40,6 +45,10 @@ def small_pages(monkeypatch):
     monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", PAGE_SIZE)
 
 
+def vattention(kernels: str = "contiguous") -> dict:
+    return dict(VATTENTION, vattention_kernels=kernels)
+
+
 def results(llm: LLM, prompts, params) -> list:
     """Every output of every request: tokens, logprobs, prompt logprobs (compared exactly)."""
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -50,12 +59,22 @@ def tokens(res: list) -> list:
     return [[ids for ids, _ in outs] for outs, _ in res]
 
 
+def row_blocks(attn, g) -> list[np.ndarray]:
+    """The blocks each live row reads, up to its last token: its block-table row, or its slot's (contiguous)."""
+    n = attn.num_seqs[0]
+    num_blocks = -(-attn.kv_lens[:n] // g.block_size)
+    if attn.kv_slots is None:
+        return [table[:b] for table, b in zip(attn.block_tables, num_blocks)]
+    return [slot * g.blocks_per_slot + np.arange(b) for slot, b in zip(attn.kv_slots, num_blocks)]
+
+
 def watch_pages(llm: LLM) -> list:
     """Before each step launches: every cache write, every block a row reads (up to its last token) and every
     block copy must lie on pages the fake mapper has made ready (on a GPU any other page is unmapped), each row's
-    blocks in one row of the range. Returns the steps checked."""
+    blocks in one row of the range; contiguous kernels' steps carry slots and no block table. Returns the steps
+    checked."""
     runner, g = llm.engine.runner, llm.engine.kv.geometry
-    mapper, checked = runner.page_mapper, []
+    mapper, checked, contiguous = runner.page_mapper, [], llm.engine.cfg.vattention_kernels == "contiguous"
 
     def ready(block_ids, offsets) -> bool:
         rows, blocks_in_row = np.divmod(np.asarray(block_ids), g.blocks_per_slot)
@@ -65,10 +84,10 @@ def watch_pages(llm: LLM) -> list:
     def check(step):
         if step.inputs is not None:
             attn = step.inputs.model.attn
+            assert (attn.block_tables is None, attn.kv_slots is None) == (contiguous, not contiguous)
             writes = attn.slot_mapping
             assert ready(writes // g.block_size, writes % g.block_size), "a step writes an unmapped page"
-            for table, kv_len in zip(attn.block_tables[:attn.num_seqs[0]], attn.kv_lens):
-                blocks = table[:-(-kv_len // g.block_size)]
+            for blocks in row_blocks(attn, g):
                 assert len(set(blocks // g.blocks_per_slot)) == 1 and ready(blocks, [g.block_size - 1] * len(blocks))
         if step.copies is not None:
             assert ready(np.concatenate(step.copies), [g.block_size - 1] * 2 * len(step.copies[0]))
@@ -77,45 +96,71 @@ def watch_pages(llm: LLM) -> list:
     return checked
 
 
-@pytest.mark.parametrize("lookahead", [0, 24])
-def test_greedy_tokens_and_logprobs_are_bit_identical_to_paged(tiny, lookahead):
+MIXED_GREEDY = [GREEDY] * 11 + [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2)]
+
+
+@pytest.fixture(scope="module")
+def paged_greedy(tiny):
+    return results(LLM(tiny, **BASE, **PAGED), PROMPTS, MIXED_GREEDY)
+
+
+@pytest.mark.parametrize("kernels, lookahead", [("contiguous", 0), ("contiguous", 24), ("identity", 0)])
+def test_greedy_tokens_and_logprobs_are_bit_identical_to_paged(tiny, paged_greedy, kernels, lookahead):
     """Chunked prefill across pages (a 200-token prompt in 64-token chunks, 26 pages), more requests than slots,
-    prompt logprobs: the same steps as paged mode, so the same bits."""
-    params = [GREEDY] * 11 + [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2)]
-    expected = results(LLM(tiny, **BASE, **PAGED), PROMPTS, params)
-    llm = LLM(tiny, **BASE, **VATTENTION, vattention_lookahead_tokens=lookahead)
+    prompt logprobs: the same steps as paged mode, so the same bits, whichever kernels address the rows."""
+    llm = LLM(tiny, **BASE, **vattention(kernels), vattention_lookahead_tokens=lookahead)
     steps = watch_pages(llm)
-    assert results(llm, PROMPTS, params) == expected
+    assert results(llm, PROMPTS, MIXED_GREEDY) == paged_greedy
     kv, stats = llm.engine.kv, llm.engine.stats()
     assert len(steps) > 20 and max(kv.mapped) >= kv.geometry.pages_for(200) > 20
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["compiles_after_start"] > 0
     assert any(op == "map_ahead" for op, _, _ in llm.engine.runner.page_mapper.log) == (lookahead > 0)
 
 
-def test_preemption_under_a_small_page_pool_keeps_the_tokens(tiny):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_preemption_under_a_small_page_pool_keeps_the_tokens(tiny, kernels):
     expected = results(LLM(tiny, **BASE, **PAGED), PROMPTS, GREEDY)
-    llm = LLM(tiny, **{**BASE, "num_blocks": 30}, **VATTENTION)   # 63 pages: 492 tokens for 12 x up to 220
+    llm = LLM(tiny, **{**BASE, "num_blocks": 30}, **vattention(kernels))   # 63 pages: 492 tokens, 12 x up to 220
     watch_pages(llm)
     assert tokens(results(llm, PROMPTS, GREEDY)) == tokens(expected)
     stats = llm.engine.stats()
     assert stats["preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("num_blocks", [256, 30], ids=["roomy", "forks-wait"])
-def test_forks_copy_the_prompt_and_wait_for_their_pages(tiny, num_blocks, monkeypatch):
-    """n = 3 (seeded sampling): each child decodes from its copy of the parent's KV. In a small pool the prompt's
-    last chunk waits until the copies fit (never a ForkError); in a roomy one the steps, so the bits, are paged's."""
+def test_forks_copy_the_prompt_and_wait_for_their_pages(tiny, num_blocks, kernels, monkeypatch):
+    """n = 3 (seeded sampling): each child decodes from its copy of the parent's KV (block copies: identity block
+    ids, whichever kernels read them). In a small pool the prompt's last chunk waits until the copies fit (never
+    a ForkError); in a roomy one the steps, so the bits, are paged's."""
     prompts = PROMPTS[7:9] + [PROMPTS[11], PROMPTS[4]]   # 200, 70, 100 tokens, then the n = 3 request's 40
     params = [GREEDY] * 3 + [SamplingParams(temperature=1.0, n=3, seed=3, max_tokens=20, logprobs=2)]
     expected = results(LLM(tiny, **BASE, **PAGED), prompts, params)
-    llm = LLM(tiny, **{**BASE, "num_blocks": num_blocks}, **VATTENTION)
-    watch_pages(llm)
+    llm = LLM(tiny, **{**BASE, "num_blocks": num_blocks}, **vattention(kernels))
+    steps = watch_pages(llm)
     kv, answers = llm.engine.kv, []
     can_fork = kv.can_fork
     monkeypatch.setattr(kv, "can_fork", lambda *a: answers.append(can_fork(*a)) or answers[-1])
     got = results(llm, prompts, params)
     assert got == expected if num_blocks == 256 else tokens(got) == tokens(expected)
     assert len(set(map(tuple, tokens(got)[3]))) == 3 and (False in answers) == (num_blocks == 30)
+    assert sum(len(s.copies[0]) for s in steps if s.copies is not None) >= 2 * -(-40 // 16)   # 2 children's blocks
+
+
+@pytest.mark.parametrize("decode", ["pallas", "cuda"])
+def test_decode_kernels_address_rows_by_slot(decode, monkeypatch):
+    """Where a decode kernel runs (the GPU), decode-only steps have graphs of their own: under contiguous kernels
+    the contiguous Pallas decode, or the CUDA call over identity tables the graph builds from the slots (on the CPU
+    both run pure JAX: the CUDA call's reference sums in another order, so tokens only). head_dim 64: the call's."""
+    monkeypatch.setattr(runner_module, "resolve_attention_kernels",
+                        lambda _d, _p, _h, blocks_per_slot=None: AttentionKernels(decode, "triton", blocks_per_slot))
+    model = random_model(dataclasses.replace(TINY, head_dim=64), jnp.float32)
+    expected = results(LLM(model, **BASE, **PAGED), PROMPTS[:6], GREEDY)
+    llm = LLM(model, **BASE, **VATTENTION)
+    steps = watch_pages(llm)
+    got = results(llm, PROMPTS[:6], GREEDY)
+    assert got == expected if decode == "pallas" else tokens(got) == tokens(expected)
+    assert sum(s.inputs.model.attn.decode_only for s in steps if s.inputs is not None) > 10
 
 
 def test_requests_that_never_fit_are_refused_and_the_engine_keeps_serving(tiny):
@@ -138,18 +183,42 @@ def test_requests_that_never_fit_are_refused_and_the_engine_keeps_serving(tiny):
 
 @pytest.fixture(scope="module")
 def precompiled(tiny):
-    """Two engines compiled before serving: vattention and its paged reference."""
+    """Engines compiled before serving: vattention with each kernels, and their paged reference."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", PAGE_SIZE)
-        return (LLM(tiny, **{**KNOBS, "num_blocks": 128}, **VATTENTION),
-                LLM(tiny, **{**KNOBS, "num_blocks": 128}, **PAGED))
+        engines = {kernels: LLM(tiny, **{**KNOBS, "num_blocks": 128}, **vattention(kernels)) for kernels in KERNELS}
+        return {**engines, "paged": LLM(tiny, **{**KNOBS, "num_blocks": 128}, **PAGED)}
 
 
-def test_no_graph_compiles_after_start_and_every_request_kind_matches_paged(precompiled):
-    llm, paged = precompiled
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_no_graph_compiles_after_start_and_every_request_kind_matches_paged(precompiled, kernels):
+    llm = precompiled[kernels]
+    watch_pages(llm)
     prompts, params = mixed_requests()
-    assert results(llm, prompts, params) == results(paged, prompts, params)
+    assert results(llm, prompts, params) == results(precompiled["paged"], prompts, params)
     assert llm.engine.stats()["compiles_after_start"] == 0
+
+
+def entry_params(compiled) -> list[str]:
+    """The compiled graph's parameter shapes, as HLO writes them (s32[4,16]{1,0}, ...)."""
+    header = compiled.as_text().split("\n", 1)[0]
+    params = re.search(r"entry_computation_layout=\{\((.*?)\)->", header).group(1)
+    return re.split(r", (?:/\*index=\d+\*/)?", params)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_contiguous_steps_carry_one_slot_per_row_and_no_block_table(precompiled, kernels):
+    """Contiguous kernels: the host keeps one slot per device slot, a step's inputs carry [S] slots, and no model
+    graph takes an int32 [S, W] table; identity mode's do (so the check would see one)."""
+    runner, contiguous = precompiled[kernels].engine.runner, kernels == "contiguous"
+    attn = runner.step_inputs(num_tokens=16, num_seqs=4).model.attn
+    assert runner.block_table.table.ndim == (1 if contiguous else 2)
+    assert attn.block_tables is None if contiguous else attn.block_tables.shape == (4, runner.max_blocks_per_seq)
+    assert attn.kv_slots.shape == (4,) if contiguous else attn.kv_slots is None
+    models = [v for k, v in runner.graphs.executables.items() if k[0] == "model"]
+    assert len(models) >= 4
+    for compiled in models:
+        assert any(re.match(r"s32\[\d+,\d+\]", p) for p in entry_params(compiled)) != contiguous
 
 
 CACHE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "fusion", "scatter", "gather",
@@ -178,18 +247,18 @@ def check_cache_untouched_whole(compiled, cache_struct) -> None:
     """The cache goes in and out aliased (donated: updated in place) and only CACHE_OPS touch arrays its size."""
     hlo, size = compiled.as_text(), math.prod(cache_struct.shape)
     header = hlo.split("\n", 1)[0]
-    params = re.search(r"entry_computation_layout=\{\((.*?)\)->", header).group(1)
     shape = re.escape(f"[{','.join(map(str, cache_struct.shape))}]")
-    cache_params = [i for i, p in enumerate(re.split(r", (?:/\*index=\d+\*/)?", params)) if re.match(r"\w+" + shape, p)]
+    cache_params = [i for i, p in enumerate(entry_params(compiled)) if re.match(r"\w+" + shape, p)]
     aliased = {int(i) for i in re.findall(r"\(\s*(\d+), \{\}, (?:may|must)-alias\)", header)}
     assert cache_params and set(cache_params) <= aliased, f"cache parameters {cache_params} not aliased: {header}"
     assert not whole_cache_ops(hlo, size), whole_cache_ops(hlo, size)
 
 
-def test_no_compiled_step_reads_the_whole_cache(precompiled):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_no_compiled_step_reads_the_whole_cache(precompiled, kernels):
     """Every graph that takes the cache (the model per bucket, block copies): aliased in and out, and touched only
     by the scatter, the kernels' indexed reads and custom calls. On a GPU anything else reads unmapped pages."""
-    runner = precompiled[0].engine.runner
+    runner = precompiled[kernels].engine.runner
     struct = runner.cache_shape[0][0]
     graphs = {k: v for k, v in runner.graphs.executables.items() if k[0] in ("model", "copy")}
     assert len(graphs) >= 4
@@ -198,7 +267,7 @@ def test_no_compiled_step_reads_the_whole_cache(precompiled):
 
 
 def test_the_cache_guard_catches_a_dropped_donation_and_a_whole_cache_read(precompiled):
-    runner = precompiled[0].engine.runner
+    runner = precompiled["contiguous"].engine.runner
     struct = runner.cache_shape[0][0]
     inp = runner.step_inputs(num_tokens=16, num_seqs=4).model
     undonated = jax.jit(runner._model.__wrapped__).lower(runner.params, runner.cache_shape, runner.last_tokens, inp)
@@ -215,6 +284,7 @@ def test_the_cache_guard_catches_a_dropped_donation_and_a_whole_cache_read(preco
     (dict(kv_backend="vattention", enable_prefix_caching=False, vattention_lookahead_tokens=-1),
      "vattention_lookahead_tokens"),
     (dict(kv_backend="vattention", enable_prefix_caching=False, tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(kv_backend="vattention", enable_prefix_caching=False, vattention_kernels="paged"), "vattention_kernels"),
 ])
 def test_bad_vattention_knobs_name_the_field(knobs, field):
     with pytest.raises(ValueError, match=f"engine config: {field} "):

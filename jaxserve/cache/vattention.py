@@ -8,8 +8,9 @@ mapped (deferred reclamation) and a new sequence best-fits into the free slot wh
 pages are reclaimed from free slots (and from live slots' look-ahead) only when the pool runs short.
 
 `VAttentionKVCacheManager` has KVCacheManager's public interface and return values, in block units, so the
-scheduler runs it unchanged; its block ids are identity ids over the cache viewed as blocks (stage 1: the paged
-kernels run unchanged): block i of slot s is s * blocks_per_slot + i. Row 0 is the null row: its first page
+scheduler runs it unchanged; its block ids are identity ids over the cache viewed as blocks: block i of slot s is
+s * blocks_per_slot + i (the paged kernels read them through identity tables; the contiguous kernels compute them
+from the slot, which the runner reads off any of a sequence's ids). Row 0 is the null row: its first page
 stays mapped so that padding writes (block 0) land there, and sequences get slots 1..num_slots.
 Prefix caching and copy-on-write are off in this mode; an n > 1 fork gets its own slot and a copy of the
 parent's KV.

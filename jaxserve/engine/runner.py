@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from custom_calls import vmm
-from jaxserve.cache.block_table import BlockTable
+from jaxserve.cache.block_table import BlockTable, KVSlotTable
 from jaxserve.cache.kv_cache import (CPU_MAX_KV_BYTES, KVCache, _copy_blocks, allocate_kv_cache, copy_bucket,
                                      describe_kv_capacity, kv_bytes_per_block, num_blocks_for_memory,
                                      pad_block_copies)
@@ -144,7 +144,6 @@ class ModelRunner:
         self.token_buckets, self.seq_buckets = bucket_ladders(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.reset_widths = pow2_ladder(MIN_RESET_WIDTH, cfg.max_model_len, factor=4)
-        self.block_table = BlockTable(cfg.max_num_seqs, self.max_blocks_per_seq)
         self.free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self.slot_of: dict[int, int] = {}     # seq_id -> device slot: block-table row and penalty state
         self.prev_rows: dict[int, int] = {}   # seq_id -> row of the last launched step that samples it
@@ -152,7 +151,13 @@ class ModelRunner:
         self.vmm_on_device = cfg.kv_backend == "vattention" and self.mesh.devices.flat[0].platform != "cpu"
         if self.vmm_on_device:
             vmm.register_fence()
-        self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim)
+        # vattention: the rows' layout now (the kernels address them), their page pool once the graphs exist
+        layout = self._vmm_layout(dtype) if cfg.kv_backend == "vattention" else None
+        contiguous = layout is not None and cfg.vattention_kernels == "contiguous"
+        self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim,
+                                                 layout.blocks_per_slot if contiguous else None)
+        self.block_table = (KVSlotTable(cfg.max_num_seqs, layout.blocks_per_slot) if contiguous
+                            else BlockTable(cfg.max_num_seqs, self.max_blocks_per_seq))
         self.graphs = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
             mc, dataclasses.asdict(cfg), str(dtype), [(d.id, d.device_kind) for d in self.mesh.devices.flat],
             self.kernels)))
@@ -163,7 +168,7 @@ class ModelRunner:
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32,   # the previous step's samples, on device
                                      device=self.replicated)
         # vattention: the cache viewed as blocks is the whole virtual range (identity block ids); paged: the pool
-        self.vmm_geometry = self._vmm_geometry(dtype) if cfg.kv_backend == "vattention" else None
+        self.vmm_geometry = None if layout is None else self._vmm_pool(layout, dtype)
         self.num_blocks = self._kv_blocks(dtype) if self.vmm_geometry is None else \
             self.vmm_geometry.rows * self.vmm_geometry.blocks_per_slot
         self.graphs.cache.fingerprint += f" num_blocks={self.num_blocks}"   # the graphs from here on depend on it
@@ -202,14 +207,17 @@ class ModelRunner:
               file=sys.stderr)
         return num_blocks
 
-    def _vmm_geometry(self, dtype) -> VmmGeometry:
-        """vattention's rows (a slot per sequence + the null row) and page pool: the config's num_blocks as the
-        pages their tokens need (+ the null block's), or as many pages as fit beside weights and activations.
-        Per-layer ranges (2 * layers tensors, the paged kernels' layout): a pool page is a page in each."""
-        mc, cfg = self.model_config, self.cfg
-        page_size = PAGE_SIZE if self.vmm_on_device else CPU_VMM_PAGE_SIZE
-        token_bytes = self.kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize   # tensor_parallel_size is 1
-        layout = VmmGeometry(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, token_bytes, 1, page_size)
+    def _vmm_layout(self, dtype) -> VmmGeometry:
+        """vattention's rows, a slot per sequence + the null row, in per-layer ranges (2 * layers tensors, the
+        paged kernels' layout); its num_pages a placeholder until _vmm_pool."""
+        cfg, page_size = self.cfg, PAGE_SIZE if self.vmm_on_device else CPU_VMM_PAGE_SIZE
+        token_bytes = self.kv_heads * self.model_config.head_dim * jnp.dtype(dtype).itemsize   # tp is 1
+        return VmmGeometry(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, token_bytes, 1, page_size)
+
+    def _vmm_pool(self, layout: VmmGeometry, dtype) -> VmmGeometry:
+        """The layout with its page pool: the config's num_blocks as the pages their tokens need (+ the null
+        block's), or as many pages as fit beside weights and activations; a pool page is a page in each range."""
+        mc, cfg, page_size, token_bytes = self.model_config, self.cfg, layout.page_size, layout.token_bytes
         num_ranges = 2 * mc.num_layers
         range_bytes = num_ranges * layout.rows * layout.slot_bytes
         if not self.vmm_on_device and range_bytes > CPU_MAX_KV_BYTES:   # the CPU stand-in allocates it all
@@ -260,9 +268,10 @@ class ModelRunner:
 
     def activation_bytes(self, dtype) -> int:
         """XLA's temp memory for the largest bucket's model, sampler and prompt-logprob graphs (summed: safe
-        whichever runs), the model compiled against a 2-block stand-in cache (temp memory does not depend on the cache's size): reserved before the KV cache
-        takes what is left."""
-        mc, block = self.model_config, self.cache_struct(2, dtype)
+        whichever runs), the model compiled against a 2-block stand-in cache (temp memory does not depend on the
+        cache's size; contiguous kernels: one row, they need whole rows): reserved before the KV cache takes what
+        is left."""
+        mc, block = self.model_config, self.cache_struct(self.kernels.blocks_per_slot or 2, dtype)
         inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1],
                                num_logprobs=MAX_LOGPROBS, sampler_mode="filter")
         graphs = {("peak", "model"): lambda: self._model.lower(self.params, [(block, block)] * mc.num_layers,
@@ -329,10 +338,18 @@ class ModelRunner:
         kernel's graph where there is one (`decode_only` forces it, for the compile-time dummies)."""
         counts = kw.get("counts", ())
         decode_only = kw.pop("decode_only", len(counts) > 0 and all(c == 1 for c in counts))
-        kw.setdefault("block_tables", np.zeros((0, self.max_blocks_per_seq), np.int32))
+        kw = {**self.kv_addressing(np.zeros(0, np.int32)), **kw}
         return build_step_inputs(block_size=self.cfg.block_size, scratch_slot=self.cfg.max_num_seqs,
                                  eos_token_ids=self.eos_token_ids,
                                  decode_only=decode_only and self.kernels.has_decode_kernel, **kw)
+
+    def kv_addressing(self, slots: np.ndarray) -> dict:
+        """Where the KV of the sequences in these device slots lies, as build_step_inputs takes it: their
+        block-table rows or, under contiguous kernels, their vattention slots (no block ids on the host)."""
+        cells = self.block_table.table[slots]
+        if self.kernels.blocks_per_slot is None:
+            return dict(block_tables=cells)
+        return dict(kv_slots=cells, blocks_per_slot=self.kernels.blocks_per_slot)
 
     def compile_step(self, inp: StepInputs) -> list[jax.stages.Compiled]:
         """The model and sampler executables of inp's step, compiled now if need be (the bucket sweep)."""
@@ -413,7 +430,7 @@ class ModelRunner:
         prompt = any(r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
         return self.step_inputs(
             num_tokens=bucket_for(max(len(token_ids), 1), self.token_buckets),
-            num_seqs=bucket_for(len(rows), self.seq_buckets), block_tables=self.block_table.table[slots],
+            num_seqs=bucket_for(len(rows), self.seq_buckets), **self.kv_addressing(slots),
             starts=[r.start for r in rows], counts=counts, token_ids=np.where(token_ids == PENDING, 0, token_ids),
             slots=slots, sample_mask=[r.samples for r in rows], params=[r.seq.params for r in rows],
             seeds=[r.seq.seed for r in rows], num_generated=[r.num_generated for r in rows],

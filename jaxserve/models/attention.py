@@ -3,8 +3,10 @@
 `attend` runs either a dense causal attention over one sequence (the plain full-sequence forward kept for
 tests) or, given a paged KV layer and a `PagedAttention` (the step's `AttentionBatch` and the engine's
 `AttentionKernels`), scatters the new K/V into the donated cache and runs ragged paged attention over the
-flattened batch. Model code never knows which. The engine's kernel choice is resolved here, once. Under tensor
-parallelism the paged step runs per device on its heads (`paged_attention` under models/sharding.per_shard).
+flattened batch — its blocks addressed by block tables, or (vattention's contiguous kernels) by each sequence's
+slot, its row of the cache. Model code never knows which. The engine's kernel choice is resolved here, once.
+Under tensor parallelism the paged step runs per device on its heads (`paged_attention` under
+models/sharding.per_shard).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import custom_calls
 from jaxserve.cache.kv_cache import write_kv
 from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
 from jaxserve.models.sharding import HEADS, KV_CACHE, per_shard
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_impl
+from pallas_kernels.ragged_paged_attention import contiguous_ragged_attention, ragged_paged_attention, resolve_impl
+from pallas_kernels.ragged_paged_attention_reference import identity_block_tables
 
 
 @jax.tree_util.register_dataclass
@@ -29,10 +32,11 @@ class AttentionBatch:
     slot_mapping: jax.Array   # [T] flat cache slot of each token; padding -> null block 0
     cu_q_lens: jax.Array      # [S+1]
     kv_lens: jax.Array        # [S] context length including this step's tokens
-    block_tables: jax.Array   # [S, max_blocks_per_seq]
+    block_tables: jax.Array | None   # [S, max_blocks_per_seq]; None under contiguous kernels
     num_seqs: jax.Array       # [1]
     # Static: every row has one query (token i is row i's), so the decode kernel serves the whole step.
     decode_only: bool = field(default=False, metadata=dict(static=True))
+    kv_slots: jax.Array | None = None   # [S] contiguous kernels: each row's vattention slot (its cache row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +44,12 @@ class AttentionKernels:
     """The kernels of one engine, resolved once from its config; a static argument of the jitted step.
     decode: the kernel of decode-only steps — "pallas" (the one-launch Pallas decode), "cuda" (the custom call)
     or "reference" (no GPU kernel runs here: pure JAX, and decode-only steps need no graph of their own).
-    prefill: the GPU kernel of prefill rows — "triton" or "mosaic" (pallas_kernels' prefill_backend)."""
+    prefill: the GPU kernel of prefill rows — "triton" or "mosaic" (pallas_kernels' prefill_backend).
+    blocks_per_slot: None (blocks addressed by the batch's block tables) or, for vattention's contiguous kernels,
+    the blocks of a cache row: block i of a sequence is kv_slot * blocks_per_slot + i."""
     decode: str = "reference"
     prefill: str = "triton"
+    blocks_per_slot: int | None = None
 
     @property
     def has_decode_kernel(self) -> bool:
@@ -50,10 +57,11 @@ class AttentionKernels:
         return self.decode != "reference"
 
 
-def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int) -> AttentionKernels:
+def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int,
+                              blocks_per_slot: int | None = None) -> AttentionKernels:
     """decode_attention "auto" takes the Pallas launch where it runs (it beat the CUDA call at every batch and
     context measured: benchmarks/NOTES_attention.md); "cuda" forces the call, an error naming why when it cannot
-    run. A bad name is an error naming the knob."""
+    run. A bad name is an error naming the knob. blocks_per_slot: see AttentionKernels."""
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
     if prefill_attention not in PREFILL_ATTENTION:
@@ -63,9 +71,9 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
                else custom_calls.unavailable_reason())
         if why:
             raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {why}")
-        return AttentionKernels("cuda", prefill_attention)
+        return AttentionKernels("cuda", prefill_attention, blocks_per_slot)
     pallas = resolve_impl("auto", interpret=False) == "pallas"
-    return AttentionKernels("pallas" if pallas else "reference", prefill_attention)
+    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,17 +120,30 @@ def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: Attent
     """Write the new k/v into the donated kv_layer, then attend over the pages: (out, kv_layer)."""
     k_cache, v_cache = write_kv(*kv_layer, k, v, batch.slot_mapping)
     if batch.decode_only and kernels.decode == "cuda":
-        out = cuda_decode(q, k_cache, v_cache, batch, sm_scale=sm_scale, sliding_window=sliding_window)
+        out = cuda_decode(q, k_cache, v_cache, batch, kernels, sm_scale=sm_scale, sliding_window=sliding_window)
     else:
-        out = ragged_paged_attention(q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens, batch.block_tables,
-                                     batch.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                                     prefill_backend=kernels.prefill, decode_only=batch.decode_only)
+        out = ragged_attention(q, k_cache, v_cache, batch, kernels, sm_scale=sm_scale, sliding_window=sliding_window)
     return out, (k_cache, v_cache)
 
 
-def cuda_decode(q, k_cache, v_cache, batch: AttentionBatch, **kw):
-    """Decode-only batch: token i is row i's query; padding rows have kv_len 0 and come out as zeros."""
+def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, **kw):
+    """The Pallas launches (pure JAX off the GPU) over the batch's block tables or, under contiguous kernels, its
+    slots."""
+    kw.update(prefill_backend=kernels.prefill, decode_only=batch.decode_only)
+    lens = (q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens)
+    if kernels.blocks_per_slot is None:
+        return ragged_paged_attention(*lens, batch.block_tables, batch.num_seqs, **kw)
+    return contiguous_ragged_attention(*lens, batch.kv_slots, batch.num_seqs, blocks_per_slot=kernels.blocks_per_slot,
+                                       **kw)
+
+
+def cuda_decode(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, **kw):
+    """Decode-only batch: token i is row i's query; padding rows have kv_len 0 and come out as zeros. The custom
+    call takes block tables: under contiguous kernels, the slots' identity tables, built in the graph (the call
+    reads only each row's first kv_len keys)."""
     num_tokens, num_rows = q.shape[0], batch.kv_lens.shape[0]
     q_rows = q[:num_rows] if num_tokens >= num_rows else jnp.pad(q, ((0, num_rows - num_tokens), (0, 0), (0, 0)))
-    out = custom_calls.paged_decode_attention(q_rows, k_cache, v_cache, batch.kv_lens, batch.block_tables, **kw)
+    tables = (batch.block_tables if kernels.blocks_per_slot is None
+              else identity_block_tables(batch.kv_slots, kernels.blocks_per_slot))
+    out = custom_calls.paged_decode_attention(q_rows, k_cache, v_cache, batch.kv_lens, tables, **kw)
     return out[:num_tokens] if num_rows >= num_tokens else jnp.pad(out, ((0, num_tokens - num_rows), (0, 0), (0, 0)))
