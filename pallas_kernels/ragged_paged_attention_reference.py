@@ -51,6 +51,18 @@ def locate_tokens(cu_q_lens, kv_lens, num_seqs, num_tokens):
     return seq, q_pos, jnp.where(is_live, kv_lens[seq], 0)
 
 
+def masked_scores(qg, k, key, live, q_pos, *, sm_scale, soft_cap, sliding_window):
+    """[tokens, kv_heads, group, keys] f32 scores, soft-capped; -inf where a token may not see the key (unwritten,
+    in its future, or outside its window)."""
+    s = jnp.einsum("tkgd,tnkd->tkgn", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    visible = live & (key[None, :] <= q_pos[:, None])
+    if sliding_window is not None:
+        visible &= key[None, :] > q_pos[:, None] - sliding_window
+    return jnp.where(visible[:, None, None, :], s, -jnp.inf)
+
+
 def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_len, block_tables, sm_scale,
                   sliding_window, soft_cap, blocks):
     """One online-softmax step over block-table columns [step * blocks, (step + 1) * blocks)."""
@@ -64,13 +76,7 @@ def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_len, bloc
     k = k_cache[ids].reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
     v = v_cache[ids].reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
     v = jnp.where(live[..., None, None], v, 0.0)
-    s = jnp.einsum("tkgd,tnkd->tkgn", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    visible = live & (key[None, :] <= q_pos[:, None])
-    if sliding_window is not None:
-        visible &= key[None, :] > q_pos[:, None] - sliding_window
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    s = masked_scores(qg, k, key, live, q_pos, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     m_prev, l_prev, acc = carry
     m = jnp.maximum(m_prev, s.max(-1))
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # rows with nothing visible yet stay all-zero, not NaN
@@ -108,13 +114,7 @@ def contiguous_slice_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, n
     live = key[None, :] < kv_len[:, None]
     v = jnp.where(live[..., None, None], v, 0.0)  # keys past kv_len were never written (NaN x 0 would leak)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    s = jnp.einsum("tkgd,tnkd->tkgn", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    visible = live & (key[None, :] <= q_pos[:, None])
-    if sliding_window is not None:
-        visible &= key[None, :] > q_pos[:, None] - sliding_window
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    s = masked_scores(qg, k, key, live, q_pos, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))  # padding tokens see no key: zeros, not NaN
     out = jnp.einsum("tkgn,tnkd->tkgd", p, v, precision=lax.Precision.HIGHEST)
