@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +116,8 @@ class VmmManager:
             raise VmmError(f"vAttention needs an NVIDIA GPU with a CUDA driver (device {device}): "
                            f"{self.lib.vmm_last_error().decode()}")
         self.handle = handle
+        # a manager dropped without close() (an engine let go) must still give its page pool back
+        self._destroy = weakref.finalize(self, self.lib.vmm_destroy, handle)
 
     def _live(self) -> ctypes.c_void_p:
         if self.handle is None:
@@ -170,6 +173,5 @@ class VmmManager:
 
     def close(self) -> None:
         """Drops this handle; the memory goes once every exported array is gone too."""
-        if self.handle is not None:
-            self.lib.vmm_destroy(self.handle)
-            self.handle = None
+        self._destroy()
+        self.handle = None

@@ -14,7 +14,7 @@ import grpc
 from jaxserve.config import EngineConfig, load_run_config
 from jaxserve.engine import distributed
 from jaxserve.engine.llm import LLM, has_chat_template
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine, check_config
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.errors import ModelLoadError
@@ -129,9 +129,10 @@ def cmd_serve(args) -> None:
     if cluster is None or cluster.is_leader:
         opts.read_tls()
         opts.check_bindable()
-    distributed.initialize(cluster)   # before anything touches a device
+    distributed.initialize(cluster, cfg.tensor_parallel_size)   # before anything touches a device
     replicas, name = load_served_replicas(args, cfg)
-    if cluster is not None and not cluster.is_leader:
+    if cluster is not None and not cluster.is_leader:   # the leader checks cfg in LLMEngine: so must a worker
+        check_config(cfg, replicas[0].config.max_position_embeddings)
         follow_leader(cluster, ModelRunner(replicas[0], cfg))
         return
     engines = [LLMEngine(loaded, cfg) for loaded in replicas]

@@ -51,7 +51,7 @@ def main(process_id: int, port: int) -> dict:
 
     jax.config.update("jax_num_cpu_devices", 1)
     cluster = distributed.cluster_from(f"127.0.0.1:{port}", 2, process_id)
-    distributed.initialize(cluster)
+    distributed.initialize(cluster, 2)
     loaded = random_model(TINY, jnp.float32, mesh=make_mesh(2))   # the global mesh: one device per process
     if not cluster.is_leader:
         runner = ModelRunner(loaded, EngineConfig(tensor_parallel_size=2, **LAZY))

@@ -116,3 +116,11 @@ def test_executable_cache_round_trip(tmp_path):
     for path in (tmp_path / "executables").iterdir():
         path.write_bytes(b"truncated")
     assert manager("a").loaded_from_cache == 0
+
+
+def test_forks_wider_than_their_prompt_compile_nothing():
+    """A prompt's n > 1 children join its last chunk as rows without tokens: a 2-token prompt with n = 6 is 6 rows
+    and 2 tokens, a (token, seq) bucket pair that is never compiled (the step pads its tokens to cover its rows)."""
+    llm = LLM(random_model(TINY, jnp.float32), **{**KNOBS, "token_buckets": (4, 64)}, num_blocks=64)
+    out = llm.generate([[2, 3]], SamplingParams(temperature=1.0, n=6, seed=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs) == 6 and llm.engine.stats()["compiles_after_start"] == 0

@@ -208,7 +208,7 @@ def test_kv_sizing_reserves_the_profiled_activation_peak(tiny, monkeypatch):
     from jaxserve.engine import runner as runner_module
     seen = {}
 
-    def sized(bytes_per_block, *, activation_peak_bytes, fraction):
+    def sized(bytes_per_block, *, activation_peak_bytes, fraction, device):
         seen.update(peak=activation_peak_bytes, bytes_per_block=bytes_per_block)
         return 64
     monkeypatch.setattr(runner_module, "num_blocks_for_memory", sized)

@@ -9,7 +9,7 @@ import pytest
 
 from custom_calls import build
 from jaxserve.cache.vattention import (CudaPageMapper, FakePageMapper, ForkError, VAttentionKVCacheManager,
-                                       VmmGeometry, identity_block_table)
+                                       VmmGeometry)
 
 C_ABI = ("vmm_last_error", "vmm_granularity", "vmm_create", "vmm_destroy", "vmm_page_size", "vmm_base", "vmm_map",
          "vmm_map_async", "vmm_sync", "vmm_trim", "vmm_record_fence", "vmm_poll", "vmm_num_mapped",
@@ -77,7 +77,7 @@ def check_invariants(model: Model, mapper) -> None:
         assert mapped[slot] >= g.pages_for(n), "a live sequence's tokens are not all mapped"
         if isinstance(mapper, FakePageMapper):
             assert mapper.ready[slot] >= g.pages_for(n), "a step could touch a page still being mapped ahead"
-        ids = identity_block_table([slot], g.blocks_per_slot)[0, :-(-n // g.block_size)].tolist()
+        ids = [slot * g.blocks_per_slot + i for i in range(-(-n // g.block_size))]   # the identity ids
         assert kv.block_ids(seq_id) == ids == model.tables[seq_id][:len(ids)]
 
 
@@ -186,7 +186,7 @@ def test_fork_copies_the_parent_after_its_step_and_holds_its_pages_until_then():
     kv.allocate("p", [1] * 10, 10)
     kv.fork("p", "c")
     p, c = kv.slot_of("p"), kv.slot_of("c")
-    assert p != c and kv.mapped[c] >= 3 and kv.block_ids("c") == identity_block_table([c], 16)[0, :3].tolist()
+    assert p != c and kv.mapped[c] >= 3 and kv.block_ids("c") == [c * 16 + i for i in range(3)]
     assert [len(x) for x in kv.take_copies()] == [0, 0]   # the parent's last chunk is written by this step
     kv.free("p")   # finished before its copy ran: the slot is free, its pages stay pinned
     assert p in kv.free_slots and kv.pinned[p] == 3
@@ -205,14 +205,6 @@ def test_fork_copies_the_parent_after_its_step_and_holds_its_pages_until_then():
     assert kv.can_fork("c", 1) is False
     with pytest.raises(ForkError, match="pages"):
         kv.fork("c", "c3")
-
-
-def test_identity_block_table():
-    table = identity_block_table([0, 3, 1], 5)
-    assert table.dtype == np.int32 and table.tolist() == [[0, 1, 2, 3, 4], [15, 16, 17, 18, 19], [5, 6, 7, 8, 9]]
-    assert identity_block_table([2], 5, width=2).tolist() == [[10, 11]]
-    with pytest.raises(ValueError):
-        identity_block_table([1], 5, width=6)
 
 
 def test_geometry_pads_rows_to_whole_pages_and_blocks():

@@ -199,6 +199,14 @@ def test_no_graph_compiles_after_start_and_every_request_kind_matches_paged(prec
     assert llm.engine.stats()["compiles_after_start"] == 0
 
 
+def test_a_long_prompts_fork_copies_compile_nothing(precompiled):
+    """n = 3 over a 200-token prompt copies 26 blocks, more than the largest precompiled copy graph (paged
+    copy-on-write never copies more than max_num_seqs at once): the copies run in chunks of it."""
+    llm = precompiled["contiguous"]
+    out = llm.generate([PROMPTS[7]], SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and llm.engine.stats()["compiles_after_start"] == 0
+
+
 def entry_params(compiled) -> list[str]:
     """The compiled graph's parameter shapes, as HLO writes them (s32[4,16]{1,0}, ...)."""
     header = compiled.as_text().split("\n", 1)[0]

@@ -80,14 +80,6 @@ class VmmGeometry:
         return num_pages * self.page_size // (self.block_size * self.token_bytes)
 
 
-def identity_block_table(slots: Sequence[int], blocks_per_slot: int, width: int | None = None) -> np.ndarray:
-    """[len(slots), width] int32: block i of slot s is s * blocks_per_slot + i (the contiguous cache as blocks)."""
-    width = blocks_per_slot if width is None else width
-    if not 0 < width <= blocks_per_slot:
-        raise ValueError(f"width must be in (0, {blocks_per_slot}], got {width}")
-    return (np.asarray(slots, np.int32)[:, None] * blocks_per_slot + np.arange(width, dtype=np.int32)).astype(np.int32)
-
-
 class PageMapper(Protocol):
     """Executes the manager's decisions; a slot's mapped pages are always its leading pages."""
 

@@ -6,6 +6,7 @@ A warm start loads the executables themselves from disk (`ExecutableCache`), so 
 graph: XLA's persistent cache alone still needs both to find its key, which was most of a warm start's time."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -35,6 +36,7 @@ def enable_compilation_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+@functools.cache
 def source_digest(root: Path = Path(__file__).resolve().parents[2]) -> str:
     digest = hashlib.sha256()
     for path in sorted(p for pkg in SOURCE_PACKAGES for p in (root / pkg).rglob("*") if p.suffix in SOURCE_SUFFIXES):

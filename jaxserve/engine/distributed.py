@@ -37,7 +37,7 @@ from jax._src import distributed as jax_distributed
 FLAGS = {"coordinator_address": ("--coordinator-address", "JAXSERVE_COORDINATOR_ADDRESS"),
          "num_processes": ("--num-processes", "JAXSERVE_NUM_PROCESSES"),
          "process_id": ("--process-id", "JAXSERVE_PROCESS_ID")}
-STEPS_PER_CHUNK = 256   # step keys live in chunks; the leader deletes a chunk once every worker is past it
+STEPS_PER_CHUNK = 16    # step keys live in chunks; the leader deletes a chunk once every worker is past it
 STOP = b"stop"          # never a pickle (those start with b"\x80")
 WAIT_MS = 60_000        # a worker's get, retried for as long as the server idles
 MAX_INFLIGHT_STEPS = 2  # a worker's launched steps not yet done, as the leader's engine (async scheduling)
@@ -85,18 +85,23 @@ def as_int(values: dict, name: str) -> int:
         raise ValueError(f"{flag} ({env}) must be an int, got {values[name]!r}") from None
 
 
-def initialize(cluster: Cluster | None) -> None:
-    """Join the cluster (jax.distributed.initialize, which waits for every process): before any device is touched."""
+def initialize(cluster: Cluster | None, tensor_parallel_size: int) -> None:
+    """Join the cluster (jax.distributed.initialize, which waits for every process): before any device is touched.
+    The engine is one tensor-parallel mesh over every device of every process (a process without a shard of it
+    would have nothing to run), so tensor_parallel_size must count them all: checked in every process."""
     if cluster is None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(cluster.coordinator_address, cluster.num_processes, cluster.process_id)
+    if tensor_parallel_size != jax.device_count():
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size}: a multi-host engine spans every device of "
+                         f"its {cluster.num_processes} processes; set it to {jax.device_count()}")
 
 
 def coordination_client():
     client = jax_distributed.global_state.client
     if client is None:
-        raise RuntimeError("jax.distributed is not initialized: call distributed.initialize(cluster) first")
+        raise RuntimeError("jax.distributed is not initialized: call distributed.initialize first")
     return client
 
 

@@ -256,10 +256,9 @@ class ModelRunner:
     def _blocks_that_fit(self, bytes_per_block: int, dtype) -> int:
         """Blocks that fit the memory left on each of this engine's own devices (a data-parallel replica's are not
         the first device), after the weights and the activation peak."""
-        peak, default = self.activation_bytes(dtype), jax.local_devices()[0]
+        peak = self.activation_bytes(dtype)
         return min(num_blocks_for_memory(bytes_per_block, activation_peak_bytes=peak,
-                                         fraction=self.cfg.memory_fraction, **({} if d == default else {"device": d}))
-                   for d in self.mesh.local_devices)
+                                         fraction=self.cfg.memory_fraction, device=d) for d in self.mesh.local_devices)
 
     def cache_struct(self, num_blocks: int, dtype) -> jax.ShapeDtypeStruct:
         """One layer's K or V cache, abstract: what graphs compile against."""
@@ -338,7 +337,8 @@ class ModelRunner:
         kernel's graph where there is one (`decode_only` forces it, for the compile-time dummies)."""
         counts = kw.get("counts", ())
         decode_only = kw.pop("decode_only", len(counts) > 0 and all(c == 1 for c in counts))
-        kw = {**self.kv_addressing(np.zeros(0, np.int32)), **kw}
+        if "block_tables" not in kw and "kv_slots" not in kw:   # the compile-time dummies: no rows
+            kw |= self.kv_addressing(np.zeros(0, np.int32))
         return build_step_inputs(block_size=self.cfg.block_size, scratch_slot=self.cfg.max_num_seqs,
                                  eos_token_ids=self.eos_token_ids,
                                  decode_only=decode_only and self.kernels.has_decode_kernel, **kw)
@@ -399,9 +399,13 @@ class ModelRunner:
             self.free_slots.append(slot)
 
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
-        src, dst = pad_block_copies(src, dst, self.num_blocks)
-        copy = self.graphs.get(("copy", len(src)), functools.partial(self._lower_copy, src))
-        self.kv_cache = copy(self.kv_cache, src, dst)
+        """In chunks of the largest precompiled copy graph (a vattention fork copies a whole prompt); a chunk's
+        sources are never another's destinations (copy-on-write and fork copies go to fresh blocks)."""
+        chunk = copy_bucket(self.cfg.max_num_seqs)
+        for i in range(0, len(src), chunk):
+            s, d = pad_block_copies(src[i:i + chunk], dst[i:i + chunk], self.num_blocks)
+            copy = self.graphs.get(("copy", len(s)), functools.partial(self._lower_copy, s))
+            self.kv_cache = copy(self.kv_cache, s, d)
 
     def _penalty_resets(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Fresh penalty state for newly placed sequences (prompt mask; counts of tokens already generated): slots,
@@ -429,7 +433,7 @@ class ModelRunner:
         slots = np.array([self.slot_of[r.seq.seq_id] for r in rows], np.int32)
         prompt = any(r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
         return self.step_inputs(
-            num_tokens=bucket_for(max(len(token_ids), 1), self.token_buckets),
+            num_tokens=bucket_for(max(len(token_ids), len(rows), 1), self.token_buckets),   # forks: rows, no tokens
             num_seqs=bucket_for(len(rows), self.seq_buckets), **self.kv_addressing(slots),
             starts=[r.start for r in rows], counts=counts, token_ids=np.where(token_ids == PENDING, 0, token_ids),
             slots=slots, sample_mask=[r.samples for r in rows], params=[r.seq.params for r in rows],

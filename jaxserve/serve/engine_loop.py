@@ -155,10 +155,11 @@ class EngineLoop:
             stream.replica.commands.put(("abort", request_id))
 
     def stats(self) -> dict:
-        """The replicas' latest stats summed, the server's backpressure count and health."""
-        serving = sum(r.failure is None for r in self.replicas)
-        return {**summed_stats([r.snapshot for r in self.replicas]), "pending": self.num_pending,
-                "serving": self.failure is None, "replicas_serving": serving}
+        """The serving replicas' latest stats summed (a failed one's last snapshot is stale; all when none is
+        left), the server's backpressure count and health."""
+        live = [r for r in self.replicas if r.failure is None]
+        return {**summed_stats([r.snapshot for r in live or self.replicas]), "pending": self.num_pending,
+                "serving": self.failure is None, "replicas_serving": len(live)}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
