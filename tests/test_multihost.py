@@ -158,3 +158,16 @@ def test_bad_cluster_flags_are_one_line_errors_before_anything_starts(flags, mat
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and re.search(match, lines[0]), out.stderr
     assert lines[0].startswith("jaxserve serve: error:")
+
+
+def test_a_mesh_short_of_the_cluster_is_refused_in_every_process(tmp_path):
+    """--tensor-parallel-size must count every device of every process (one engine over all of them): with the
+    default 1, each process says so and exits, none waits for the other forever."""
+    port, logs = free_port(), [tmp_path / "leader.log", tmp_path / "worker.log"]
+    procs = [start([sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics",
+                    "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                   logs[i]) for i in (0, 1)]
+    assert finish(procs) == [2, 2]
+    for log in logs:
+        assert re.search(r"--tensor-parallel-size 1: a multi-host engine spans every device of its 2 processes; "
+                         r"set it to 2", log.read_text()), log.read_text()[-2000:]
