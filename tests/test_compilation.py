@@ -124,3 +124,16 @@ def test_forks_wider_than_their_prompt_compile_nothing():
     llm = LLM(random_model(TINY, jnp.float32), **{**KNOBS, "token_buckets": (4, 64)}, num_blocks=64)
     out = llm.generate([[2, 3]], SamplingParams(temperature=1.0, n=6, seed=0, max_tokens=4), use_tqdm=False)[0]
     assert len(out.outputs) == 6 and llm.engine.stats()["compiles_after_start"] == 0
+
+
+def test_host_only_knobs_keep_the_executables_and_graph_knobs_do_not():
+    """The executable cache's fingerprint: a knob only the host reads (admission bounds, watermark, cache dir)
+    leaves it as it is, so a warm start with new bounds loads every executable; a bucket ladder changes it."""
+    model = random_model(TINY, jnp.float32)
+
+    def fingerprint(**knobs) -> str:
+        llm = LLM(model, **{**KNOBS, "num_blocks": 64, "precompile": False, **knobs})
+        return llm.engine.runner.graphs.cache.fingerprint
+    base = fingerprint()
+    assert fingerprint(max_queued_requests=5, watermark=0.2, compile_cache_dir="/tmp/elsewhere") == base
+    assert fingerprint(seq_buckets=(8,)) != base and fingerprint(block_size=8) != base

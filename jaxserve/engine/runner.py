@@ -131,6 +131,16 @@ def tensor_parallel_mesh(loaded: LoadedModel, cfg: EngineConfig) -> Mesh:
                          f"(models.loader.load_run, or load_model(mesh=make_mesh({cfg.tensor_parallel_size})))")
     return loaded.mesh
 
+# Knobs only the host reads (memory_fraction acts through num_blocks, which the fingerprint adds): changing one
+# must not make a warm start recompile.
+HOST_ONLY_KNOBS = ("compile_cache_dir", "precompile", "max_queued_requests", "max_queued_tokens", "watermark",
+                   "memory_fraction", "min_prefill_chunk", "vattention_lookahead_tokens")
+
+
+def graph_knobs(cfg: EngineConfig) -> dict:
+    """The engine knobs the compiled graphs may depend on: what the executable cache's fingerprint covers."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in HOST_ONLY_KNOBS}
+
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
@@ -159,7 +169,7 @@ class ModelRunner:
         self.block_table = (KVSlotTable(cfg.max_num_seqs, layout.blocks_per_slot) if contiguous
                             else BlockTable(cfg.max_num_seqs, self.max_blocks_per_seq))
         self.graphs = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
-            mc, dataclasses.asdict(cfg), str(dtype), [(d.id, d.device_kind) for d in self.mesh.devices.flat],
+            mc, graph_knobs(cfg), str(dtype), [(d.id, d.device_kind) for d in self.mesh.devices.flat],
             self.kernels)))
         self.on_launch: Callable[[DeviceStep], None] | None = None   # sees each step before it launches
         self._jit_graphs(graphdef)
