@@ -378,7 +378,7 @@ def test_serve_refuses_bad_flags_in_one_line_before_loading_the_model(flags, mat
 # ---- in-process servers over a fresh engine (no compile needed: nothing here runs a step) ----------------
 @contextlib.asynccontextmanager
 async def in_process(smollm, engine_knobs=None, **opts):
-    server = Server(LLMEngine(smollm, EngineConfig(precompile=False, **{**KNOBS, **(engine_knobs or {})})),
+    server = Server([LLMEngine(smollm, EngineConfig(precompile=False, **{**KNOBS, **(engine_knobs or {})}))],
                     ServeOptions(port=0, metrics_port=None, grace_period_s=1.0, **opts), "smollm2")
     await server.start()
     try:
@@ -447,7 +447,7 @@ def test_an_engine_failure_ends_serving_with_exit_code_1(smollm):
         engine, port = LLMEngine(smollm, EngineConfig(precompile=False, **KNOBS)), free_port()
         engine.step = lambda: (_ for _ in ()).throw(RuntimeError("injected device failure"))
         serving = asyncio.create_task(serve_until_signal(
-            engine, ServeOptions(port=port, metrics_port=None, grace_period_s=1.0), "smollm2"))
+            [engine], ServeOptions(port=port, metrics_port=None, grace_period_s=1.0), "smollm2"))
         async with Client(f"127.0.0.1:{port}") as c:
             await asyncio.wait_for(c.channel.channel_ready(), 30)
             with pytest.raises(grpc.aio.AioRpcError):

@@ -182,10 +182,9 @@ class Server:
     """The gRPC server, health and reflection services, metrics endpoint, OpenAI HTTP server (with --http-port)
     and engine threads of one engine, or of each data-parallel replica's (a list of engines of one model)."""
 
-    def __init__(self, engines: LLMEngine | list[LLMEngine], opts: ServeOptions, model_name: str):
+    def __init__(self, engines: list[LLMEngine], opts: ServeOptions, model_name: str):
         self.opts = opts
         self.health = health.aio.HealthServicer()
-        engines = [engines] if isinstance(engines, LLMEngine) else engines
         self.engine_loop = EngineLoop(engines, opts.max_waiting, self._on_engine_failure)
         self.metrics = ServerMetrics(self.engine_loop.stats)
         self.servicer = JaxServeServicer(self.engine_loop, model_info(engines[0], model_name), self.metrics, opts)
@@ -291,7 +290,7 @@ def refuse_undecodable(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
 
 
-async def serve_until_signal(engines: LLMEngine | list[LLMEngine], opts: ServeOptions, model_name: str) -> int:
+async def serve_until_signal(engines: list[LLMEngine], opts: ServeOptions, model_name: str) -> int:
     """Serve until SIGTERM/SIGINT (a second one exits at once) or every engine failed; the exit code."""
     server = Server(engines, opts, model_name)
     await server.start()
