@@ -10,6 +10,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh serve       # gRPC load benchmark at two request rates
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh tests       # the GPU-relevant tests, compiled on the GPU
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh sweep       # the bucket sweep's decode rows
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention  # #20: GPU tests, kernels, engine vs paged
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention-soak   # #20: stage 1 engine rows, serve soak
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-collectives|scale-70b   # #19 on nvidia-h200-x2
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -17,7 +19,7 @@ OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
 TUNED="seq_buckets=[256] token_buckets=[256,512,1024,2048,3072,4096]"   # the throughput-only ladder
 SAMPLED="--temperature 0.8 --top-p 0.95 --top-k 50"
-LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, attention, serve, tests, sweep or scale*}.log
+LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, attention, serve, tests, sweep, vattention* or scale*}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -79,6 +81,17 @@ case $1 in
     run 330 python benchmarks/offline.py --config configs/llama3-70b-random.yaml --out "$OUT/scale_70b_h200.json"
     run 200 python benchmarks/offline.py --config configs/llama3-70b-random.yaml --num-prompts 1 --input-len 128 \
       --output-len 256 --out "$OUT/scale_70b_h200.json" ;;
+  vattention)   # the library, the GPU tests, then vattention beside paged in separate processes
+    run 90 python -c "from custom_calls import build; print(build.build_library())"
+    run 200 python -m pytest -q -p no:cacheprovider tests/test_vattention_gpu.py tests/test_contiguous_attention.py
+    run 60 python benchmarks/vattention.py kernels --out "$OUT/vattention_h100.json"
+    for backend in paged contiguous; do
+      run 95 python benchmarks/vattention.py engine --backend $backend --out "$OUT/vattention_h100.json"
+    done ;;
+  vattention-soak)   # stage 1's engine rows; then the server soaked under vattention (the 8B general ladder)
+    run 95 python benchmarks/vattention.py engine --backend identity --out "$OUT/vattention_h100.json"
+    run 300 python benchmarks/soak.py --config configs/llama3-8b-vattention.yaml --num-requests 3000 \
+      --concurrency 64 --out "$OUT/soak_vattention_h100.json" ;;
   sweep)
     run 540 python benchmarks/sweep.py --config $CONFIG --token-buckets 256 1024 4096 --seq-buckets 64 256 \
       --contexts 512 2048 --kinds decode --warmup 2 --repeats 5 --out "$OUT/sweep_gpu_decode.json" ;;

@@ -1,0 +1,119 @@
+"""vAttention mode (issue #20) on an NVIDIA GPU: the C++ manager over the real driver (2 MiB pages, DLPack ranges
+donated through jitted steps, fences), and the engine on a model whose tokens cross pages, against paged mode.
+CPU CI covers the same code with the fake mapper and the manager's dry run (test_vattention*.py); these run
+on the device (benchmarks/gpu_session.sh vattention)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.cache.vattention import PAGE_SIZE, CudaPageMapper, VAttentionKVCacheManager, VmmGeometry
+from jaxserve.models.loader import random_model
+
+from test_compilation import TINY, mixed_requests
+from test_vattention import fuzz
+from test_vattention_engine import PAGED, check_cache_untouched_whole, results, tokens
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (CPU CI: dry run)")
+
+# 2 KiB tokens per range (8 kv heads x 128 x bf16, Llama-3-8B's): a 2 MiB page holds 1024 tokens of a layer
+WIDE = dataclasses.replace(TINY, vocab_size=512, hidden_size=256, intermediate_size=512, num_heads=8,
+                           num_kv_heads=8, head_dim=128, max_position_embeddings=4096)
+KNOBS = dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=512, min_prefill_chunk=64,
+             token_buckets=(64, 512), seq_buckets=(8,), compile_cache_dir=None, enable_prefix_caching=False)
+LENGTHS = (1500, 40, 2100, 700, 1030, 9, 300, 1100, 64, 2500)   # 10 > 8 slots; prompts cross 1024-token pages
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True)
+
+
+def prompts(lengths=LENGTHS):
+    rng = np.random.default_rng(0)
+    return [rng.integers(2, WIDE.vocab_size, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def wide():
+    return random_model(WIDE, jnp.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def paged(wide):
+    return results(LLM(wide, **KNOBS, num_blocks=2048, **PAGED), prompts(), GREEDY)
+
+
+def vattention(wide, **knobs) -> LLM:
+    return LLM(wide, **{**KNOBS, "num_blocks": 2048, **knobs}, kv_backend="vattention")
+
+
+def test_exported_range_is_zero_copy_and_a_donated_step_updates_it_in_place():
+    """Only rows 1 and 2's leading pages are mapped: a jitted donated scatter into them keeps the range's address
+    (no copy of the mostly unmapped range, which would fault), and reads back what it wrote."""
+    g = VmmGeometry(num_slots=3, max_model_len=4096, block_size=16, token_bytes=2048, num_pages=8)
+    mapper = CudaPageMapper(g, num_tensors=2)
+    (m,) = mapper.managers
+    mapper.map(1, 2)
+    mapper.map_ahead(2, 1)
+    assert mapper.num_mapped(2) == 1 and m.num_free_pages == g.num_pages - 3
+    shape = (g.rows * g.blocks_per_slot, g.block_size, 8, 128)
+    cache = mapper.export(0, shape, jnp.bfloat16)[0]
+    assert cache.unsafe_buffer_pointer() == m.base(0)
+    rows = np.array([g.blocks_per_slot + 5, g.blocks_per_slot + 70, 2 * g.blocks_per_slot + 3], np.int32)
+    values = jax.random.normal(jax.random.key(0), (3, g.block_size, 8, 128), jnp.bfloat16)
+    write = jax.jit(lambda c, i, v: c.at[i].set(v), donate_argnums=0)
+    cache = write(cache, rows, values)
+    assert cache.unsafe_buffer_pointer() == m.base(0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda c, i: c[i])(cache, rows)), np.asarray(values))
+    del cache
+    mapper.close()
+
+
+def test_the_real_driver_runs_the_accounting_fuzz():
+    """Admit / grow / free / preempt / fork against the counting model, every map and unmap a real one."""
+    g = VmmGeometry(num_slots=6, max_model_len=4096, block_size=16, token_bytes=2048, num_pages=14)
+    mapper = CudaPageMapper(g, num_tensors=2)
+    kv = VAttentionKVCacheManager(g, mapper, lookahead_tokens=700, watermark=0.05)
+    fuzz(kv, mapper, seed=3, steps=200)
+    (m,) = mapper.managers
+    m.sync()
+    assert m.num_free_pages == g.num_pages - kv.total_mapped
+    mapper.close()
+
+
+@pytest.mark.parametrize("kernels, lookahead", [("identity", 0), ("contiguous", 0), ("contiguous", 512)])
+def test_engine_matches_paged_across_pages_and_slot_reuse(wide, paged, kernels, lookahead):
+    """Identity tables run paged mode's kernels on the same steps: the same bits. Contiguous kernels (stage 2)
+    address rows by slot: the same greedy tokens."""
+    llm = vattention(wide, vattention_kernels=kernels, vattention_lookahead_tokens=lookahead)
+    assert llm.engine.kv.geometry.page_size == PAGE_SIZE
+    got = results(llm, prompts(), GREEDY)
+    assert got == paged if kernels == "identity" else tokens(got) == tokens(paged)
+    kv = llm.engine.kv
+    assert max(kv.mapped) >= 3 and kv.num_free_pages == kv.geometry.num_pages - kv.null_pages
+    assert llm.engine.stats()["compiles_after_start"] == 0
+
+
+@pytest.mark.parametrize("kernels", ["identity", "contiguous"])
+def test_preemption_forks_and_every_request_kind_in_a_small_pool(wide, paged, kernels):
+    """6 usable pages (6144 tokens): preemption and slot reuse remap pages (deferred unmaps behind fences), n = 3
+    forks copy a prompt across pages; sampled, penalties, logprobs, prompt logprobs compile nothing new."""
+    llm = vattention(wide, vattention_kernels=kernels, num_blocks=385)   # 6144 tokens + the null block's page
+    assert tokens(results(llm, prompts(), GREEDY)) == tokens(paged)
+    fork = results(llm, prompts((1200,)), SamplingParams(temperature=1.0, n=3, seed=3, max_tokens=16))
+    assert len(set(map(tuple, tokens(fork)[0]))) == 3
+    mixed, params = mixed_requests()
+    assert len(results(llm, mixed, params)) == len(mixed)
+    stats = llm.engine.stats()
+    assert stats["preemptions"] > 0 and stats["compiles_after_start"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_no_compiled_gpu_step_reads_the_whole_cache(wide):
+    """The compiled GPU graphs (the model per bucket, block copies): cache aliased in and out, touched only by the
+    scatter, the kernels and custom calls — anything else would read unmapped pages and kill the process."""
+    runner = vattention(wide).engine.runner
+    graphs = [v for k, v in runner.graphs.executables.items() if k[0] in ("model", "copy")]
+    assert len(graphs) >= 3
+    for compiled in graphs:
+        check_cache_untouched_whole(compiled, runner.cache_shape[0][0])
