@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-STATS = ("compiled_graphs", "graphs_from_cache", "compiles_after_start")
+STATS = ("compiled_graphs", "graphs_from_cache", "compiles_after_start", "compile_timings")
 
 
 def one_start(config: str, cache_dir: str) -> dict:
@@ -41,6 +41,16 @@ def one_start(config: str, cache_dir: str) -> dict:
     ready = time.perf_counter()
     return {"model_s": created - start, "engine_s": ready - created, "total_s": ready - start,
             "tokens": first_tokens(engine), **{k: engine.stats()[k] for k in STATS}}
+
+
+def breakdown(t: dict) -> str:
+    """The engine's compile_timings in one line: its phases, the main thread's time, the pool's, each graph kind
+    (compiled count, summed compile seconds, tracing seconds, executables loaded)."""
+    kinds = ", ".join(f"{kind} {k['compiled']}x {k['compile_s']:.1f} s (trace {k['trace_s']:.1f} s, "
+                      f"{k['loaded']} loaded)" for kind, k in t["kinds"].items())
+    return (f"peak phase {t.get('peak_s', 0):.1f} s, precompile {t.get('precompile_s', 0):.1f} s | main thread: "
+            f"tracing {t['trace_s']:.1f} s, waiting {t['wait_s']:.1f} s | compiling {t['compile_wall_s']:.1f} s "
+            f"wall, {t['compile_s']:.1f} s summed on {t['threads']} threads | {kinds}")
 
 
 def first_tokens(engine) -> list[list[int]]:
@@ -76,7 +86,8 @@ def main() -> None:
             res = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"{start}: model {res['model_s']:.1f} s, engine (every graph) {res['engine_s']:.1f} s, "
                   f"total {res['total_s']:.1f} s, {res['compiled_graphs']} graphs "
-                  f"({res['graphs_from_cache']} executables from disk)", file=sys.stderr, flush=True)
+                  f"({res['graphs_from_cache']} executables from disk)\n  {breakdown(res['compile_timings'])}",
+                  file=sys.stderr, flush=True)
             rows.append({"bench": "startup", "impl": "jaxserve", "params": {"config": args.config, "start": start},
                          "ms": res["total_s"] * 1e3, **{k: v for k, v in res.items() if k != "device"}})
     if rows[0]["tokens"] != rows[1]["tokens"]:

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -13,7 +14,10 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
+from jaxserve.engine import runner as runner_module
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache
+from jaxserve.engine.runner import PEAK_MODEL
+from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.models.loader import random_model
 
 TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -49,6 +53,75 @@ def test_no_graph_compiles_after_start_whatever_the_requests(knobs):
     assert stats["compiles_after_start"] == 0 and stats["compiled_graphs"] == compiled
     if knobs["num_blocks"] == 22:
         assert stats["preemptions"] > 0
+
+
+@pytest.fixture
+def sized_start(monkeypatch):
+    """Starts that size the cache from the activation peak (num_blocks None; 64 blocks whatever the peak), seen
+    through hooks: the graphs submitted (in order, and how many before the cache was sized), each compile's key
+    and the peak."""
+    seen = {"submitted": [], "compiled": []}
+    submit, compile_ = CompilationManager.submit, CompilationManager._compile
+
+    def sized(bytes_per_block, *, activation_peak_bytes, fraction, device):
+        seen.update(peak=activation_peak_bytes, submitted_before_sizing=list(seen["submitted"]))
+        return 64
+
+    def submitted(self, graphs, **kw):
+        seen["submitted"].extend(key for key in graphs if key not in seen["submitted"])
+        return submit(self, graphs, **kw)
+
+    def compiled(self, cache, key, lowered):
+        seen["compiled"].append(key)
+        return compile_(self, cache, key, lowered)
+    monkeypatch.setattr(runner_module, "num_blocks_for_memory", sized)
+    monkeypatch.setattr(CompilationManager, "submit", submitted)
+    monkeypatch.setattr(CompilationManager, "_compile", compiled)
+    return lambda **knobs: (LLM(random_model(TINY, jnp.float32), **{**KNOBS, "num_blocks": None, **knobs}), seen)
+
+
+def old_activation_peak(runner) -> int:
+    """The activation peak as it was measured before the peak's graphs were shared with precompile: the largest
+    bucket's model on a 2-block stand-in cache, sampler (filter, logprobs) and prompt logprobs, compiled here."""
+    block, (t, s) = runner.cache_struct(2, jnp.float32), (runner.token_buckets[-1], runner.seq_buckets[-1])
+    inp = runner.step_inputs(num_tokens=t, num_seqs=s, num_logprobs=MAX_LOGPROBS, sampler_mode="filter")
+    lowered = [runner._model.lower(runner.params, [(block, block)] * TINY.num_layers, runner.last_tokens, inp.model),
+               runner._lower_sampler(inp.sampler), runner._lower_prompt_logprobs(t)]
+    return sum(x.compile().memory_analysis().temp_size_in_bytes for x in lowered)
+
+
+def test_a_sized_cold_start_compiles_each_graph_once(sized_start):
+    """Sizing the cache from the activation peak compiles its sampler and prompt-logprob graphs as the real ones
+    (only the stand-in-cache model is a peek), first the peak's graphs, then every graph the cache's size does not
+    change, before the cache is sized; then the rest. Each graph compiles once, serving compiles none, the peak is
+    what it was, and the timings count every compile."""
+    llm, seen = sized_start()
+    runner, peak_keys = llm.engine.runner, [PEAK_MODEL, ("sampler", 8, "filter", MAX_LOGPROBS), ("prompt", 64)]
+    assert seen["submitted"][:3] == peak_keys and PEAK_MODEL not in runner.graphs.executables
+    before = set(seen["submitted_before_sizing"])
+    assert before == {PEAK_MODEL, *runner.cache_free_graphs()} and not before & set(runner.cache_bound_graphs())
+    assert len(seen["compiled"]) == len(set(seen["compiled"])) == len(runner.graphs.executables) + 1
+    assert set(seen["compiled"]) == {PEAK_MODEL, *runner.cache_free_graphs(), *runner.cache_bound_graphs()}
+    assert seen["peak"] == old_activation_peak(runner) > 0
+    stats = llm.engine.stats()
+    timings = stats["compile_timings"]
+    assert {k: v["compiled"] for k, v in timings["kinds"].items()} == \
+        {kind: sum(key[0] == kind for key in seen["compiled"]) for kind in ("peak", "sampler", "prompt", "reset",
+                                                                            "model", "copy")}
+    assert timings["kinds"]["peak"]["compiled"] == 1 and timings["compile_wall_s"] > 0
+    assert all(timings[k] > 0 for k in ("peak_s", "precompile_s", "trace_s", "compile_s"))
+    outs = llm.generate(*mixed_requests(), use_tqdm=False)
+    assert all(o.finished for o in outs) and llm.engine.stats()["compiles_after_start"] == 0
+    assert len(seen["compiled"]) == len(set(seen["compiled"])) == stats["compiled_graphs"] + 1
+
+
+def test_a_sized_lazy_start_compiles_only_the_peak(sized_start):
+    """Without precompile a start compiles what sizing the cache needs and nothing more (its sampler and
+    prompt-logprob graphs are kept: serving uses them)."""
+    llm, seen = sized_start(precompile=False)
+    assert sorted(seen["compiled"]) == sorted(seen["submitted"]) == sorted(
+        [PEAK_MODEL, ("sampler", 8, "filter", MAX_LOGPROBS), ("prompt", 64)])
+    assert set(llm.engine.runner.graphs.executables) == set(seen["compiled"]) - {PEAK_MODEL}
 
 
 def test_lazy_graphs_are_counted():
@@ -116,6 +189,30 @@ def test_executable_cache_round_trip(tmp_path):
     for path in (tmp_path / "executables").iterdir():
         path.write_bytes(b"truncated")
     assert manager("a").loaded_from_cache == 0
+
+
+def test_a_graph_under_way_is_saved_under_the_fingerprint_it_was_submitted_with(tmp_path):
+    """The runner extends the fingerprint (num_blocks) while graphs submitted before it still compile: they are
+    saved under the fingerprint a start looks them up with, the one they were submitted with."""
+    salt, gate = float(time.time_ns() % 1_000_003), threading.Event()
+    f = jax.jit(lambda a: a + salt)
+
+    class Gated:   # a compile that ends only once the fingerprint has changed
+        def __init__(self, lowered):
+            self.lowered = lowered
+
+        def compile(self):
+            assert gate.wait(60)
+            return self.lowered.compile()
+    m = CompilationManager(ExecutableCache(str(tmp_path), "a", backend="test"))
+    m.submit({("f", 4): lambda: Gated(f.lower(jnp.zeros(4)))})
+    m.cache.fingerprint += " num_blocks=64"
+    gate.set()
+    m.wait()
+    again = CompilationManager(ExecutableCache(str(tmp_path), "a", backend="test"))
+    again.compile_all({("f", 4): lambda: f.lower(jnp.zeros(4))})
+    assert again.loaded_from_cache == 1 and again.report()["kinds"]["f"] == dict(compiled=0, loaded=1, trace_s=0,
+                                                                                   compile_s=0)
 
 
 def test_forks_wider_than_their_prompt_compile_nothing():

@@ -6,13 +6,18 @@ A warm start loads the executables themselves from disk (`ExecutableCache`), so 
 graph: XLA's persistent cache alone still needs both to find its key, which was most of a warm start's time."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import hashlib
+import math
 import os
 import pickle
 import sys
+import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import jax
@@ -84,58 +89,130 @@ class ExecutableCache:
 
 
 class CompilationManager:
+    """The runner's executables by key. A start submits graphs (`submit`: loaded from the executable cache, else
+    traced here and compiled on a thread pool) and waits for them (`wait`), so that graphs compile while others
+    are traced or waited for; `get` compiles one on first use. `timings` says where a start's time went."""
+
     def __init__(self, cache: ExecutableCache | None = None, num_threads: int | None = None):
         self.executables: dict[tuple, jax.stages.Compiled] = {}
+        self.pending: dict[tuple, Future] = {}   # submitted, not yet waited for
+        self.peeks: set[tuple] = set()           # pending graphs only looked at: handed back, not kept
         self.cache = cache or ExecutableCache(None, "")
-        self.num_threads = num_threads or min(8, os.cpu_count() or 1)
+        self.num_threads = num_threads or min(16, os.cpu_count() or 1)
         self.started = False           # set once the engine serves: compiles from then on are counted
         self.compiles_after_start = 0
         self.loaded_from_cache = 0     # executables a start took from disk instead of compiling
         self.precompiled = False       # every graph was compiled ahead: one compiling now is worth a line
+        # seconds: tracing + lowering (main thread), waiting for the pool (main thread), compiling (summed over
+        # threads), the runner's phases (peak_s, precompile_s); per graph kind (key[0]) counts and seconds
+        self.timings = {"trace_s": 0.0, "wait_s": 0.0, "compile_s": 0.0, "kinds": {}}
+        self.compile_span = [math.inf, 0.0]   # first start and last end of a compile before the engine serves
+        self.pool: ThreadPoolExecutor | None = None
+        self.lock = threading.Lock()
 
     def get(self, key: tuple, lower: Lower) -> jax.stages.Compiled:
         """The executable of key, compiled now if it has not been (counted once the engine has started)."""
+        if key in self.pending:
+            return self.wait([key])[key]
         executable = self.executables.get(key)
         if executable is None:
-            executable = self.executables[key] = self._load_or_compile(key, lower)
+            executable = self.cache.load(key)
+            self._count(key, "loaded", executable is not None)
+            executable = self.executables[key] = executable or self._compile(self.cache, key, self._trace(key, lower))
             if self.started:
                 self.compiles_after_start += 1
             if self.started and self.precompiled:
                 print(f"jaxserve: compiled {key} while serving (every stream waited for it)", file=sys.stderr)
         return executable
 
-    def compile_all(self, graphs: dict[tuple, Lower]) -> None:
-        """Every graph not compiled yet: from the executable cache, else traced one by one here and compiled on a
-        thread pool."""
-        todo = [key for key in graphs if key not in self.executables]
-        with tqdm(total=len(todo), desc="compiling graphs", unit="graph", file=sys.stderr, disable=None) as bar, \
-                ThreadPoolExecutor(self.num_threads, thread_name_prefix="jaxserve-compile") as pool:
-            loads = {key: pool.submit(self.cache.load, key) for key in todo}   # deserializing is C++: threads overlap
-            compiles = {}
-            for key, future in loads.items():
-                if (executable := future.result()) is not None:
-                    self.executables[key] = executable
-                    self.loaded_from_cache += 1
-                    bar.update(1)
-                else:
-                    compiles[key] = pool.submit(self._compile_and_save, key, graphs[key]())
-            for key, future in compiles.items():
-                self.executables[key] = future.result()
+    def submit(self, graphs: dict[tuple, Lower], peek: bool = False) -> None:
+        """Start every graph neither had nor under way: from the executable cache, else traced here one by one (in
+        order: tracing holds the GIL) and compiled on the thread pool (XLA compiles without it). peek: graphs
+        only looked at (memory analysis), which `wait` hands back but nothing keeps."""
+        todo = {key: lower for key, lower in graphs.items() if key not in self.executables and key not in self.pending}
+        cache = copy.copy(self.cache)   # its fingerprint now: the runner extends it once the cache's size is known
+        with ThreadPoolExecutor(self.num_threads) as loader:   # deserializing is C++: threads overlap
+            loads = {key: loader.submit(cache.load, key) for key in todo}
+        self.pool = self.pool or ThreadPoolExecutor(self.num_threads, thread_name_prefix="jaxserve-compile")
+        for key, load in tqdm(loads.items(), desc="tracing graphs", unit="graph", file=sys.stderr, disable=None):
+            loaded = load.result() is not None
+            self._count(key, "loaded", loaded)
+            self.pending[key] = load if loaded else self.pool.submit(self._compile, cache, key,
+                                                                     self._trace(key, todo[key]))
+        if peek:
+            self.peeks.update(todo)
+
+    def wait(self, keys=None) -> dict[tuple, jax.stages.Compiled]:
+        """The executables of keys (default: every graph under way), once loaded or compiled."""
+        keys, start = list(self.pending if keys is None else keys), time.perf_counter()
+        futures = [self.pending[key] for key in keys if key in self.pending]
+        with tqdm(total=len(futures), desc="compiling graphs", unit="graph", file=sys.stderr, disable=None) as bar:
+            for _ in as_completed(futures):
                 bar.update(1)
+        executables = {}
+        for key in keys:
+            executable = executables[key] = self.pending.pop(key).result() if key in self.pending \
+                else self.executables[key]
+            if key not in self.peeks:
+                self.executables[key] = executable
+            self.peeks.discard(key)
+        if not self.pending and self.pool is not None:   # idle: its threads go (a start makes a new one)
+            self.pool.shutdown()
+            self.pool = None
+        self.timings["wait_s"] += time.perf_counter() - start
+        return executables
 
-    def peek(self, key: tuple, lower: Lower) -> jax.stages.Compiled:
-        """An executable that is only looked at (memory analysis), not kept or counted; cached like the others."""
-        return self._load_or_compile(key, lower)
+    def compile_all(self, graphs: dict[tuple, Lower]) -> None:
+        """Every graph not had yet, and every graph under way."""
+        self.submit(graphs)
+        self.wait()
 
-    def _load_or_compile(self, key: tuple, lower: Lower) -> jax.stages.Compiled:
-        executable = self.cache.load(key)
-        self.loaded_from_cache += executable is not None
-        return executable or self._compile_and_save(key, lower())
+    @contextlib.contextmanager
+    def timed(self, name: str):
+        """Adds the seconds of its block to timings[name] (the runner's start-up phases)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
-    def _compile_and_save(self, key: tuple, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    def report(self) -> dict:
+        """timings, rounded, with the compile threads and the wall time from the first compile's start to the last
+        one's end (before serving)."""
+        def rounded(d: dict) -> dict:
+            return {k: rounded(v) if isinstance(v, dict) else round(v, 3) for k, v in d.items()}
+        first, last = self.compile_span
+        return {"threads": self.num_threads, "compile_wall_s": round(max(last - first, 0.0), 3),
+                **rounded(self.timings)}
+
+    def _trace(self, key: tuple, lower: Lower) -> jax.stages.Lowered:
+        start = time.perf_counter()
+        lowered = lower()
+        self._count(key, "trace_s", time.perf_counter() - start)
+        return lowered
+
+    def _compile(self, cache: ExecutableCache, key: tuple, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        start = time.perf_counter()
         executable = lowered.compile()
-        self.cache.save(key, executable)
+        end = time.perf_counter()
+        cache.save(key, executable)
+        self._count(key, "compile_s", end - start)
+        self._count(key, "compiled", 1)
+        if not self.started:
+            with self.lock:
+                self.compile_span[:] = min(self.compile_span[0], start), max(self.compile_span[1], end)
         return executable
+
+    def _count(self, key: tuple, name: str, amount: float) -> None:
+        """Adds amount to the timing name of key's kind (and to the total of a *_s timing), from any thread."""
+        with self.lock:
+            kind = self.timings["kinds"].setdefault(key[0], {"compiled": 0, "loaded": 0, "trace_s": 0.0,
+                                                             "compile_s": 0.0})
+            kind[name] += amount
+            if name.endswith("_s"):
+                self.timings[name] += amount
+            if name == "loaded":
+                self.loaded_from_cache += amount
 
 
 def fingerprint(*parts) -> str:

@@ -28,9 +28,10 @@ from jaxserve.cache.block_table import BlockTable, KVSlotTable
 from jaxserve.cache.kv_cache import (CPU_MAX_KV_BYTES, KVCache, _copy_blocks, allocate_kv_cache, copy_bucket,
                                      describe_kv_capacity, kv_bytes_per_block, num_blocks_for_memory,
                                      pad_block_copies)
-from jaxserve.cache.vattention import PAGE_SIZE, CudaPageMapper, FakePageMapper, PageMapper, VmmGeometry
+from jaxserve.cache.vattention import (PAGE_SIZE, CudaPageMapper, FakePageMapper, PageMapper, VmmGeometry,
+                                       xla_claims_gpu_memory)
 from jaxserve.config import SAMPLER_MODES, EngineConfig
-from jaxserve.engine.compilation import CompilationManager, ExecutableCache, fingerprint
+from jaxserve.engine.compilation import CompilationManager, ExecutableCache, Lower, fingerprint
 from jaxserve.engine.sampler import PenaltyState, SamplerOutput, init_penalty_state, mode_for, reset_slots, sample
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
@@ -47,6 +48,7 @@ PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, 
 # vattention's page size on CPU, where FakePageMapper stands in for the driver: the GPU's 2 MiB, so that the CPU
 # runs the GPU's geometry; tests lower it so that a tiny model's prompts span many pages.
 CPU_VMM_PAGE_SIZE = PAGE_SIZE
+PEAK_MODEL = ("peak", "model")   # the largest step's model on a stand-in cache: compiled for its memory analysis only
 
 
 def pow2_ladder(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
@@ -230,6 +232,10 @@ class ModelRunner:
         mc, cfg, page_size, token_bytes = self.model_config, self.cfg, layout.page_size, layout.token_bytes
         num_ranges = 2 * mc.num_layers
         range_bytes = num_ranges * layout.rows * layout.slot_bytes
+        if self.vmm_on_device and xla_claims_gpu_memory():   # the pool's pages would find no memory to map
+            raise ValueError("kv_backend=vattention maps its KV pages outside XLA's allocator, which claims most of "
+                             "the GPU when JAX starts: set XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts "
+                             "(`jaxserve serve` and `generate` do when the config says vattention)")
         if not self.vmm_on_device and range_bytes > CPU_MAX_KV_BYTES:   # the CPU stand-in allocates it all
             raise ValueError(f"kv_backend=vattention on CPU allocates the whole virtual range, "
                              f"{range_bytes / 2**30:.1f} GiB (> {CPU_MAX_KV_BYTES / 2**30:.0f} GiB): lower "
@@ -265,8 +271,13 @@ class ModelRunner:
 
     def _blocks_that_fit(self, bytes_per_block: int, dtype) -> int:
         """Blocks that fit the memory left on each of this engine's own devices (a data-parallel replica's are not
-        the first device), after the weights and the activation peak."""
-        peak = self.activation_bytes(dtype)
+        the first device), after the weights and the activation peak — whose graphs compile first, with (precompile)
+        every graph that does not depend on the cache's size beside them."""
+        with self.graphs.timed("peak_s"):
+            self._submit_peak(dtype)
+            if self.cfg.precompile:
+                self.graphs.submit(self.cache_free_graphs())
+            peak = self.activation_bytes(dtype)
         return min(num_blocks_for_memory(bytes_per_block, activation_peak_bytes=peak,
                                          fraction=self.cfg.memory_fraction, device=d) for d in self.mesh.local_devices)
 
@@ -277,43 +288,62 @@ class ModelRunner:
 
     def activation_bytes(self, dtype) -> int:
         """XLA's temp memory for the largest bucket's model, sampler and prompt-logprob graphs (summed: safe
-        whichever runs), the model compiled against a 2-block stand-in cache (temp memory does not depend on the
-        cache's size; contiguous kernels: one row, they need whole rows): reserved before the KV cache takes what
-        is left."""
-        mc, block = self.model_config, self.cache_struct(self.kernels.blocks_per_slot or 2, dtype)
-        inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1],
-                               num_logprobs=MAX_LOGPROBS, sampler_mode="filter")
-        graphs = {("peak", "model"): lambda: self._model.lower(self.params, [(block, block)] * mc.num_layers,
-                                                                self.last_tokens, inp.model),
-                  ("peak", "sampler"): lambda: self._lower_sampler(inp.sampler),
-                  ("peak", "prompt"): lambda: self._lower_prompt_logprobs(self.token_buckets[-1])}
-        peak = sum(getattr(self.graphs.peek(key, lower).memory_analysis(), "temp_size_in_bytes", 0)
-                   for key, lower in graphs.items())
+        whichever runs): reserved before the KV cache takes what is left."""
+        executables = self.graphs.wait(self._submit_peak(dtype)).values()
+        peak = sum(getattr(e.memory_analysis(), "temp_size_in_bytes", 0) for e in executables)
         print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
         return peak
 
+    def _submit_peak(self, dtype) -> list[tuple]:
+        """The activation peak's graphs, submitted (if not yet) and their keys: the largest bucket's model against a
+        2-block stand-in cache (temp memory does not depend on the cache's size; contiguous kernels: one row, they
+        need whole rows), a peek, compiled first as the longest; then its sampler (filter mode, logprobs) and
+        prompt logprobs, real graphs, kept."""
+        mc, block = self.model_config, self.cache_struct(self.kernels.blocks_per_slot or 2, dtype)
+        inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1]).model
+        self.graphs.submit({PEAK_MODEL: lambda: self._model.lower(self.params, [(block, block)] * mc.num_layers,
+                                                                  self.last_tokens, inp)}, peek=True)
+        real = dict([self._sampler_graph(self.seq_buckets[-1], "filter", MAX_LOGPROBS),
+                     self._prompt_graph(self.token_buckets[-1])])
+        self.graphs.submit(real)
+        return [PEAK_MODEL, *real]
+
     def precompile(self) -> None:
-        """Compile every graph the engine can run, before it serves: the model per bucket (and the decode-only
-        graph per seq bucket), the sampler per seq bucket, mode and logprobs, prompt logprobs per token bucket,
-        block copies and penalty resets per padded size. The persistent cache makes restarts fast."""
+        """Compile every graph the engine can run, before it serves (the cache's size known); the persistent cache
+        makes restarts fast."""
+        with self.graphs.timed("precompile_s"):
+            self.graphs.compile_all({**self.cache_bound_graphs(), **self.cache_free_graphs()})
+        self.graphs.precompiled = True
+
+    def cache_bound_graphs(self) -> dict[tuple, Lower]:
+        """The graphs that take the cache (shaped by its size), largest first (the longest compiles start first, so
+        that none is left running alone at the end): the model per bucket (and the decode-only graph per seq bucket),
+        block copies per padded size."""
         graphs = {}
-        for t, s, decode_only in self._model_shapes():
+        for t, s, decode_only in sorted(self._model_shapes(), reverse=True):
             inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only)
             graphs[("model", *inp.model.key)] = functools.partial(self._lower_model, inp.model)
-        for s in self.seq_buckets:
-            for mode in SAMPLER_MODES:
-                for num_logprobs in (0, MAX_LOGPROBS):
-                    inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
-                                           num_logprobs=num_logprobs).sampler
-                    graphs[("sampler", *inp.key)] = functools.partial(self._lower_sampler, inp)
-            for width in self.reset_widths:
-                graphs[("reset", s, width)] = functools.partial(self._lower_reset, s, width)
-        for t in self.token_buckets:
-            graphs[("prompt", t)] = functools.partial(self._lower_prompt_logprobs, t)
         for n in pow2_ladder(copy_bucket(1), copy_bucket(self.cfg.max_num_seqs)):
             graphs[("copy", n)] = functools.partial(self._lower_copy, np.zeros(n, np.int32))
-        self.graphs.compile_all(graphs)
-        self.graphs.precompiled = True
+        return graphs
+
+    def cache_free_graphs(self) -> dict[tuple, Lower]:
+        """The graphs that do not depend on the cache's size, largest first: prompt logprobs per token bucket, the
+        sampler per seq bucket, mode and logprobs, penalty resets per padded size."""
+        graphs = dict(self._prompt_graph(t) for t in reversed(self.token_buckets))
+        graphs |= (self._sampler_graph(s, mode, n) for s in reversed(self.seq_buckets) for mode in SAMPLER_MODES
+                   for n in (0, MAX_LOGPROBS))
+        graphs |= {("reset", s, w): functools.partial(self._lower_reset, s, w)
+                   for s in self.seq_buckets for w in self.reset_widths}
+        return graphs
+
+    def _sampler_graph(self, num_seqs: int, mode: str, num_logprobs: int) -> tuple[tuple, Lower]:
+        inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=num_seqs, sampler_mode=mode,
+                               num_logprobs=num_logprobs).sampler
+        return ("sampler", *inp.key), functools.partial(self._lower_sampler, inp)
+
+    def _prompt_graph(self, num_tokens: int) -> tuple[tuple, Lower]:
+        return ("prompt", num_tokens), functools.partial(self._lower_prompt_logprobs, num_tokens)
 
     def _model_shapes(self) -> list[tuple[int, int, bool]]:
         """Every (token bucket, seq bucket) a step can pad to — a seq bucket above a token bucket only where the
@@ -374,7 +404,7 @@ class ModelRunner:
         if inp.next_prompt_ids is None:
             return out, None
         num_tokens = len(inp.next_prompt_ids)
-        prompt = self.graphs.get(("prompt", num_tokens), functools.partial(self._lower_prompt_logprobs, num_tokens))
+        prompt = self.graphs.get(*self._prompt_graph(num_tokens))
         return out, prompt(self.params, hidden, inp.next_prompt_ids)
 
     def execute(self, out: SchedulerOutput):
