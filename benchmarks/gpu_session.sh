@@ -11,7 +11,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh tests       # the GPU-relevant tests, compiled on the GPU
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh sweep       # the bucket sweep's decode rows
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention  # #20: GPU tests, kernels, engine vs paged
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention-soak   # #20: stage 1 engine rows, serve soak
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention-soak   # #20: the server soaked under vattention
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-collectives|scale-70b   # #19 on nvidia-h200-x2
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -83,13 +83,12 @@ case $1 in
       --output-len 256 --out "$OUT/scale_70b_h200.json" ;;
   vattention)   # the library, the GPU tests, then vattention beside paged in separate processes
     run 90 python -c "from custom_calls import build; print(build.build_library())"
-    run 200 python -m pytest -q -p no:cacheprovider tests/test_vattention_gpu.py tests/test_contiguous_attention.py
+    run 150 python -m pytest -q -p no:cacheprovider tests/test_vattention_gpu.py tests/test_contiguous_attention.py
     run 60 python benchmarks/vattention.py kernels --out "$OUT/vattention_h100.json"
-    for backend in paged contiguous; do
+    for backend in paged contiguous identity; do
       run 95 python benchmarks/vattention.py engine --backend $backend --out "$OUT/vattention_h100.json"
     done ;;
-  vattention-soak)   # stage 1's engine rows; then the server soaked under vattention (the 8B general ladder)
-    run 95 python benchmarks/vattention.py engine --backend identity --out "$OUT/vattention_h100.json"
+  vattention-soak)   # the server soaked under vattention (the 8B general ladder)
     run 300 python benchmarks/soak.py --config configs/llama3-8b-vattention.yaml --num-requests 3000 \
       --concurrency 64 --out "$OUT/soak_vattention_h100.json" ;;
   sweep)

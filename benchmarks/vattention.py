@@ -14,7 +14,7 @@ same memory gives (tokens, and sequences of the workload's length: a 2 MiB page 
 so a vattention sequence takes its tokens rounded up to 1024). Prefix caching is off in both (vattention has
 none): the same schedule.
 `kernels`: the engine's decode kernel over a paged cache (shuffled blocks), its contiguous variant (rows by
-slot, stage 2), and cuDNN (`jax.nn.dot_product_attention`) on the dense [B, ctx, kv, d] layout a vattention row
+slot, stage 2; rows 4096 tokens = 4 pages apart, and 5 pages apart as VmmGeometry lays them out), and cuDNN (`jax.nn.dot_product_attention`) on the dense [B, ctx, kv, d] layout a vattention row
 is (the "unmodified kernel"), 256 x 4096 being past what the 8B model's KV fits beside its weights on an H100.
 """
 from __future__ import annotations
@@ -25,9 +25,11 @@ import os
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # vattention's pool lives beside XLA's; paged
+                                                                   # is sized from the same allocator limit
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import time_ms, write_rows  # noqa: E402
@@ -160,32 +162,36 @@ def bench_kernels(args, command: str) -> None:
     from pallas_kernels import contiguous_ragged_attention, ragged_paged_attention
     rows_out = []
     for batch in (64, 256):
-        context, scale = 4096, 128 ** -0.5
+        context, scale, bps = 4096, 128 ** -0.5, 4096 // 16
         q, rows, paged, table = decode_batch(batch, context)
-        cu = jnp.arange(batch + 1, dtype=jnp.int32)
-        lens = jnp.full(batch, context, jnp.int32)
-        n = jnp.array([batch], jnp.int32)
-        bps = context // 16
-        calls = {
-            "paged": lambda: ragged_paged_attention(q, *paged, cu, lens, table, n, sm_scale=scale, decode_only=True),
-            "contiguous": lambda: contiguous_ragged_attention(
-                q, *(r.reshape(-1, 16, 8, 128) for r in rows), cu, lens, jnp.arange(batch, dtype=jnp.int32), n,
-                blocks_per_slot=bps, sm_scale=scale, decode_only=True),
-            "cudnn": lambda: jax.nn.dot_product_attention(q[:, None], *rows, scale=scale, implementation="cudnn",
-                                                          query_seq_lengths=jnp.ones(batch, jnp.int32),
-                                                          key_value_seq_lengths=lens)[:, 0]}
-        outs = {name: np.asarray(fn(), np.float32) for name, fn in calls.items()}
+        cu, lens = jnp.arange(batch + 1, dtype=jnp.int32), jnp.full(batch, context, jnp.int32)
+        n, slots = jnp.array([batch], jnp.int32), jnp.arange(batch, dtype=jnp.int32)
+        calls = {   # name -> (fn, its arrays: arguments, never constants folded into the graph)
+            "paged": (lambda q, k, v, t: ragged_paged_attention(q, k, v, cu, lens, t, n, sm_scale=scale,
+                                                                decode_only=True), (q, *paged, table)),
+            "contiguous": (lambda q, k, v, s: contiguous_ragged_attention(
+                q, k.reshape(-1, 16, 8, 128), v.reshape(-1, 16, 8, 128), cu, lens, s, n, blocks_per_slot=bps,
+                sm_scale=scale, decode_only=True), (q, *rows, slots)),
+            "contiguous-odd-rows": (lambda q, k, v, s: contiguous_ragged_attention(   # rows 5 pages apart, not 4
+                q, k.reshape(-1, 16, 8, 128), v.reshape(-1, 16, 8, 128), cu, lens, s, n, blocks_per_slot=bps + 64,
+                sm_scale=scale, decode_only=True), (q, *(jnp.pad(r, ((0, 0), (0, 1024), (0, 0), (0, 0))) for r in rows),
+                                                    slots)),
+            "cudnn": (lambda q, k, v: jax.nn.dot_product_attention(
+                q[:, None], k, v, scale=scale, implementation="cudnn", query_seq_lengths=jnp.ones(batch, jnp.int32),
+                key_value_seq_lengths=lens)[:, 0], (q, *rows))}
+        fns = {name: jax.jit(fn) for name, (fn, _) in calls.items()}
+        outs = {name: np.asarray(fns[name](*a), np.float32) for name, (_, a) in calls.items()}
         kv_bytes = 2 * batch * context * 8 * 128 * 2
-        for name, fn in calls.items():
+        for name, (_, arrays) in calls.items():
             err = float(np.abs(outs[name] - outs["paged"]).max())
             assert np.isfinite(outs[name]).all() and err < 2e-2, f"{name}: max |diff| {err} vs paged"
-            ms = time_ms(jax.jit(fn), warmup=3, repeats=20)
+            ms = time_ms(fns[name], *arrays, warmup=3, repeats=20)
             rows_out.append({"bench": "vattention_decode_kernel", "impl": name, "ms": ms,
                              "gbps": kv_bytes / ms / 1e6, "max_abs_diff_vs_paged": err,
                              "params": {"batch": batch, "context": context, "kv_heads": 8, "q_heads": 32,
                                         "head_dim": 128, "dtype": "bfloat16"}})
             print(f"decode {batch} x {context} {name:10s} {ms:.3f} ms {kv_bytes / ms / 1e6:,.0f} GB/s", flush=True)
-        del q, rows, paged
+        del q, rows, paged, calls
     write_rows(args.out, rows_out, command)
 
 

@@ -113,8 +113,12 @@ class VmmManager:
         rc = self.lib.vmm_create(device, num_slots, num_tensors, slot_bytes, num_pages, page_size, int(dry_run),
                                  ctypes.byref(handle))
         if rc < 0:
-            raise VmmError(f"vAttention needs an NVIDIA GPU with a CUDA driver (device {device}): "
-                           f"{self.lib.vmm_last_error().decode()}")
+            error = self.lib.vmm_last_error().decode()
+            if "out of memory" in error:
+                raise VmmError(f"vAttention's page pool ({num_pages} pages of {page_size >> 20} MiB in each of "
+                               f"{num_tensors} ranges, {num_pages * num_tensors * page_size / 2**30:.1f} GiB) does "
+                               f"not fit device {device}'s free memory: lower memory_fraction or num_blocks ({error})")
+            raise VmmError(f"vAttention needs an NVIDIA GPU with a CUDA driver (device {device}): {error}")
         self.handle = handle
         # a manager dropped without close() (an engine let go) must still give its page pool back
         self._destroy = weakref.finalize(self, self.lib.vmm_destroy, handle)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from jaxserve.cache.vattention import leave_gpu_memory_to_the_page_pool
 from jaxserve.config import EngineConfig, load_run_config
 from jaxserve.engine import distributed
 from jaxserve.engine.llm import LLM, has_chat_template
@@ -48,7 +49,15 @@ def sampling_params(args) -> SamplingParams:
                           top_k=args.top_k, seed=args.seed)
 
 
+def prepare_process(cfg: EngineConfig) -> None:
+    """What must happen before JAX starts its GPU backend."""
+    if cfg.kv_backend == "vattention":
+        leave_gpu_memory_to_the_page_pool()
+
+
 def make_llm(args, **engine_kwargs) -> LLM:
+    if args.config:
+        prepare_process(load_run_config(args.config).engine)
     loaded, engine = load_run(args.model, args.config, args.dtype, args.tensor_parallel_size)
     return LLM(loaded, config=engine, **engine_kwargs)
 
@@ -129,6 +138,7 @@ def cmd_serve(args) -> None:
     if cluster is None or cluster.is_leader:
         opts.read_tls()
         opts.check_bindable()
+    prepare_process(cfg)
     distributed.initialize(cluster, cfg.tensor_parallel_size)   # before anything touches a device
     replicas, name = load_served_replicas(args, cfg)
     if cluster is not None and not cluster.is_leader:   # the leader checks cfg in LLMEngine: so must a worker

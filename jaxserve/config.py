@@ -156,7 +156,9 @@ class EngineConfig:
     # "paged", or "vattention": each sequence's KV in one contiguous row of a virtual range whose pages are mapped
     # on demand (no prefix caching)
     kv_backend: str = "paged"
-    vattention_lookahead_tokens: int = 0   # vattention: pages mapped ahead of a sequence's tokens, off the step
+    # vattention: 0 maps the whole page pool at start, spread over the slots (eager allocation: no maps in the
+    # steps until a sequence outgrows its share); > 0 maps on demand, plus this many tokens ahead on a thread
+    vattention_lookahead_tokens: int = 0
     # vattention's attention: "contiguous" (the kernels address each row from its slot id; a step carries one slot
     # per sequence, no block table) or "identity" (stage 1: the paged kernels over identity block tables)
     vattention_kernels: str = "contiguous"

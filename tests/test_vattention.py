@@ -125,7 +125,7 @@ def fuzz(kv, mapper, seed: int, steps: int = 400) -> dict:
 @pytest.mark.parametrize("lookahead", [0, 12])
 @pytest.mark.parametrize("seed", range(4))
 def test_fuzz_page_accounting_against_model(geometry, lookahead, seed):
-    kv, mapper = make(geometry, lookahead_tokens=lookahead, watermark=0.05)
+    kv, mapper = make(geometry, lookahead_tokens=lookahead, watermark=0.05, premap=seed % 2 == 1)
     seen = fuzz(kv, mapper, seed)
     assert all(seen.values()), f"seed {seed}: the fuzz missed a case: {seen}"
 
@@ -144,6 +144,19 @@ def test_best_fit_prefers_smallest_slot_with_enough_mapped_pages():
     kv.allocate(12, [1] * 60, 60)   # 15 pages: nothing fits, the most mapped (slot 1, 10 pages) grows
     assert [kv.slot_of(i) for i in (10, 11, 12)] == [3, 2, 1]
     assert not any(op == "trim" for op, *_ in mapper.log) and kv.mapped[1:] == [15, 3, 6, 1]
+
+
+def test_premap_spreads_the_pool_so_admissions_map_nothing():
+    """Eager allocation: every pool page mapped at start, evenly over the slots; a sequence within its slot's
+    share maps nothing, a longer one reclaims from free slots."""
+    kv, mapper = make(dict(num_slots=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=15,
+                           page_size=4096), watermark=0, premap=True)   # 4 tokens a page, 16 pages a row
+    assert kv.mapped == [1, 3, 3, 4, 4] and kv.total_mapped == 15 and kv.ready == kv.mapped
+    maps = len(mapper.log)
+    assert kv.allocate("a", [1] * 12, 12) == (True, 0) and len(mapper.log) == maps   # 3 pages: slot 1's own
+    assert kv.allocate("b", [1] * 40, 40) == (True, 0)   # 10 pages: the most mapped free slot grows by reclaiming
+    assert any(op == "trim" for op, *_ in mapper.log[maps:]) and kv.mapped[kv.slot_of("b")] == 10
+    assert kv.total_mapped <= 15
 
 
 def test_reclaims_free_slots_only_when_the_pool_runs_short_and_refuses_past_budget():
@@ -167,9 +180,10 @@ def test_growth_and_capacity_in_block_units_match_the_paged_manager_contract():
                  watermark=0)
     assert kv.num_blocks == 1 + 8 and kv.num_free_blocks == 8 and kv.usage == 0.0 and kv.max_tokens_per_seq == 32
     assert kv.lookup_prefix([1, 2, 3]) == 0
-    assert kv.allocate(1, [5] * 6, 6) == (True, 0) and kv.take_block_updates() == [(1, 0, [16, 17])]
+    assert kv.geometry.blocks_per_slot == 17   # 64 tokens = 16 pages, rounded up to an odd number of pages
+    assert kv.allocate(1, [5] * 6, 6) == (True, 0) and kv.take_block_updates() == [(1, 0, [17, 18])]
     assert kv.allocate(1, [5] * 7, 1) == (True, 0) and kv.take_block_updates() == []   # same block
-    assert kv.allocate(1, [5] * 9, 2) == (True, 0) and kv.take_block_updates() == [(1, 2, [18])]
+    assert kv.allocate(1, [5] * 9, 2) == (True, 0) and kv.take_block_updates() == [(1, 2, [19])]
     assert kv.num_free_blocks == 5 and kv.usage == pytest.approx(3 / 8)
     with pytest.raises(ValueError, match="exceed len"):
         kv.allocate(1, [5] * 9, 1)
@@ -183,17 +197,18 @@ def test_growth_and_capacity_in_block_units_match_the_paged_manager_contract():
 def test_fork_copies_the_parent_after_its_step_and_holds_its_pages_until_then():
     kv, _ = make(dict(num_slots=3, max_model_len=64, block_size=4, token_bytes=1024, num_pages=12, page_size=4096),
                  watermark=0)
+    bps = kv.geometry.blocks_per_slot
     kv.allocate("p", [1] * 10, 10)
     kv.fork("p", "c")
     p, c = kv.slot_of("p"), kv.slot_of("c")
-    assert p != c and kv.mapped[c] >= 3 and kv.block_ids("c") == [c * 16 + i for i in range(3)]
+    assert p != c and kv.mapped[c] >= 3 and kv.block_ids("c") == [c * bps + i for i in range(3)]
     assert [len(x) for x in kv.take_copies()] == [0, 0]   # the parent's last chunk is written by this step
     kv.free("p")   # finished before its copy ran: the slot is free, its pages stay pinned
     assert p in kv.free_slots and kv.pinned[p] == 3
     kv.allocate("q", [1] * 2, 2)   # best fit re-places the slot: its writes come after the copy
     assert kv.slot_of("q") == p and kv.pinned[p] == 3
     src, dst = kv.take_copies()
-    assert src.tolist() == [p * 16 + i for i in range(3)] and dst.tolist() == [c * 16 + i for i in range(3)]
+    assert src.tolist() == [p * bps + i for i in range(3)] and dst.tolist() == [c * bps + i for i in range(3)]
     assert kv.pinned[p] == 1 and kv.mapped[p] == 3
     kv.free("q")
     assert kv.pinned[p] == 0
@@ -341,3 +356,16 @@ def test_the_scheduler_runs_unchanged_on_the_vattention_manager():
         assert PENDING not in [t for s in sched.running for t in s.token_ids]
         num_forks += len(out.forks)
     assert sched.num_preemptions > 0 and num_forks > 0 and kv.total_mapped <= kv.geometry.num_pages
+
+
+def test_the_cli_leaves_gpu_memory_to_the_page_pool(monkeypatch):
+    """XLA claims most of a GPU when it starts unless told not to; vattention's pool is allocated beside it."""
+    from jaxserve.cache.vattention import PREALLOCATE_ENV, xla_claims_gpu_memory
+    from jaxserve.cli import prepare_process
+    from jaxserve.config import EngineConfig
+    monkeypatch.delenv(PREALLOCATE_ENV, raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    prepare_process(EngineConfig())
+    assert xla_claims_gpu_memory()   # paged: XLA's default stands
+    prepare_process(EngineConfig(kv_backend="vattention", enable_prefix_caching=False))
+    assert not xla_claims_gpu_memory()

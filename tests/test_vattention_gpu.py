@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an
 WIDE = dataclasses.replace(TINY, vocab_size=512, hidden_size=256, intermediate_size=512, num_heads=8,
                            num_kv_heads=8, head_dim=128, max_position_embeddings=4096)
 KNOBS = dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=512, min_prefill_chunk=64,
-             token_buckets=(64, 512), seq_buckets=(8,), compile_cache_dir=None, enable_prefix_caching=False)
+             token_buckets=(64, 512), seq_buckets=(8,), compile_cache_dir=None)
 LENGTHS = (1500, 40, 2100, 700, 1030, 9, 300, 1100, 64, 2500)   # 10 > 8 slots; prompts cross 1024-token pages
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True)
 
@@ -44,7 +44,7 @@ def paged(wide):
 
 
 def vattention(wide, **knobs) -> LLM:
-    return LLM(wide, **{**KNOBS, "num_blocks": 2048, **knobs}, kv_backend="vattention")
+    return LLM(wide, **{**KNOBS, "num_blocks": 2048, **knobs}, kv_backend="vattention", enable_prefix_caching=False)
 
 
 def test_exported_range_is_zero_copy_and_a_donated_step_updates_it_in_place():

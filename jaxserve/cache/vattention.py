@@ -18,6 +18,7 @@ parent's KV.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -26,6 +27,19 @@ from typing import Protocol
 import numpy as np
 
 PAGE_SIZE = 2 << 20  # the stock driver's only VMM granularity (measured on H100)
+PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
+
+
+def leave_gpu_memory_to_the_page_pool() -> None:
+    """The page pool is allocated outside XLA's allocator, so XLA must not claim the GPU when it starts (its
+    default): call before JAX starts its GPU backend (the CLI does when the config says vattention)."""
+    os.environ.setdefault(PREALLOCATE_ENV, "false")
+
+
+def xla_claims_gpu_memory() -> bool:
+    """Whether XLA's allocator took most of the GPU at start, leaving the page pool nothing to map."""
+    return (os.environ.get(PREALLOCATE_ENV, "true").lower() not in ("false", "0")
+            and os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default") != "platform")
 
 
 class ForkError(RuntimeError):
@@ -53,9 +67,13 @@ class VmmGeometry:
 
     @cached_property
     def tokens_per_slot(self) -> int:
-        """max_model_len rounded up so that a row is whole pages and whole blocks."""
+        """max_model_len rounded up so that a row is whole pages and whole blocks, and an odd number of pages
+        where a quantum of it is one: rows a power of two apart put every row's same offset on the same DRAM
+        channels, which the contiguous decode kernel reads slower (benchmarks/vattention.py kernels)."""
         quantum = math.lcm(self.block_size, self.page_size // math.gcd(self.token_bytes, self.page_size))
-        return -(-self.max_model_len // quantum) * quantum
+        tokens = -(-self.max_model_len // quantum) * quantum
+        pages, quantum_pages = tokens * self.token_bytes // self.page_size, quantum * self.token_bytes // self.page_size
+        return tokens + quantum * (pages % 2 == 0 and quantum_pages % 2 == 1)
 
     @property
     def slot_bytes(self) -> int:
@@ -188,7 +206,7 @@ class VAttentionKVCacheManager:
     """KVCacheManager's interface over a virtually contiguous cache; page accounting as the module says."""
 
     def __init__(self, geometry: VmmGeometry, mapper: PageMapper, *, watermark: float = 0.01,
-                 lookahead_tokens: int = 0, enable_prefix_caching: bool = False):
+                 lookahead_tokens: int = 0, premap: bool = False, enable_prefix_caching: bool = False):
         if enable_prefix_caching:
             raise ValueError("prefix caching is off in vattention mode (pages are per slot, not shared)")
         if not 0.0 <= watermark < 1.0:
@@ -217,6 +235,8 @@ class VAttentionKVCacheManager:
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self._pin(0, self.null_pages)
         self._ensure_mapped(0, self.null_pages)
+        if premap:
+            self._premap()
 
     # ---- the paged manager's interface ---------------------------------------------------------------
     @property
@@ -337,6 +357,18 @@ class VAttentionKVCacheManager:
         return out
 
     # ---- slots and pages -----------------------------------------------------------------------------
+    def _premap(self) -> None:
+        """Eager allocation: the whole pool mapped now, spread evenly over the free slots, so that admissions
+        best-fit into rows already mapped and maps leave the steps' critical path (a page of a per-layer layout is a
+        map in each of 2 x layers ranges: ~2.6 ms on the H100 for Llama-3-8B's 64); growth past a slot's share
+        reclaims from free slots."""
+        spare, slots = self.geometry.num_pages - self.total_mapped, sorted(self.free_slots)
+        for i, slot in enumerate(slots):
+            pages = min(self.geometry.pages_per_slot, spare // (len(slots) - i))
+            if pages:
+                self._ensure_mapped(slot, pages)
+                spare -= pages
+
     def _admit(self, seq_id: Hashable, end: int, num_tokens: int) -> bool:
         need = self.geometry.pages_for(end)
         if not self.free_slots or self.num_free_pages - need < self.watermark_pages:

@@ -85,7 +85,8 @@ class LLMEngine:
         cfg, runner = self.cfg, self.runner
         if cfg.kv_backend == "vattention":
             return VAttentionKVCacheManager(runner.vmm_geometry, runner.page_mapper, watermark=cfg.watermark,
-                                            lookahead_tokens=cfg.vattention_lookahead_tokens)
+                                            lookahead_tokens=cfg.vattention_lookahead_tokens,
+                                            premap=cfg.vattention_lookahead_tokens == 0)
         return KVCacheManager(runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
                               watermark=cfg.watermark)
 
@@ -293,4 +294,5 @@ class LLMEngine:
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
                 "compiled_graphs": len(self.runner.graphs.executables),
                 "graphs_from_cache": self.runner.graphs.loaded_from_cache,
-                "compiles_after_start": self.runner.graphs.compiles_after_start}
+                "compiles_after_start": self.runner.graphs.compiles_after_start,
+                "compile_timings": self.runner.graphs.report()}   # where the start's time went
