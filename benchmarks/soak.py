@@ -120,7 +120,7 @@ def soak_row(args, model: str, wall: float, results: list[RequestResult], stats:
     return {"bench": "soak", "impl": "jaxserve",
             "params": {"num_requests": args.num_requests, "concurrency": args.concurrency,
                        "cancel_frac": args.cancel_frac, "seed": args.seed, "call_timeout_s": args.call_timeout,
-                       "model": model},
+                       "model": model, "config": args.config},
             "ms": wall * 1e3, "tok_s": tokens / wall, "requests": len(results), "cancels": len(ok) - len(completed),
             "completed": len(completed), "hung_calls": errors.pop(HUNG, 0), "errors": dict(errors),
             "leaked_blocks": stats.kv_blocks_used, "stuck_requests": stats.running + stats.waiting + stats.pending,

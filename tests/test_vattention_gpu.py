@@ -47,6 +47,18 @@ def vattention(wide, **knobs) -> LLM:
     return LLM(wide, **{**KNOBS, "num_blocks": 2048, **knobs}, kv_backend="vattention", enable_prefix_caching=False)
 
 
+def check_logprobs_close(got: list, expected: list) -> None:
+    """Greedy outputs agree up to their first difference, where each side's token is in the other's top logprobs
+    (a near tie); the rest of such a pair is not compared."""
+    for (outs, _), (ref_outs, _) in zip(got, expected, strict=True):
+        for (ids, lps), (ref_ids, ref_lps) in zip(outs, ref_outs, strict=True):
+            assert len(ids) == len(ref_ids)
+            for i, (a, b) in enumerate(zip(ids, ref_ids)):
+                if a != b:
+                    assert a in ref_lps[i] and b in lps[i], f"token {i}: {a} vs {b}, not a near tie"
+                    break
+
+
 def test_exported_range_is_zero_copy_and_a_donated_step_updates_it_in_place():
     """Only rows 1 and 2's leading pages are mapped: a jitted donated scatter into them keeps the range's address
     (no copy of the mostly unmapped range, which would fault), and reads back what it wrote."""
@@ -97,9 +109,11 @@ def test_engine_matches_paged_across_pages_and_slot_reuse(wide, paged, kernels, 
 @pytest.mark.parametrize("kernels", ["identity", "contiguous"])
 def test_preemption_forks_and_every_request_kind_in_a_small_pool(wide, paged, kernels):
     """6 usable pages (6144 tokens): preemption and slot reuse remap pages (deferred unmaps behind fences), n = 3
-    forks copy a prompt across pages; sampled, penalties, logprobs, prompt logprobs compile nothing new."""
+    forks copy a prompt across pages; sampled, penalties, logprobs, prompt logprobs compile nothing new. A
+    preempted request recomputes its tokens in other batches and kernels (prefill, not decode): in bf16 its greedy
+    tokens may leave paged mode's only at a near tie (vLLM's check_logprobs_close)."""
     llm = vattention(wide, vattention_kernels=kernels, num_blocks=385)   # 6144 tokens + the null block's page
-    assert tokens(results(llm, prompts(), GREEDY)) == tokens(paged)
+    check_logprobs_close(results(llm, prompts(), GREEDY), paged)
     fork = results(llm, prompts((1200,)), SamplingParams(temperature=1.0, n=3, seed=3, max_tokens=16))
     assert len(set(map(tuple, tokens(fork)[0]))) == 3
     mixed, params = mixed_requests()
