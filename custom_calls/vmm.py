@@ -71,9 +71,10 @@ def register_fence(path: str | None = None) -> None:
 
 def fence(x: jax.Array) -> jax.Array:
     """Inside the jitted step: x unchanged, after which the device's manager records a fence on XLA's stream.
-    Pass what the step computes after its last cache read (e.g. the logits)."""
-    return jax.ffi.ffi_call(FENCE_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0},
-                            has_side_effect=True)(x)
+    Pass what the step computes after its last cache read (e.g. the logits). Not declared side-effecting: its
+    output is used, so XLA keeps it after every read, and an effect would take the step off JAX's C++ dispatch
+    path (an unordered effect does: a Python dispatch of every weight and cache array, every step)."""
+    return jax.ffi.ffi_call(FENCE_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0})(x)
 
 
 def granularity(device: int = 0, path: str | None = None) -> int:

@@ -33,6 +33,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    def __hash__(self):   # a static part of the jitted layer (models/llama.run_layer): rope_scaling is a dict
+        return hash(tuple(tuple(sorted((self.rope_scaling or {}).items())) if f.name == "rope_scaling"
+                          else getattr(self, f.name) for f in dataclasses.fields(self)))
+
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unknown architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")

@@ -234,3 +234,24 @@ def test_host_only_knobs_keep_the_executables_and_graph_knobs_do_not():
     base = fingerprint()
     assert fingerprint(max_queued_requests=5, watermark=0.2, compile_cache_dir="/tmp/elsewhere") == base
     assert fingerprint(seq_buckets=(8,)) != base and fingerprint(block_size=8) != base
+
+
+def test_a_step_traces_its_layers_once(monkeypatch):
+    """The layers share a structure: a step graph traces one decoder layer, not one per layer (start-up's tracing,
+    on its critical path, scales with the shapes, not the layer count), and runs the same math (greedy tokens
+    equal a per-layer trace's)."""
+    import dataclasses
+
+    from jaxserve.models import llama
+    model = random_model(dataclasses.replace(TINY, num_layers=4, hidden_size=80), jnp.float32)  # shapes of its own
+    traced, call = [], llama.DecoderLayer.__call__
+    monkeypatch.setattr(llama.DecoderLayer, "__call__", lambda *a: traced.append(1) or call(*a))
+    llm = LLM(model, **{**KNOBS, "precompile": False, "num_blocks": 64})
+    runner = llm.engine.runner
+    runner._lower_model(runner.step_inputs(num_tokens=16, num_seqs=4).model)
+    assert len(traced) == 1
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [9] * 20], params, use_tqdm=False)]
+    monkeypatch.setattr(llama, "run_layer", llama.run_layer.__wrapped__)   # the layers traced one by one
+    unrolled = LLM(model, **{**KNOBS, "precompile": False, "num_blocks": 64})
+    assert got == [o.outputs[0].token_ids for o in unrolled.generate([[5, 6, 7], [9] * 20], params, use_tqdm=False)]

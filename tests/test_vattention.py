@@ -308,14 +308,17 @@ def test_cpp_manager_without_a_driver_fails_clearly(vmm_library):
                    path=vmm_library)
 
 
-def test_fence_registers_and_lowers_for_cuda_aliased_with_side_effect(vmm_library):
+def test_fence_registers_and_lowers_for_cuda_aliased_without_an_effect(vmm_library):
+    """Aliased to its input, and no effect: an effect takes every step off JAX's C++ dispatch path (with one, the
+    H100 showed 6-9 ms more host time per 8B step than paged mode; the cause read from JAX's dispatch code)."""
     import jax
     import jax.numpy as jnp
     from custom_calls import vmm
     vmm.register_fence(vmm_library)
-    text = jax.jit(lambda x: vmm.fence(x * 2)).trace(jnp.zeros((4, 8), jnp.float32)).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert f"stablehlo.custom_call @{vmm.FENCE_TARGET}(" in text and "has_side_effect = true" in text
+    traced = jax.jit(lambda x: vmm.fence(x * 2)).trace(jnp.zeros((4, 8), jnp.float32))
+    assert not traced.jaxpr.effects
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{vmm.FENCE_TARGET}(" in text and "has_side_effect = true" not in text
     assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 0" \
         in text
 

@@ -2,6 +2,7 @@
 Qwen2 (qkv bias), Qwen3 (q/k RMSNorm). Tokens are flattened `[T]`; attention goes through `attend`."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.attention import PagedAttention, attend
+from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -112,8 +113,11 @@ class LlamaForCausalLM(nnx.Module):
         """token_ids, positions [T] -> (final hidden states [T, H], updated kv_cache or None)."""
         x = self.embed_tokens(token_ids)
         new_cache = []
+        batch, kernels, mesh = (None, None, None) if paged is None else (paged.batch, paged.kernels, paged.mesh)
         for i, layer in enumerate(self.layers):
-            x, kv_layer = layer(x, positions, None if kv_cache is None else kv_cache[i], paged)
+            graphdef, state = nnx.split(layer)
+            x, kv_layer = run_layer(graphdef, state, x, positions, None if kv_cache is None else kv_cache[i], batch,
+                                    kernels=kernels, mesh=mesh)
             new_cache.append(kv_layer)
         return self.norm(x), (None if kv_cache is None else new_cache)
 
@@ -122,6 +126,16 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head is None:
             return self.embed_tokens.attend(hidden).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "mesh"))
+def run_layer(graphdef, state, x, positions, kv_layer, batch: AttentionBatch | None, *,
+              kernels: AttentionKernels | None, mesh):
+    """One decoder layer, a jitted call: the layers share a structure, so it is traced once per step shape rather
+    than once per layer (the step graphs' tracing, on the start-up's critical path, shrinks by the layer count);
+    XLA inlines the calls, so the compiled step is the same."""
+    paged = None if batch is None else PagedAttention(batch, kernels, mesh)
+    return nnx.merge(graphdef, state)(x, positions, kv_layer, paged)
 
 
 def abstract_model(cfg: ModelConfig, dtype) -> LlamaForCausalLM:
