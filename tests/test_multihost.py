@@ -113,6 +113,28 @@ def test_jaxserve_serve_across_two_processes(tmp_path):
     assert re.search(r"stopped after [1-9]\d* steps", logs[1].read_text())
 
 
+def test_a_dead_worker_ends_the_leader_within_the_heartbeat_timeout(tmp_path):
+    """SIGKILL to the worker: the leader must not hang on its collectives; the coordination service ends it (exit
+    code != 0, for a supervisor to restart the cluster) within about HEARTBEAT_TIMEOUT_S."""
+    from jaxserve.engine.distributed import HEARTBEAT_TIMEOUT_S
+    config = tmp_path / "tiny.yaml"
+    engine = {k: list(v) if isinstance(v, tuple) else v for k, v in LAZY.items() if k != "precompile"}
+    config.write_text(yaml.safe_dump({"model": "random", "dtype": "f32", "random_model": TINY_HF,
+                                      "engine": {**engine, "tensor_parallel_size": 2}}))
+    port, logs = free_port(), [tmp_path / "leader.log", tmp_path / "worker.log"]
+    procs = [start([sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", "0",
+                    "--no-metrics", "--no-precompile", "--coordinator-address", f"127.0.0.1:{port}",
+                    "--num-processes", "2", "--process-id", str(i)], logs[i]) for i in (0, 1)]
+    try:
+        wait_ready(procs[0], logs[0])
+        procs[1].kill()
+        killed = time.monotonic()
+        code = procs[0].wait(4 * HEARTBEAT_TIMEOUT_S)
+        assert code != 0 and time.monotonic() - killed < 3 * HEARTBEAT_TIMEOUT_S, logs[0].read_text()[-2000:]
+    finally:
+        finish(procs)
+
+
 def wait_ready(proc: subprocess.Popen, log: Path) -> str:
     deadline = time.monotonic() + TIMEOUT_S
     while not (match := re.search(r"ready grpc=(\S+)", log.read_text())):

@@ -41,6 +41,10 @@ STEPS_PER_CHUNK = 16    # step keys live in chunks; the leader deletes a chunk o
 STOP = b"stop"          # never a pickle (those start with b"\x80")
 WAIT_MS = 60_000        # a worker's get, retried for as long as the server idles
 MAX_INFLIGHT_STEPS = 2  # a worker's launched steps not yet done, as the leader's engine (async scheduling)
+# A process silent this long is dead, and the coordination service ends the others (their steps' collectives would
+# wait on it forever): a supervisor then restarts the cluster. JAX's default, 100 s, left a dead worker's leader
+# hanging that long with every request in it.
+HEARTBEAT_TIMEOUT_S = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,8 @@ def initialize(cluster: Cluster | None, tensor_parallel_size: int) -> None:
     if cluster is None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(cluster.coordinator_address, cluster.num_processes, cluster.process_id)
+    jax.distributed.initialize(cluster.coordinator_address, cluster.num_processes, cluster.process_id,
+                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
     if tensor_parallel_size != jax.device_count():
         raise ValueError(f"--tensor-parallel-size {tensor_parallel_size}: a multi-host engine spans every device of "
                          f"its {cluster.num_processes} processes; set it to {jax.device_count()}")
