@@ -89,17 +89,23 @@ def test_each_process_keys_its_own_executables(two_processes):
     assert leader["fingerprint"] != worker["fingerprint"]
 
 
-def test_jaxserve_serve_across_two_processes(tmp_path):
-    """The leader serves gRPC, the worker follows; SIGTERM to the leader drains it, and the worker leaves too."""
-    assert model_config_from_hf(TINY_HF) == TINY
+def serve_cluster(tmp_path: Path, *flags: str) -> tuple[list[subprocess.Popen], list[Path]]:
+    """`jaxserve serve` of the tiny random model as a TP2 engine over two processes: (processes, their logs)."""
     config = tmp_path / "tiny.yaml"
     engine = {k: list(v) if isinstance(v, tuple) else v for k, v in LAZY.items() if k != "precompile"}
     config.write_text(yaml.safe_dump({"model": "random", "dtype": "f32", "random_model": TINY_HF,
                                       "engine": {**engine, "tensor_parallel_size": 2}}))
     port, logs = free_port(), [tmp_path / "leader.log", tmp_path / "worker.log"]
     procs = [start([sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", "0",
-                    "--no-metrics", "--no-precompile", "--grace-period", "5", "--coordinator-address",
-                    f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], logs[i]) for i in (0, 1)]
+                    "--no-metrics", "--no-precompile", *flags, "--coordinator-address", f"127.0.0.1:{port}",
+                    "--num-processes", "2", "--process-id", str(i)], logs[i]) for i in (0, 1)]
+    return procs, logs
+
+
+def test_jaxserve_serve_across_two_processes(tmp_path):
+    """The leader serves gRPC, the worker follows; SIGTERM to the leader drains it, and the worker leaves too."""
+    assert model_config_from_hf(TINY_HF) == TINY
+    procs, logs = serve_cluster(tmp_path, "--grace-period", "5")
     try:
         target = wait_ready(procs[0], logs[0])
         served = asyncio.run(complete(target, [[3, 4, 5, 6, 7], list(range(10, 50))]))
@@ -117,14 +123,7 @@ def test_a_dead_worker_ends_the_leader_within_the_heartbeat_timeout(tmp_path):
     """SIGKILL to the worker: the leader must not hang on its collectives; the coordination service ends it (exit
     code != 0, for a supervisor to restart the cluster) within about HEARTBEAT_TIMEOUT_S."""
     from jaxserve.engine.distributed import HEARTBEAT_TIMEOUT_S
-    config = tmp_path / "tiny.yaml"
-    engine = {k: list(v) if isinstance(v, tuple) else v for k, v in LAZY.items() if k != "precompile"}
-    config.write_text(yaml.safe_dump({"model": "random", "dtype": "f32", "random_model": TINY_HF,
-                                      "engine": {**engine, "tensor_parallel_size": 2}}))
-    port, logs = free_port(), [tmp_path / "leader.log", tmp_path / "worker.log"]
-    procs = [start([sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", "0",
-                    "--no-metrics", "--no-precompile", "--coordinator-address", f"127.0.0.1:{port}",
-                    "--num-processes", "2", "--process-id", str(i)], logs[i]) for i in (0, 1)]
+    procs, logs = serve_cluster(tmp_path)
     try:
         wait_ready(procs[0], logs[0])
         procs[1].kill()
