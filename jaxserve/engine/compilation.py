@@ -220,6 +220,6 @@ def fingerprint(*parts) -> str:
     """What a runner's graphs depend on beyond their keys, as one string for ExecutableCache. An executable is
     bound to its devices and, on several hosts, to its process: the caller passes the device ids, and the process
     index and count are added here, so neither data-parallel replicas nor the processes of a multi-host engine
-    (sharing a cache directory) load each other's executables."""
+    (sharing a cache directory) load each other's executables. XLA_FLAGS change what XLA builds: they are in it."""
     return repr((jax.__version__, jaxlib.__version__, jax.process_index(), jax.process_count(), *parts,
-                 source_digest()))
+                 os.environ.get("XLA_FLAGS", ""), source_digest()))

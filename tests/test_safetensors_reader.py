@@ -1,0 +1,42 @@
+"""The loader's own safetensors reader (one pread per tensor, off the GIL) against the safetensors package."""
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxserve.models.errors import ModelLoadError
+from jaxserve.models.loader import safetensors_header
+
+
+def test_every_tensor_reads_back_as_the_package_reads_it(tmp_path):
+    rng = np.random.default_rng()
+    tensors = {"a.bf16": rng.standard_normal((67, 33)).astype(ml_dtypes.bfloat16),
+               "b.f16": rng.standard_normal((5,)).astype(np.float16),
+               "c.f32": rng.standard_normal((3, 4, 5)).astype(np.float32),
+               "d.f64": rng.standard_normal((2, 9)).astype(np.float64)}
+    save_file(tensors, tmp_path / "m.safetensors", metadata={"format": "pt"})
+    expected = load_file(tmp_path / "m.safetensors")
+    read = dict(safetensors_header(tmp_path / "m.safetensors"))
+    assert sorted(read) == sorted(tensors)
+    offsets = [t.offset for t in read.values()]
+    assert offsets == sorted(offsets)   # file order: the reads stay sequential
+    for name, stored in read.items():
+        whole = stored[...]
+        assert whole.dtype == expected[name].dtype and whole.shape == expected[name].shape
+        np.testing.assert_array_equal(whole.view(np.uint8), expected[name].view(np.uint8))
+        if whole.ndim == 2:   # a device's shard (tensor parallel) is a slice of the one read
+            np.testing.assert_array_equal(stored[:, 1:3], expected[name][:, 1:3])
+
+
+@pytest.mark.parametrize("spoil, reason", [
+    (lambda raw: raw[:-7], "do not hold"),                       # cut short
+    (lambda raw: (10**9).to_bytes(8, "little") + raw[8:], "header length"),
+    (lambda raw: raw[:8] + b"[" + raw[9:], "header"),           # broken JSON
+])
+def test_a_corrupt_file_is_refused_naming_it(tmp_path, spoil, reason):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.ones((4, 4), np.float32)}, path)
+    path.write_bytes(spoil(path.read_bytes()))
+    with pytest.raises(ModelLoadError, match=reason) as e:
+        safetensors_header(path)
+    assert "m.safetensors" in str(e.value)
