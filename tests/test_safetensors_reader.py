@@ -1,14 +1,18 @@
 """The loader's own safetensors reader (one pread per tensor, off the GIL) against the safetensors package."""
+from concurrent.futures import ThreadPoolExecutor
+
 import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.models.errors import ModelLoadError
+from jaxserve.models import loader
 from jaxserve.models.loader import read_tensor, safetensors_header
 
 
-def test_every_tensor_reads_back_as_the_package_reads_it(tmp_path):
+def test_every_tensor_reads_back_as_the_package_reads_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(loader, "READ_CHUNK", 100)   # tensors of several chunks, the last one partial
     rng = np.random.default_rng()
     tensors = {"a.bf16": rng.standard_normal((67, 33)).astype(ml_dtypes.bfloat16),
                "b.f16": rng.standard_normal((5,)).astype(np.float16),
@@ -20,9 +24,9 @@ def test_every_tensor_reads_back_as_the_package_reads_it(tmp_path):
     assert sorted(t.name for t in header) == sorted(tensors)
     offsets = [t.offset for t in header]
     assert offsets == sorted(offsets)   # file order: the reads stay sequential
-    with open(tmp_path / "m.safetensors", "rb", buffering=0) as f:
+    with open(tmp_path / "m.safetensors", "rb", buffering=0) as f, ThreadPoolExecutor(3) as pool:
         for t in header:
-            read = read_tensor(f, t)
+            read = read_tensor(f, t, pool)
             assert read.dtype == expected[t.name].dtype and read.shape == expected[t.name].shape
             np.testing.assert_array_equal(read.view(np.uint8), expected[t.name].view(np.uint8))
 
