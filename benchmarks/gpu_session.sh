@@ -50,12 +50,14 @@ case $1 in
     for knob in prefill_attention=triton prefill_attention=mosaic; do
       run 110 python benchmarks/offline.py --config $CONFIG --set $knob --out "$OUT/offline_mosaic_gpu.json"
     done ;;
-  coldstart)   # #18: start-up, then the default config's offline rows (warm), then checkpoint loading. Commit 38d23e8
-    # ran it once more with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (XLA_FLAGS are in the executables' fingerprint)
+  coldstart)   # #18: start-up, then the default config's offline rows (warm: executables from disk), then loading
+    # (38d23e8 ran start-up and the offline rows once more with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false into
+    # startup_xla_flags_h100.json and offline_xla_flags_gpu.json: XLA_FLAGS are in the executables' fingerprint)
     run 200 python benchmarks/startup.py --config $CONFIG --cache-dir ~/.cache/jaxserve/xla --out "$OUT/startup_h100.json"
-    for w in "" "$SAMPLED" "--num-prompts 1 --input-len 128 --output-len 512"; do
-      run 60 python benchmarks/offline.py --config $CONFIG $w --out "$OUT/offline_flags_gpu.json"
-    done
+    run 60 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_configs_gpu.json"
+    run 60 python benchmarks/offline.py --config $CONFIG $SAMPLED --out "$OUT/offline_configs_gpu.json"
+    run 60 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
+      --out "$OUT/offline_batch1_gpu.json"
     run 240 python benchmarks/load_checkpoint.py --config $CONFIG --dir /tmp/ckpt-8b --out "$OUT/load_checkpoint_h100.json" ;;
   load)
     run 330 python benchmarks/load_checkpoint.py --config $CONFIG --dir /tmp/ckpt-8b --out "$OUT/load_checkpoint_h100.json"

@@ -2,8 +2,8 @@
 into ~5 GB files like the Hub's) is written once, then loaded in the same run by
   - `read`:      every file read to memory (the disk or page-cache ceiling),
   - `raw`:       `safetensors.numpy.load_file` + `jax.device_put` of every tensor (the plain way),
-  - `jaxserve`:  `jaxserve.models.loader.load_model` (memory-mapped, shard by shard, read ahead on threads,
-                 layout and dtype fixed on the device, finiteness checked),
+  - `jaxserve`:  `jaxserve.models.loader.load_model` (each tensor read in file order by chunked preads on threads
+                 while earlier ones are placed, layout and dtype fixed on the device, finiteness checked),
 each from a cold page cache (the files' pages dropped with posix_fadvise after an fsync), again warm, and cold once
 more: the first load in a process also pays its one-time costs (jaxserve: compiling its small layout and finiteness
 graphs), the third is the streaming alone.
