@@ -176,7 +176,7 @@ SAFETENSORS_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.f
 MAX_HEADER_BYTES = 100 << 20   # the format's own limit
 READ_CHUNK, READ_THREADS = 16 << 20, 8   # a tensor's bytes are read in chunks on threads
 # The loader's small graphs (layout, finiteness, random weights) are memory-bound copies and reductions: XLA's
-# autotuning (timing kernel variants on the GPU) bought nothing there and was most of a first load's compiling
+# autotuner timed kernel variants for them on the GPU in a first load, which buys nothing there
 LOADER_XLA_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 
@@ -203,12 +203,15 @@ def safetensors_header(path: Path) -> list[StoredTensor]:
         try:
             header = json.loads(f.read(length))
             header.pop("__metadata__", None)
-            entries = sorted((meta["data_offsets"], name, meta["dtype"], tuple(meta["shape"]))
-                             for name, meta in header.items())
+            entries = []
+            for name, meta in header.items():
+                begin, end = map(int, meta["data_offsets"])
+                entries.append((begin, end, name, meta["dtype"], tuple(map(int, meta["shape"]))))
+            entries.sort()
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(path, f"corrupt safetensors file (header: {e!r})") from e
     tensors = []
-    for (begin, end), name, dtype, shape in entries:
+    for begin, end, name, dtype, shape in entries:
         if dtype not in SAFETENSORS_DTYPES:
             raise ModelLoadError(path, f"tensor {name} has dtype {dtype}; supported: {', '.join(SAFETENSORS_DTYPES)}")
         t = StoredTensor(name, np.dtype(SAFETENSORS_DTYPES[dtype]), shape, 8 + length + begin)
