@@ -10,12 +10,14 @@
 8192 positions), each run once to warm up, then measured. Per workload: host time per step (schedule + step inputs + launch: `LLMEngine._launch`), of it
 the block-table work (table writes and row gathers) and the synchronous page maps (the critical path: a step
 cannot launch before its pages are mapped; look-ahead maps run on the mapper thread), and the KV capacity the
-same memory gives (tokens, and sequences of the workload's length: a 2 MiB page holds 1024 tokens of one layer,
-so a vattention sequence takes its tokens rounded up to 1024). Prefix caching is off in both (vattention has
-none): the same schedule.
+same memory gives (tokens, and sequences of the workload's length: the cross-layer cache's 2 MiB page holds 32
+tokens of every layer of Llama-3-8B, so a vattention sequence takes its tokens rounded up to 32). Prefix caching
+is off in both (vattention has none): the same schedule.
 `kernels`: the engine's decode kernel over a paged cache (shuffled blocks), its contiguous variant (rows by
-slot, stage 2; rows 4096 tokens = 4 pages apart, and 5 pages apart as VmmGeometry lays them out), and cuDNN (`jax.nn.dot_product_attention`) on the dense [B, ctx, kv, d] layout a vattention row
-is (the "unmodified kernel"), 256 x 4096 being past what the 8B model's KV fits beside its weights on an H100.
+slot, stage 2) on one layer's rows, and on a layer of the cross-layer cache the engine runs (blocks num_layers
+apart, rows an odd number of pages apart as VmmGeometry lays them out: 32 layers at batch 64, 8 at 256 for
+memory), and cuDNN (`jax.nn.dot_product_attention`) on the dense [B, ctx, kv, d] layout a one-layer row is (the
+"unmodified kernel"); 256 x 4096 is past what the 8B model's KV fits beside its weights on an H100.
 """
 from __future__ import annotations
 
@@ -158,24 +160,35 @@ def decode_batch(batch: int, context: int, kv_heads=8, q_heads=32, head_dim=128,
     return q, rows, paged, jnp.asarray(table.reshape(batch, blocks_per_seq))
 
 
+def cross_layer_rows(rows: jax.Array, num_layers: int, layer: int, row_blocks: int) -> jax.Array:
+    """rows [B, ctx, kv, d] as `layer` of a cross-layer cache [B * row_blocks, num_layers, 16, kv, d] (zeros
+    elsewhere), viewed as the kernels take it: [B * row_blocks * num_layers, 16, kv, d]."""
+    batch, context = rows.shape[:2]
+    blocks = rows.reshape(batch, context // 16, 16, *rows.shape[2:])
+    place = jax.jit(lambda z, b: z.at[:, :context // 16, layer].set(b), donate_argnums=0)
+    cache = place(jnp.zeros((batch, row_blocks, num_layers, *blocks.shape[2:]), rows.dtype), blocks)
+    return cache.reshape(-1, *blocks.shape[2:])
+
+
 def bench_kernels(args, command: str) -> None:
     from pallas_kernels import contiguous_ragged_attention, ragged_paged_attention
     rows_out = []
-    for batch in (64, 256):
+    for batch, num_layers in ((64, 32), (256, 8)):
         context, scale, bps = 4096, 128 ** -0.5, 4096 // 16
         q, rows, paged, table = decode_batch(batch, context)
         cu, lens = jnp.arange(batch + 1, dtype=jnp.int32), jnp.full(batch, context, jnp.int32)
         n, slots = jnp.array([batch], jnp.int32), jnp.arange(batch, dtype=jnp.int32)
+        cross_bps = bps + 2   # VmmGeometry: 4,096 tokens are 128 pages of 32, and rows are laid an odd number apart
+        cross = [cross_layer_rows(r, num_layers, num_layers // 2, cross_bps) for r in rows]
         calls = {   # name -> (fn, its arrays: arguments, never constants folded into the graph)
             "paged": (lambda q, k, v, t: ragged_paged_attention(q, k, v, cu, lens, t, n, sm_scale=scale,
                                                                 decode_only=True), (q, *paged, table)),
             "contiguous": (lambda q, k, v, s: contiguous_ragged_attention(
                 q, k.reshape(-1, 16, 8, 128), v.reshape(-1, 16, 8, 128), cu, lens, s, n, blocks_per_slot=bps,
                 sm_scale=scale, decode_only=True), (q, *rows, slots)),
-            "contiguous-odd-rows": (lambda q, k, v, s: contiguous_ragged_attention(   # rows 5 pages apart, not 4
-                q, k.reshape(-1, 16, 8, 128), v.reshape(-1, 16, 8, 128), cu, lens, s, n, blocks_per_slot=bps + 64,
-                sm_scale=scale, decode_only=True), (q, *(jnp.pad(r, ((0, 0), (0, 1024), (0, 0), (0, 0))) for r in rows),
-                                                    slots)),
+            "contiguous-cross-layer": (lambda q, k, v, s, layer: contiguous_ragged_attention(
+                q, k, v, cu, lens, s, n, blocks_per_slot=cross_bps, num_layers=num_layers, layer=layer,
+                sm_scale=scale, decode_only=True), (q, *cross, slots, jnp.int32(num_layers // 2))),
             "cudnn": (lambda q, k, v: jax.nn.dot_product_attention(
                 q[:, None], k, v, scale=scale, implementation="cudnn", query_seq_lengths=jnp.ones(batch, jnp.int32),
                 key_value_seq_lengths=lens)[:, 0], (q, *rows))}
@@ -189,9 +202,10 @@ def bench_kernels(args, command: str) -> None:
             rows_out.append({"bench": "vattention_decode_kernel", "impl": name, "ms": ms,
                              "gbps": kv_bytes / ms / 1e6, "max_abs_diff_vs_paged": err,
                              "params": {"batch": batch, "context": context, "kv_heads": 8, "q_heads": 32,
-                                        "head_dim": 128, "dtype": "bfloat16"}})
-            print(f"decode {batch} x {context} {name:10s} {ms:.3f} ms {kv_bytes / ms / 1e6:,.0f} GB/s", flush=True)
-        del q, rows, paged, calls
+                                        "head_dim": 128, "dtype": "bfloat16",
+                                        **({"num_layers": num_layers} if "cross" in name else {})}})
+            print(f"decode {batch} x {context} {name:22s} {ms:.3f} ms {kv_bytes / ms / 1e6:,.0f} GB/s", flush=True)
+        del q, rows, paged, cross, calls
     write_rows(args.out, rows_out, command)
 
 

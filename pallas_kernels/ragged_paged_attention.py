@@ -35,9 +35,12 @@ whole chain from num_seqs to K/V plus a merge launch (benchmarks/NOTES_attention
 
 Contiguous mode (vAttention, `contiguous_ragged_attention`): each sequence's KV is one row (slot) of the cache,
 which viewed as blocks makes block i of slot s the block s * blocks_per_slot + i. The same launches run with
-`slots` [max_seqs] in place of the block table: each program loads its sequence's slot once and computes every
-block id from it, so no table is built on the host, read, or gathered. Only the addressing differs
-(`BlockTable` / `SlotRows`, the kernels' `blocks`); the paged launches lower exactly as before.
+`slots` [max_seqs] in place of the block table: each program loads its sequence's first block once and computes
+every block id from it, so no table is built on the host, read, or gathered. A cross-layer cache (vAttention's
+megacache: a block holds every layer of its tokens, so that a 2 MiB page holds a short run of tokens, not 1,024
+tokens of one layer) is the same cache viewed as [num_blocks * num_layers, block_size, ...]: layer l of block b
+is block b * num_layers + l, so a row's blocks are num_layers apart (`Geometry.block_stride`). Only the
+addressing differs (`BlockTable` / `SlotRows`, the kernels' `blocks`); the paged launches lower exactly as before.
 """
 import dataclasses
 import functools
@@ -53,8 +56,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import paged_prefill_attention_mgpu as mgpu_prefill
 from pallas_kernels.common import (LOG2E, exp2_shift, init_carry, interpret_params, normalize,
                                    online_softmax_step, per_row)
-from pallas_kernels.ragged_paged_attention_reference import (contiguous_ragged_attention_reference,
-                                                              ragged_paged_attention_reference)
+from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference, strided_block_tables
 
 IMPLS = ("auto", "pallas", "reference")
 PREFILL_BACKENDS = ("auto", "triton", "mosaic")
@@ -93,13 +95,14 @@ class Geometry:
     max_seqs: int
     max_blocks: int  # per sequence: the block table's width, or (contiguous) blocks_per_slot
     contiguous: bool  # blocks are addressed by slot (SlotRows), not by table (BlockTable)
+    block_stride: int = 1  # contiguous: ids between a row's consecutive blocks (a cross-layer cache's layers)
 
     @classmethod
-    def of(cls, q, k_cache, blocks, blocks_per_slot: int | None) -> "Geometry":
-        """blocks: the block table (blocks_per_slot None), or the slots."""
+    def of(cls, q, k_cache, blocks, blocks_per_slot: int | None, block_stride: int = 1) -> "Geometry":
+        """blocks: the block table (blocks_per_slot None), or each sequence's first block."""
         contiguous = blocks_per_slot is not None
         return cls(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], blocks.shape[0],
-                   blocks_per_slot if contiguous else blocks.shape[1], contiguous)
+                   blocks_per_slot if contiguous else blocks.shape[1], contiguous, block_stride)
 
     def addressing(self, blocks_ref) -> "BlockTable | SlotRows":
         return SlotRows(blocks_ref) if self.contiguous else BlockTable(blocks_ref)
@@ -144,17 +147,18 @@ class BlockTable:
 
 @dataclass(frozen=True, slots=True)
 class SlotRows:
-    """Contiguous addressing: sequence s owns cache row slots[s], so its block i is slots[s] * blocks_per_slot + i
-    (blocks_per_slot = geo.max_blocks): one scalar load per program, then arithmetic; no table, no gather."""
-    ref: Any  # slots [max_seqs]
+    """Contiguous addressing: sequence s's block i is first[s] + i * block_stride (first[s]: its row's first
+    block, `row_starts`): one scalar load per program, then arithmetic; no table, no gather."""
+    ref: Any  # first blocks [max_seqs]
 
     def of(self, seq, geo):
-        return self.ref[jnp.minimum(seq, geo.max_seqs - 1)] * geo.max_blocks  # the row's first block
+        return self.ref[jnp.minimum(seq, geo.max_seqs - 1)]
 
     def block(self, first, col, masked, live, geo, num_pages):
+        block = first + col * geo.block_stride if geo.block_stride > 1 else first + col
         if masked == "speculative":  # loads unmasked, and slots past num_seqs may hold anything
-            return jnp.clip(first + col, 0, num_pages - 1)
-        return first + col
+            return jnp.clip(block, 0, num_pages - 1)
+        return block
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,50 +192,61 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
 
 
 def contiguous_ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *, blocks_per_slot: int,
-                                sm_scale: float, **options) -> jax.Array:
+                                sm_scale: float, num_layers: int = 1, layer=0, **options) -> jax.Array:
     """`ragged_paged_attention` on a contiguous (vAttention) cache: sequence i's KV is row slots[i] of the cache,
     its first kv_lens[i] tokens, with no block table. The cache stays [num_blocks, block_size, kv_heads,
     head_dim], num_blocks = rows * blocks_per_slot (a row's tokens are its blocks', in order); slots int32
-    [max_seqs], each < rows for live sequences (entries past num_seqs are ignored). options: as
-    `ragged_paged_attention`'s (sliding_window, soft_cap, impl, prefill_backend, decode_only, interpret, tuning).
+    [max_seqs], each < rows for live sequences (entries past num_seqs are ignored). A cross-layer cache
+    ([rows * blocks_per_slot, num_layers, block_size, ...] viewed as [.. * num_layers, block_size, ...]) is read at
+    `layer` (an int or a traced int32 scalar). options: as `ragged_paged_attention`'s (sliding_window, soft_cap,
+    impl, prefill_backend, decode_only, interpret, tuning).
     """
-    return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, blocks_per_slot,
-                            sm_scale=sm_scale, **options)
+    check_layers(num_layers, layer)
+    return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens,
+                            row_starts(slots, blocks_per_slot, num_layers, layer), num_seqs, blocks_per_slot,
+                            sm_scale=sm_scale, block_stride=num_layers, **options)
+
+
+def row_starts(slots, blocks_per_slot: int, num_layers: int = 1, layer=0):
+    """Each slot's first block at `layer`, in the cache viewed as [num_blocks * num_layers, block_size, ...]."""
+    if num_layers == 1:
+        return slots * blocks_per_slot
+    return slots * (blocks_per_slot * num_layers) + jnp.asarray(layer, jnp.int32)
+
+
+def check_layers(num_layers: int, layer) -> None:
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    if isinstance(layer, int) and not 0 <= layer < num_layers:
+        raise ValueError(f"layer must be in [0, num_layers={num_layers}), got {layer}")
 
 
 def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_slot: int | None, *,
                      sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                      impl: str = "auto", prefill_backend: str = "auto", decode_only: bool = False,
-                     interpret: bool = False, **tuning) -> jax.Array:
-    """Both public entry points: `blocks` is the block table (blocks_per_slot None) or the slots (contiguous)."""
+                     interpret: bool = False, block_stride: int = 1, **tuning) -> jax.Array:
+    """Both public entry points: `blocks` is the block table (blocks_per_slot None) or each sequence's first block
+    (contiguous, its row's blocks block_stride apart)."""
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slot, num_seqs,
-                            sm_scale, sliding_window, soft_cap, impl, prefill_backend)
+                            sm_scale, sliding_window, soft_cap, impl, prefill_backend, block_stride)
     scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
     if resolve_impl(impl, interpret) == "reference":
         if tuning:
             raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")
-        return reference_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_slot,
-                                   scores)
+        tables = blocks if blocks_per_slot is None else strided_block_tables(blocks, blocks_per_slot, block_stride)
+        return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, tables, num_seqs,
+                                                **dataclasses.asdict(scores))
     check_pallas_shapes(q, k_cache)
     tuning = make_tuning(q.dtype, tuning)
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
+    addressing = dict(blocks_per_slot=blocks_per_slot, block_stride=block_stride)
     if decode_only:
-        return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret,
-                                 blocks_per_slot=blocks_per_slot)
+        return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing)
     mosaic = prefill_on_mosaic(q, k_cache, blocks, scores, tuning, prefill_backend, interpret)
     # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
     # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
     run = attention_launches if mosaic is not None and interpret else pallas_attention
-    return run(*args, scores=scores, tuning=tuning, interpret=interpret, mosaic=mosaic,
-               blocks_per_slot=blocks_per_slot)
-
-
-def reference_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_slot, scores: Scores):
-    options = dataclasses.asdict(scores)
-    if blocks_per_slot is None:
-        return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, **options)
-    return contiguous_ragged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
-                                                 blocks_per_slot=blocks_per_slot, **options)
+    return run(*args, scores=scores, tuning=tuning, interpret=interpret, mosaic=mosaic, **addressing)
 
 
 def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backend: str,
@@ -274,7 +289,7 @@ def make_tuning(dtype, overrides: dict) -> Tuning:
 
 
 def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slot, num_seqs, sm_scale,
-                 sliding_window, soft_cap, impl, prefill_backend):
+                 sliding_window, soft_cap, impl, prefill_backend, block_stride=1):
     """Validate shapes, dtypes and options; return num_seqs as int32 [1]."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -294,7 +309,8 @@ def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slo
     if kv_lens.ndim != 1 or cu_q_lens.shape != (kv_lens.shape[0] + 1,):
         raise ValueError(f"kv_lens must be [max_seqs] and cu_q_lens [max_seqs + 1], got {kv_lens.shape}, "
                          f"{cu_q_lens.shape}")
-    blocks_name = check_blocks(blocks, blocks_per_slot, kv_lens, k_cache)
+    row_blocks = None if blocks_per_slot is None else blocks_per_slot * block_stride
+    blocks_name = check_blocks(blocks, row_blocks, kv_lens, k_cache)
     for name, x in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), (blocks_name, blocks)):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
@@ -310,16 +326,17 @@ def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slo
     return num_seqs.astype(jnp.int32).reshape(1)
 
 
-def check_blocks(blocks, blocks_per_slot, kv_lens, k_cache) -> str:
-    """The block table [max_seqs, max_blocks], or slots [max_seqs] over a cache of whole rows; returns its name."""
-    if blocks_per_slot is None:
+def check_blocks(blocks, row_blocks, kv_lens, k_cache) -> str:
+    """The block table [max_seqs, max_blocks], or slots [max_seqs] over a cache of whole rows of row_blocks blocks
+    (all layers'); returns its name."""
+    if row_blocks is None:
         if blocks.ndim != 2 or blocks.shape[0] != kv_lens.shape[0]:
             raise ValueError(f"block_tables must be [max_seqs={kv_lens.shape[0]}, max_blocks_per_seq], "
                              f"got {blocks.shape}")
         return "block_tables"
-    if not isinstance(blocks_per_slot, int) or blocks_per_slot < 1 or k_cache.shape[0] % blocks_per_slot:
-        raise ValueError(f"blocks_per_slot must be an int >= 1 dividing num_blocks={k_cache.shape[0]} (the cache "
-                         f"is whole rows), got {blocks_per_slot!r}")
+    if not isinstance(row_blocks, int) or row_blocks < 1 or k_cache.shape[0] % row_blocks:
+        raise ValueError(f"blocks_per_slot (x num_layers) must be an int >= 1 dividing num_blocks={k_cache.shape[0]} "
+                         f"(the cache is whole rows), got {row_blocks!r}")
     if blocks.shape != kv_lens.shape:
         raise ValueError(f"slots must be [max_seqs={kv_lens.shape[0]}], got {blocks.shape}")
     return "slots"
@@ -343,8 +360,8 @@ def is_power_of_2(n: int) -> bool:
 
 def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
                        tuning: Tuning, interpret: bool, mosaic: mgpu_prefill.PrefillTuning | None,
-                       blocks_per_slot: int | None = None):
-    geo = Geometry.of(q, k_cache, blocks, blocks_per_slot)
+                       blocks_per_slot: int | None = None, block_stride: int = 1):
+    geo = Geometry.of(q, k_cache, blocks, blocks_per_slot, block_stride)
     meta = (num_seqs, cu_q_lens, kv_lens, blocks.reshape(-1))
     rows = (q.reshape(-1, geo.head_dim), k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
     parts, lse = decode_call(geo, scores, tuning, interpret)(*meta, *rows)
@@ -353,19 +370,21 @@ def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs
         return out.reshape(q.shape)
     out = mgpu_prefill.paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
                                                sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
-                                               tuning=mosaic, interpret=interpret, blocks_per_slot=blocks_per_slot)
+                                               tuning=mosaic, interpret=interpret, blocks_per_slot=blocks_per_slot,
+                                               block_stride=block_stride)
     out = merge_call(geo, tuning, interpret, q.dtype)(num_seqs, cu_q_lens, parts, lse, out.reshape(-1, geo.head_dim))
     return out.reshape(q.shape)
 
 
 pallas_attention = jax.jit(attention_launches,
-                           static_argnames=("scores", "tuning", "interpret", "mosaic", "blocks_per_slot"))
+                           static_argnames=("scores", "tuning", "interpret", "mosaic", "blocks_per_slot",
+                                            "block_stride"))
 
 
-@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret", "blocks_per_slot"))
+@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret", "blocks_per_slot", "block_stride"))
 def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
-                      tuning: Tuning, interpret: bool, blocks_per_slot: int | None = None):
-    geo = Geometry.of(q, k_cache, blocks, blocks_per_slot)
+                      tuning: Tuning, interpret: bool, blocks_per_slot: int | None = None, block_stride: int = 1):
+    geo = Geometry.of(q, k_cache, blocks, blocks_per_slot, block_stride)
     splits = min(decode_slots(geo, tuning) // geo.decode_rows, tuning.decode_max_splits)  # fixed by the shape
     slots = max(geo.num_tokens, splits * geo.decode_rows)  # every token row has a program to zero it
     tile = tuning.split_decode_kv_tile if splits > 1 else tuning.decode_kv_tile

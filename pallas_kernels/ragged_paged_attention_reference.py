@@ -6,9 +6,10 @@ each token ([num_tokens, kv_blocks_per_step * block_size, kv_heads, head_dim]), 
 and the trip count comes from the longest live sequence rather than from the block table's width.
 
 Contiguous (vAttention) caches, where sequence i's KV is row slots[i] of the cache (block j of slot s is
-s * blocks_per_slot + j): `contiguous_ragged_attention_reference` runs the paged reference over that identity
-table (the CPU path, as lean as the paged one); `contiguous_slice_reference` reads each row directly as one
-slice, no block ids, dense: the test oracle that shares no addressing with either.
+s * blocks_per_slot + j; in a cross-layer cache viewed as [num_blocks * num_layers, ...], layer l of it is
+(s * blocks_per_slot + j) * num_layers + l): `contiguous_ragged_attention_reference` runs the paged reference over
+that identity table (the CPU path, as lean as the paged one); `contiguous_slice_reference` reads each row directly
+as one slice, no block ids, dense: the test oracle that shares no addressing with either.
 """
 import functools
 
@@ -86,30 +87,43 @@ def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_len, bloc
     return m, l_prev * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
 
-def identity_block_tables(slots, blocks_per_slot: int):
-    """[max_seqs, blocks_per_slot] int32: row i lists slot slots[i]'s blocks, slots[i] * blocks_per_slot + j."""
-    return slots[:, None] * blocks_per_slot + jnp.arange(blocks_per_slot, dtype=jnp.int32)
+def strided_block_tables(first, blocks_per_slot: int, stride: int = 1):
+    """[max_seqs, blocks_per_slot] int32: row i lists first[i], first[i] + stride, ... (a contiguous row's blocks)."""
+    return first[:, None] + jnp.arange(blocks_per_slot, dtype=jnp.int32) * stride
+
+
+def identity_block_tables(slots, blocks_per_slot: int, num_layers: int = 1, layer=0):
+    """[max_seqs, blocks_per_slot] int32: row i lists slot slots[i]'s blocks, slots[i] * blocks_per_slot + j, at
+    `layer` of a cross-layer cache of num_layers (see the module)."""
+    first = slots * (blocks_per_slot * num_layers) + jnp.asarray(layer, jnp.int32)
+    return strided_block_tables(first, blocks_per_slot, num_layers)
 
 
 def contiguous_ragged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *,
-                                          blocks_per_slot: int, **options) -> jax.Array:
+                                          blocks_per_slot: int, num_layers: int = 1, layer=0,
+                                          **options) -> jax.Array:
     """Same contract as `contiguous_ragged_attention`: the paged reference over the slots' identity table."""
     return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens,
-                                            identity_block_tables(slots, blocks_per_slot), num_seqs, **options)
+                                            identity_block_tables(slots, blocks_per_slot, num_layers, layer),
+                                            num_seqs, **options)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks_per_slot", "sm_scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("blocks_per_slot", "num_layers", "sm_scale", "sliding_window",
+                                             "soft_cap"))
 def contiguous_slice_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *, blocks_per_slot: int,
-                               sm_scale: float, sliding_window: int | None = None,
+                               sm_scale: float, num_layers: int = 1, layer=0, sliding_window: int | None = None,
                                soft_cap: float | None = None) -> jax.Array:
     """`contiguous_ragged_attention_reference` written directly: each token reads its sequence's whole row of the
-    cache viewed as [rows, blocks_per_slot * block_size, kv_heads, head_dim] and attends its first kv_len keys.
-    Memory [num_tokens, row length, kv_heads, head_dim]: for tests and small shapes."""
+    cache viewed as [rows, blocks_per_slot, num_layers, block_size, kv_heads, head_dim] at `layer`, and attends its
+    first kv_len keys. Memory [num_tokens, row length, kv_heads, head_dim]: for tests and small shapes."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     seq, q_pos, kv_len = locate_tokens(cu_q_lens, kv_lens, jnp.reshape(num_seqs, ()), num_tokens)
-    k, v = (c.reshape(-1, blocks_per_slot * c.shape[1], num_kv_heads, head_dim)[slots[seq]].astype(jnp.float32)
-            for c in (k_cache, v_cache))  # [tokens, keys, kv_heads, head_dim]
+
+    def rows(c):  # [rows, keys, kv_heads, head_dim] at `layer`
+        c = c.reshape(-1, blocks_per_slot, num_layers, *c.shape[1:])
+        return jnp.take(c, layer, axis=2).reshape(c.shape[0], -1, num_kv_heads, head_dim)
+    k, v = (rows(c)[slots[seq]].astype(jnp.float32) for c in (k_cache, v_cache))  # [tokens, keys, kv_heads, head_dim]
     key = jnp.arange(k.shape[1])
     live = key[None, :] < kv_len[:, None]
     v = jnp.where(live[..., None, None], v, 0.0)  # keys past kv_len were never written (NaN x 0 would leak)

@@ -205,3 +205,54 @@ def test_mosaic_prefill():
         batch = to_slots(rng, make_batch(rng, q_lens, kv_lens, **{**GEOMETRY, **shape, "num_blocks": 80},
                                          dtype=jnp.bfloat16), blocks_per_slot=16, num_rows=NUM_ROWS)
         check_contiguous_kernel(batch, jnp.bfloat16, str(kv_lens), tuning)
+        check_cross_layer(rng, batch, jnp.bfloat16, tuning)
+
+
+def to_cross_layer(rng, batch: SlotBatch, num_layers: int, layer: int) -> SlotBatch:
+    """`batch` at `layer` of a cross-layer cache (vattention's megacache: [blocks, layers, block_size, ...]) of
+    num_layers, viewed as the kernels take it ([blocks * layers, block_size, ...]); other layers are random data, and
+    NaN where the batch's layer is: a kernel that reads another layer's block, or misses its own, fails."""
+    caches = []
+    for cache in (batch.paged.k_cache, batch.paged.v_cache):
+        cache = np.asarray(cache.astype(jnp.float32))
+        cross = rng.standard_normal((cache.shape[0], num_layers, *cache.shape[1:])).astype(np.float32)
+        cross[:, layer] = cache
+        caches.append(jnp.asarray(cross.reshape(-1, *cache.shape[1:]), batch.paged.k_cache.dtype))
+    return dataclasses.replace(batch, paged=dataclasses.replace(batch.paged, k_cache=caches[0], v_cache=caches[1]))
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_cross_layer_cache(decode_only):
+    """The kernels and both references read `layer` of a cross-layer cache (the layer traced, as the engine's
+    layers share one trace) and give what they give on that layer alone."""
+    rng, dtype = np.random.default_rng(11), jnp.bfloat16
+    kv_lens = [1, 17, 128, 64, 99, 3] if decode_only else MIXES["mixed"][1]
+    q_lens = [1] * len(kv_lens) if decode_only else MIXES["mixed"][0]
+    shape = {"num_tokens": 16, "max_blocks": 16} if decode_only else {}
+    tuning = {**INTERPRET_TUNING, "decode_only": True, "decode_programs": 64} if decode_only else INTERPRET_TUNING
+    check_cross_layer(rng, slot_batch(rng, q_lens, kv_lens, dtype, **shape), dtype, tuning)
+
+
+def check_cross_layer(rng, single: SlotBatch, dtype, tuning, num_layers=3, layer=1):
+    """The references and the kernel (`tuning`) at `layer` of `single` moved into a cross-layer cache, against the
+    slice reference on `single`."""
+    expected = contiguous_slice_reference(*single.args(), blocks_per_slot=single.blocks_per_slot, sm_scale=0.125)
+    batch = to_cross_layer(rng, single, num_layers, layer)
+    options = {"blocks_per_slot": batch.blocks_per_slot, "sm_scale": 0.125, "num_layers": num_layers}
+
+    def at_layer(fn, **kw):
+        return jax.jit(lambda layer, *args: fn(*args, layer=layer, **options, **kw))(jnp.int32(layer), *batch.args())
+
+    for name, fn, kw in (("slice reference", contiguous_slice_reference, {}),
+                         ("paged reference", contiguous_ragged_attention_reference, {}),
+                         ("kernel", contiguous_ragged_attention, {"impl": "pallas", "interpret": INTERPRET,
+                                                                  **tuning})):
+        poison_allocator(batch.paged)
+        check_close(at_layer(fn, **kw).astype(jnp.float32), expected.astype(jnp.float32), batch.paged, dtype, name)
+
+
+def test_cross_layer_rejects_bad_layer():
+    batch = slot_batch(np.random.default_rng(12), *MIXES["mixed"])
+    for change, field in (({"num_layers": 0}, "num_layers"), ({"num_layers": 2, "layer": 2}, "layer")):
+        with pytest.raises(ValueError, match=field):
+            contiguous_ragged_attention(*batch.args(), blocks_per_slot=BLOCKS_PER_SLOT, sm_scale=0.125, **change)

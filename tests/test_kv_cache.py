@@ -1,4 +1,6 @@
 """Device-side KV cache: slot writes, batched block copies, in-place donation, COW and prefix hits on real arrays."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +9,9 @@ import custom_calls
 import pytest
 
 from jaxserve.cache import kv_cache
-from jaxserve.cache.kv_cache import (allocate_kv_cache, copy_blocks, describe_kv_capacity, kv_bytes_per_block,
-                                     num_blocks_for_memory, write_kv)
+from jaxserve.cache.kv_cache import (CrossLayerKV, allocate_kv_cache, copy_blocks, describe_kv_capacity,
+                                     from_layer_blocks, kv_bytes_per_block, layer_blocks, layer_of,
+                                     layer_slot_mapping, num_blocks_for_memory, with_layer, write_kv)
 from jaxserve.cache.kv_cache_manager import KVCacheManager
 
 NB, BS, H, D = 32, 4, 2, 8
@@ -145,6 +148,35 @@ def test_copy_blocks_matches_numpy_and_reads_all_sources_before_writing():
     np.testing.assert_array_equal(np.stack([np.stack(layer) for layer in out]), want)
     copy_blocks(out, src[:3], dst[:3])  # same bucket: no new compilation
     assert kv_cache._copy_blocks._cache_size() - before <= 1
+
+
+def test_cross_layer_cache_writes_one_layer_and_copies_every_layer_of_a_block():
+    """vattention's megacache: model layer 1's writes land in layer 1 of their blocks only (the layer traced, as the
+    model's layers share one trace), and a block copy moves all of a block's layers, in place."""
+    rng = np.random.default_rng(4)
+    data = rng.standard_normal((2, NB, 3, BS, H, D), dtype=np.float32)
+    cache = CrossLayerKV(jnp.asarray(data[0]), jnp.asarray(data[1]))
+    k, v = token_kv([1, 2, 3], [0, 1, 2])
+    slots = jnp.asarray([4 * BS + 1, 4 * BS + 2, 9 * BS], jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def write(cache, layer, k, v, slots):   # as models/attention.paged_attention writes
+        kv_layer = CrossLayerKV(cache.k, cache.v, layer)
+        kc, vc, num_layers, i = layer_blocks(kv_layer)
+        kc, vc = write_kv(kc, vc, k, v, layer_slot_mapping(slots, BS, num_layers, i))
+        return with_layer(cache, 1, from_layer_blocks(kv_layer, kc, vc))
+
+    assert int(layer_of(cache, 2).layer) == 2 and layer_of(cache, 2).k is cache.k
+
+    cache = write(cache, jnp.int32(1), k, v, slots)
+    want = data.copy()
+    want[0, [4, 4, 9], 1, [1, 2, 0]], want[1, [4, 4, 9], 1, [1, 2, 0]] = np.asarray(k), np.asarray(v)
+    np.testing.assert_array_equal(np.stack([cache.k, cache.v]), want)
+    ptrs = [x.unsafe_buffer_pointer() for x in (cache.k, cache.v)]
+    out = copy_blocks(cache, np.array([4, 2], np.int32), np.array([7, 4], np.int32))
+    want[:, [7, 4]] = want[:, [4, 2]]
+    np.testing.assert_array_equal(np.stack([out.k, out.v]), want)
+    assert cache.k.is_deleted() and [x.unsafe_buffer_pointer() for x in (out.k, out.v)] == ptrs
 
 
 def test_copy_blocks_empty_is_free_and_bad_input_is_rejected():

@@ -5,8 +5,8 @@ logprobs must be bit-identical to it, so to each other (and tokens wherever the 
 waiting for their pages). Every step must touch only pages the (fake) mapper made ready, and no compiled graph may
 read the whole cache array.
 
-The CPU stand-in's page size is lowered here (tests only: runner.CPU_VMM_PAGE_SIZE): a 2 MiB page holds 16K of the
-tiny model's 128-byte tokens, so no prompt would ever cross a page."""
+The CPU stand-in's page size is lowered here (tests only: runner.CPU_VMM_PAGE_SIZE): a 2 MiB page holds 8K of the
+tiny model's 256-byte tokens (both layers: the cache is cross-layer), so no prompt would ever cross a page."""
 import dataclasses
 import math
 import re
@@ -25,7 +25,7 @@ from jaxserve.models.loader import random_model
 
 from test_compilation import KNOBS, TINY, mixed_requests
 
-PAGE_SIZE = 1000   # 7.8 of TINY's 128-byte tokens (2 kv heads x 16 x f32): tokens and 16-token blocks straddle pages
+PAGE_SIZE = 2000   # 7.8 of TINY's 256-byte tokens (2 layers x 2 kv heads x 16 x f32): tokens and blocks straddle pages
 VATTENTION = dict(kv_backend="vattention", enable_prefix_caching=False)   # vattention_kernels: contiguous
 KERNELS = ("contiguous", "identity")
 PAGED = dict(enable_prefix_caching=False)   # the reference: the same schedule (vattention has no prefix hits)
@@ -267,7 +267,7 @@ def test_no_compiled_step_reads_the_whole_cache(precompiled, kernels):
     """Every graph that takes the cache (the model per bucket, block copies): aliased in and out, and touched only
     by the scatter, the kernels' indexed reads and custom calls. On a GPU anything else reads unmapped pages."""
     runner = precompiled[kernels].engine.runner
-    struct = runner.cache_shape[0][0]
+    struct = runner.cache_shape.k
     graphs = {k: v for k, v in runner.graphs.executables.items() if k[0] in ("model", "copy")}
     assert len(graphs) >= 4
     for compiled in graphs.values():
@@ -276,7 +276,7 @@ def test_no_compiled_step_reads_the_whole_cache(precompiled, kernels):
 
 def test_the_cache_guard_catches_a_dropped_donation_and_a_whole_cache_read(precompiled):
     runner = precompiled["contiguous"].engine.runner
-    struct = runner.cache_shape[0][0]
+    struct = runner.cache_shape.k
     inp = runner.step_inputs(num_tokens=16, num_seqs=4).model
     undonated = jax.jit(runner._model.__wrapped__).lower(runner.params, runner.cache_shape, runner.last_tokens, inp)
     with pytest.raises(AssertionError, match="not aliased"):
@@ -300,15 +300,16 @@ def test_bad_vattention_knobs_name_the_field(knobs, field):
 
 
 def test_cpu_refuses_a_virtual_range_it_cannot_allocate(tiny, monkeypatch):
-    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", 2 << 20)   # 16K tokens a row: 9 rows x 4 ranges = 72 MiB
+    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", 4 << 20)   # 16K tokens a row: 9 rows x 2 ranges = 72 MiB
     monkeypatch.setattr(runner_module, "CPU_MAX_KV_BYTES", 64 << 20)
     with pytest.raises(ValueError, match="whole virtual range, 0.1 GiB .* lower max_num_seqs or max_model_len"):
         LLM(tiny, **BASE, **VATTENTION)
 
 
 def test_smollm2_greedy_matches_paged(smollm, monkeypatch):
-    """The embedded model: 768-byte tokens, 4 KiB pages (5.3 tokens a page, blocks straddle pages)."""
-    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", 4096)
+    """The embedded model: 23,040-byte tokens (30 layers x 768), 120 KiB pages (5.3 tokens a page, blocks straddle
+    pages)."""
+    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", 30 * 4096)
     knobs = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, min_prefill_chunk=16,
                  token_buckets=(32,), seq_buckets=(4,), num_blocks=64, precompile=False, compile_cache_dir=None)
     ids = [smollm.tokenizer(p)["input_ids"] for p in ("The capital of France is", "def fib(n):" * 6)]

@@ -19,12 +19,12 @@ from test_vattention_engine import PAGED, check_cache_untouched_whole, results, 
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (CPU CI: dry run)")
 
-# 2 KiB tokens per range (8 kv heads x 128 x bf16, Llama-3-8B's): a 2 MiB page holds 1024 tokens of a layer
+# 4 KiB tokens per range (2 layers x 8 kv heads x 128 x bf16): a 2 MiB page holds 512 tokens of both layers
 WIDE = dataclasses.replace(TINY, vocab_size=512, hidden_size=256, intermediate_size=512, num_heads=8,
                            num_kv_heads=8, head_dim=128, max_position_embeddings=4096)
 KNOBS = dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=512, min_prefill_chunk=64,
              token_buckets=(64, 512), seq_buckets=(8,), compile_cache_dir=None)
-LENGTHS = (1500, 40, 2100, 700, 1030, 9, 300, 1100, 64, 2500)   # 10 > 8 slots; prompts cross 1024-token pages
+LENGTHS = (1500, 40, 2100, 700, 1030, 9, 300, 1100, 64, 2500)   # 10 > 8 slots; prompts cross 512-token pages
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True)
 
 
@@ -108,7 +108,7 @@ def test_engine_matches_paged_across_pages_and_slot_reuse(wide, paged, kernels, 
 
 @pytest.mark.parametrize("kernels", ["identity", "contiguous"])
 def test_preemption_forks_and_every_request_kind_in_a_small_pool(wide, paged, kernels):
-    """6 usable pages (6144 tokens): preemption and slot reuse remap pages (deferred unmaps behind fences), n = 3
+    """12 usable pages (6144 tokens): preemption and slot reuse remap pages (deferred unmaps behind fences), n = 3
     forks copy a prompt across pages; sampled, penalties, logprobs, prompt logprobs compile nothing new. A
     preempted request recomputes its tokens in other batches and kernels (prefill, not decode): in bf16 its greedy
     tokens may leave paged mode's only at a near tie (vLLM's check_logprobs_close)."""
@@ -130,4 +130,4 @@ def test_no_compiled_gpu_step_reads_the_whole_cache(wide):
     graphs = [v for k, v in runner.graphs.executables.items() if k[0] in ("model", "copy")]
     assert len(graphs) >= 3
     for compiled in graphs:
-        check_cache_untouched_whole(compiled, runner.cache_shape[0][0])
+        check_cache_untouched_whole(compiled, runner.cache_shape.k)

@@ -52,7 +52,7 @@ class VmmGeometry:
     num_slots: int        # sequence slots (max_num_seqs)
     max_model_len: int
     block_size: int
-    token_bytes: int      # one token in one range: layers*Hkv*D*itemsize (megacache) or Hkv*D*itemsize (per layer)
+    token_bytes: int      # one token in one range: layers*Hkv*D*itemsize (the cross-layer K or V, kv_cache.CrossLayerKV)
     num_pages: int        # pool pages; each backs the same virtual page in every range
     page_size: int = PAGE_SIZE
 
@@ -148,8 +148,8 @@ class FakePageMapper:
 class CudaPageMapper:
     """The C++ manager, one per device (tensor parallelism: every device maps the same pages of its shard).
 
-    num_tensors: 2 (megacache K, V: [rows, tokens_per_slot, layers, Hkv, D]) or 2 * layers (per-layer K, V as
-    [rows * blocks_per_slot, block_size, Hkv, D], the paged kernels' layout). dry_run: no driver (CPU tests)."""
+    num_tensors: 2 for the engine's cross-layer K and V ([rows * blocks_per_slot, layers, block_size, Hkv, D]); any
+    number of ranges of the same geometry for tests and benchmarks. dry_run: no driver (CPU tests)."""
 
     def __init__(self, geometry: VmmGeometry, *, num_tensors: int, devices: Sequence[int] = (0,),
                  dry_run: bool = False, library: str | None = None):
@@ -359,8 +359,8 @@ class VAttentionKVCacheManager:
     # ---- slots and pages -----------------------------------------------------------------------------
     def _premap(self) -> None:
         """Eager allocation: the whole pool mapped now, spread evenly over the free slots, so that admissions
-        best-fit into rows already mapped and maps leave the steps' critical path (a page of a per-layer layout is a
-        map in each of 2 x layers ranges: ~2.6 ms on the H100 for Llama-3-8B's 64); growth past a slot's share
+        best-fit into rows already mapped and maps leave the steps' critical path (a pool page is a map in each of
+        the 2 ranges; a per-layer layout's 64 took ~2.6 ms on the H100 for Llama-3-8B); growth past a slot's share
         reclaims from free slots."""
         spare, slots = self.geometry.num_pages - self.total_mapped, sorted(self.free_slots)
         for i, slot in enumerate(slots):

@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from custom_calls import vmm
 from jaxserve.cache.block_table import BlockTable, KVSlotTable
-from jaxserve.cache.kv_cache import (CPU_MAX_KV_BYTES, KVCache, _copy_blocks, allocate_kv_cache, copy_bucket,
+from jaxserve.cache.kv_cache import (CPU_MAX_KV_BYTES, CrossLayerKV, KVCache, _copy_blocks,
+                                     allocate_cross_layer_cache, allocate_kv_cache, copy_bucket,
                                      describe_kv_capacity, kv_bytes_per_block, num_blocks_for_memory,
                                      pad_block_copies)
 from jaxserve.cache.vattention import (PAGE_SIZE, CudaPageMapper, FakePageMapper, PageMapper, VmmGeometry,
@@ -39,7 +40,7 @@ from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs, pad
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
 from jaxserve.models.loader import LoadedModel
-from jaxserve.models.sharding import KV_CACHE, TP, cache_kv_heads
+from jaxserve.models.sharding import CROSS_LAYER_KV_CACHE, KV_CACHE, TP, cache_kv_heads
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
@@ -154,7 +155,9 @@ class ModelRunner:
         graphdef, self.params = nnx.split(loaded.model)
         mc = loaded.config
         self.mesh = tensor_parallel_mesh(loaded, cfg)
-        self.replicated, self.cache_sharding = NamedSharding(self.mesh, P()), NamedSharding(self.mesh, KV_CACHE)
+        self.cross_layer = cfg.kv_backend == "vattention"   # vattention's megacache: one K, V pair of all layers
+        self.replicated = NamedSharding(self.mesh, P())
+        self.cache_sharding = NamedSharding(self.mesh, CROSS_LAYER_KV_CACHE if self.cross_layer else KV_CACHE)
         self.kv_heads = cache_kv_heads(mc.num_kv_heads, cfg.tensor_parallel_size)
         self.dtype = dtype = loaded.model.embed_tokens.embedding[...].dtype
         self.token_buckets, self.seq_buckets = bucket_ladders(cfg)
@@ -188,11 +191,12 @@ class ModelRunner:
         self.num_blocks = self._kv_blocks(dtype) if self.vmm_geometry is None else \
             self.vmm_geometry.rows * self.vmm_geometry.blocks_per_slot
         self.graphs.cache.fingerprint += f" num_blocks={self.num_blocks}"   # the graphs from here on depend on it
-        self.cache_shape = [(self.cache_struct(self.num_blocks, dtype),) * 2] * mc.num_layers
+        self.cache_shape = self.cache_structs(self.num_blocks, dtype)
         if cfg.precompile:   # before the cache takes the memory: compiling (autotuning) needs room to run kernels
             self.precompile()
         self.page_mapper: PageMapper | None = None if self.vmm_geometry is None else self._page_mapper()
-        self.kv_cache = self._vmm_cache(dtype) if self.vmm_on_device else allocate_kv_cache(
+        allocate = allocate_cross_layer_cache if self.cross_layer else allocate_kv_cache
+        self.kv_cache = self._vmm_cache() if self.vmm_on_device else allocate(
             mc.num_layers, self.num_blocks, cfg.block_size, self.kv_heads, mc.head_dim, dtype, self.cache_sharding)
 
     def _jit_graphs(self, graphdef) -> None:
@@ -200,7 +204,8 @@ class ModelRunner:
         as loaded, the cache split on kv heads (donated: updated in place), everything else replicated — the
         model's logits gathered from the vocab-split LM head for the sampler, which runs whole on every device."""
         rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
-        cache = [(self.cache_sharding,) * 2] * self.model_config.num_layers
+        cache = (CrossLayerKV(self.cache_sharding, self.cache_sharding) if self.cross_layer
+                 else [(self.cache_sharding,) * 2] * self.model_config.num_layers)
         self._model = jax.jit(functools.partial(run_model, graphdef=graphdef, kernels=self.kernels, mesh=self.mesh,
                                                 vmm_fence=self.vmm_on_device),
                               in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep, rep),
@@ -230,17 +235,17 @@ class ModelRunner:
         return num_blocks
 
     def _vmm_layout(self, dtype) -> VmmGeometry:
-        """vattention's rows, a slot per sequence + the null row, in per-layer ranges (2 * layers tensors, the
-        paged kernels' layout); its num_pages a placeholder until _vmm_pool."""
-        cfg, page_size = self.cfg, PAGE_SIZE if self.vmm_on_device else CPU_VMM_PAGE_SIZE
-        token_bytes = self.kv_heads * self.model_config.head_dim * jnp.dtype(dtype).itemsize   # tp is 1
+        """vattention's rows, a slot per sequence + the null row, in two cross-layer ranges (K and V: a token's
+        every layer together, kv_cache.CrossLayerKV); its num_pages a placeholder until _vmm_pool."""
+        cfg, mc, page_size = self.cfg, self.model_config, PAGE_SIZE if self.vmm_on_device else CPU_VMM_PAGE_SIZE
+        token_bytes = mc.num_layers * self.kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize   # tp is 1
         return VmmGeometry(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, token_bytes, 1, page_size)
 
     def _vmm_pool(self, layout: VmmGeometry, dtype) -> VmmGeometry:
         """The layout with its page pool: the config's num_blocks as the pages their tokens need (+ the null
         block's), or as many pages as fit beside weights and activations; a pool page is a page in each range."""
-        mc, cfg, page_size, token_bytes = self.model_config, self.cfg, layout.page_size, layout.token_bytes
-        num_ranges = 2 * mc.num_layers
+        cfg, page_size, token_bytes = self.cfg, layout.page_size, layout.token_bytes
+        num_ranges = 2
         range_bytes = num_ranges * layout.rows * layout.slot_bytes
         if self.vmm_on_device and xla_claims_gpu_memory():   # the pool's pages would find no memory to map
             raise ValueError("kv_backend=vattention maps its KV pages outside XLA's allocator, which claims most of "
@@ -265,19 +270,18 @@ class ModelRunner:
         g = self.vmm_geometry
         if not self.vmm_on_device:
             return FakePageMapper(g.num_pages, g.rows, g.pages_per_slot)
-        mapper = CudaPageMapper(g, num_tensors=2 * self.model_config.num_layers,
-                                devices=[d.local_hardware_id for d in self.mesh.local_devices])
+        mapper = CudaPageMapper(g, num_tensors=2, devices=[d.local_hardware_id for d in self.mesh.local_devices])
         atexit.register(_drop_vmm_cache, weakref.ref(self))
         return mapper
 
-    def _vmm_cache(self, dtype) -> KVCache:
-        """Each layer's K and V as the manager's ranges, zero copy ([rows * blocks_per_slot, block, Hkv, D])."""
-        struct = self.cache_shape[0][0]
+    def _vmm_cache(self) -> CrossLayerKV:
+        """K and V as the manager's two ranges, zero copy ([rows * blocks_per_slot, layers, block, Hkv, D])."""
+        struct = self.cache_shape.k
 
         def export(tensor: int) -> jax.Array:
-            pieces = self.page_mapper.export(tensor, struct.shape, dtype)
+            pieces = self.page_mapper.export(tensor, struct.shape, struct.dtype)
             return jax.make_array_from_single_device_arrays(struct.shape, self.cache_sharding, pieces)
-        return [(export(2 * layer), export(2 * layer + 1)) for layer in range(self.model_config.num_layers)]
+        return CrossLayerKV(export(0), export(1))
 
     def _blocks_that_fit(self, bytes_per_block: int, dtype) -> int:
         """Blocks that fit the memory left on each of this engine's own devices (a data-parallel replica's are not
@@ -291,10 +295,14 @@ class ModelRunner:
         return min(num_blocks_for_memory(bytes_per_block, activation_peak_bytes=peak,
                                          fraction=self.cfg.memory_fraction, device=d) for d in self.mesh.local_devices)
 
-    def cache_struct(self, num_blocks: int, dtype) -> jax.ShapeDtypeStruct:
-        """One layer's K or V cache, abstract: what graphs compile against."""
-        shape = (num_blocks, self.cfg.block_size, self.kv_heads, self.model_config.head_dim)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.cache_sharding)
+    def cache_structs(self, num_blocks: int, dtype) -> KVCache:
+        """The cache, abstract: what graphs compile against."""
+        mc, block = self.model_config, (self.cfg.block_size, self.kv_heads, self.model_config.head_dim)
+        if self.cross_layer:
+            struct = jax.ShapeDtypeStruct((num_blocks, mc.num_layers, *block), dtype, sharding=self.cache_sharding)
+            return CrossLayerKV(struct, struct)
+        struct = jax.ShapeDtypeStruct((num_blocks, *block), dtype, sharding=self.cache_sharding)
+        return [(struct, struct)] * mc.num_layers
 
     def activation_bytes(self, dtype) -> int:
         """XLA's temp memory for the largest bucket's model, sampler and prompt-logprob graphs (summed: safe
@@ -309,10 +317,10 @@ class ModelRunner:
         2-block stand-in cache (temp memory does not depend on the cache's size; contiguous kernels: one row, they
         need whole rows), a peek, compiled first as the longest; then its sampler (filter mode, logprobs) and
         prompt logprobs, real graphs, kept."""
-        mc, block = self.model_config, self.cache_struct(self.kernels.blocks_per_slot or 2, dtype)
+        stand_in = self.cache_structs(self.kernels.blocks_per_slot or 2, dtype)
         inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1]).model
-        self.graphs.submit({PEAK_MODEL: lambda: self._model.lower(self.params, [(block, block)] * mc.num_layers,
-                                                                  self.last_tokens, inp)}, peek=True)
+        self.graphs.submit({PEAK_MODEL: lambda: self._model.lower(self.params, stand_in, self.last_tokens, inp)},
+                           peek=True)
         real = dict([self._sampler_graph(self.seq_buckets[-1], "filter", MAX_LOGPROBS),
                      self._prompt_graph(self.token_buckets[-1])])
         self.graphs.submit(real)

@@ -4,7 +4,9 @@
 tests) or, given a paged KV layer and a `PagedAttention` (the step's `AttentionBatch` and the engine's
 `AttentionKernels`), scatters the new K/V into the donated cache and runs ragged paged attention over the
 flattened batch — its blocks addressed by block tables, or (vattention's contiguous kernels) by each sequence's
-slot, its row of the cache. Model code never knows which. The engine's kernel choice is resolved here, once.
+slot, its row of the cache. A layer of vattention's cross-layer cache (kv_cache.CrossLayerKV) is read as the
+cache's blocks at that layer: the kernels take the same arrays and block ids, num_layers apart. Model code never
+knows which. The engine's kernel choice is resolved here, once.
 Under tensor parallelism the paged step runs per device on its heads (`paged_attention` under
 models/sharding.per_shard).
 """
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import custom_calls
-from jaxserve.cache.kv_cache import write_kv
+from jaxserve.cache.kv_cache import from_layer_blocks, layer_blocks, layer_slot_mapping, write_kv
 from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
 from jaxserve.models.sharding import HEADS, KV_CACHE, per_shard
 from pallas_kernels.ragged_paged_attention import contiguous_ragged_attention, ragged_paged_attention, resolve_impl
@@ -108,7 +110,7 @@ def attend(q, k, v, positions, kv_layer, paged: PagedAttention | None, *, sm_sca
     (sharding.cache_kv_heads), so k/v (from replicated projections) are repeated to the cache's heads first."""
     if kv_layer is None:
         return dense_causal_attention(q, k, v, positions, sm_scale=sm_scale, sliding_window=sliding_window), None
-    if (repeat := kv_layer[0].shape[2] // k.shape[1]) > 1:
+    if (repeat := layer_blocks(kv_layer)[0].shape[2] // k.shape[1]) > 1:
         k, v = jnp.repeat(k, repeat, axis=1), jnp.repeat(v, repeat, axis=1)
     step = functools.partial(paged_attention, kernels=paged.kernels, sm_scale=sm_scale, sliding_window=sliding_window)
     return per_shard(step, paged.mesh, (HEADS, HEADS, HEADS, KV_CACHE, P()), (HEADS, KV_CACHE))(
@@ -118,32 +120,42 @@ def attend(q, k, v, positions, kv_layer, paged: PagedAttention | None, *, sm_sca
 def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: AttentionKernels, sm_scale: float,
                     sliding_window: int | None):
     """Write the new k/v into the donated kv_layer, then attend over the pages: (out, kv_layer)."""
-    k_cache, v_cache = write_kv(*kv_layer, k, v, batch.slot_mapping)
-    if batch.decode_only and kernels.decode == "cuda":
-        out = cuda_decode(q, k_cache, v_cache, batch, kernels, sm_scale=sm_scale, sliding_window=sliding_window)
-    else:
-        out = ragged_attention(q, k_cache, v_cache, batch, kernels, sm_scale=sm_scale, sliding_window=sliding_window)
-    return out, (k_cache, v_cache)
+    k_cache, v_cache, num_layers, layer = layer_blocks(kv_layer)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v,
+                                layer_slot_mapping(batch.slot_mapping, k_cache.shape[1], num_layers, layer))
+    attend_cache = cuda_decode if batch.decode_only and kernels.decode == "cuda" else ragged_attention
+    out = attend_cache(q, k_cache, v_cache, batch, kernels, num_layers, layer, sm_scale=sm_scale,
+                       sliding_window=sliding_window)
+    return out, from_layer_blocks(kv_layer, k_cache, v_cache)
 
 
-def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, **kw):
+def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
+                     **kw):
     """The Pallas launches (pure JAX off the GPU) over the batch's block tables or, under contiguous kernels, its
-    slots."""
+    slots; the cache's blocks at `layer` of num_layers (see the module)."""
     kw.update(prefill_backend=kernels.prefill, decode_only=batch.decode_only)
     lens = (q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens)
     if kernels.blocks_per_slot is None:
-        return ragged_paged_attention(*lens, batch.block_tables, batch.num_seqs, **kw)
+        return ragged_paged_attention(*lens, layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs,
+                                      **kw)
     return contiguous_ragged_attention(*lens, batch.kv_slots, batch.num_seqs, blocks_per_slot=kernels.blocks_per_slot,
-                                       **kw)
+                                       num_layers=num_layers, layer=layer, **kw)
 
 
-def cuda_decode(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, **kw):
+def cuda_decode(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
+                **kw):
     """Decode-only batch: token i is row i's query; padding rows have kv_len 0 and come out as zeros. The custom
     call takes block tables: under contiguous kernels, the slots' identity tables, built in the graph (the call
     reads only each row's first kv_len keys)."""
     num_tokens, num_rows = q.shape[0], batch.kv_lens.shape[0]
     q_rows = q[:num_rows] if num_tokens >= num_rows else jnp.pad(q, ((0, num_rows - num_tokens), (0, 0), (0, 0)))
-    tables = (batch.block_tables if kernels.blocks_per_slot is None
-              else identity_block_tables(batch.kv_slots, kernels.blocks_per_slot))
+    tables = (layer_block_ids(batch.block_tables, num_layers, layer) if kernels.blocks_per_slot is None
+              else identity_block_tables(batch.kv_slots, kernels.blocks_per_slot, num_layers, layer))
     out = custom_calls.paged_decode_attention(q_rows, k_cache, v_cache, batch.kv_lens, tables, **kw)
     return out[:num_tokens] if num_rows >= num_tokens else jnp.pad(out, ((0, num_tokens - num_rows), (0, 0), (0, 0)))
+
+
+def layer_block_ids(block_tables, num_layers: int, layer):
+    """Block ids of a cross-layer cache's blocks (vattention's identity tables) at `layer`; as they are for a
+    per-layer cache."""
+    return block_tables if num_layers == 1 else block_tables * num_layers + layer

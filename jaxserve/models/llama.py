@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 
@@ -112,14 +113,13 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, token_ids, positions, kv_cache=None, paged: PagedAttention | None = None):
         """token_ids, positions [T] -> (final hidden states [T, H], updated kv_cache or None)."""
         x = self.embed_tokens(token_ids)
-        new_cache = []
         batch, kernels, mesh = (None, None, None) if paged is None else (paged.batch, paged.kernels, paged.mesh)
         for i, layer in enumerate(self.layers):
             graphdef, state = nnx.split(layer)
-            x, kv_layer = run_layer(graphdef, state, x, positions, None if kv_cache is None else kv_cache[i], batch,
-                                    kernels=kernels, mesh=mesh)
-            new_cache.append(kv_layer)
-        return self.norm(x), (None if kv_cache is None else new_cache)
+            x, kv_layer = run_layer(graphdef, state, x, positions, None if kv_cache is None else layer_of(kv_cache, i),
+                                    batch, kernels=kernels, mesh=mesh)
+            kv_cache = None if kv_cache is None else with_layer(kv_cache, i, kv_layer)
+        return self.norm(x), kv_cache
 
     def logits(self, hidden):
         """hidden [N, H] -> f32 logits [N, V]."""
