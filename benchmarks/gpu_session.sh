@@ -11,7 +11,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh serve       # gRPC load benchmark at two request rates
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh tests       # the GPU-relevant tests, compiled on the GPU
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh sweep       # the bucket sweep's decode rows
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention  # #20: GPU tests, kernels, engine vs paged
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention  # #20: GPU tests, kernels
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention-engine  # #20: engine vs paged, one run
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention-soak   # #20: the server soaked under vattention
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-collectives|scale-70b   # #19 on nvidia-h200-x2
 set -uo pipefail
@@ -91,10 +92,11 @@ case $1 in
     run 330 python benchmarks/offline.py --config configs/llama3-70b-random.yaml --out "$OUT/scale_70b_h200.json"
     run 200 python benchmarks/offline.py --config configs/llama3-70b-random.yaml --num-prompts 1 --input-len 128 \
       --output-len 256 --out "$OUT/scale_70b_h200.json" ;;
-  vattention)   # the library, the GPU tests, then vattention beside paged in separate processes
+  vattention)   # the library, the GPU tests, the decode kernels
     run 90 python -c "from custom_calls import build; print(build.build_library())"
-    run 150 python -m pytest -q -p no:cacheprovider tests/test_vattention_gpu.py tests/test_contiguous_attention.py
-    run 60 python benchmarks/vattention.py kernels --out "$OUT/vattention_h100.json"
+    run 300 python -m pytest -q -p no:cacheprovider tests/test_vattention_gpu.py tests/test_contiguous_attention.py
+    run 90 python benchmarks/vattention.py kernels --out "$OUT/vattention_h100.json" ;;
+  vattention-engine)   # vattention beside paged, each backend in its own process
     for backend in paged contiguous identity; do
       run 95 python benchmarks/vattention.py engine --backend $backend --out "$OUT/vattention_h100.json"
     done ;;

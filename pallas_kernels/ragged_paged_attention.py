@@ -155,10 +155,7 @@ class SlotRows:
         return self.ref[jnp.minimum(seq, geo.max_seqs - 1)]
 
     def block(self, first, col, masked, live, geo, num_pages):
-        block = first + col * geo.block_stride if geo.block_stride > 1 else first + col
-        if masked == "speculative":  # loads unmasked, and slots past num_seqs may hold anything
-            return jnp.clip(block, 0, num_pages - 1)
-        return block
+        return first + col * geo.block_stride if geo.block_stride > 1 else first + col
 
 
 @dataclass(frozen=True, slots=True)
@@ -565,10 +562,11 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_re
                        rows, interpret):
     """Decode-only batch (token i is decode i), one launch. Program (kv head, slot) attends tiles
     split, split + splits, ... of decode slot // splits, `splits` fixed by the shape. Nothing it loads first
-    waits for another load: without a window its first tile's block ids (table entries, or its cache slot) and
+    waits for another load: without a window its first tile's block ids (table entries) and
     K/V are fetched before the context length arrives (clamped to a real page, masked after), so a short context
     costs two dependent loads. Split programs write partials and count themselves done on an atomic
-    counter; the last one of a decode merges them. Programs past the decodes zero their token's rows."""
+    counter; the last one of a decode merges them. Programs past the decodes zero their token's rows. Contiguous
+    rows are not read speculatively (see below)."""
     if splits > 1:  # the zeroed done-counters come in first, aliased to count_ref
         _, out_ref, parts_ref, lse_ref, count_ref = refs
     else:
@@ -587,7 +585,9 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_re
     step = functools.partial(strided_tile, t0=t0, splits=splits, q=q, q_pos=jnp.full((rows,), kv_len - 1),
                              seq_blocks=cache.blocks.of(seq, geo), kv_len=kv_len, kv_head=kv_head, cache=cache, geo=geo,
                              scores=scores, tile=tile)
-    carry = step(0, init_carry(q.shape), masked="speculative")
+    # Contiguous rows load nothing past kv_len: a vattention row's pages past its tokens may be unmapped (a 2 MiB
+    # page holds only 32 tokens of a cross-layer cache), so their first tile waits for the length.
+    carry = step(0, init_carry(q.shape), masked=True if geo.contiguous else "speculative")
     n = pl.cdiv(jnp.maximum(pl.cdiv(kv_len, tile) - t0, 0), splits)
     full_lo, full_hi = (pl.cdiv(jnp.maximum(t - t0, 0), splits) for t in (pl.cdiv(first, tile), kv_len // tile))
     acc, m, l = attend_range(carry, 1, n, full_lo, full_hi, step)

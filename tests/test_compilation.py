@@ -86,9 +86,9 @@ def sized_start(monkeypatch):
 def old_activation_peak(runner) -> int:
     """The activation peak as it was measured before the peak's graphs were shared with precompile: the largest
     bucket's model on a 2-block stand-in cache, sampler (filter, logprobs) and prompt logprobs, compiled here."""
-    block, (t, s) = runner.cache_struct(2, jnp.float32), (runner.token_buckets[-1], runner.seq_buckets[-1])
+    stand_in, (t, s) = runner.cache_structs(2, jnp.float32), (runner.token_buckets[-1], runner.seq_buckets[-1])
     inp = runner.step_inputs(num_tokens=t, num_seqs=s, num_logprobs=MAX_LOGPROBS, sampler_mode="filter")
-    lowered = [runner._model.lower(runner.params, [(block, block)] * TINY.num_layers, runner.last_tokens, inp.model),
+    lowered = [runner._model.lower(runner.params, stand_in, runner.last_tokens, inp.model),
                runner._lower_sampler(inp.sampler), runner._lower_prompt_logprobs(t)]
     return sum(x.compile().memory_analysis().temp_size_in_bytes for x in lowered)
 

@@ -159,6 +159,22 @@ def test_premap_spreads_the_pool_so_admissions_map_nothing():
     assert kv.total_mapped <= 15
 
 
+def test_a_prompts_later_chunks_are_mapped_ahead_on_the_mapper_thread():
+    """Chunked prefill under eager allocation: the first chunk's pages are the step's (ready), the rest of the
+    prompt's are taken at once from free slots' spare pages and mapped on the mapper thread while steps run, so the
+    next chunk reclaims nothing and its synchronous map finds its pages mapped."""
+    kv, mapper = make(dict(num_slots=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=15,
+                           page_size=4096), watermark=0, premap=True)   # 4 tokens a page; slots hold 3, 3, 4, 4
+    prompt, log = [1] * 48, len(mapper.log)   # 12 pages
+    assert kv.allocate("a", prompt, 16) == (True, 0)
+    slot = kv.slot_of("a")
+    assert (kv.ready[slot], kv.pinned[slot], kv.mapped[slot]) == (4, 4, 12) and kv.num_free_pages == 10
+    assert ("map_ahead", slot, 12) in mapper.log[log:] and any(op == "trim" for op, *_ in mapper.log[log:])
+    log = len(mapper.log)
+    assert kv.allocate("a", prompt, 16) == (True, 0) and kv.ready[slot] == 8
+    assert mapper.log[log:] == [("map", slot, 8)] and mapper.num_mapped(slot) == 12
+
+
 def test_reclaims_free_slots_only_when_the_pool_runs_short_and_refuses_past_budget():
     kv, mapper = make(dict(num_slots=3, max_model_len=64, block_size=4, token_bytes=1024, num_pages=17,
                            page_size=4096), watermark=0)   # 16 usable pages

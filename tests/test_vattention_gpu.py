@@ -131,3 +131,22 @@ def test_no_compiled_gpu_step_reads_the_whole_cache(wide):
     assert len(graphs) >= 3
     for compiled in graphs:
         check_cache_untouched_whole(compiled, runner.cache_shape.k)
+
+
+# 32 layers: 64 KiB tokens per range, a 2 MiB page holds 32 tokens (Llama-3-8B's cross-layer geometry)
+DEEP = dataclasses.replace(WIDE, num_layers=32)
+
+
+@pytest.mark.parametrize("kernels", ["contiguous", "identity"])
+def test_small_batches_never_read_unmapped_pages_of_32_token_pages(kernels):
+    """Short contexts at small batches: decode-only launches split each context over many programs, whose first
+    tiles lie past the few pages a row has mapped (a kernel that loaded them before knowing the length faulted
+    here: CUDA_ERROR_ILLEGAL_ADDRESS). Lazy mapping (look-ahead), so that no row has spare pages mapped."""
+    deep = random_model(DEEP, jnp.bfloat16)
+    knobs = {**KNOBS, "num_blocks": 512, "max_num_seqs": 4, "seq_buckets": (4,)}
+    lengths, params = (5, 40, 70, 130), SamplingParams(temperature=0.0, max_tokens=40, logprobs=3, ignore_eos=True)
+    expected = results(LLM(deep, **knobs, **PAGED), prompts(lengths), params)
+    llm = LLM(deep, **knobs, kv_backend="vattention", enable_prefix_caching=False, vattention_kernels=kernels,
+              vattention_lookahead_tokens=32)
+    assert llm.engine.kv.geometry.pages_for(32) == 1
+    check_logprobs_close(results(llm, prompts(lengths), params), expected)

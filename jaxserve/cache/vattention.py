@@ -289,7 +289,7 @@ class VAttentionKVCacheManager:
             return self._admit(seq_id, end, len(token_ids)), 0
         if self.geometry.pages_for(end) - self.pinned[seq.slot] > self.num_free_pages:
             return False, 0
-        self._grow(seq_id, seq, end)
+        self._grow(seq_id, seq, end, len(token_ids))
         return True, 0
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -305,7 +305,7 @@ class VAttentionKVCacheManager:
             raise ForkError(f"vattention fork of {parent_id!r}: {need} pages and a slot needed, "
                             f"{self.num_free_pages} pages and {len(self.free_slots)} slots free")
         child = self._place(child_id, need)
-        self._grow(child_id, child, parent.num_computed)
+        self._grow(child_id, child, parent.num_computed, parent.num_computed)
         n = self._num_blocks(parent.num_computed)
         self._fork_copies.pairs += zip(self._identity(parent.slot, 0, n), self._identity(child.slot, 0, n))
         self._fork_copies.held.add(parent.slot)
@@ -373,7 +373,7 @@ class VAttentionKVCacheManager:
         need = self.geometry.pages_for(end)
         if not self.free_slots or self.num_free_pages - need < self.watermark_pages:
             return False
-        self._grow(seq_id, self._place(seq_id, need), end)
+        self._grow(seq_id, self._place(seq_id, need), end, num_tokens)
         self.prefix_cache_queries += num_tokens
         return True
 
@@ -392,8 +392,9 @@ class VAttentionKVCacheManager:
             return min(fits, key=lambda s: (self.mapped[s], s))
         return max(self.free_slots, key=lambda s: (self.mapped[s], -s))
 
-    def _grow(self, seq_id: Hashable, seq: SlotSeq, end: int) -> None:
-        """Cover tokens [0, end) of a placed seq: pin and map its pages (the budget was checked), then look ahead."""
+    def _grow(self, seq_id: Hashable, seq: SlotSeq, end: int, known: int) -> None:
+        """Cover tokens [0, end) of a placed seq: pin and map its pages (the budget was checked), then map ahead on
+        the mapper thread, while steps run: the `known` tokens (a prompt's later chunks), and look-ahead."""
         g = self.geometry
         old_blocks, need = self._num_blocks(seq.num_computed), g.pages_for(end)
         if self._num_blocks(end) > old_blocks:
@@ -401,11 +402,23 @@ class VAttentionKVCacheManager:
         seq.num_computed = end
         self._pin(seq.slot, max(need, self.pinned[seq.slot]))
         self._ensure_mapped(seq.slot, need)
-        ahead = min(g.pages_for(end + self.lookahead_tokens), g.pages_per_slot)
-        extra = min(ahead - self.mapped[seq.slot], g.num_pages - self.total_mapped)
-        if self.lookahead_tokens and extra > 0:   # only from unmapped pages: look-ahead never reclaims
-            self._set_mapped(seq.slot, self.mapped[seq.slot] + extra)
-            self.mapper.map_ahead(seq.slot, self.mapped[seq.slot])
+        self._map_ahead(seq.slot, g.pages_for(known), reclaim=True)
+        if self.lookahead_tokens:
+            self._map_ahead(seq.slot, g.pages_for(end + self.lookahead_tokens), reclaim=False)
+
+    def _map_ahead(self, slot: int, pages: int, *, reclaim: bool) -> None:
+        """Leading pages [0, pages) of slot mapped on the mapper thread: from unmapped pages and, for tokens the
+        sequence is known to write (reclaim), from other slots' spare ones; look-ahead never reclaims. Pins nothing:
+        they stay spare until a step needs them (_ensure_mapped then finds them mapped)."""
+        g = self.geometry
+        unmapped = g.num_pages - self.total_mapped
+        spare = (self.total_mapped - self.total_pinned) - (self.mapped[slot] - self.pinned[slot]) if reclaim else 0
+        extra = min(min(pages, g.pages_per_slot) - self.mapped[slot], unmapped + spare)
+        if extra <= 0:
+            return
+        self._reclaim(extra - unmapped, slot)
+        self._set_mapped(slot, self.mapped[slot] + extra)
+        self.mapper.map_ahead(slot, self.mapped[slot])
 
     def _ensure_mapped(self, slot: int, need: int) -> None:
         """Pages [0, need) of slot mapped before the step runs: look-ahead pages may still be in flight."""
