@@ -175,6 +175,16 @@ def test_a_prompts_later_chunks_are_mapped_ahead_on_the_mapper_thread():
     assert mapper.log[log:] == [("map", slot, 8)] and mapper.num_mapped(slot) == 12
 
 
+def test_reclaim_takes_free_slots_pages_before_a_live_slots_mapped_ahead_ones():
+    kv, mapper = make(dict(num_slots=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=23,
+                           page_size=4096), watermark=0, premap=True)   # slots hold 5, 5, 6, 6
+    assert kv.allocate("a", [1] * 48, 16) == (True, 0)   # 4 pages its step's, 8 mapped ahead
+    a = kv.slot_of("a")
+    assert (kv.pinned[a], kv.mapped[a]) == (4, 12)
+    assert kv.allocate("b", [1] * 40, 40) == (True, 0)   # 10 pages: the free slots' 10, not a's spare 8
+    assert kv.mapped[a] == 12 and not any(op == "trim" and slot == a for op, slot, _ in mapper.log)
+
+
 def test_reclaims_free_slots_only_when_the_pool_runs_short_and_refuses_past_budget():
     kv, mapper = make(dict(num_slots=3, max_model_len=64, block_size=4, token_bytes=1024, num_pages=17,
                            page_size=4096), watermark=0)   # 16 usable pages

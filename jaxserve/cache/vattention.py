@@ -430,14 +430,15 @@ class VAttentionKVCacheManager:
         self.ready[slot] = need
 
     def _reclaim(self, num_pages: int, keep_slot: int) -> None:
-        """Unmap num_pages spare pages (mapped, not pinned), largest spare first: small free slots stay whole
-        for best fit. Enough exist whenever total pins fit the pool."""
+        """Unmap num_pages spare pages (mapped, not pinned): free slots' first, largest spare first (small free
+        slots stay whole for best fit), live slots' mapped-ahead pages last (they are about to be written: taking
+        them makes their owner map again). Enough exist whenever total pins fit the pool."""
         while num_pages > 0:
-            donor = max((s for s in range(self.geometry.rows) if s != keep_slot),
-                        key=lambda s: self.mapped[s] - self.pinned[s])
-            take = min(self.mapped[donor] - self.pinned[donor], num_pages)
-            if take <= 0:
+            donors = [s for s in range(self.geometry.rows) if s != keep_slot and self.mapped[s] > self.pinned[s]]
+            if not donors:
                 raise AssertionError("vattention accounting: pins exceed the page pool")
+            donor = max(donors, key=lambda s: (s not in self.live, self.mapped[s] - self.pinned[s]))
+            take = min(self.mapped[donor] - self.pinned[donor], num_pages)
             self._set_mapped(donor, self.mapped[donor] - take)
             self.ready[donor] = min(self.ready[donor], self.mapped[donor])
             self.mapper.trim(donor, self.mapped[donor])
