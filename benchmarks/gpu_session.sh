@@ -98,11 +98,14 @@ case $1 in
     run 90 python benchmarks/vattention.py kernels --out "$OUT/vattention_h100.json" ;;
   vattention-engine)   # vattention beside paged, each backend in its own process
     for backend in paged contiguous identity; do
-      run 95 python benchmarks/vattention.py engine --backend $backend --out "$OUT/vattention_h100.json"
+      run 170 python benchmarks/vattention.py engine --backend $backend --out "$OUT/vattention_h100.json"
     done ;;
-  vattention-soak)   # the server soaked under vattention (the 8B general ladder)
-    run 300 python benchmarks/soak.py --config configs/llama3-8b-vattention.yaml --num-requests 3000 \
-      --concurrency 64 --out "$OUT/soak_vattention_h100.json" ;;
+  vattention-soak)   # the server soaked under vattention (the 8B general ladder): short calls, then calls whose
+                     # rows outgrow their share of the pool (page reclaim, deferred unmaps, prompts mapped ahead)
+    run 150 python benchmarks/soak.py --config configs/llama3-8b-vattention.yaml --num-requests 3000 \
+      --concurrency 64 --out "$OUT/soak_vattention_h100.json"
+    run 420 python benchmarks/soak.py --config configs/llama3-8b-vattention.yaml --num-requests 3000 \
+      --concurrency 128 --prompt-len 8 1800 --max-tokens 4 240 --out "$OUT/soak_vattention_h100.json" ;;
   sweep)
     run 540 python benchmarks/sweep.py --config $CONFIG --token-buckets 256 1024 4096 --seq-buckets 64 256 \
       --contexts 512 2048 --kinds decode --warmup 2 --repeats 5 --out "$OUT/sweep_gpu_decode.json" ;;

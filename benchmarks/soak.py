@@ -1,7 +1,7 @@
 """Soak of `jaxserve serve`: many short requests, a share cancelled mid-stream, must leave the server as it was.
 
 --num-requests calls, all sent at once under a cap on calls in flight (--concurrency): random token-id prompts
-of 8-64 tokens, max_tokens 4-32, half greedy and half sampled (temperature 1, top_p 0.9, top_k 50). A share
+of 8-64 tokens (--prompt-len), max_tokens 4-32 (--max-tokens), half greedy and half sampled (temperature 1, top_p 0.9, top_k 50). A share
 (--cancel-frac) is cancelled by the client after a random k-th streamed message, 1 <= k < max_tokens (such a
 call that finishes before its k-th message simply completes). After --warmup-requests calls of the same mix,
 the row records:
@@ -60,17 +60,18 @@ class SoakCall:
     cancel_after: int             # streamed messages before the client cancels; 0: read to the end
 
 
-def soak_call(rng: np.random.Generator, vocab: int, cancel_frac: float) -> SoakCall:
-    prompt = rng.integers(0, vocab, rng.integers(PROMPT_LEN[0], PROMPT_LEN[1] + 1)).tolist()
-    max_tokens = int(rng.integers(MAX_TOKENS[0], MAX_TOKENS[1] + 1))
+def soak_call(rng: np.random.Generator, vocab: int, cancel_frac: float, prompt_len=PROMPT_LEN,
+              max_tokens=MAX_TOKENS) -> SoakCall:
+    prompt = rng.integers(0, vocab, rng.integers(prompt_len[0], prompt_len[1] + 1)).tolist()
+    max_tokens = int(rng.integers(max_tokens[0], max_tokens[1] + 1))
     params = SamplingParams(max_tokens=max_tokens, **(SAMPLED if rng.random() < 0.5 else GREEDY))
     cancel_after = int(rng.integers(1, max_tokens)) if rng.random() < cancel_frac else 0
     return SoakCall(generate_request(prompt, params, 0, None), cancel_after)
 
 
-def soak_calls(count: int, seed: int, vocab: int, cancel_frac: float) -> list[SoakCall]:
+def soak_calls(count: int, seed: int, vocab: int, args) -> list[SoakCall]:
     rng = np.random.default_rng(seed)
-    return [soak_call(rng, vocab, cancel_frac) for _ in range(count)]
+    return [soak_call(rng, vocab, args.cancel_frac, args.prompt_len, args.max_tokens) for _ in range(count)]
 
 
 async def run_calls(client: Client, calls: list[SoakCall], args) -> tuple[float, list[RequestResult]]:
@@ -120,6 +121,7 @@ def soak_row(args, model: str, wall: float, results: list[RequestResult], stats:
     return {"bench": "soak", "impl": "jaxserve",
             "params": {"num_requests": args.num_requests, "concurrency": args.concurrency,
                        "cancel_frac": args.cancel_frac, "seed": args.seed, "call_timeout_s": args.call_timeout,
+                       "prompt_len": list(args.prompt_len), "max_tokens": list(args.max_tokens),
                        "model": model, "config": args.config},
             "ms": wall * 1e3, "tok_s": tokens / wall, "requests": len(results), "cancels": len(ok) - len(completed),
             "completed": len(completed), "hung_calls": errors.pop(HUNG, 0), "errors": dict(errors),
@@ -136,10 +138,10 @@ async def soak(args, target: str, proc: subprocess.Popen | None) -> dict:
         info = await client.model_info()
         vocab = info.vocab_size
         probes = np.random.default_rng(args.seed + 1).integers(0, vocab, (NUM_PROBES, PROBE_PROMPT_LEN)).tolist()
-        await run_calls(client, soak_calls(args.warmup_requests, args.seed + 2, vocab, args.cancel_frac), args)
+        await run_calls(client, soak_calls(args.warmup_requests, args.seed + 2, vocab, args), args)
         before = await probe_outputs(client, probes, "probe-before", args.call_timeout)
         rss_before = rss_mib(proc)
-        wall, results = await run_calls(client, soak_calls(args.num_requests, args.seed, vocab, args.cancel_frac), args)
+        wall, results = await run_calls(client, soak_calls(args.num_requests, args.seed, vocab, args), args)
         stats = await idle_stats(client, args.idle_timeout)
         rss_after = rss_mib(proc)
         after = await probe_outputs(client, probes, "probe-after", args.call_timeout)
@@ -165,6 +167,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=32, help="most calls in flight")
     p.add_argument("--cancel-frac", type=float, default=0.2, help="share of calls the client cancels mid-stream")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=PROMPT_LEN, metavar=("LO", "HI"),
+                   help="prompt tokens, uniform in [LO, HI]")
+    p.add_argument("--max-tokens", type=int, nargs=2, default=MAX_TOKENS, metavar=("LO", "HI"),
+                   help="max_tokens, uniform in [LO, HI]")
     p.add_argument("--warmup-requests", type=int, default=32)
     p.add_argument("--call-timeout", type=float, default=120.0, help="s a call may take before it counts as hung")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="s to wait for the server to drain")
