@@ -107,8 +107,7 @@ def count_exposed_maps(step, timer: Timer):
         timer.last_wait = 0.0
         out = step()
         if timer.last_wait < BUSY_DEVICE_S:
-            exposed = timer.seconds.get("map", 0.0) - before
-            timer.seconds["map_exposed"] = timer.seconds.get("map_exposed", 0.0) + exposed
+            timer.seconds["map_exposed"] = timer.seconds.get("map_exposed", 0.0) + timer.seconds.get("map", 0.0) - before
         return out
     return counted
 
@@ -209,8 +208,7 @@ def cross_layer_rows(rows: jax.Array, num_layers: int, layer: int, row_blocks: i
 
 def bench_kernels(args, command: str) -> None:
     from pallas_kernels import contiguous_ragged_attention, ragged_paged_attention
-    from pallas_kernels.ragged_paged_attention import speculative_keys
-    rows_out, resident = [], speculative_keys(jnp.bfloat16)   # every row here is full: as the engine keeps them
+    rows_out = []
     for batch, num_layers in ((64, 16), (256, 4)):   # 8 GiB each of K and V
         context, scale, bps = 4096, 128 ** -0.5, 4096 // 16
         q, rows, paged, table = decode_batch(batch, context)
@@ -223,11 +221,10 @@ def bench_kernels(args, command: str) -> None:
                                                                 decode_only=True), (q, *paged, table)),
             "contiguous": (lambda q, k, v, s: contiguous_ragged_attention(
                 q, k.reshape(-1, 16, 8, 128), v.reshape(-1, 16, 8, 128), cu, lens, s, n, blocks_per_slot=bps,
-                sm_scale=scale, decode_only=True, resident_keys=resident), (q, *rows, slots)),
+                sm_scale=scale, decode_only=True), (q, *rows, slots)),
             "contiguous-cross-layer": (lambda q, k, v, s, layer: contiguous_ragged_attention(
                 q, k, v, cu, lens, s, n, blocks_per_slot=cross_bps, num_layers=num_layers, layer=layer,
-                sm_scale=scale, decode_only=True, resident_keys=resident),
-                (q, *cross, slots, jnp.int32(num_layers // 2))),
+                sm_scale=scale, decode_only=True), (q, *cross, slots, jnp.int32(num_layers // 2))),
             "cudnn": (lambda q, k, v: jax.nn.dot_product_attention(
                 q[:, None], k, v, scale=scale, implementation="cudnn", query_seq_lengths=jnp.ones(batch, jnp.int32),
                 key_value_seq_lengths=lens)[:, 0], (q, *rows))}

@@ -155,10 +155,7 @@ class SlotRows:
         return self.ref[jnp.minimum(seq, geo.max_seqs - 1)]
 
     def block(self, first, col, masked, live, geo, num_pages):
-        block = first + col * geo.block_stride if geo.block_stride > 1 else first + col
-        if masked == "speculative":  # loads before the length: only within the rows' resident keys (see below)
-            return jnp.clip(block, 0, num_pages - 1)
-        return block
+        return first + col * geo.block_stride if geo.block_stride > 1 else first + col
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,22 +195,13 @@ def contiguous_ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, 
     head_dim], num_blocks = rows * blocks_per_slot (a row's tokens are its blocks', in order); slots int32
     [max_seqs], each < rows for live sequences (entries past num_seqs are ignored). A cross-layer cache
     ([rows * blocks_per_slot, num_layers, block_size, ...] viewed as [.. * num_layers, block_size, ...]) is read at
-    `layer` (an int or a traced int32 scalar). resident_keys: keys at the start of every row, and of every slot
-    past num_seqs, that are always readable (vattention keeps their pages mapped): the decode-only launch reads a
-    row's first tile before its length arrives when the tile lies within them (`speculative_keys`); 0 (the
-    default) reads nothing past kv_len. options: as `ragged_paged_attention`'s (sliding_window, soft_cap, impl,
-    prefill_backend, decode_only, interpret, tuning).
+    `layer` (an int or a traced int32 scalar). options: as `ragged_paged_attention`'s (sliding_window, soft_cap,
+    impl, prefill_backend, decode_only, interpret, tuning).
     """
     check_layers(num_layers, layer)
     return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens,
                             row_starts(slots, blocks_per_slot, num_layers, layer), num_seqs, blocks_per_slot,
                             sm_scale=sm_scale, block_stride=num_layers, **options)
-
-
-def speculative_keys(dtype) -> int:
-    """Keys of each row the decode-only launch reads before the row's length arrives, when it does not split a
-    context: its first tile. A contiguous cache that keeps them mapped passes them as resident_keys."""
-    return make_tuning(dtype, {}).decode_kv_tile
 
 
 def row_starts(slots, blocks_per_slot: int, num_layers: int = 1, layer=0):
@@ -233,10 +221,9 @@ def check_layers(num_layers: int, layer) -> None:
 def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_slot: int | None, *,
                      sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                      impl: str = "auto", prefill_backend: str = "auto", decode_only: bool = False,
-                     interpret: bool = False, block_stride: int = 1, resident_keys: int = 0,
-                     **tuning) -> jax.Array:
+                     interpret: bool = False, block_stride: int = 1, **tuning) -> jax.Array:
     """Both public entry points: `blocks` is the block table (blocks_per_slot None) or each sequence's first block
-    (contiguous, its row's blocks block_stride apart; see contiguous_ragged_attention for resident_keys)."""
+    (contiguous, its row's blocks block_stride apart)."""
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slot, num_seqs,
                             sm_scale, sliding_window, soft_cap, impl, prefill_backend, block_stride)
     scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
@@ -251,8 +238,7 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
     addressing = dict(blocks_per_slot=blocks_per_slot, block_stride=block_stride)
     if decode_only:
-        return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret,
-                                 resident_keys=resident_keys, **addressing)
+        return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing)
     mosaic = prefill_on_mosaic(q, k_cache, blocks, scores, tuning, prefill_backend, interpret)
     # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
     # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
@@ -392,21 +378,15 @@ pallas_attention = jax.jit(attention_launches,
                                             "block_stride"))
 
 
-@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret", "blocks_per_slot", "block_stride",
-                                             "resident_keys"))
+@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret", "blocks_per_slot", "block_stride"))
 def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
-                      tuning: Tuning, interpret: bool, blocks_per_slot: int | None = None, block_stride: int = 1,
-                      resident_keys: int = 0):
+                      tuning: Tuning, interpret: bool, blocks_per_slot: int | None = None, block_stride: int = 1):
     geo = Geometry.of(q, k_cache, blocks, blocks_per_slot, block_stride)
     splits = min(decode_slots(geo, tuning) // geo.decode_rows, tuning.decode_max_splits)  # fixed by the shape
     slots = max(geo.num_tokens, splits * geo.decode_rows)  # every token row has a program to zero it
-    tile = max(tuning.split_decode_kv_tile if splits > 1 else tuning.decode_kv_tile, geo.block_size)
-    # A program's first tile is loaded before its length arrives when that cannot touch an unmapped page: paged
-    # rows (their unused table entries are the null block), or contiguous rows read no further than the keys every
-    # row keeps mapped (without splits and a window, the first tile is a row's first `tile` keys).
-    speculate = not geo.contiguous or (splits == 1 and scores.sliding_window is None and tile <= resident_keys)
-    kernel = functools.partial(decode_only_kernel, geo=geo, scores=scores, splits=splits, tile=tile,
-                               rows=max(16, geo.group_pad), interpret=interpret, speculate=speculate)
+    tile = tuning.split_decode_kv_tile if splits > 1 else tuning.decode_kv_tile
+    kernel = functools.partial(decode_only_kernel, geo=geo, scores=scores, splits=splits,
+                               tile=max(tile, geo.block_size), rows=max(16, geo.group_pad), interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), q.dtype)]
     args = [num_seqs, kv_lens, blocks.reshape(-1), q.reshape(-1, geo.head_dim),
             k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim)]
@@ -579,14 +559,14 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v
 
 
 def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_ref, *refs, geo, scores, splits, tile,
-                       rows, interpret, speculate):
+                       rows, interpret):
     """Decode-only batch (token i is decode i), one launch. Program (kv head, slot) attends tiles
     split, split + splits, ... of decode slot // splits, `splits` fixed by the shape. Nothing it loads first
     waits for another load: without a window its first tile's block ids (table entries) and
     K/V are fetched before the context length arrives (clamped to a real page, masked after), so a short context
     costs two dependent loads. Split programs write partials and count themselves done on an atomic
-    counter; the last one of a decode merges them. Programs past the decodes zero their token's rows. Without
-    `speculate` (contiguous rows past their resident keys) the first tile waits for the length."""
+    counter; the last one of a decode merges them. Programs past the decodes zero their token's rows. Contiguous
+    rows are not read speculatively (see below)."""
     if splits > 1:  # the zeroed done-counters come in first, aliased to count_ref
         _, out_ref, parts_ref, lse_ref, count_ref = refs
     else:
@@ -605,7 +585,9 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_re
     step = functools.partial(strided_tile, t0=t0, splits=splits, q=q, q_pos=jnp.full((rows,), kv_len - 1),
                              seq_blocks=cache.blocks.of(seq, geo), kv_len=kv_len, kv_head=kv_head, cache=cache, geo=geo,
                              scores=scores, tile=tile)
-    carry = step(0, init_carry(q.shape), masked="speculative" if speculate else True)
+    # Contiguous rows load nothing past kv_len: a vattention row's pages past its tokens may be unmapped (a 2 MiB
+    # page holds only 32 tokens of a cross-layer cache), so their first tile waits for the length.
+    carry = step(0, init_carry(q.shape), masked=True if geo.contiguous else "speculative")
     n = pl.cdiv(jnp.maximum(pl.cdiv(kv_len, tile) - t0, 0), splits)
     full_lo, full_hi = (pl.cdiv(jnp.maximum(t - t0, 0), splits) for t in (pl.cdiv(first, tile), kv_len // tile))
     acc, m, l = attend_range(carry, 1, n, full_lo, full_hi, step)

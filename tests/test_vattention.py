@@ -17,8 +17,7 @@ C_ABI = ("vmm_last_error", "vmm_granularity", "vmm_create", "vmm_destroy", "vmm_
          "JaxserveVmmFence")
 # page 4 KiB, 384-byte tokens: 10.67 tokens a page, so tokens straddle pages
 GEOMETRIES = [dict(num_slots=6, max_model_len=100, block_size=4, token_bytes=384, num_pages=28, page_size=4096),
-              dict(num_slots=4, max_model_len=64, block_size=16, token_bytes=512, num_pages=12, page_size=4096,
-                   resident_tokens=32)]   # every row in use keeps 4 pages mapped (the decode kernel's first tile)
+              dict(num_slots=4, max_model_len=64, block_size=16, token_bytes=512, num_pages=12, page_size=4096)]
 
 
 def make(geometry: dict, mapper: str = "fake", library=None, **kw):
@@ -184,15 +183,6 @@ def test_reclaim_takes_free_slots_pages_before_a_live_slots_mapped_ahead_ones():
     assert (kv.pinned[a], kv.mapped[a]) == (4, 12)
     assert kv.allocate("b", [1] * 40, 40) == (True, 0)   # 10 pages: the free slots' 10, not a's spare 8
     assert kv.mapped[a] == 12 and not any(op == "trim" and slot == a for op, slot, _ in mapper.log)
-
-
-def test_rows_in_use_and_the_null_row_keep_their_resident_tokens_mapped():
-    kv, mapper = make(dict(num_slots=3, max_model_len=64, block_size=4, token_bytes=1024, num_pages=17,
-                           page_size=4096, resident_tokens=12), watermark=0)   # 3 pages resident
-    assert kv.null_pages == 3 and kv.ready[0] == 3
-    assert kv.allocate("a", [1] * 2, 2) == (True, 0)
-    assert kv.pinned[kv.slot_of("a")] == kv.ready[kv.slot_of("a")] == 3 and kv.num_free_pages == 17 - 6
-    assert kv.geometry.pages_for(0) == 0 and kv.geometry.pages_for(13) == 4
 
 
 def test_reclaims_free_slots_only_when_the_pool_runs_short_and_refuses_past_budget():

@@ -52,18 +52,14 @@ class VmmGeometry:
     num_slots: int        # sequence slots (max_num_seqs)
     max_model_len: int
     block_size: int
-    token_bytes: int      # one token in one range: layers*Hkv*D*itemsize (cross-layer K or V, kv_cache.CrossLayerKV)
+    token_bytes: int      # one token in one range: layers*Hkv*D*itemsize (the cross-layer K or V, kv_cache.CrossLayerKV)
     num_pages: int        # pool pages; each backs the same virtual page in every range
     page_size: int = PAGE_SIZE
-    resident_tokens: int = 0   # leading tokens every row in use (and the null row) keeps mapped: the contiguous
-                               # decode kernel reads them before a row's length arrives (its resident_keys)
 
     def __post_init__(self):
         for name in ("num_slots", "max_model_len", "block_size", "token_bytes", "num_pages", "page_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.resident_tokens < 0:
-            raise ValueError(f"resident_tokens must be >= 0, got {self.resident_tokens}")
 
     @property
     def rows(self) -> int:
@@ -92,10 +88,8 @@ class VmmGeometry:
         return self.tokens_per_slot // self.block_size
 
     def pages_for(self, num_tokens: int) -> int:
-        """Leading pages of a row that hold the blocks of its first num_tokens tokens (at least resident_tokens'
-        when any): the kernels and block copies touch whole blocks, and a block (or a token) may straddle two
-        pages."""
-        num_tokens = max(num_tokens, self.resident_tokens) if num_tokens > 0 else 0
+        """Leading pages of a row that hold the blocks of its first num_tokens tokens: the kernels and block
+        copies touch whole blocks, and a block (or a token) may straddle two pages."""
         whole_blocks = -(-num_tokens // self.block_size) * self.block_size
         return -(-whole_blocks * self.token_bytes // self.page_size)
 

@@ -41,7 +41,6 @@ from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, 
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
 from jaxserve.models.loader import LoadedModel
 from jaxserve.models.sharding import CROSS_LAYER_KV_CACHE, KV_CACHE, TP, cache_kv_heads
-from pallas_kernels.ragged_paged_attention import speculative_keys
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
@@ -175,8 +174,7 @@ class ModelRunner:
         layout = self._vmm_layout(dtype) if cfg.kv_backend == "vattention" else None
         contiguous = layout is not None and cfg.vattention_kernels == "contiguous"
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim,
-                                                 layout.blocks_per_slot if contiguous else None,
-                                                 layout.resident_tokens if contiguous else 0)
+                                                 layout.blocks_per_slot if contiguous else None)
         self.block_table = (KVSlotTable(cfg.max_num_seqs, layout.blocks_per_slot) if contiguous
                             else BlockTable(cfg.max_num_seqs, self.max_blocks_per_seq))
         self.graphs = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
@@ -241,8 +239,7 @@ class ModelRunner:
         every layer together, kv_cache.CrossLayerKV); its num_pages a placeholder until _vmm_pool."""
         cfg, mc, page_size = self.cfg, self.model_config, PAGE_SIZE if self.vmm_on_device else CPU_VMM_PAGE_SIZE
         token_bytes = mc.num_layers * self.kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize   # tp is 1
-        resident = speculative_keys(dtype) if cfg.vattention_kernels == "contiguous" else 0
-        return VmmGeometry(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, token_bytes, 1, page_size, resident)
+        return VmmGeometry(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, token_bytes, 1, page_size)
 
     def _vmm_pool(self, layout: VmmGeometry, dtype) -> VmmGeometry:
         """The layout with its page pool: the config's num_blocks as the pages their tokens need (+ the null

@@ -48,12 +48,10 @@ class AttentionKernels:
     or "reference" (no GPU kernel runs here: pure JAX, and decode-only steps need no graph of their own).
     prefill: the GPU kernel of prefill rows — "triton" or "mosaic" (pallas_kernels' prefill_backend).
     blocks_per_slot: None (blocks addressed by the batch's block tables) or, for vattention's contiguous kernels,
-    the blocks of a cache row: block i of a sequence is kv_slot * blocks_per_slot + i. resident_keys: the leading
-    keys of every row that vattention keeps mapped (contiguous_ragged_attention's)."""
+    the blocks of a cache row: block i of a sequence is kv_slot * blocks_per_slot + i."""
     decode: str = "reference"
     prefill: str = "triton"
     blocks_per_slot: int | None = None
-    resident_keys: int = 0
 
     @property
     def has_decode_kernel(self) -> bool:
@@ -62,10 +60,10 @@ class AttentionKernels:
 
 
 def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int,
-                              blocks_per_slot: int | None = None, resident_keys: int = 0) -> AttentionKernels:
+                              blocks_per_slot: int | None = None) -> AttentionKernels:
     """decode_attention "auto" takes the Pallas launch where it runs (it beat the CUDA call at every batch and
     context measured: benchmarks/NOTES_attention.md); "cuda" forces the call, an error naming why when it cannot
-    run. A bad name is an error naming the knob. blocks_per_slot, resident_keys: see AttentionKernels."""
+    run. A bad name is an error naming the knob. blocks_per_slot: see AttentionKernels."""
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
     if prefill_attention not in PREFILL_ATTENTION:
@@ -75,9 +73,9 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
                else custom_calls.unavailable_reason())
         if why:
             raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {why}")
-        return AttentionKernels("cuda", prefill_attention, blocks_per_slot, resident_keys)
+        return AttentionKernels("cuda", prefill_attention, blocks_per_slot)
     pallas = resolve_impl("auto", interpret=False) == "pallas"
-    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_slot, resident_keys)
+    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +139,7 @@ def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: Attent
         return ragged_paged_attention(*lens, layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs,
                                       **kw)
     return contiguous_ragged_attention(*lens, batch.kv_slots, batch.num_seqs, blocks_per_slot=kernels.blocks_per_slot,
-                                       num_layers=num_layers, layer=layer, resident_keys=kernels.resident_keys, **kw)
+                                       num_layers=num_layers, layer=layer, **kw)
 
 
 def cuda_decode(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
