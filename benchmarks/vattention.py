@@ -107,7 +107,8 @@ def count_exposed_maps(step, timer: Timer):
         timer.last_wait = 0.0
         out = step()
         if timer.last_wait < BUSY_DEVICE_S:
-            timer.seconds["map_exposed"] = timer.seconds.get("map_exposed", 0.0) + timer.seconds.get("map", 0.0) - before
+            exposed = timer.seconds.get("map", 0.0) - before
+            timer.seconds["map_exposed"] = timer.seconds.get("map_exposed", 0.0) + exposed
         return out
     return counted
 

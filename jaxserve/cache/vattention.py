@@ -52,7 +52,7 @@ class VmmGeometry:
     num_slots: int        # sequence slots (max_num_seqs)
     max_model_len: int
     block_size: int
-    token_bytes: int      # one token in one range: layers*Hkv*D*itemsize (the cross-layer K or V, kv_cache.CrossLayerKV)
+    token_bytes: int      # one token in one range: layers*Hkv*D*itemsize (cross-layer K or V, kv_cache.CrossLayerKV)
     num_pages: int        # pool pages; each backs the same virtual page in every range
     page_size: int = PAGE_SIZE
 
