@@ -15,7 +15,6 @@ import custom_calls
 from jaxserve.models.sharding import KV_CACHE, per_shard
 
 
-
 @jax.tree_util.register_dataclass
 @dataclass(slots=True)
 class CrossLayerKV:
@@ -112,8 +111,8 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
 def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, mesh: Mesh | None = None) -> KVCache:
     # Padding pairs have out-of-bounds dsts, which the copy skips; every layer reads its sources first. Under
-    # tensor parallelism each device copies the blocks of its own kv heads. A cross-layer block is one copy of all
-    # its layers (the cache seen as [num_blocks, num_layers * block_size, ...]).
+    # tensor parallelism each device copies the blocks of its own kv heads. A cross-layer block (vattention: one
+    # device) is one copy of all its layers, the cache seen as [num_blocks, num_layers * block_size, ...].
     if isinstance(cache, CrossLayerKV):
         nb, layers, bs = cache.k.shape[:3]
         k, v = custom_calls.copy_blocks(*(x.reshape(nb, layers * bs, *x.shape[3:]) for x in (cache.k, cache.v)),
