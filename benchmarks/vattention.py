@@ -7,17 +7,19 @@
 
 `engine` (one backend a process: an illegal address on one must not take the others' rows): offline 256 x
 512/128, decode at 64 x 4096 (TPOT: the decode steps' time), prefill 1 x 8191 (TTFT; its token makes the model's
-8192 positions), each run once to warm up, then measured. Per workload: host time per step (schedule + step inputs + launch: `LLMEngine._launch`), of it
-the block-table work (table writes and row gathers) and the synchronous page maps (the critical path: a step
-cannot launch before its pages are mapped; look-ahead maps run on the mapper thread), and the KV capacity the
-same memory gives (tokens, and sequences of the workload's length: the cross-layer cache's 2 MiB page holds 32
-tokens of every layer of Llama-3-8B, so a vattention sequence takes its tokens rounded up to 32). Prefix caching
-is off in both (vattention has none): the same schedule.
+8192 positions), each run once to warm up, then measured. Per workload: host time per step (schedule + step
+inputs + launch: `LLMEngine._launch`), of it the block-table work (table writes and row gathers) and the
+synchronous page maps (a step cannot launch before its pages are mapped; look-ahead maps run on the mapper
+thread), and how much of those maps was exposed (on the device's critical path: `count_exposed_maps`); and the KV
+capacity the same memory gives (tokens, and sequences of the workload's length: the cross-layer cache's 2 MiB
+page holds 32 tokens of every layer of Llama-3-8B, so a vattention sequence takes its tokens rounded up to 32).
+Prefix caching is off in both (vattention has none): the same schedule.
 `kernels`: the engine's decode kernel over a paged cache (shuffled blocks), its contiguous variant (rows by
 slot, stage 2) on one layer's rows, and on a layer of the cross-layer cache the engine runs (blocks num_layers
 apart, rows an odd number of pages apart as VmmGeometry lays them out; 16 layers at batch 64, 4 at 256, for
-memory: Llama-3-8B has 32), and cuDNN (`jax.nn.dot_product_attention`) on the dense [B, ctx, kv, d] layout a one-layer row is (the
-"unmodified kernel"); 256 x 4096 is past what the 8B model's KV fits beside its weights on an H100.
+memory: Llama-3-8B has 32), and cuDNN (`jax.nn.dot_product_attention`) on the dense [B, ctx, kv, d] layout a
+one-layer row is (the "unmodified kernel"); 256 x 4096 is past what the 8B model's KV fits beside its weights on
+an H100.
 """
 from __future__ import annotations
 
