@@ -203,7 +203,7 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
 def sweep_row(runner: ModelRunner, case: SweepCase, ms: float, compile_stats, ceilings) -> dict:
     (compile_s, temp_bytes, code_bytes), (gbps, tflops) = compile_stats, ceilings
     starts, counts = case_layout(case, runner.cfg.max_model_len)
-    itemsize = jnp.dtype(runner.kv_cache[0][0].dtype).itemsize
+    itemsize = jnp.dtype(runner.dtype).itemsize
     nbytes, flops = step_cost(runner.model_config, itemsize, starts, counts)
     roofline_ms = max(nbytes / gbps / 1e6, flops / tflops / 1e9)
     row = {"bench": "sweep", "impl": "jaxserve", "params": dataclasses.asdict(case), "compile_s": compile_s, "ms": ms,
