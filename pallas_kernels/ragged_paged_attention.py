@@ -56,7 +56,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import paged_prefill_attention_mgpu as mgpu_prefill
 from pallas_kernels.common import (LOG2E, exp2_shift, init_carry, interpret_params, normalize,
                                    online_softmax_step, per_row)
-from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference, strided_block_tables
+from pallas_kernels.ragged_paged_attention_reference import (ragged_paged_attention_reference, row_starts,
+                                                              strided_block_tables)
 
 IMPLS = ("auto", "pallas", "reference")
 PREFILL_BACKENDS = ("auto", "triton", "mosaic")
@@ -202,13 +203,6 @@ def contiguous_ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, 
     return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens,
                             row_starts(slots, blocks_per_slot, num_layers, layer), num_seqs, blocks_per_slot,
                             sm_scale=sm_scale, block_stride=num_layers, **options)
-
-
-def row_starts(slots, blocks_per_slot: int, num_layers: int = 1, layer=0):
-    """Each slot's first block at `layer`, in the cache viewed as [num_blocks * num_layers, block_size, ...]."""
-    if num_layers == 1:
-        return slots * blocks_per_slot
-    return slots * (blocks_per_slot * num_layers) + jnp.asarray(layer, jnp.int32)
 
 
 def check_layers(num_layers: int, layer) -> None:
