@@ -2,8 +2,6 @@
 one in-process server per module (embedded SmolLM2, small engine, lazy compile) on loopback, checked against the
 offline API; a second one over a stuck, then failing, engine step for the refusal statuses; a third over a tiny
 random model without a tokenizer (the benchmarks' kind), served token ids."""
-import asyncio
-import contextlib
 import json
 import os
 import re
@@ -25,54 +23,15 @@ from jaxserve.engine.llm_engine import NeverFits, QueueFull
 from jaxserve.models.loader import random_model
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 from jaxserve.serve.openai_http import api_error
-from jaxserve.serve.server import ServeOptions, Server
+from helpers import MODEL, base_url, in_process, wait_idle
 
 REPO = Path(__file__).resolve().parents[1]
 KNOBS = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=128, num_blocks=256)
-MODEL, KEY = "smollm2-135m-instruct", "test-key"
+KEY = "test-key"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 LONG = {"prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
-IDLE_TIMEOUT_S = 60
-
-
-@contextlib.contextmanager
-def in_process(engine: LLMEngine, **opts):
-    """A Server with an HTTP port on an event loop of its own thread (as `jaxserve serve` runs it)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
-    thread.start()
-    call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
-
-    async def start():
-        server = Server([engine], ServeOptions(port=0, metrics_port=None, http_port=0, grace_period_s=1.0, **opts),
-                        MODEL)
-        await server.start()
-        return server
-
-    server = call(start())
-    try:
-        yield server
-    finally:
-        call(server.stop())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
-def base_url(server: Server) -> str:
-    return f"http://127.0.0.1:{server.http_port}"
-
-
-def wait_idle(server: Server) -> dict:
-    """Stats once nothing runs, waits or holds KV blocks (or the last seen, after IDLE_TIMEOUT_S)."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    while True:
-        s = server.engine_loop.stats()
-        if not (s["running"] or s["waiting"] or s["pending"] or s["kv_blocks_used"]) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +170,8 @@ def test_api_key_health_models_metrics_and_unknown_routes(server, client):
     unknown = httpx2.get(url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-    metrics = httpx2.get(url + "/metrics", timeout=10).text
+    assert httpx2.get(url + "/metrics", timeout=10).status_code == 401          # the key guards metrics too
+    metrics = httpx2.get(url + "/metrics", headers={"Authorization": f"bearer {KEY}"}, timeout=10).text
     finished = re.search(r'^jaxserve_requests_total\{outcome="finished"\} (\S+)$', metrics, re.M)
     assert finished and float(finished[1]) >= 1 and "jaxserve_time_to_first_token_seconds_count" in metrics
 

@@ -243,6 +243,11 @@ BAD_INPUTS = {
     "prompt-both": (pb.GenerateRequest(prompt="Hi", prompt_token_ids=[1]), "prompt and prompt_token_ids"),
     "prompt-vocab": (pb.GenerateRequest(prompt_token_ids=[1, 2**40]), "prompt token ids"),
     "prompt-too-long": (pb.GenerateRequest(prompt_token_ids=[1] * 600), "max_model_len"),
+    "prompt-id-flood": (pb.GenerateRequest(prompt_token_ids=[1] * 2_000_000), "prompt has 2,000,000 tokens"),
+    "temperature-huge": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(temperature=1e30)),
+                         "temperature must be in"),
+    "repetition_penalty-tiny": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(repetition_penalty=1e-30)),
+                                "repetition_penalty must be in"),
 }
 
 
@@ -262,14 +267,19 @@ def test_bad_input_is_invalid_argument_naming_the_field(server, case, rpc):
     assert (health, service_health, stats.serving) == ("SERVING", "SERVING", True)
 
 
-def test_detokenize_rejects_ids_outside_the_vocabulary(server, smollm):
+@pytest.mark.parametrize("ids, message", [([5, 49152], "token_ids must be in"),
+                                          ([5] * 3_000_000, "at most max_model_len=512 ids, got 3,000,000")],
+                         ids=["outside-vocabulary", "flood"])
+def test_detokenize_refuses_ids_outside_the_vocabulary_or_past_max_model_len(server, smollm, ids, message):
+    assert smollm.config.vocab_size == 49152
+
     async def scenario(c: Client):
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await c.detokenize([5, smollm.config.vocab_size])
+            await c.detokenize(ids)
         return err.value, await c.health()
 
     err, health = run(scenario, server.wait_ready())
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in err.details()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.details()
     assert health == "SERVING"
 
 
@@ -379,7 +389,7 @@ def test_serve_refuses_bad_flags_in_one_line_before_loading_the_model(flags, mat
 @contextlib.asynccontextmanager
 async def in_process(smollm, engine_knobs=None, **opts):
     server = Server([LLMEngine(smollm, EngineConfig(precompile=False, **{**KNOBS, **(engine_knobs or {})}))],
-                    ServeOptions(port=0, metrics_port=None, grace_period_s=1.0, **opts), "smollm2")
+                    ServeOptions(**{"port": 0, "metrics_port": None, "grace_period_s": 1.0, **opts}), "smollm2")
     await server.start()
     try:
         yield server
@@ -410,6 +420,49 @@ def test_tls_and_message_size_limit(smollm, tmp_path):
     assert ids == smollm.tokenizer("Hello over TLS", add_special_tokens=False)["input_ids"]
     assert too_big.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert no_tls.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_api_key_guards_every_grpc_service_but_health_and_the_metrics_port(smollm):
+    async def scenario():
+        async with in_process(smollm, api_key="k3y", metrics_port=0) as server:
+            target, metrics = f"127.0.0.1:{server.port}", f"http://127.0.0.1:{server.metrics_port}/metrics"
+            async with Client(target) as anonymous, Client(target, api_key="wrong") as wrong, \
+                    Client(target, api_key="k3y") as keyed:
+                refused = [await error_code(anonymous.tokenize("Hi")), await error_code(wrong.model_info())]
+                health = await anonymous.health()
+                ids = await keyed.tokenize("Hi")
+                lower_case = await keyed.stub.ModelInfo(pb.ModelInfoRequest(), metadata=(("authorization", "bearer k3y"),))
+            reflection = await asyncio.to_thread(list_services_or_error, target)
+            scrapes = [await asyncio.to_thread(http_status, metrics, headers) for headers in
+                       ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "BEARER k3y"})]
+            return refused, health, ids, lower_case.vocab_size, reflection, scrapes
+
+    refused, health, ids, vocab, reflection, scrapes = asyncio.run(scenario())
+    assert refused == [grpc.StatusCode.UNAUTHENTICATED] * 2 and health == "SERVING"
+    assert ids == smollm.tokenizer("Hi", add_special_tokens=False)["input_ids"] and vocab == 49152
+    assert reflection == grpc.StatusCode.UNAUTHENTICATED
+    assert scrapes == [401, 401, 200]
+
+
+async def error_code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code()
+
+
+def list_services_or_error(target: str):
+    try:
+        return list_services(target)
+    except grpc.RpcError as e:
+        return e.code()
+
+
+def http_status(url: str, headers: dict) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def test_engine_failure_is_unavailable_and_not_serving(smollm):
@@ -540,3 +593,22 @@ def test_sigterm_drains_the_in_flight_stream_and_exits_zero(server):
     assert sum(len(c.token_ids) for c in first.outputs) + len(rest.token_ids) == params.max_tokens
     assert server.proc.wait(timeout=GRACE_S + 10) == 0
     assert "jaxserve serve: stopped" in server.log.read_text()
+
+
+def test_a_restart_on_the_drained_ports_starts_at_once(server, tmp_path):
+    """The drain left the drained stream's connection in TIME-WAIT on the gRPC and metrics ports: a supervisor's
+    immediate restart must bind them (the servers set SO_REUSEADDR, and so must the pre-check)."""
+    assert server.proc.poll() is not None   # after the SIGTERM test
+    port, metrics_port = server.target.rpartition(":")[2], server.metrics_url.split(":")[2].split("/")[0]
+    flags = [a for k, v in KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", port, "--metrics-port", metrics_port,
+           "--no-precompile", *flags]
+    log = tmp_path / "restart.log"
+    with open(log, "w") as out:
+        restarted = ServerProcess(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                                   env={**os.environ, "JAX_PLATFORMS": "cpu"}), log)
+    try:
+        assert restarted.wait_ready() == server.target
+    finally:
+        restarted.proc.send_signal(signal.SIGTERM)
+        assert restarted.proc.wait(GRACE_S + 30) == 0

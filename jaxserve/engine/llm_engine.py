@@ -16,7 +16,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.compilation import enable_compilation_cache
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import INT32_MAX, SamplingParams, check_text, short
 from jaxserve.engine.scheduler import Scheduler, StepRow
 from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, next_seq_id,
                                       stable_seed)
@@ -24,6 +24,16 @@ from jaxserve.models.loader import LoadedModel
 
 MAX_PROMPT_BYTES_PER_TOKEN = 128   # a prompt of more bytes than max_model_len tokens could hold is refused untokenized
 MAX_CACHE_SALT_CHARS = 256         # the salt is hashed into every block hash of the request
+
+
+def check_cache_salt(cache_salt) -> None:
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {short(cache_salt)}")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt):,}")
+    check_text("cache_salt", cache_salt)
 
 
 class AdmissionError(ValueError):
@@ -102,9 +112,11 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt(prompt, prompt_token_ids)
         self._check_request(ids, params)
-        if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
-            raise ValueError(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt):,}")
+        check_cache_salt(cache_salt)
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -INT32_MAX - 1 <= priority <= INT32_MAX:
+            raise ValueError(f"priority must be an int32, got {short(priority)}")
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        check_text("request_id", request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(request_id, text, ids, params)
@@ -126,6 +138,7 @@ class LLMEngine:
         refused before the tokenizer spends time on it."""
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        check_text("prompt", text)
         limit = self.cfg.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
         if len(text) > limit or len(text.encode()) > limit:
             raise ValueError(f"prompt: {len(text.encode()):,} bytes cannot fit max_model_len="
@@ -134,18 +147,24 @@ class LLMEngine:
 
     def _prompt(self, prompt, token_ids) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            check_text("prompt", prompt)
             return prompt, self.tokenize(prompt) if token_ids is None else self._prompt(token_ids, None)[1]
+        if isinstance(prompt, (list, tuple)):
+            self.check_prompt_length(len(prompt))   # before any per-id work
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.cfg.max_model_len:
+            raise ValueError(f"prompt has {num_tokens:,} tokens; max_model_len={self.cfg.max_model_len} leaves no "
+                             "room to generate")
 
     def _check_request(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.loaded.config.vocab_size
         if not ids:
             raise ValueError("prompt is empty")
-        if len(ids) >= self.cfg.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.cfg.max_model_len} leaves no "
-                             "room to generate")
+        self.check_prompt_length(len(ids))
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.n > self.cfg.max_num_seqs:

@@ -11,6 +11,10 @@ SEED_RANGE = (-(2**63), 2**63)  # int64, like vLLM's OpenAI front end
 INT32_MAX = 2**31 - 1  # counts and ids reach the device as int32
 # Bounded per-token work: every stop string is searched in each new token's text, every stop id masked in-graph.
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 16
+# Float ranges that stay finite and nonzero in float32, where the sampler computes: past them sampling is
+# already uniform (temperature) or a penalty already decides every logit.
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -76,6 +80,8 @@ def normalise_stop(stop) -> list[str]:
     if len(stops) > MAX_STOP_STRINGS or max(map(len, stops), default=0) > MAX_STOP_CHARS:
         raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, got "
                          f"{len(stops)} (longest {max(map(len, stops))})")
+    for s in stops:
+        check_text("stop", s)
     return list(stops)
 
 
@@ -90,6 +96,15 @@ def normalise_stop_token_ids(ids) -> list[int]:
     return list(ids)
 
 
+def check_text(name: str, text: str) -> None:
+    """Text that is valid Unicode (JSON's "\\ud800" escapes give lone surrogates, which no encoder, tokenizer or hash
+    takes): a ValueError naming the field, where the request arrives, never later on the engine's thread."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: not valid Unicode (a lone surrogate at character {e.start})") from None
+
+
 def short(value, limit: int = 80) -> str:
     """repr of a bad value, cut: error messages stay one readable line whatever the client sent."""
     text = repr(value)
@@ -99,11 +114,12 @@ def short(value, limit: int = 80) -> str:
 def check_ranges(p: SamplingParams) -> None:
     checks = (
         ("n", 1 <= p.n <= INT32_MAX, "must be >= 1"),
-        ("temperature", p.temperature >= 0.0, "must be >= 0"),
+        ("temperature", 0.0 <= p.temperature <= MAX_TEMPERATURE, f"must be in [0, {MAX_TEMPERATURE:g}]"),
         ("top_p", 0.0 < np.float32(p.top_p) and p.top_p <= 1.0, "must be in (0, 1] (and above 0 in float32)"),
         ("top_k", -1 <= p.top_k <= INT32_MAX, "must be -1, 0 (off) or positive, below 2**31"),
         ("min_p", 0.0 <= p.min_p <= 1.0, "must be in [0, 1]"),
-        ("repetition_penalty", p.repetition_penalty > 0.0, "must be > 0"),
+        ("repetition_penalty", REPETITION_PENALTY_RANGE[0] <= p.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+         "must be in [{:g}, {:g}]".format(*REPETITION_PENALTY_RANGE)),
         ("presence_penalty", -2.0 <= p.presence_penalty <= 2.0, "must be in [-2, 2]"),
         ("frequency_penalty", -2.0 <= p.frequency_penalty <= 2.0, "must be in [-2, 2]"),
         ("max_tokens", p.max_tokens is None or 1 <= p.max_tokens <= INT32_MAX, "must be in [1, 2**31) or None"),

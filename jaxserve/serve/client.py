@@ -36,7 +36,7 @@ class Client:
     """One channel to a server. Calls raise grpc.aio.AioRpcError (code() and details() say why)."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, root_certificates: bytes | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 api_key: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
         if root_certificates is None:
@@ -44,6 +44,8 @@ class Client:
         else:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self.channel = grpc.aio.secure_channel(target, creds, options=options)
+        # every call carries the server's --api-key (the health service needs none)
+        self.metadata = None if api_key is None else (("authorization", f"Bearer {api_key}"),)
         self.stub = pb_grpc.JaxServeStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -60,7 +62,8 @@ class Client:
                        cache_salt: str | None = None, timeout: float | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream text/token deltas; leaving the loop early cancels the request on the server."""
-        call = self.stub.Generate(generate_request(prompt, params, priority, cache_salt), timeout=timeout)
+        call = self.stub.Generate(generate_request(prompt, params, priority, cache_salt), timeout=timeout,
+                                  metadata=self.metadata)
         try:
             async for response in call:
                 yield response
@@ -69,21 +72,23 @@ class Client:
 
     async def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *, priority: int = 0,
                        cache_salt: str | None = None, timeout: float | None = None) -> pb.GenerateResponse:
-        return await self.stub.Complete(generate_request(prompt, params, priority, cache_salt), timeout=timeout)
+        return await self.stub.Complete(generate_request(prompt, params, priority, cache_salt), timeout=timeout,
+                                        metadata=self.metadata)
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        response = await self.stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens))
+        response = await self.stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
+                                            metadata=self.metadata)
         return list(response.token_ids)
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
-        return (await self.stub.Detokenize(request)).text
+        return (await self.stub.Detokenize(request, metadata=self.metadata)).text
 
     async def model_info(self) -> pb.ModelInfoResponse:
-        return await self.stub.ModelInfo(pb.ModelInfoRequest())
+        return await self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)
 
     async def server_stats(self) -> pb.ServerStatsResponse:
-        return await self.stub.ServerStats(pb.ServerStatsRequest())
+        return await self.stub.ServerStats(pb.ServerStatsRequest(), metadata=self.metadata)
 
     async def health(self, service: str = "") -> str:
         """"SERVING", "NOT_SERVING", ... of the server ("") or of one service (e.g. "jaxserve.v1.JaxServe")."""
@@ -92,9 +97,9 @@ class Client:
 
 
 async def print_completion(target: str, prompt: str, params: SamplingParams, *, root_certificates: bytes | None = None,
-                           timeout: float | None = None) -> None:
+                           api_key: str | None = None, timeout: float | None = None) -> None:
     """Stream one completion's text to stdout as it arrives (`jaxserve client`)."""
-    async with Client(target, root_certificates=root_certificates) as client:
+    async with Client(target, root_certificates=root_certificates, api_key=api_key) as client:
         async for response in client.generate(prompt, params, timeout=timeout):
             for chunk in response.outputs:
                 print(chunk.text, end="", flush=True)

@@ -16,10 +16,14 @@ def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def request_prompt(request: pb.GenerateRequest) -> str | list[int]:
+def request_prompt(request: pb.GenerateRequest, engine: LLMEngine) -> str | list[int]:
+    """The prompt; token ids are counted before they are converted (a 16 MiB message holds millions)."""
     if request.prompt and request.prompt_token_ids:
         raise ValueError("prompt and prompt_token_ids: give one, not both")
-    return list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
+    if not request.prompt_token_ids:
+        return request.prompt
+    engine.check_prompt_length(len(request.prompt_token_ids))
+    return list(request.prompt_token_ids)
 
 
 def token_logprobs(token: int, logprobs: dict[int, float]) -> pb.TokenLogprobs:
@@ -72,13 +76,16 @@ def prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprobs]:
     return [token_logprobs(t, lp) for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
 
 
-def detokenize(engine: LLMEngine, ids: list[int], skip_special_tokens: bool) -> str:
+def detokenize(engine: LLMEngine, ids, skip_special_tokens: bool) -> str:
+    """ids: a sequence (a protobuf repeated field), counted before it is converted."""
     vocab = engine.loaded.config.vocab_size
     if engine.tokenizer is None:
         raise ValueError("token_ids: this model has no tokenizer")
+    if len(ids) > engine.cfg.max_model_len:   # no sequence is longer: more is work on the shared tokenizer thread
+        raise ValueError(f"token_ids: at most max_model_len={engine.cfg.max_model_len} ids, got {len(ids):,}")
     if any(not 0 <= t < vocab for t in ids):
         raise ValueError(f"token_ids must be in [0, {vocab})")
-    return engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return engine.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def model_info(engine: LLMEngine, model_name: str) -> pb.ModelInfoResponse:

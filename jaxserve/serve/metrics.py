@@ -4,16 +4,21 @@ touches an engine), summed over data-parallel replicas. Served on --metrics-port
 front end."""
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest,
-                               start_http_server)
+                               make_wsgi_app)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from jaxserve.engine.llm_engine import AdmissionError
 from jaxserve.engine.sequence import RequestOutput
+from jaxserve.serve.connections import bearer_matches
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 
 # Bucket edges in seconds: TTFT spans queueing + prefill; per-token latencies span one engine step.
@@ -88,15 +93,35 @@ class ServerMetrics:
         """The registry in Prometheus' text format, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Expose /metrics over HTTP in a daemon thread; returns the bound port (port 0 picks a free one)."""
-        self.http_server, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve_http(self, host: str, port: int, api_key: str | None = None) -> int:
+        """Expose /metrics over HTTP in a daemon thread, behind `Authorization: Bearer <api_key>` when given;
+        returns the bound port (port 0 picks a free one)."""
+        app = make_wsgi_app(self.registry)
+        server_class = type("MetricsServer", (ThreadingWSGIServer,), {
+            "address_family": socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]})
+        self.http_server = make_server(host, port, app if api_key is None else wsgi_bearer(app, api_key),
+                                       server_class, handler_class=QuietHandler)
+        threading.Thread(target=self.http_server.serve_forever, name="jaxserve-metrics", daemon=True).start()
         return self.http_server.server_port
 
     def shutdown(self) -> None:
         if self.http_server is not None:
             self.http_server.shutdown()
             self.http_server.server_close()
+
+
+class QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:   # a line per scrape on stderr
+        pass
+
+
+def wsgi_bearer(app, key: str):
+    def guarded(environ, start_response):
+        if bearer_matches(environ.get("HTTP_AUTHORIZATION"), key):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"Authorization: Bearer <api key> missing or wrong\n"]
+    return guarded
 
 
 @dataclass(slots=True)

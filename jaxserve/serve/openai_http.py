@@ -16,7 +16,6 @@ import contextlib
 import functools
 import json
 import re
-import secrets
 import socket
 import time
 import uuid
@@ -28,7 +27,8 @@ from jinja2 import TemplateError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -36,6 +36,8 @@ from jaxserve.engine.llm import apply_chat_template
 from jaxserve.engine.llm_engine import AdmissionError, NeverFits
 from jaxserve.engine.sampling_params import SamplingParams, short
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
+from jaxserve.serve.connections import (SEND_BUFFER_BYTES, ConnectionLimits, bearer_matches, guarded_protocol,
+                                        quiet_accept_failures)
 from jaxserve.serve.engine_loop import REFUSALS, EngineLoop, Overloaded, Submission
 from jaxserve.serve.metrics import RequestTimer, ServerMetrics
 
@@ -47,8 +49,8 @@ ENGINE_FIELDS = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt", "cache_sa
 UNSUPPORTED = ("echo", "suffix", "logit_bias", "tools", "functions", "response_format")
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's for /v1/completions; chat runs up to max_model_len
 MIN_LOGPROB = -9999.0            # what -inf is sent as (vLLM's choice)
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
-               503: "service_unavailable"}   # the rest: invalid_request_error
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
+               500: "server_error", 503: "service_unavailable"}   # the rest: invalid_request_error
 
 
 class APIError(ValueError):
@@ -96,13 +98,42 @@ class Parsed:
 
 
 def json_object(body: bytes) -> dict:
+    """The body as a JSON object whose every string (keys too) is valid Unicode, nested no deeper than Python's
+    recursion limit lets the parser go: a 400 otherwise, never a 500 or an error on the engine's thread."""
     try:
         value = json.loads(body)
+        json.dumps(value, ensure_ascii=False).encode()
+    except RecursionError:
+        raise APIError(400, "body: JSON nested too deeply") from None
+    except UnicodeEncodeError:   # JSON's "\ud800" escapes parse into lone surrogates
+        name = invalid_text_field(value)
+        raise APIError(400, f"{name}: not valid Unicode (a lone surrogate)", name) from None
     except ValueError as e:   # UnicodeDecodeError included
         raise APIError(400, f"body: not valid JSON ({e})") from None
     if not isinstance(value, dict):
         raise APIError(400, f"body must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def invalid_text_field(request) -> str:
+    """The top-level field holding a string (or key) that is not valid Unicode; "body" for the body itself."""
+    for name, value in request.items() if isinstance(request, dict) else ():
+        pending = [name, value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str) and not valid_text(item):
+                return name if valid_text(name) else "body"   # the field's name goes back in the error
+            pending.extend([*item.keys(), *item.values()] if isinstance(item, dict) else
+                           item if isinstance(item, list) else ())
+    return "body"
+
+
+def valid_text(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def flag(mapping: dict, name: str) -> bool:
@@ -249,13 +280,24 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The JSON body, whole within timeout_s (a client trickling it would hold its handler forever)."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":   # also what makes a browser preflight a cross-origin request
+        raise APIError(415, f"Content-Type: must be application/json, got {short(media_type)}",
+                       code="unsupported_media_type")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"body: more than {limit:,} bytes (--max-message-bytes)", code="request_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"body: more than {limit:,} bytes (--max-message-bytes)",
+                                   code="request_too_large")
+    except TimeoutError:
+        raise APIError(408, f"body: not received within {timeout_s:g} s (--http-read-timeout)",
+                       code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -282,23 +324,30 @@ class OpenAIApp:
     """The routes over one engine loop; `app` is the ASGI application."""
 
     def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, api_key: str | None,
-                 max_body_bytes: int):
+                 max_body_bytes: int, read_timeout_s: float, allowed_origins: tuple[str, ...] = ()):
         self.engine_loop, self.metrics, self.model_name = engine_loop, metrics, model_name
-        self.max_body_bytes, self.created = max_body_bytes, int(time.time())
+        self.max_body_bytes, self.read_timeout_s, self.created = max_body_bytes, read_timeout_s, int(time.time())
         self.tokenizer = tok = engine_loop.engine.tokenizer
         self.token_text = functools.cache(lambda t: tok.decode([t]) if tok is not None else f"token_id:{t}")
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.scrape)]
-        handlers = {APIError: lambda _, e: e.response(), HTTPException: http_error, Exception: internal_error}
+        handlers = {APIError: lambda _, e: e.response(), HTTPException: http_error,
+                    ClientDisconnect: lambda *_: Response(status_code=499), Exception: internal_error}
         app = Starlette(routes=routes, exception_handlers=handlers)
-        self.app = app if api_key is None else BearerAuth(app, api_key)
+        app = app if api_key is None else BearerAuth(app, api_key)
+        if allowed_origins:   # CORS outside the key check: a preflight carries no Authorization
+            app = CORSMiddleware(app, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                                 allow_headers=["authorization", "content-type"])
+        self.app = OriginCheck(app, allowed_origins)
 
     async def completions(self, request: Request) -> Response:
-        return await unless_disconnected(request, self.respond(await read_body(request, self.max_body_bytes), False))
+        body = await read_body(request, self.max_body_bytes, self.read_timeout_s)
+        return await unless_disconnected(request, self.respond(body, False))
 
     async def chat_completions(self, request: Request) -> Response:
-        return await unless_disconnected(request, self.respond(await read_body(request, self.max_body_bytes), True))
+        body = await read_body(request, self.max_body_bytes, self.read_timeout_s)
+        return await unless_disconnected(request, self.respond(body, True))
 
     async def respond(self, body: bytes, chat: bool) -> Response:
         timer, parsed = RequestTimer(self.metrics), None
@@ -391,17 +440,33 @@ def internal_error(request: Request, error: Exception) -> Response:
 
 
 class BearerAuth:
-    """401 unless a /v1 request carries `Authorization: Bearer <key>` (/health and /metrics stay open to probes)."""
+    """401 unless a request carries `Authorization: Bearer <key>`; /health stays open to probes."""
 
     def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            if not bearer_matches(Headers(scope=scope).get("authorization"), self.key):
                 response = APIError(401, "Authorization: Bearer <api key> missing or wrong", code="invalid_api_key")
                 return await response.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class OriginCheck:
+    """403 for a browser's request from an origin not in allowed_origins ("*": any): a web page must not drive a
+    server on the user's machine. Browsers send Origin on every cross-origin request and every POST; other
+    clients send none."""
+
+    def __init__(self, app, allowed_origins: tuple[str, ...]):
+        self.app, self.allowed = app, frozenset(allowed_origins)
+
+    async def __call__(self, scope, receive, send) -> None:
+        origin = Headers(scope=scope).get("origin") if scope["type"] == "http" else None
+        if origin is not None and "*" not in self.allowed and origin not in self.allowed:
+            response = APIError(403, f"Origin {short(origin)} is not allowed (--allowed-origins)",
+                                code="origin_not_allowed")
+            return await response.response()(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -414,21 +479,24 @@ class EmbeddedUvicorn(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving an ASGI app in the running event loop (beside grpc.aio)."""
+    """uvicorn serving an ASGI app in the running event loop (beside grpc.aio), under ConnectionLimits."""
 
-    def __init__(self, app, host: str, port: int, grace_period_s: float):
+    def __init__(self, app, host: str, port: int, grace_period_s: float, limits: ConnectionLimits):
         self.host, self.port = host, port
         self.uvicorn = EmbeddedUvicorn(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                                      timeout_graceful_shutdown=grace_period_s))
+                                                      timeout_graceful_shutdown=grace_period_s,
+                                                      http=guarded_protocol(limits)))
         self.task: asyncio.Task | None = None
 
     async def start(self) -> int:
         """Bind and serve; the bound port (port 0 picks a free one)."""
+        quiet_accept_failures(asyncio.get_running_loop())
         family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.create_server((self.host, self.port), family=family)
         # Accepted sockets inherit this; asyncio sets it only where proto is IPPROTO_TCP and create_server leaves
         # 0, so without it Nagle holds each event behind the previous write until the client's delayed ACK (40 ms).
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self.task = asyncio.create_task(self.uvicorn.serve(sockets=[sock]))
         while not self.uvicorn.started:   # startup is one step; a failure ends the task
             if self.task.done():

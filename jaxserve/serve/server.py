@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
@@ -26,6 +27,7 @@ from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serve.convert import (delta_response, detokenize, full_response, model_info, request_prompt,
                                     sampling_params)
+from jaxserve.serve.connections import ConnectionLimits, bearer_matches, raise_fd_limit
 from jaxserve.serve.engine_loop import REFUSALS, EngineFailed, EngineLoop, Overloaded, Submission
 from jaxserve.serve.metrics import RequestTimer, ServerMetrics
 from jaxserve.serve.openai_http import HttpServer, OpenAIApp
@@ -59,7 +61,9 @@ class ServeOptions:
     scheduling_policy: str = "fcfs"                     # "priority": requests' priority orders the queue
     reflection: bool = True
     http_port: int | None = None                        # the OpenAI-compatible HTTP server; 0: any free port
-    api_key: str | None = None                          # required by the HTTP server as `Authorization: Bearer`
+    api_key: str | None = None                          # required as `Authorization: Bearer` (gRPC, HTTP, metrics)
+    allowed_origins: tuple[str, ...] = ()               # browser origins the HTTP server serves (CORS); "*": any
+    http_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self):
         for name in ("port", "metrics_port", "http_port"):
@@ -78,6 +82,8 @@ class ServeOptions:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if bad := [o for o in self.allowed_origins if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o)]:
+            raise ValueError(f"allowed_origins: {bad[0]!r} is not an origin (scheme://host[:port], or *)")
 
     def read_tls(self) -> tuple[bytes, bytes] | None:
         """(key, certificate chain) PEM bytes, or None without TLS; a missing or non-PEM file is a ValueError."""
@@ -103,6 +109,8 @@ class ServeOptions:
             try:
                 family = socket.getaddrinfo(self.host, port, type=socket.SOCK_STREAM)[0][0]
                 with socket.socket(family, socket.SOCK_STREAM) as s:
+                    # as the servers bind: a port left in TIME-WAIT by a drained server is free to them
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     s.bind((self.host, port))
             except OSError as e:
                 raise ValueError(f"{flag} {port} on --host {self.host}: cannot bind ({e.strerror or e})") from None
@@ -132,7 +140,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return pb.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(self, request, context):
-        text = await self._off_engine(context, detokenize, self.engine, list(request.token_ids),
+        text = await self._off_engine(context, detokenize, self.engine, request.token_ids,
                                       request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
@@ -156,7 +164,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     def _submission(self, request) -> Submission:
         """On the tokenizer thread: the request converted, checked and tokenized."""
-        prompt, params = request_prompt(request), sampling_params(request.sampling)
+        prompt, params = request_prompt(request, self.engine), sampling_params(request.sampling)
         if request.priority and self.opts.scheduling_policy == "fcfs":
             raise ValueError("priority: this server serves first come, first served (start it with "
                              "--scheduling-policy priority to honour priorities)")
@@ -189,15 +197,18 @@ class Server:
         self.metrics = ServerMetrics(self.engine_loop.stats)
         self.servicer = JaxServeServicer(self.engine_loop, model_info(engines[0], model_name), self.metrics, opts)
         self.http = None if opts.http_port is None else HttpServer(
-            OpenAIApp(self.engine_loop, self.metrics, model_name, opts.api_key, opts.max_message_bytes).app,
-            opts.host, opts.http_port, opts.grace_period_s)
+            OpenAIApp(self.engine_loop, self.metrics, model_name, opts.api_key, opts.max_message_bytes,
+                      opts.http_limits.read_timeout_s, opts.allowed_origins).app,
+            opts.host, opts.http_port, opts.grace_period_s, opts.http_limits)
         self.grpc: grpc.aio.Server | None = None
         self.port = self.metrics_port = self.http_port = None
         self.failed = asyncio.Event()   # the engine failed: the process should exit non-zero
 
     async def start(self) -> None:
         opts = self.opts
-        self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", opts.max_message_bytes),
+        interceptors = () if opts.api_key is None else (BearerInterceptor(opts.api_key),)
+        self.grpc = grpc.aio.server(interceptors=interceptors,
+                                    options=[("grpc.max_receive_message_length", opts.max_message_bytes),
                                              ("grpc.max_send_message_length", opts.max_message_bytes),
                                              ("grpc.so_reuseport", 0)])
         add_servicer(self.servicer, self.grpc)
@@ -211,7 +222,7 @@ class Server:
         self.engine_loop.start()
         await self.grpc.start()
         if opts.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(opts.host, opts.metrics_port)
+            self.metrics_port = self.metrics.serve_http(opts.host, opts.metrics_port, opts.api_key)
         if self.http is not None:
             self.http_port = await self.http.start()
 
@@ -234,6 +245,36 @@ class Server:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.failed.set()
+
+
+class BearerInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED unless a call carries the metadata `authorization: Bearer <key>`; the health service stays
+    open to probes."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(f"/{health.SERVICE_NAME}/"):
+            return handler
+        if bearer_matches(dict(details.invocation_metadata or ()).get("authorization"), self.key):
+            return handler
+        return refusing(handler)
+
+
+def refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """handler's kind of method, answering UNAUTHENTICATED."""
+    async def refuse(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: Bearer <api key> missing or wrong "
+                                                             "(call metadata)")
+
+    async def refuse_stream(request, context):
+        await refuse(request, context)
+        yield
+
+    kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
+    return handler._replace(**{kind: refuse_stream if kind.endswith("_stream") else refuse})
 
 
 class Undecodable:
@@ -292,6 +333,7 @@ def refuse_undecodable(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 async def serve_until_signal(engines: list[LLMEngine], opts: ServeOptions, model_name: str) -> int:
     """Serve until SIGTERM/SIGINT (a second one exits at once) or every engine failed; the exit code."""
+    raise_fd_limit()
     server = Server(engines, opts, model_name)
     await server.start()
     stop, loop = asyncio.Event(), asyncio.get_running_loop()
