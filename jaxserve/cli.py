@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +21,8 @@ from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_replicas, load_run, save_converted
-from jaxserve.serve import server
+from jaxserve.serve import connections, server
+from jaxserve.serve.connections import ConnectionLimits
 from jaxserve.serve.client import print_completion
 
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "min_prefill_chunk", "num_blocks",
@@ -123,7 +125,10 @@ def serve_options(args) -> server.ServeOptions:
                                max_waiting=args.max_waiting, grace_period_s=args.grace_period,
                                max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                scheduling_policy=args.scheduling_policy, reflection=not args.no_reflection,
-                               http_port=args.http_port, api_key=args.api_key)
+                               http_port=args.http_port, api_key=args.api_key,
+                               allowed_origins=tuple(o for o in args.allowed_origins.split(",") if o),
+                               http_limits=ConnectionLimits(args.http_max_connections, args.http_read_timeout,
+                                                            args.http_write_timeout))
 
 
 def cmd_serve(args) -> None:
@@ -155,7 +160,7 @@ def cmd_serve(args) -> None:
 def follow_leader(cluster: distributed.Cluster, runner: ModelRunner) -> None:
     print(f"jaxserve serve: process {cluster.process_id} of {cluster.num_processes}: running the steps process 0 "
           "publishes", file=sys.stderr, flush=True)
-    steps = distributed.follow(runner)
+    steps = distributed.follow(cluster, runner)
     print(f"jaxserve serve: stopped after {steps} steps", file=sys.stderr, flush=True)
 
 
@@ -163,7 +168,7 @@ def cmd_client(args) -> None:
     root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     try:
         asyncio.run(print_completion(f"{args.host}:{args.port}", args.prompt, sampling_params(args),
-                                     root_certificates=root, timeout=args.timeout))
+                                     root_certificates=root, api_key=args.api_key, timeout=args.timeout))
     except grpc.aio.AioRpcError as e:
         raise SystemExit(f"jaxserve client: error: {e.code().name}: {e.details()}") from None
 
@@ -180,8 +185,19 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                         "/health, /metrics) on this port (0: any free port)")
-    p.add_argument("--api-key", default=None,
-                   help="the HTTP API's /v1 routes require `Authorization: Bearer KEY` (the gRPC API does not)")
+    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="every call needs `Authorization: Bearer KEY`: an HTTP header, gRPC call metadata, the metrics "
+                        "scrape (health checks stay open; env JAXSERVE_API_KEY keeps it out of `ps`)")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins (https://host[:port], or *) the HTTP API answers, with CORS; "
+                        "requests from any other origin get 403 (default: none, so no web page can drive the server)")
+    p.add_argument("--http-max-connections", type=int, default=connections.DEFAULT_MAX_CONNECTIONS,
+                   help="open HTTP connections; more are answered 503 and closed")
+    p.add_argument("--http-read-timeout", type=float, default=connections.DEFAULT_READ_TIMEOUT_S,
+                   help="seconds a client has to send a request's headers, and then its body")
+    p.add_argument("--http-write-timeout", type=float, default=connections.DEFAULT_WRITE_TIMEOUT_S,
+                   help="seconds a response may wait on a client that reads nothing; then it is cut and its "
+                        "request aborted")
     p.add_argument("--max-waiting", type=int, default=server.DEFAULT_MAX_WAITING,
                    help="requests without a first token before new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--grace-period", type=float, default=server.DEFAULT_GRACE_PERIOD_S,
@@ -212,6 +228,8 @@ def add_client_parser(sub) -> None:
     p.add_argument("--host", default=server.DEFAULT_HOST)
     p.add_argument("--port", type=int, default=server.DEFAULT_PORT)
     p.add_argument("--tls-ca", default=None, help="PEM root certificate: connect with TLS")
+    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="the server's --api-key (env JAXSERVE_API_KEY)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     add_sampling_args(p)
     p.add_argument("prompt", metavar="PROMPT")

@@ -1,18 +1,23 @@
 """One process of the two-process multi-host check in tests/test_multihost.py: a TP2 engine over one CPU device per
 process (the tiny random model, f32), joined through JAX's coordination service on 127.0.0.1:PORT. Process 0 leads
 (its runner publishes every step) and prints one JSON object, the outputs of REQUESTS; process 1 runs the published
-steps until the stop message and prints how many it ran (process 0: how many it published).
+steps until the stop message and prints how many it ran (process 0: how many it published). With MARKER, process 0
+first plants a pickle that would create the file MARKER, were it ever unpickled, under the key of the first step (as
+anyone reaching the coordination port could): the worker must reject it and run the genuine step.
 
-  python tests/multihost_worker.py PROCESS_ID PORT
+  python tests/multihost_worker.py PROCESS_ID PORT [MARKER]
 """
 import json
 import os
+import pickle
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_compilation import KNOBS, TINY  # noqa: E402
 
 from jaxserve import SamplingParams  # noqa: E402
+from jaxserve.engine.distributed import step_key  # noqa: E402
 
 LAZY = {**KNOBS, "num_blocks": 64, "precompile": False}
 TINY_HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
@@ -37,7 +42,17 @@ def outputs(llm) -> dict:
                for o in outs if o.prompt_logprobs]}
 
 
-def main(process_id: int, port: int) -> dict:
+class Planted:
+    """Unpickled, creates the file `path`."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def main(process_id: int, port: int, marker: str | None = None) -> dict:
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import jax.numpy as jnp
@@ -55,9 +70,12 @@ def main(process_id: int, port: int) -> dict:
     loaded = random_model(TINY, jnp.float32, mesh=make_mesh(2))   # the global mesh: one device per process
     if not cluster.is_leader:
         runner = ModelRunner(loaded, EngineConfig(tensor_parallel_size=2, **LAZY))
-        return {"steps": distributed.follow(runner), "fingerprint": runner.graphs.cache.fingerprint}
+        return {"steps": distributed.follow(cluster, runner), "fingerprint": runner.graphs.cache.fingerprint}
     llm = LLM(loaded, tensor_parallel_size=2, **LAZY)
     with distributed.leading(cluster, llm.engine.runner) as publisher:
+        if marker:   # the worker waits on step 0 since the seal's barrier (a secret is set): it reads this first
+            publisher.client.key_value_set_bytes(step_key(0), pickle.dumps(Planted(marker)))
+            time.sleep(1)
         out = {**outputs(llm), "published": publisher.step}
     runner = llm.engine.runner
     return {**out, "processes": [d.process_index for d in runner.mesh.devices.flat],
@@ -65,4 +83,4 @@ def main(process_id: int, port: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]), int(sys.argv[2]))), flush=True)
+    print(json.dumps(main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])), flush=True)

@@ -1,4 +1,7 @@
 """Engine correctness: a request's output must not depend on how it was scheduled (CPU, f32)."""
+import dataclasses
+import random
+
 import jax
 import numpy as np
 import pytest
@@ -173,6 +176,32 @@ def test_bad_input_names_the_field_and_the_engine_keeps_serving(tiny_llm, bad, f
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert len(finished[good].outputs[0].token_ids) == 4
+
+
+SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+FUZZ_VALUES = [None, True, False, 0, 1, -1, 3, 2**31, 2**63, -(2**70), 0.5, 1e-300, 1e308, float("nan"),
+               float("inf"), "", "a", "\ud800", "s" * 2000, [], [1, 2], ["\udfff"], ["."], [2**40], (1,), {}, object()]
+
+
+def test_random_values_in_every_request_field_raise_valueerror_or_run(smollm_llm):
+    """Through the Python API, every SamplingParams field and add_request argument takes random values: each
+    request is refused with a ValueError naming a field, or it runs; a step never raises."""
+    seed = random.randrange(2**32)
+    rng, engine = random.Random(seed), smollm_llm.engine
+    arguments = SAMPLING_FIELDS + ["prompt", "cache_salt", "priority", "request_id"]
+    for i in range(200):
+        fields = {rng.choice(arguments): rng.choice(FUZZ_VALUES) for _ in range(rng.randrange(1, 4))}
+        sampling = {"max_tokens": 2, **{k: v for k, v in fields.items() if k in SAMPLING_FIELDS}}
+        extra = {k: v for k, v in fields.items() if k not in SAMPLING_FIELDS and k != "prompt"}
+        try:
+            engine.add_request(fields.get("prompt", "Hello"), SamplingParams(**sampling), **extra)
+        except ValueError as e:
+            assert str(e), f"seed {seed}: {fields!r}"
+        except TypeError as e:   # a keyword SamplingParams does not have is the caller's bug, not input
+            pytest.fail(f"seed {seed}: {fields!r} raised {e!r}")
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert token_ids(smollm_llm.generate(["Hello"], GREEDY)) == token_ids(smollm_llm.generate(["Hello"], GREEDY))
 
 
 def test_abort_frees_everything(tiny_llm):

@@ -4,6 +4,7 @@ offline API; a second one over a stuck, then failing, engine step for the refusa
 random model without a tokenizer (the benchmarks' kind), served token ids."""
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.llm_engine import NeverFits, QueueFull
 from jaxserve.models.loader import random_model
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
-from jaxserve.serve.openai_http import api_error
+from jaxserve.serve.openai_http import ENGINE_FIELDS, UNSUPPORTED, api_error
 from helpers import MODEL, base_url, in_process, wait_idle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,6 +242,54 @@ def error_of(create, **kwargs) -> openai.APIStatusError:
     with pytest.raises(openai.APIStatusError) as err:
         create(**kwargs)
     return err.value
+
+
+FUZZ_FIELDS = sorted({*ENGINE_FIELDS, *UNSUPPORTED, "model", "messages", "max_completion_tokens", "top_logprobs",
+                      "stream", "stream_options", "return_token_ids", "user", "priority", "prompt_logprobs"})
+FUZZ_REQUESTS = 150   # per endpoint
+
+
+def fuzz_value(rng: random.Random, depth: int = 0):
+    """A random JSON value: edge numbers, odd text (lone surrogates, long), and lists / objects of them."""
+    scalars = [None, True, False, 0, 1, -1, 2, 7, 2**31, 2**63, -(2**70), 0.5, -0.0, 1e-300, 1e308, -1e308,
+               float("nan"), float("inf"), "", "a", "\ud800", "x\udfff", "<|im_end|>", "s" * 5000, "user"]
+    kind = rng.randrange(4) if depth < 2 else 0
+    if kind == 0:
+        return rng.choice(scalars)
+    if kind == 1:
+        return [fuzz_value(rng, depth + 1) for _ in range(rng.choice([0, 1, 3, 600]) if depth == 0 else 2)]
+    if kind == 2:
+        return {rng.choice(["role", "content", "type", "text", "include_usage", "\ud800"]): fuzz_value(rng, depth + 1)
+                for _ in range(rng.randrange(3))}
+    return rng.choice([[{"role": "user", "content": fuzz_value(rng, 1)}], {"type": "text"}, list(range(1, 700))])
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_random_values_in_every_field_get_200_or_4xx_and_the_engine_keeps_serving(server, chat):
+    """Whatever a request's fields hold, the answer is a success or a 4xx naming the problem: never a 500, never
+    an error on the engine thread (which would end the server)."""
+    seed = random.randrange(2**32)
+    rng, url = random.Random(seed), base_url(server) + ("/v1/chat/completions" if chat else "/v1/completions")
+    base = {"model": MODEL, "max_tokens": 2, **({"messages": MESSAGES} if chat else {"prompt": PROMPT})}
+    with httpx2.Client(headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+                       timeout=120) as http:
+        for _ in range(FUZZ_REQUESTS):
+            request = {**base, **{rng.choice(FUZZ_FIELDS): fuzz_value(rng) for _ in range(rng.randrange(1, 4))}}
+            response = http.post(url, content=json.dumps(request))
+            detail = f"seed {seed}: {json.dumps(request)[:300]} -> {response.status_code} {response.text[:300]}"
+            assert response.status_code == 200 or 400 <= response.status_code < 500, detail
+            if response.status_code != 200:
+                assert response.json()["error"]["message"], detail
+            assert server.engine_loop.stats()["serving"], detail
+    assert client_text(server, chat) == client_text(server, chat)   # still serving, deterministically
+
+
+def client_text(server, chat: bool) -> str:
+    kwargs = dict(model=MODEL, max_tokens=6, temperature=0)
+    with openai.OpenAI(base_url=base_url(server) + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        if chat:
+            return c.chat.completions.create(messages=MESSAGES, **kwargs).choices[0].message.content
+        return c.completions.create(prompt=PROMPT, **kwargs).choices[0].text
 
 
 def test_admission_errors_map_to_statuses():

@@ -13,8 +13,24 @@ leader's process): one `key_value_set_bytes` per step on the leader, a blocking 
 `multihost_utils.broadcast_one_to_all`: that is a device collective of one fixed shape per call, while a step's
 inputs change shape with its bucket, sampler mode and which programs it runs; and it would put another device
 program and a host sync in front of every step on the leader, whose hot path this keeps to one local RPC (the
-workers wait, never the leader). Steps travel as pickles: the coordination service, like JAX's own use of it, must
-be reachable from the cluster's hosts only.
+workers wait, never the leader).
+
+Whoever reaches the coordination port can list, read, write and delete its keys (JAX's service asks for no
+credentials), so a worker trusts nothing it reads there:
+- A step holds no code: engine/step_codec.py writes a JSON header and raw array bytes, and reads back only the
+  step's own dataclasses and arrays of numeric dtypes (a pickle would run whatever it names).
+- With JAXSERVE_CLUSTER_SECRET (the same in every process; required unless the coordinator address is loopback),
+  every value carries an HMAC-SHA256 over the key it is stored under and its payload, keyed also by this run's
+  process incarnations: a forged value, or a genuine one moved to another key or replayed from an earlier run,
+  is refused. Without one (loopback only), another user of the host can still publish well-formed steps: wrong
+  outputs or a stall, never code.
+- A refused value is not run: the worker logs it and reads the key again until the leader's value, which
+  overwrites whatever was planted there first, verifies.
+- The service listens on the coordinator address only (JAX's default is every interface).
+What stays trusted: the channel is not encrypted (anyone reaching the port reads the prompts' token ids), and
+anyone reaching it can stall the cluster (delete a step, or overwrite the leader's with junk). So the port
+must still be reachable from the cluster's hosts only; the secret keeps a peer that does reach it from running
+code or steps of its own on the workers.
 
 The step's samples and logprobs are replicated over the mesh (the runner's out_shardings), so the leader reads them
 from its own shard. On CPU, cross-process programs need jax_cpu_collectives_implementation "gloo" (without one
@@ -24,27 +40,37 @@ here so that no other default can take it away.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+import ipaddress
 import itertools
 import os
-import pickle
+import sys
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 from jax._src import distributed as jax_distributed
+
+from jaxserve.engine import step_codec
 
 FLAGS = {"coordinator_address": ("--coordinator-address", "JAXSERVE_COORDINATOR_ADDRESS"),
          "num_processes": ("--num-processes", "JAXSERVE_NUM_PROCESSES"),
          "process_id": ("--process-id", "JAXSERVE_PROCESS_ID")}
 STEPS_PER_CHUNK = 16    # step keys live in chunks; the leader deletes a chunk once every worker is past it
-STOP = b"stop"          # never a pickle (those start with b"\x80")
+SECRET_ENV = "JAXSERVE_CLUSTER_SECRET"   # an environment variable only: a flag would show in `ps`
+STOP = b"stop"          # never an encoded step (those start with step_codec.MAGIC)
 WAIT_MS = 60_000        # a worker's get, retried for as long as the server idles
 MAX_INFLIGHT_STEPS = 2  # a worker's launched steps not yet done, as the leader's engine (async scheduling)
 # A process silent this long is dead, and the coordination service ends the others (their steps' collectives would
 # wait on it forever): a supervisor then restarts the cluster. JAX's default, 100 s, left a dead worker's leader
 # hanging that long with every request in it.
 HEARTBEAT_TIMEOUT_S = 15
+REREAD_S = 0.05         # a worker's pause before it reads a rejected step's key again
+LOG_EVERY_S = 10        # a worker logs rejected values at most this often
+MAC_BYTES = hashlib.sha256().digest_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +78,7 @@ class Cluster:
     coordinator_address: str   # HOST:PORT of process 0, where JAX's coordination service listens
     num_processes: int
     process_id: int
+    secret: bytes | None = field(default=None, repr=False)   # JAXSERVE_CLUSTER_SECRET: every value is MACed with it
 
     @property
     def is_leader(self) -> bool:
@@ -78,7 +105,22 @@ def cluster_from(coordinator_address: str | None = None, num_processes: int | No
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--coordinator-address must be HOST:PORT (process 0's host, a free port), got {address!r}")
-    return None if num == 1 else Cluster(address, num, pid)
+    if num == 1:
+        return None
+    secret = environ.get(SECRET_ENV) or None
+    if secret is None and not is_loopback(host):
+        raise ValueError(f"--coordinator-address {address} is reachable from other hosts, and whoever reaches it can "
+                         f"publish steps: set {SECRET_ENV} to the same random value in every process (e.g. from "
+                         "`openssl rand -hex 32`)")
+    return Cluster(address, num, pid, secret and secret.encode())
+
+
+def is_loopback(host: str) -> bool:
+    """localhost or a loopback IP; any other name is not (it could resolve elsewhere)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def as_int(values: dict, name: str) -> int:
@@ -96,7 +138,9 @@ def initialize(cluster: Cluster | None, tensor_parallel_size: int) -> None:
     if cluster is None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # The service listens on the address given (JAX's default is every interface, whatever the address says).
     jax.distributed.initialize(cluster.coordinator_address, cluster.num_processes, cluster.process_id,
+                               coordinator_bind_address=cluster.coordinator_address,
                                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
     if tensor_parallel_size != jax.device_count():
         raise ValueError(f"--tensor-parallel-size {tensor_parallel_size}: a multi-host engine spans every device of "
@@ -114,14 +158,49 @@ def step_key(step: int) -> str:
     return f"jaxserve/steps/{step // STEPS_PER_CHUNK}/{step}"
 
 
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """With the cluster secret: each value is prefixed with an HMAC-SHA256 over this run's process incarnations,
+    its key and its payload, so it verifies only under the key, in the run, it was published for. No secret:
+    values pass as they are (the format alone keeps code out)."""
+    secret: bytes | None = field(default=None, repr=False)
+    run: bytes = b""
+
+    def seal(self, key: str, payload: bytes) -> bytes:
+        return payload if self.secret is None else self._mac(key, payload) + payload
+
+    def open(self, key: str, value: bytes) -> bytes:
+        """value's payload; ValueError unless its MAC verifies."""
+        if self.secret is None:
+            return value
+        mac, payload = value[:MAC_BYTES], value[MAC_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(key, payload)):
+            raise ValueError(f"its MAC does not verify: not the leader's, or {SECRET_ENV} differs from the leader's")
+        return payload
+
+    def _mac(self, key: str, payload: bytes) -> bytes:
+        mac = hmac.new(self.secret, self.run + key.encode() + b"\0", hashlib.sha256)   # keys hold no NUL
+        mac.update(payload)
+        return mac.digest()
+
+
+def sealing(cluster: Cluster, client) -> Seal:
+    """The run's seal. Every process's incarnation (drawn afresh each time it joins) keys it too, so a value
+    recorded from an earlier run with the same secret is refused. A barrier: every process calls it once."""
+    if cluster.secret is None:
+        return Seal()
+    nodes = client.get_live_nodes(list(range(cluster.num_processes)))
+    return Seal(cluster.secret, b"".join(nodes[i].to_bytes(8, "little") for i in range(cluster.num_processes)))
+
+
 class StepPublisher:
     """The leader's side: each DeviceStep under the next step number, then STOP."""
 
-    def __init__(self, client):
-        self.client, self.step = client, 0
+    def __init__(self, client, seal: Seal):
+        self.client, self.seal, self.step = client, seal, 0
 
     def publish(self, step) -> None:
-        self._put(pickle.dumps(step, pickle.HIGHEST_PROTOCOL))
+        self._put(step_codec.encode(step))
 
     def stop(self) -> None:
         self._put(STOP)
@@ -132,8 +211,44 @@ class StepPublisher:
         # publishes the step after next, and those samples need every process's shard of the step.
         if index == 0 and chunk >= 2:
             self.client.key_value_delete(f"jaxserve/steps/{chunk - 2}")
-        self.client.key_value_set_bytes(step_key(self.step), data)
+        key = step_key(self.step)
+        # Overwrite: a value planted under the key first must not fail the publish (ALREADY_EXISTS); the workers
+        # skip it until this one replaces it.
+        self.client.key_value_set_bytes(key, self.seal.seal(key, data), allow_overwrite=True)
         self.step += 1
+
+
+class StepReader:
+    """A worker's side: step after step, each the first value under its key that verifies and decodes."""
+
+    def __init__(self, client, seal: Seal, process_id: int):
+        self.client, self.seal, self.process_id = client, seal, process_id
+        self.step, self.unlogged, self.logged = 0, 0, float("-inf")
+
+    def read(self):
+        """The next DeviceStep; None for the stop message. A value that fails is not run: the key is read again
+        (the leader's value overwrites a planted one) until one passes."""
+        key = step_key(self.step)
+        while True:
+            value = wait_for(self.client, key)
+            try:
+                payload = self.seal.open(key, value)
+                step = None if payload == STOP else step_codec.decode(payload)
+            except ValueError as e:
+                self.reject(key, e)
+                time.sleep(REREAD_S)
+                continue
+            self.step += 1
+            return step
+
+    def reject(self, key: str, error: ValueError) -> None:
+        if time.monotonic() - self.logged < LOG_EVERY_S:
+            self.unlogged += 1
+            return
+        more = f" ({self.unlogged} more rejections since the last such line)" if self.unlogged else ""
+        print(f"jaxserve: process {self.process_id}: rejected a value under {key}, not the leader's: {error}{more}",
+              file=sys.stderr, flush=True)
+        self.unlogged, self.logged = 0, time.monotonic()
 
 
 @contextlib.contextmanager
@@ -143,7 +258,8 @@ def leading(cluster: Cluster | None, runner) -> Iterator[StepPublisher | None]:
     if cluster is None:
         yield None
         return
-    publisher = StepPublisher(coordination_client())
+    client = coordination_client()
+    publisher = StepPublisher(client, sealing(cluster, client))
     runner.on_launch = publisher.publish
     try:
         yield publisher
@@ -153,21 +269,21 @@ def leading(cluster: Cluster | None, runner) -> Iterator[StepPublisher | None]:
         jax.distributed.shutdown()
 
 
-def follow(runner) -> int:
+def follow(cluster: Cluster, runner) -> int:
     """A worker's loop: launch each step the leader publishes, outputs dropped, until the stop message; then leave
     the cluster. The number of steps run. Steps in flight are bounded as on the leader: XLA:CPU deadlocks past 32
     multi-device programs in flight per device (tests/tp_worker.py)."""
     client, inflight = coordination_client(), deque()
-    for step in itertools.count():
-        data = wait_for(client, step_key(step))
-        if data == STOP:
+    reader = StepReader(client, sealing(cluster, client), cluster.process_id)
+    for steps in itertools.count():
+        if (step := reader.read()) is None:
             break
-        inflight.append(runner.launch(pickle.loads(data)))
+        inflight.append(runner.launch(step))
         if len(inflight) > MAX_INFLIGHT_STEPS:
             jax.block_until_ready(inflight.popleft())
     jax.block_until_ready(list(inflight))
     jax.distributed.shutdown()
-    return step
+    return steps
 
 
 def wait_for(client, key: str) -> bytes:

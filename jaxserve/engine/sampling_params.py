@@ -115,7 +115,7 @@ def check_ranges(p: SamplingParams) -> None:
     checks = (
         ("n", 1 <= p.n <= INT32_MAX, "must be >= 1"),
         ("temperature", 0.0 <= p.temperature <= MAX_TEMPERATURE, f"must be in [0, {MAX_TEMPERATURE:g}]"),
-        ("top_p", 0.0 < np.float32(p.top_p) and p.top_p <= 1.0, "must be in (0, 1] (and above 0 in float32)"),
+        ("top_p", 0.0 < p.top_p <= 1.0 and np.float32(p.top_p) > 0, "must be in (0, 1] (and above 0 in float32)"),
         ("top_k", -1 <= p.top_k <= INT32_MAX, "must be -1, 0 (off) or positive, below 2**31"),
         ("min_p", 0.0 <= p.min_p <= 1.0, "must be in [0, 1]"),
         ("repetition_penalty", REPETITION_PENALTY_RANGE[0] <= p.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
