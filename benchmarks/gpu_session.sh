@@ -67,7 +67,7 @@ case $1 in
     run 540 python benchmarks/attention.py --out "$OUT/attention_h100.json" ;;
   tests)   # tests that use the smollm fixtures need the embedded model's package, which the GPU image lacks
     run 540 python -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_custom_calls.py \
-      tests/test_ragged_paged_attention.py tests/test_engine.py \
+      tests/test_ragged_paged_attention.py tests/test_llm_engine.py \
       -k "not test_batched_greedy and not prefix_caching_on_and_off and not stream_yields" ;;
   scale)   # nvidia-h200-x2: TP2 vs one GPU of the same machine; batch-1 TPOT; DP2 vs DP1 through the server
     for w in "--output-len 128" "--input-len 128 --output-len 1024"; do

@@ -86,10 +86,9 @@ import numpy as np  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import write_rows  # noqa: E402
-from jaxserve.client import Client  # noqa: E402
+from jaxserve.client import Client, generate_request  # noqa: E402
 from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.serve import jaxserve_pb2 as pb  # noqa: E402
-from jaxserve.serve.client import generate_request  # noqa: E402
 
 READY_TIMEOUT_S = 3600            # an 8B model loads and precompiles its buckets before the ready line
 MIN_SHAREGPT_PROMPT_TOKENS = 4

@@ -41,10 +41,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import write_rows  # noqa: E402
-from jaxserve.client import Client, ServerStatsResponse  # noqa: E402
+from jaxserve.client import Client, ServerStatsResponse, generate_request  # noqa: E402
 from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.serve import jaxserve_pb2 as pb  # noqa: E402
-from jaxserve.serve.client import generate_request  # noqa: E402
 
 PROMPT_LEN = (8, 64)              # inclusive ranges, uniform
 MAX_TOKENS = (4, 32)

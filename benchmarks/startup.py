@@ -33,7 +33,7 @@ def one_start(config: str, cache_dir: str) -> dict:
     import jax
 
     from jaxserve import LLMEngine
-    from jaxserve.engine.compilation import enable_compilation_cache
+    from jaxserve.compilation_cache import enable_compilation_cache
     from jaxserve.models.loader import load_run
     start = time.perf_counter()
     enable_compilation_cache(cache_dir)   # before load_run sets the config's

@@ -34,7 +34,9 @@ from benchmarks.common import copy_bandwidth_gbps, matmul_tflops, time_ms, write
 from jaxserve.cache.kv_cache import kv_bytes_per_block, num_blocks_for_memory  # noqa: E402
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
-from jaxserve.engine.runner import ModelRunner, bucket_ladders  # noqa: E402
+from jaxserve.engine.llm_engine import start_device  # noqa: E402
+from jaxserve.engine.runner import ModelRunner  # noqa: E402
+from jaxserve.engine.step_graphs import bucket_ladders  # noqa: E402
 from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.engine.scheduler import Scheduler  # noqa: E402
 from jaxserve.engine.sequence import Sequence  # noqa: E402
@@ -100,15 +102,15 @@ def assign_blocks(kv_lens: np.ndarray, block_size: int, max_blocks_per_seq: int,
 def synthetic_inputs(runner: ModelRunner, case: SweepCase, rng: np.random.Generator) -> StepInputs | None:
     """The StepInputs the engine would build for the case (host numpy arrays, through the runner's own builder,
     so a decode case runs the decode kernel the engine runs); None if the kind doesn't fit."""
-    layout = case_layout(case, runner.cfg.max_model_len)
+    layout, graphs = case_layout(case, runner.cfg.max_model_len), runner.graphs
     if layout is None:
         return None
     starts, counts = layout
     n = len(counts)
-    tables = assign_blocks(starts + counts, runner.cfg.block_size, runner.max_blocks_per_seq, runner.num_blocks, rng)
-    return runner.step_inputs(
+    tables = assign_blocks(starts + counts, runner.cfg.block_size, graphs.max_blocks_per_seq, runner.num_blocks, rng)
+    return graphs.step_inputs(
         num_tokens=case.num_tokens, num_seqs=case.num_seqs, block_tables=tables, starts=starts, counts=counts,
-        token_ids=rng.integers(0, runner.model_config.vocab_size, counts.sum()), slots=np.arange(n),
+        token_ids=rng.integers(0, graphs.model_config.vocab_size, counts.sum()), slots=np.arange(n),
         sample_mask=np.ones(n, bool), params=[SWEEP_SAMPLING] * n, seeds=list(range(n)), num_generated=[0] * n,
         sampler_mode="greedy")
 
@@ -138,22 +140,21 @@ def blocks_needed(cases: list[SweepCase], block_size: int, max_model_len: int) -
 def sweep_runner(loaded, cfg: EngineConfig, cases: list[SweepCase]) -> ModelRunner:
     """A runner whose cache holds every case's blocks (or what fits in memory), not the serving-sized pool."""
     mc = loaded.config
-    dtype = loaded.model.embed_tokens.embedding[...].dtype
-    per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, loaded.dtype)
     fits = cfg.num_blocks or num_blocks_for_memory(per_block, fraction=cfg.memory_fraction)
     needed = blocks_needed(cases, cfg.block_size, cfg.max_model_len)
     if needed >= fits:
         print(f"sweep: the cache holds {fits - 1} of the {needed} blocks the largest case reads; blocks are reused",
               file=sys.stderr)
     num_blocks = min(fits, 1 + needed)
-    return ModelRunner(loaded, dataclasses.replace(cfg, num_blocks=max(num_blocks, 2), precompile=False))
+    return start_device(loaded, dataclasses.replace(cfg, num_blocks=max(num_blocks, 2), precompile=False))[1]
 
 
 def compile_step(runner: ModelRunner, inp: StepInputs) -> tuple[float, int, int]:
     """AOT-compile the runner's graphs of inp's step (the model for its bucket, decode-only or not; the greedy
     sampler, as the sweep's requests): (seconds, temp bytes, code bytes)."""
     start = time.perf_counter()
-    executables = runner.compile_step(inp)
+    executables = [runner.graphs.get(key) for key in runner.graphs.keys_of(inp)[:2]]
     seconds = time.perf_counter() - start
     mems = [e.memory_analysis() for e in executables]
     return (seconds, sum(getattr(m, "temp_size_in_bytes", 0) for m in mems),
@@ -203,8 +204,8 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
 def sweep_row(runner: ModelRunner, case: SweepCase, ms: float, compile_stats, ceilings) -> dict:
     (compile_s, temp_bytes, code_bytes), (gbps, tflops) = compile_stats, ceilings
     starts, counts = case_layout(case, runner.cfg.max_model_len)
-    itemsize = jnp.dtype(runner.dtype).itemsize
-    nbytes, flops = step_cost(runner.model_config, itemsize, starts, counts)
+    itemsize = jnp.dtype(runner.graphs.dtype).itemsize
+    nbytes, flops = step_cost(runner.graphs.model_config, itemsize, starts, counts)
     roofline_ms = max(nbytes / gbps / 1e6, flops / tflops / 1e9)
     row = {"bench": "sweep", "impl": "jaxserve", "params": dataclasses.asdict(case), "compile_s": compile_s, "ms": ms,
            "tok_s": counts.sum() / ms * 1e3, "bytes": nbytes, "flops": flops, "roofline_ms": roofline_ms,

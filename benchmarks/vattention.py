@@ -82,9 +82,9 @@ def instrument(engine) -> Timer:
     engine.step = count_exposed_maps(engine.step, timer)
     runner.block_table.write = timer.wrap("block_table", runner.block_table.write)
     runner.kv_addressing = timer.wrap("block_table", runner.kv_addressing)
-    if runner.page_mapper is not None:   # the manager holds the same object: wrap its methods on it
+    if (mapper := getattr(engine.kv, "mapper", None)) is not None:   # vattention: time its page maps
         for name in ("map", "map_ahead", "trim"):
-            setattr(runner.page_mapper, name, timer.wrap(name, getattr(runner.page_mapper, name)))
+            setattr(mapper, name, timer.wrap(name, getattr(mapper, name)))
     return timer
 
 

@@ -1,4 +1,4 @@
-"""ctypes binding of csrc/vmm_manager.cu, vAttention's per-device VMM manager (issue #20).
+"""ctypes binding of csrc/vmm_manager.cu, vAttention's per-device VMM manager.
 
 The manager is mechanism only (reserve, page pool, map / unmap with fences, the look-ahead mapper thread,
 DLPack export); jaxserve/cache/vattention.py decides what to map. The library is libjaxserve_cuda.so, built by

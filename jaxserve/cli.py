@@ -13,20 +13,19 @@ from pathlib import Path
 import grpc
 
 from jaxserve.cache.vattention import leave_gpu_memory_to_the_page_pool
-from jaxserve.config import EngineConfig, load_run_config
+from jaxserve.client import print_completion
+from jaxserve.config import EngineConfig, engine_flags, load_run_config
 from jaxserve.engine import distributed
 from jaxserve.engine.llm import LLM, has_chat_template
-from jaxserve.engine.llm_engine import LLMEngine, check_config
+from jaxserve.engine.llm_engine import LLMEngine, check_config, start_device
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_replicas, load_run, save_converted
 from jaxserve.serve import connections, server
 from jaxserve.serve.connections import ConnectionLimits
-from jaxserve.serve.client import print_completion
 
-ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "min_prefill_chunk", "num_blocks",
-                "max_queued_requests", "max_queued_tokens")
+ENGINE_FLAGS = engine_flags()   # the knobs declared flag=True in config.EngineConfig
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -148,7 +147,7 @@ def cmd_serve(args) -> None:
     replicas, name = load_served_replicas(args, cfg)
     if cluster is not None and not cluster.is_leader:   # the leader checks cfg in LLMEngine: so must a worker
         check_config(cfg, replicas[0].config.max_position_embeddings)
-        follow_leader(cluster, ModelRunner(replicas[0], cfg))
+        follow_leader(cluster, start_device(replicas[0], cfg)[1])
         return
     engines = [LLMEngine(loaded, cfg) for loaded in replicas]
     with distributed.leading(cluster, engines[0].runner):

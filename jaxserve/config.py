@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,49 +124,117 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
 DECODE_ATTENTION = ("auto", "cuda")
 PREFILL_ATTENTION = ("triton", "mosaic")
 SAMPLER_MODES = ("greedy", "sample", "filter")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
-KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py (issue #20)
+KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py
 VATTENTION_KERNELS = ("contiguous", "identity")   # models/attention.py: slots, or identity block tables
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """A rule one knob must meet on its own, and how the error words it ("engine config: NAME RULE, got V")."""
+    ok: Callable[[object], bool]
+    rule: str
+
+
+def one_of(choices: tuple[str, ...]) -> Check:
+    return Check(lambda v: v in choices, f"must be one of {choices}")
+
+
+def _is_ladder(v) -> bool:
+    return v is None or (isinstance(v, tuple) and len(v) > 0 and all(map(_is_int, v)) and v[0] > 0
+                         and all(a < b for a, b in zip(v, v[1:])))
+
+
+POSITIVE_INT = Check(lambda v: _is_int(v) and v > 0, "must be a positive int")
+OPTIONAL_POSITIVE_INT = Check(lambda v: v is None or (_is_int(v) and v > 0), "must be a positive int or null")
+INT = Check(_is_int, "must be an int")
+NON_NEGATIVE_INT = Check(lambda v: _is_int(v) and v >= 0, "must be an int >= 0")
+BOOL = Check(lambda v: isinstance(v, bool), "must be true or false")
+OPTIONAL_PATH = Check(lambda v: v is None or isinstance(v, str), "must be a path or null")
+BUCKETS = Check(_is_ladder, "must be null or a strictly increasing list of positive ints")
+BLOCK_COUNT = Check(lambda v: v is None or (_is_int(v) and v >= 2),
+                    "must be an int >= 2 (block 0 is the null block) or null")
+FRACTION_UP_TO_1 = Check(lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "must be in (0, 1]")
+FRACTION_BELOW_1 = Check(lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "must be in [0, 1)")
+
+GROUPS = ("scheduler", "cache", "compilation", "parallel", "admission", "vattention")
+
+
+@dataclass(frozen=True, slots=True)
+class KnobSpec:
+    """What an EngineConfig field declares about itself. graphs: the compiled graphs may depend on it, so it is
+    in graph_knobs, the executable cache's fingerprint (False only where no graph reads it: a False on a knob a
+    graph does read lets a warm start load executables built for another value). flag: a `--kebab-name` int
+    option of `jaxserve serve` (cli.py registers them all alike). check: the rule it meets on its own; rules
+    between knobs are in check_engine_config."""
+    group: str
+    graphs: bool
+    flag: bool
+    check: Check | None
+
+
+def knob(default, *, group: str, graphs: bool = True, flag: bool = False, check: Check | None = None):
+    """An EngineConfig field with its KnobSpec (read back through KNOBS)."""
+    if group not in GROUPS:
+        raise ValueError(f"knob group {group!r} is not one of {GROUPS}")
+    return field(default=default, metadata={"knob": KnobSpec(group, graphs, flag, check)})
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Knobs of the engine; defaults suit the embedded model on CPU. See configs/*.yaml. Checked whole at
-    construction: a bad knob is a ValueError naming it."""
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
-    min_prefill_chunk: int = 32            # prefill gets max(min_prefill_chunk, budget - decode tokens)
-    block_size: int = 16
-    num_blocks: int | None = None          # None: sized from free memory
-    memory_fraction: float = 0.9
-    enable_prefix_caching: bool = True
-    watermark: float = 0.01
-    token_buckets: tuple[int, ...] | None = None   # None: powers of two from 16 to max_num_batched_tokens
-    seq_buckets: tuple[int, ...] | None = None     # None: powers of two from 8 to max_num_seqs
-    seed: int = 0
-    async_scheduling: bool = True          # launch step N+1 before step N's samples reach the host
-    # models/attention.py resolves both once per engine (AttentionKernels)
-    decode_attention: str = "auto"         # decode-only steps: "auto" (the Pallas decode-only launch), "cuda"
-    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: faster on long prompts, its compile time
-    # inside a 32-layer step not yet measured, so off by default; benchmarks/NOTES_attention.md)
-    prefill_attention: str = "triton"
-    compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
-    precompile: bool = True
-    # Admission bounds for servers (None: unbounded, as batch generation wants): waiting requests and their
-    # prompt tokens beyond which new requests are refused with AdmissionError (retry later).
-    max_queued_requests: int | None = None
-    max_queued_tokens: int | None = None
-    # Devices the model is split over, Megatron-style (models/sharding.py); the loader places the weights on them
-    tensor_parallel_size: int = 1
+    """Knobs of the engine; defaults suit the embedded model on CPU. See configs/*.yaml (flat under `engine:`).
+    Checked whole at construction: a bad knob is a ValueError naming it. Each field declares its KnobSpec."""
+    # Scheduler: what one step holds, and how its token budget is split
+    max_model_len: int = knob(2048, group="scheduler", flag=True, check=POSITIVE_INT)
+    max_num_seqs: int = knob(32, group="scheduler", flag=True, check=POSITIVE_INT)
+    max_num_batched_tokens: int = knob(256, group="scheduler", flag=True, check=POSITIVE_INT)
+    # prefill gets max(min_prefill_chunk, budget - decode tokens)
+    min_prefill_chunk: int = knob(32, group="scheduler", graphs=False, flag=True, check=POSITIVE_INT)
+    # launch step N+1 before step N's samples reach the host
+    async_scheduling: bool = knob(True, group="scheduler", check=BOOL)
+    seed: int = knob(0, group="scheduler", check=INT)   # draws the seed of each request that brings none
+
+    # Cache: the KV cache's blocks and how much of the device they take
+    block_size: int = knob(16, group="cache", check=POSITIVE_INT)
+    # None: sized from free memory. Graphs that take the cache carry its size in their keys (step_graphs.GraphKey)
+    num_blocks: int | None = knob(None, group="cache", graphs=False, flag=True, check=BLOCK_COUNT)
+    memory_fraction: float = knob(0.9, group="cache", graphs=False, check=FRACTION_UP_TO_1)
+    enable_prefix_caching: bool = knob(True, group="cache", check=BOOL)
+    watermark: float = knob(0.01, group="cache", graphs=False, check=FRACTION_BELOW_1)   # blocks kept free
     # "paged", or "vattention": each sequence's KV in one contiguous row of a virtual range whose pages are mapped
     # on demand (no prefix caching)
-    kv_backend: str = "paged"
-    # vattention: 0 maps the whole page pool at start, spread over the slots (eager allocation: no maps in the
-    # steps until a sequence outgrows its share); > 0 maps on demand, plus this many tokens ahead on a thread
-    vattention_lookahead_tokens: int = 0
-    # vattention's attention: "contiguous" (the kernels address each row from its slot id; a step carries one slot
-    # per sequence, no block table) or "identity" (stage 1: the paged kernels over identity block tables)
-    vattention_kernels: str = "contiguous"
+    kv_backend: str = knob("paged", group="cache", check=one_of(KV_BACKENDS))
+
+    # Compilation: which graphs exist (the bucket shapes, the attention kernels) and where executables persist
+    # None: powers of two from 16 to max_num_batched_tokens, and from 8 to max_num_seqs
+    token_buckets: tuple[int, ...] | None = knob(None, group="compilation", check=BUCKETS)
+    seq_buckets: tuple[int, ...] | None = knob(None, group="compilation", check=BUCKETS)
+    # models/attention.py resolves both once per engine (AttentionKernels).
+    # decode-only steps: "auto" (the Pallas decode-only launch), "cuda"
+    decode_attention: str = knob("auto", group="compilation", check=one_of(DECODE_ATTENTION))
+    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: faster on long prompts, its compile time
+    # inside a 32-layer step not yet measured, so off by default; benchmarks/NOTES_attention.md)
+    prefill_attention: str = knob("triton", group="compilation", check=one_of(PREFILL_ATTENTION))
+    compile_cache_dir: str | None = knob("~/.cache/jaxserve/xla", group="compilation", graphs=False,
+                                         check=OPTIONAL_PATH)
+    precompile: bool = knob(True, group="compilation", graphs=False, check=BOOL)
+
+    # Parallel: devices the model is split over, Megatron-style (models/sharding.py)
+    tensor_parallel_size: int = knob(1, group="parallel", check=POSITIVE_INT)
+
+    # Admission: waiting requests / their prompt tokens beyond which new ones get AdmissionError (retry later);
+    # None: unbounded, as batch generation wants
+    max_queued_requests: int | None = knob(None, group="admission", graphs=False, flag=True,
+                                           check=OPTIONAL_POSITIVE_INT)
+    max_queued_tokens: int | None = knob(None, group="admission", graphs=False, flag=True,
+                                         check=OPTIONAL_POSITIVE_INT)
+
+    # vAttention: read only with kv_backend: vattention
+    # 0 maps the whole page pool at start, spread over the slots (eager allocation: no maps in the steps until a
+    # sequence outgrows its share); > 0 maps on demand, plus this many tokens ahead on a thread
+    vattention_lookahead_tokens: int = knob(0, group="vattention", graphs=False, check=NON_NEGATIVE_INT)
+    # "contiguous" (the kernels address each row from its slot id; a step carries one slot per sequence, no block
+    # table) or "identity" (the paged kernels over identity block tables)
+    vattention_kernels: str = knob("contiguous", group="vattention", check=one_of(VATTENTION_KERNELS))
 
     def __post_init__(self):
         for name in ("token_buckets", "seq_buckets"):
@@ -174,54 +243,38 @@ class EngineConfig:
         check_engine_config(self)
 
 
-POSITIVE_INTS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk", "block_size",
-                 "tensor_parallel_size")
-OPTIONAL_POSITIVE_INTS = ("max_queued_requests", "max_queued_tokens")
-BOOLS = ("enable_prefix_caching", "async_scheduling", "precompile")
+KNOBS: dict[str, KnobSpec] = {f.name: f.metadata["knob"] for f in dataclasses.fields(EngineConfig)}
+
+
+def graph_knobs(cfg: EngineConfig) -> dict:
+    """The engine knobs the compiled graphs may depend on: what the executable cache's fingerprint covers."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if KNOBS[k].graphs}
+
+
+def engine_flags() -> tuple[str, ...]:
+    """The knobs that are int options of `jaxserve serve` (--max-num-seqs, ...), in field order."""
+    return tuple(name for name, spec in KNOBS.items() if spec.flag)
 
 
 def check_engine_config(c: EngineConfig) -> None:
+    """Each knob's own check (KnobSpec.check), then the rules between knobs."""
     def need(ok: bool, name: str, rule: str):
         if not ok:
             raise ValueError(f"engine config: {name} {rule}, got {getattr(c, name)!r}")
 
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    for name in POSITIVE_INTS:
-        need(is_int(getattr(c, name)) and getattr(c, name) > 0, name, "must be a positive int")
-    for name in BOOLS:
-        need(isinstance(getattr(c, name), bool), name, "must be true or false")
-    need(c.num_blocks is None or (is_int(c.num_blocks) and c.num_blocks >= 2), "num_blocks",
-         "must be an int >= 2 (block 0 is the null block) or null")
-    for name in OPTIONAL_POSITIVE_INTS:
-        need(getattr(c, name) is None or (is_int(getattr(c, name)) and getattr(c, name) > 0), name,
-             "must be a positive int or null")
-    need(is_int(c.seed), "seed", "must be an int")
-    need(isinstance(c.memory_fraction, (int, float)) and 0 < c.memory_fraction <= 1, "memory_fraction",
-         "must be in (0, 1]")
-    need(isinstance(c.watermark, (int, float)) and 0 <= c.watermark < 1, "watermark", "must be in [0, 1)")
-    need(c.decode_attention in DECODE_ATTENTION, "decode_attention", f"must be one of {DECODE_ATTENTION}")
-    need(c.prefill_attention in PREFILL_ATTENTION, "prefill_attention", f"must be one of {PREFILL_ATTENTION}")
-    need(c.kv_backend in KV_BACKENDS, "kv_backend", f"must be one of {KV_BACKENDS}")
-    need(c.vattention_kernels in VATTENTION_KERNELS, "vattention_kernels", f"must be one of {VATTENTION_KERNELS}")
-    need(is_int(c.vattention_lookahead_tokens) and c.vattention_lookahead_tokens >= 0, "vattention_lookahead_tokens",
-         "must be an int >= 0")
+    for name, spec in KNOBS.items():
+        if spec.check is not None:
+            need(spec.check.ok(getattr(c, name)), name, spec.check.rule)
     if c.kv_backend == "vattention":
         need(not c.enable_prefix_caching, "enable_prefix_caching", "must be false with kv_backend: vattention "
              "(its pages are per sequence, not shared): set enable_prefix_caching: false")
         need(c.tensor_parallel_size == 1, "tensor_parallel_size", "must be 1 with kv_backend: vattention (the "
              "per-device ranges are not yet combined into one sharded cache)")
-    need(c.compile_cache_dir is None or isinstance(c.compile_cache_dir, str), "compile_cache_dir",
-         "must be a path or null")
     need(c.max_num_seqs + c.min_prefill_chunk <= c.max_num_batched_tokens, "max_num_batched_tokens",
          f"must be >= max_num_seqs ({c.max_num_seqs}) + min_prefill_chunk ({c.min_prefill_chunk}) so that decodes "
          "never starve prefill")
     for name, high in (("token_buckets", c.max_num_batched_tokens), ("seq_buckets", c.max_num_seqs)):
         ladder = getattr(c, name)
-        need(ladder is None or (isinstance(ladder, tuple) and len(ladder) > 0 and all(map(is_int, ladder))
-                                and ladder[0] > 0 and all(a < b for a, b in zip(ladder, ladder[1:]))),
-             name, "must be null or a strictly increasing list of positive ints")
         need(ladder is None or ladder[-1] >= high, name, f"must reach {high} (its largest bucket serves the "
              f"{'whole token budget' if name == 'token_buckets' else 'most sequences a step can hold'})")
 

@@ -1,17 +1,16 @@
 """Paged causal prefill attention for Hopper (sm_90a): Pallas Mosaic GPU, FlashAttention-3 structure.
 
-The prefill half of `ragged_paged_attention` on H100-class GPUs, where it runs well ahead of the Triton path
-(benchmarks/NOTES_attention.md, v4 on): prefill is compute bound, and page copies by TMA from a warpgroup of
-their own keep the tensor cores fed. Same cache layout and metadata; decodes stay with the Triton kernel.
+The prefill half of `ragged_paged_attention` on H100-class GPUs, where it runs well ahead of the Triton path:
+prefill is compute bound, and page copies by TMA from a warpgroup of their own keep the tensor cores fed. Same
+cache layout and metadata; decodes stay with the Triton kernel.
 
 - Persistent grid (one CTA per SM) looping over work items (q tile x q head), so a batch with few or no
   prefill rows costs one short wave instead of thousands of empty CTAs. Work comes longest-causal first.
 - Three warpgroups per CTA: two compute warpgroups own `block_q` query rows each (wgmma M = 64); one memory
   warpgroup streams K and V pages by TMA, `block_kv // block_size` page copies per pipeline step into one
   swizzled buffer, `max_concurrent_steps` deep. Its warps split the copies, two stream K and two V, so no one
-  thread issues every copy of a step and K never queues behind V's buffers (benchmarks/NOTES_attention.md,
-  v7). A schedule barrier alternates the two compute warpgroups on the tensor cores (one runs softmax while
-  the other multiplies).
+  thread issues every copy of a step and K never queues behind V's buffers. A schedule barrier alternates the
+  two compute warpgroups on the tensor cores (one runs softmax while the other multiplies).
 - Every warpgroup walks the same KV steps of a work item; steps outside a warpgroup's causal / window range
   only wait and release the buffers, which keeps barrier phases in lock step across work items.
 - q tiles start at any row, which a swizzled TMA cannot address: q and the output pass through a plain SMEM
@@ -39,7 +38,7 @@ H100_SMS = 132
 
 @dataclass(frozen=True, slots=True)
 class PrefillTuning:
-    """Defaults tuned on H100, bf16, head_dim 128 (sweeps: benchmarks/NOTES_attention.md)."""
+    """Defaults tuned on H100, bf16, head_dim 128."""
     block_q: int = 64  # rows per compute warpgroup: the wgmma M
     block_kv: int = 128  # keys per pipeline step
     max_concurrent_steps: int = 2
@@ -419,8 +418,8 @@ def attend_step(s, carry, *, masked, base, hi, refs: Warpgroup, row_pos, key_bou
             pl.when(s + 1 < hi)(lambda: plgpu.barrier_wait(refs.k.ready.at[nxt]))
         return pv_ref[...]
 
-    # PV into a fresh accumulator, added to acc: faster here than FA3's in-place accumulation
-    # (benchmarks/NOTES_attention.md, v4), and the only form the interpreter runs.
+    # PV into a fresh accumulator, added to acc: faster here than FA3's in-place accumulation,
+    # and the only form the interpreter runs.
     acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
     plgpu.barrier_arrive(refs.v.free.at[slot])
     return acc, m, l

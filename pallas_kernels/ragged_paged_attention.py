@@ -8,8 +8,7 @@ Backends, per role:
   head (Triton's mma pads them to 16 rows, Mosaic's wgmma to 64), each KV tile is gathered from pages at
   random addresses as one pointer-tensor load, and it runs on sm_80+ with exact float32 dots.
 - prefill: on Hopper (sm_90) with bf16/f16, `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page copies,
-  wgmma, warp specialisation), the faster of the two there (benchmarks/NOTES_attention.md, v4); elsewhere
-  the Triton prefill kernel below.
+  wgmma, warp specialisation), the faster of the two there; elsewhere the Triton prefill kernel below.
 Nothing in the API names the backend (`prefill_backend` only overrides the choice).
 
 Two launches, with no host- or XLA-side metadata preparation (each program reads the raw
@@ -23,7 +22,7 @@ cu_q_lens/kv_lens/block_tables):
    KV tile is read once for the whole group) and mask only edge tiles. Sequence i's q blocks start at
    `cu_q_lens[i] // block_q + i` (vLLM's numbering); tokens past cu_q_lens[num_seqs] form one more
    sequence with no keys, so padding rows come out as zeros.
-Fixed per-launch costs dominate small batches (benchmarks/NOTES_attention.md), hence the merge riding along.
+Fixed per-launch costs dominate small batches, hence the merge riding along.
 With the Mosaic prefill, launch 2 is that kernel and a third, merge-only launch writes the decode rows into
 its output in place.
 A decode-only step does better when the caller knows it (`decode_only=True`, as the engine does): one launch.
@@ -31,7 +30,7 @@ Its split is fixed by the shape (the engine's bucket), so every program knows it
 tiles from its grid position and issues its first block-table and K/V loads before any length arrives
 (`decode_only_kernel`); split programs count themselves done on an atomic counter and the last of each
 decode merges the partials in the same launch. So a short context waits on two dependent loads, not on the
-whole chain from num_seqs to K/V plus a merge launch (benchmarks/NOTES_attention.md, v6).
+whole chain from num_seqs to K/V plus a merge launch.
 
 Contiguous mode (vAttention, `contiguous_ragged_attention`): each sequence's KV is one row (slot) of the cache,
 which viewed as blocks makes block i of slot s the block s * blocks_per_slot + i. The same launches run with
@@ -40,7 +39,7 @@ every block id from it, so no table is built on the host, read, or gathered. A c
 megacache: a block holds every layer of its tokens, so that a 2 MiB page holds a short run of tokens, not 1,024
 tokens of one layer) is the same cache viewed as [num_blocks * num_layers, block_size, ...]: layer l of block b
 is block b * num_layers + l, so a row's blocks are num_layers apart (`Geometry.block_stride`). Only the
-addressing differs (`BlockTable` / `SlotRows`, the kernels' `blocks`); the paged launches lower exactly as before.
+addressing differs (`BlockTable` / `SlotRows`, the kernels' `blocks`); the launches are the paged ones.
 """
 import dataclasses
 import functools
@@ -56,8 +55,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import paged_prefill_attention_mgpu as mgpu_prefill
 from pallas_kernels.common import (LOG2E, exp2_shift, init_carry, interpret_params, normalize,
                                    online_softmax_step, per_row)
-from pallas_kernels.ragged_paged_attention_reference import (ragged_paged_attention_reference, row_starts,
-                                                              strided_block_tables)
+from pallas_kernels.block_tables import row_starts, strided_block_tables
+from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 IMPLS = ("auto", "pallas", "reference")
 PREFILL_BACKENDS = ("auto", "triton", "mosaic")
@@ -66,7 +65,7 @@ INT32_MAX = 2**31 - 1
 
 @dataclass(frozen=True, slots=True)
 class Tuning:
-    """Tile and launch shapes; defaults tuned on H100, bf16, head_dim 128 (sweeps: benchmarks/NOTES_attention.md)."""
+    """Tile and launch shapes; defaults tuned on H100, bf16, head_dim 128."""
     decode_kv_tile: int = 64  # keys per loop step (rounded up to a whole page)
     decode_num_warps: int = 2  # light programs: several share an SM and hide each other's start-up
     decode_num_stages: int = 4

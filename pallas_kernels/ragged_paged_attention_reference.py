@@ -5,9 +5,8 @@ columns `kv_blocks_per_step` at a time with an online softmax. Each step gathers
 each token ([num_tokens, kv_blocks_per_step * block_size, kv_heads, head_dim]), never the whole context,
 and the trip count comes from the longest live sequence rather than from the block table's width.
 
-Contiguous (vAttention) caches, where sequence i's KV is row slots[i] of the cache (block j of slot s is
-s * blocks_per_slot + j; in a cross-layer cache viewed as [num_blocks * num_layers, ...], layer l of it is
-(s * blocks_per_slot + j) * num_layers + l): `contiguous_ragged_attention_reference` runs the paged reference over
+Contiguous (vAttention) caches, where sequence i's KV is row slots[i] of the cache (block_tables.py says which
+blocks that is): `contiguous_ragged_attention_reference` runs the paged reference over
 that identity table (the CPU path, as lean as the paged one); `contiguous_slice_reference` reads each row directly
 as one slice, no block ids, dense: the test oracle that shares no addressing with either.
 """
@@ -16,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels.block_tables import identity_block_tables
 
 KV_BLOCKS_PER_STEP = 4  # keys per step = 4 * block_size: few loop trips, a small per-step gather on CPU
 
@@ -85,24 +86,6 @@ def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_len, bloc
     alpha = jnp.exp(m_prev - m_safe)
     pv = jnp.einsum("tkgn,tnkd->tkgd", p, v, precision=lax.Precision.HIGHEST)
     return m, l_prev * alpha + p.sum(-1), acc * alpha[..., None] + pv
-
-
-def strided_block_tables(first, blocks_per_slot: int, stride: int = 1):
-    """[max_seqs, blocks_per_slot] int32: row i lists first[i], first[i] + stride, ... (a contiguous row's blocks)."""
-    return first[:, None] + jnp.arange(blocks_per_slot, dtype=jnp.int32) * stride
-
-
-def row_starts(slots, blocks_per_slot: int, num_layers: int = 1, layer=0):
-    """Each slot's first block at `layer`, in the cache viewed as [num_blocks * num_layers, block_size, ...]."""
-    if num_layers == 1:
-        return slots * blocks_per_slot
-    return slots * (blocks_per_slot * num_layers) + jnp.asarray(layer, jnp.int32)
-
-
-def identity_block_tables(slots, blocks_per_slot: int, num_layers: int = 1, layer=0):
-    """[max_seqs, blocks_per_slot] int32: row i lists slot slots[i]'s blocks, slots[i] * blocks_per_slot + j, at
-    `layer` of a cross-layer cache of num_layers (see the module)."""
-    return strided_block_tables(row_starts(slots, blocks_per_slot, num_layers, layer), blocks_per_slot, num_layers)
 
 
 def contiguous_ragged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *,

@@ -1,4 +1,4 @@
-// vAttention's memory manager (issue #20): a KV cache that is contiguous in virtual memory, its physical pages
+// vAttention's memory manager: a KV cache that is contiguous in virtual memory, its physical pages
 // mapped on demand with the CUDA virtual-memory API. One manager per device, reached from Python by a C ABI
 // (ctypes: custom_calls/vmm.py) and from XLA by one FFI handler (the step fence).
 //

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import custom_calls
-from jaxserve.models.sharding import KV_CACHE, per_shard
+from jaxserve.sharding import KV_CACHE, per_shard
 
 
 @jax.tree_util.register_dataclass
@@ -101,18 +101,21 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     """Write token t's K/V to flat slot slot_mapping[t] (= block * block_size + offset); padding uses slot 0.
 
     Pure: call inside the jitted step with the cache donated, and it is updated in place. On an NVIDIA GPU this
-    is the CUDA custom call (measured faster than the XLA scatter: benchmarks/NOTES_cuda.md), elsewhere its
-    pure-JAX reference, the same scatter.
+    is the CUDA custom call (faster than the XLA scatter on GPU), elsewhere its pure-JAX reference, the same
+    scatter.
     """
     return custom_calls.reshape_and_cache(k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
                                           slot_mapping)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
-def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, mesh: Mesh | None = None) -> KVCache:
-    # Padding pairs have out-of-bounds dsts, which the copy skips; every layer reads its sources first. Under
-    # tensor parallelism each device copies the blocks of its own kv heads. A cross-layer block (vattention: one
-    # device) is one copy of all its layers, the cache seen as [num_blocks, num_layers * block_size, ...].
+def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, mesh: Mesh | None = None) -> KVCache:
+    """Copy blocks src[i] -> dst[i] in every layer in one device call, the cache donated (updated in place); ids
+    padded by pad_block_copies (few compiled sizes). All sources are read before any destination is written. On an
+    NVIDIA GPU the CUDA custom call copies (faster than XLA's copy on GPU). Under tensor parallelism each device
+    copies the blocks of its own kv heads (a cache split over `mesh`'s "tp" axis needs the mesh)."""
+    # Padding pairs have out-of-bounds dsts, which the copy skips. A cross-layer block (vattention: one device) is
+    # one copy of all its layers, the cache seen as [num_blocks, num_layers * block_size, ...].
     if isinstance(cache, CrossLayerKV):
         nb, layers, bs = cache.k.shape[:3]
         k, v = custom_calls.copy_blocks(*(x.reshape(nb, layers * bs, *x.shape[3:]) for x in (cache.k, cache.v)),
@@ -122,20 +125,6 @@ def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, mesh: Mesh | No
     def copy(cache, src, dst):
         return [custom_calls.copy_blocks(k, v, src, dst) for k, v in cache]
     return per_shard(copy, mesh, (KV_CACHE, P(), P()), KV_CACHE)(cache, src, dst)
-
-
-def copy_blocks(cache: KVCache, src: np.ndarray, dst: np.ndarray, mesh: Mesh | None = None) -> KVCache:
-    """Copy blocks src[i] -> dst[i] in every layer in one device call; the cache is donated (updated in place).
-    On an NVIDIA GPU the CUDA custom call copies (measured faster than XLA: benchmarks/NOTES_cuda.md). A cache
-    split over a mesh's "tp" axis (models/sharding.KV_CACHE) needs that mesh.
-
-    All sources are read before any destination is written. dst ids must be distinct. N is padded to a
-    power-of-two bucket (>= COPY_BUCKET_MIN) so few variants compile; N == 0 makes no device call.
-    """
-    if len(src) == 0 and len(dst) == 0:
-        return cache
-    num_blocks = cache.k.shape[0] if isinstance(cache, CrossLayerKV) else cache[0][0].shape[0]
-    return _copy_blocks(cache, *pad_block_copies(src, dst, num_blocks), mesh)
 
 
 def pad_block_copies(src, dst, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -189,6 +178,13 @@ def num_blocks_for_memory(bytes_per_block: int, *, device: jax.Device | None = N
         raise ValueError(f"KV budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of {bytes_per_block} "
                          "bytes; need >= 2 (null block + one)")
     return num_blocks
+
+
+def blocks_that_fit(bytes_per_block: int, activation_peak_bytes: int, mesh: Mesh, fraction: float) -> int:
+    """Blocks that fit the memory left on each of the mesh's own devices (a data-parallel replica's are not the
+    first device) after the weights and the activation peak."""
+    return min(num_blocks_for_memory(bytes_per_block, activation_peak_bytes=activation_peak_bytes,
+                                     fraction=fraction, device=d) for d in mesh.local_devices)
 
 
 def describe_kv_capacity(num_blocks: int, block_size: int, bytes_per_block: int, devices: int = 1) -> str:

@@ -1,5 +1,6 @@
-"""vAttention mode (issue #20): each sequence's KV cache is one contiguous row of a virtual range, its physical
-pages mapped as tokens arrive (design: shared/vattention-design.md; mechanism: custom_calls/csrc/vmm_manager.cu).
+"""vAttention mode: each sequence's KV cache is one contiguous row of a virtual range, its physical pages mapped as
+tokens arrive (mechanism: custom_calls/csrc/vmm_manager.cu). `VAttentionKV` is the mode's KV backend
+(kv_backend.py): the rows' layout, the page pool's size, the ranges as the cache's arrays, the host manager.
 
 The policy lives here, and only here (the C++ manager executes it): a sequence's slot is its row (its batch
 index), admission is by page budget (pages no live sequence needs, mapped or not), growth maps pages before the
@@ -17,16 +18,31 @@ parent's KV.
 """
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import math
 import os
-from collections.abc import Hashable, Sequence
+import sys
+import weakref
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxserve.cache.kv_cache import CPU_MAX_KV_BYTES, CrossLayerKV, allocate_cross_layer_cache, blocks_that_fit
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.sharding import CROSS_LAYER_KV_CACHE
 
 PAGE_SIZE = 2 << 20  # the stock driver's only VMM granularity (measured on H100)
+# The page size on CPU, where FakePageMapper stands in for the driver: the GPU's, so that the CPU runs the GPU's
+# geometry; tests lower it so that a tiny model's prompts span many pages.
+CPU_PAGE_SIZE = PAGE_SIZE
+NUM_RANGES = 2   # K and V: a pool page backs the same virtual page in each
 PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
 
 
@@ -467,3 +483,85 @@ class VAttentionKVCacheManager:
         if seq is None:
             raise KeyError(f"unknown seq_id {seq_id!r}")
         return seq
+
+
+class VAttentionKV:
+    """The vattention backend: rows (a sequence's slot each + the null row) in two cross-layer ranges, K and V
+    (kv_cache.CrossLayerKV: a token's every layer together); the cache viewed as blocks is the whole virtual
+    range, so its block ids are identity ids. On GPU the ranges are the C++ manager's, mapped on demand; on CPU a
+    zeroed stand-in under FakePageMapper's accounting."""
+    def __init__(self, cfg: EngineConfig, mc: ModelConfig, mesh: Mesh, dtype):
+        self.cfg, self.mc, self.mesh, self.dtype = cfg, mc, mesh, dtype
+        self.on_device = self.fence = mesh.devices.flat[0].platform != "cpu"
+        self.cache_sharding = NamedSharding(mesh, CROSS_LAYER_KV_CACHE)
+        token_bytes = mc.num_layers * mc.num_kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize   # tp is 1
+        self.geometry = VmmGeometry(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, token_bytes, 1,
+                                    PAGE_SIZE if self.on_device else CPU_PAGE_SIZE)   # num_pages: see size
+        self.blocks_per_row = self.geometry.blocks_per_slot if cfg.vattention_kernels == "contiguous" else None
+        self.mapper: PageMapper | None = None
+        self.cache: CrossLayerKV | None = None
+
+    def cache_structs(self, num_blocks: int) -> CrossLayerKV:
+        shape = (num_blocks, self.mc.num_layers, self.cfg.block_size, self.mc.num_kv_heads, self.mc.head_dim)
+        struct = jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.cache_sharding)
+        return CrossLayerKV(struct, struct)
+
+    def size(self, activation_peak: Callable[[], int]) -> int:
+        """The page pool: the config's num_blocks as the pages their tokens need (+ the null block's), or as many
+        pages as fit beside weights and activations. The cache's blocks: every row's."""
+        g, cfg = self.geometry, self.cfg
+        self.check_memory()
+        num_pages = (g.pages_for(cfg.block_size) + g.pages_for((cfg.num_blocks - 1) * cfg.block_size)
+                     if cfg.num_blocks else blocks_that_fit(NUM_RANGES * g.page_size, activation_peak(), self.mesh,
+                                                            cfg.memory_fraction))
+        self.geometry = g = dataclasses.replace(g, num_pages=num_pages)
+        print(f"KV cache (vattention): {num_pages:,} pages of {g.page_size / 2**20:g} MiB in each of {NUM_RANGES} "
+              f"ranges = {num_pages * g.page_size // g.token_bytes:,} tokens "
+              f"({num_pages * NUM_RANGES * g.page_size / 2**30:.2f} GiB); {g.rows} rows of "
+              f"{g.tokens_per_slot:,} tokens reserved", file=sys.stderr)
+        return g.rows * g.blocks_per_slot
+
+    def check_memory(self) -> None:
+        range_bytes = NUM_RANGES * self.geometry.rows * self.geometry.slot_bytes
+        if self.on_device and xla_claims_gpu_memory():   # the pool's pages would find no memory to map
+            raise ValueError("kv_backend=vattention maps its KV pages outside XLA's allocator, which claims most of "
+                             "the GPU when JAX starts: set XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts "
+                             "(`jaxserve serve` and `generate` do when the config says vattention)")
+        if not self.on_device and range_bytes > CPU_MAX_KV_BYTES:   # the CPU stand-in allocates it all
+            raise ValueError(f"kv_backend=vattention on CPU allocates the whole virtual range, "
+                             f"{range_bytes / 2**30:.1f} GiB (> {CPU_MAX_KV_BYTES / 2**30:.0f} GiB): lower "
+                             "max_num_seqs or max_model_len")
+
+    def allocate(self, num_blocks: int) -> CrossLayerKV:
+        """The page pool (after precompile, like the paged cache) and the ranges as the cache's arrays: on GPU the
+        manager's, zero copy; they are dropped at exit before the manager (else teardown may segfault)."""
+        g = self.geometry
+        if not self.on_device:
+            self.mapper = FakePageMapper(g.num_pages, g.rows, g.pages_per_slot)
+            return allocate_cross_layer_cache(self.mc.num_layers, num_blocks, self.cfg.block_size,
+                                              self.mc.num_kv_heads, self.mc.head_dim, self.dtype, self.cache_sharding)
+        self.mapper = CudaPageMapper(g, num_tensors=NUM_RANGES,
+                                     devices=[d.local_hardware_id for d in self.mesh.local_devices])
+        struct = self.cache_structs(num_blocks).k
+
+        def export(tensor: int) -> jax.Array:
+            pieces = self.mapper.export(tensor, struct.shape, struct.dtype)
+            return jax.make_array_from_single_device_arrays(struct.shape, self.cache_sharding, pieces)
+        return CrossLayerKV(export(0), export(1))
+
+    def release_at_exit(self, holder) -> None:
+        """At exit, holder's cache arrays (aliasing the ranges) go before the manager: else teardown may segfault."""
+        if self.on_device:
+            atexit.register(drop_vmm_cache, weakref.ref(holder), self.mapper)
+
+    def host_manager(self, num_blocks: int) -> VAttentionKVCacheManager:
+        cfg = self.cfg
+        return VAttentionKVCacheManager(self.geometry, self.mapper, watermark=cfg.watermark,
+                                        lookahead_tokens=cfg.vattention_lookahead_tokens,
+                                        premap=cfg.vattention_lookahead_tokens == 0)
+
+
+def drop_vmm_cache(holder_ref: weakref.ref, mapper: CudaPageMapper) -> None:
+    if (holder := holder_ref()) is not None:
+        holder.kv_cache = None
+    mapper.close()

@@ -7,7 +7,6 @@ graph: XLA's persistent cache alone still needs both to find its key, which was 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import math
@@ -31,14 +30,6 @@ Lower = Callable[[], jax.stages.Lowered]
 # Whatever the graphs are built from; a change to any of these files makes every cached executable stale.
 SOURCE_PACKAGES = ("jaxserve", "pallas_kernels", "custom_calls")
 SOURCE_SUFFIXES = (".py", ".so", ".cu", ".cc", ".h")
-
-
-def enable_compilation_cache(path: str | None) -> None:
-    """XLA's persistent cache, for every graph (restarts compile nothing); on from model load (loader.load_run), so
-    that the loaders' small graphs are cached too. The first directory set wins: jax opens its cache once."""
-    if path and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 @functools.cache
@@ -121,7 +112,7 @@ class CompilationManager:
         if executable is None:
             executable = self.cache.load(key)
             self._count(key, "loaded", executable is not None)
-            executable = self.executables[key] = executable or self._compile(self.cache, key, self._trace(key, lower))
+            executable = self.executables[key] = executable or self._compile(key, self._trace(key, lower))
             if self.started:
                 self.compiles_after_start += 1
             if self.started and self.precompiled:
@@ -133,15 +124,13 @@ class CompilationManager:
         order: tracing holds the GIL) and compiled on the thread pool (XLA compiles without it). peek: graphs
         only looked at (memory analysis), which `wait` hands back but nothing keeps."""
         todo = {key: lower for key, lower in graphs.items() if key not in self.executables and key not in self.pending}
-        cache = copy.copy(self.cache)   # its fingerprint now: the runner extends it once the cache's size is known
         with ThreadPoolExecutor(self.num_threads) as loader:   # deserializing is C++: threads overlap
-            loads = {key: loader.submit(cache.load, key) for key in todo}
+            loads = {key: loader.submit(self.cache.load, key) for key in todo}
         self.pool = self.pool or ThreadPoolExecutor(self.num_threads, thread_name_prefix="jaxserve-compile")
         for key, load in tqdm(loads.items(), desc="tracing graphs", unit="graph", file=sys.stderr, disable=None):
             loaded = load.result() is not None
             self._count(key, "loaded", loaded)
-            self.pending[key] = load if loaded else self.pool.submit(self._compile, cache, key,
-                                                                     self._trace(key, todo[key]))
+            self.pending[key] = load if loaded else self.pool.submit(self._compile, key, self._trace(key, todo[key]))
         if peek:
             self.peeks.update(todo)
 
@@ -194,11 +183,11 @@ class CompilationManager:
         self._count(key, "trace_s", time.perf_counter() - start)
         return lowered
 
-    def _compile(self, cache: ExecutableCache, key: tuple, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    def _compile(self, key: tuple, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         start = time.perf_counter()
         executable = lowered.compile(self.options(key) or None)
         end = time.perf_counter()
-        cache.save(key, executable)
+        self.cache.save(key, executable)
         self._count(key, "compile_s", end - start)
         self._count(key, "compiled", 1)
         if not self.started:

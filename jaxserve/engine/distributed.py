@@ -65,8 +65,8 @@ STOP = b"stop"          # never an encoded step (those start with step_codec.MAG
 WAIT_MS = 60_000        # a worker's get, retried for as long as the server idles
 MAX_INFLIGHT_STEPS = 2  # a worker's launched steps not yet done, as the leader's engine (async scheduling)
 # A process silent this long is dead, and the coordination service ends the others (their steps' collectives would
-# wait on it forever): a supervisor then restarts the cluster. JAX's default, 100 s, left a dead worker's leader
-# hanging that long with every request in it.
+# wait on it forever): a supervisor then restarts the cluster. JAX's much longer default would leave a dead worker's
+# leader hanging that long with every request in it.
 HEARTBEAT_TIMEOUT_S = 15
 REREAD_S = 0.05         # a worker's pause before it reads a rejected step's key again
 LOG_EVERY_S = 10        # a worker logs rejected values at most this often
@@ -260,11 +260,11 @@ def leading(cluster: Cluster | None, runner) -> Iterator[StepPublisher | None]:
         return
     client = coordination_client()
     publisher = StepPublisher(client, sealing(cluster, client))
-    runner.on_launch = publisher.publish
+    runner.observe_launches(publisher.publish)
     try:
         yield publisher
     finally:
-        runner.on_launch = None
+        runner.observe_launches(None)
         publisher.stop()
         jax.distributed.shutdown()
 

@@ -12,7 +12,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sequence import RequestOutput
 from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
-from jaxserve.models.sharding import make_mesh
+from jaxserve.sharding import make_mesh
 
 
 @dataclass(slots=True)

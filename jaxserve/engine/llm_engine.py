@@ -9,18 +9,20 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from jaxserve.cache.kv_cache_manager import KVCacheManager
-from jaxserve.cache.vattention import VAttentionKVCacheManager
+from jaxserve.cache.kv_backend import KVManager, make_kv_backend
 from jaxserve.config import EngineConfig
-from jaxserve.engine.compilation import enable_compilation_cache
+from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner
+from jaxserve.engine.step_graphs import StepGraphs
 from jaxserve.engine.sampling_params import INT32_MAX, SamplingParams, check_text, short
 from jaxserve.engine.scheduler import Scheduler, StepRow
 from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, next_seq_id,
                                       stable_seed)
 from jaxserve.models.loader import LoadedModel
+from jaxserve.sharding import TP
 
 MAX_PROMPT_BYTES_PER_TOKEN = 128   # a prompt of more bytes than max_model_len tokens could hold is refused untokenized
 MAX_CACHE_SALT_CHARS = 256         # the salt is hashed into every block hash of the request
@@ -75,6 +77,33 @@ def check_config(cfg: EngineConfig, max_position_embeddings: int) -> None:
                          f"{max_position_embeddings}")
 
 
+def tensor_parallel_mesh(loaded: LoadedModel, cfg: EngineConfig) -> Mesh:
+    """The mesh the model was loaded on, which must be the config's tensor_parallel_size devices."""
+    if (tp := loaded.mesh.shape[TP]) != cfg.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} but the model was loaded on {tp} "
+                         f"device(s): load it with tensor_parallel_size={cfg.tensor_parallel_size} "
+                         f"(models.loader.load_run, or load_model(mesh=make_mesh({cfg.tensor_parallel_size})))")
+    return loaded.mesh
+
+
+def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, ModelRunner, KVManager]:
+    """The device side's start-up, in its one order: the KV backend's layout (the kernels address it) -> the step
+    graphs -> the cache's size (from the activation peak when memory sizes it) -> the graphs bound to that size
+    (every key final) -> precompile (before the cache takes the memory: compiling, autotuning, needs room) -> the
+    cache allocated and the runner over it -> the host block manager. A multi-host worker runs it too: sizing is
+    a collective."""
+    mesh = tensor_parallel_mesh(loaded, cfg)
+    backend = make_kv_backend(cfg, loaded.config, mesh, loaded.dtype)
+    graphs = StepGraphs(loaded, cfg, mesh, backend)
+    num_blocks = backend.size(graphs.activation_peak)
+    graphs.bind_cache(num_blocks)
+    if cfg.precompile:
+        graphs.precompile()
+    runner = ModelRunner(graphs, backend.allocate(num_blocks))
+    backend.release_at_exit(runner)
+    return graphs, runner, backend.host_manager(num_blocks)
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None):
         self.cfg = cfg = cfg or EngineConfig()
@@ -82,23 +111,12 @@ class LLMEngine:
         enable_compilation_cache(cfg.compile_cache_dir)
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.runner = ModelRunner(loaded, cfg)
-        self.kv = self._kv_cache_manager()
+        self.graphs, self.runner, self.kv = start_device(loaded, cfg)
         self.scheduler = Scheduler(cfg, self.kv)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
-        self.runner.graphs.started = True   # the runner compiled every graph (cfg.precompile): a compile now is counted
-
-    def _kv_cache_manager(self) -> KVCacheManager | VAttentionKVCacheManager:
-        """The block manager of the config's kv_backend; the scheduler drives either through the same interface."""
-        cfg, runner = self.cfg, self.runner
-        if cfg.kv_backend == "vattention":
-            return VAttentionKVCacheManager(runner.vmm_geometry, runner.page_mapper, watermark=cfg.watermark,
-                                            lookahead_tokens=cfg.vattention_lookahead_tokens,
-                                            premap=cfg.vattention_lookahead_tokens == 0)
-        return KVCacheManager(runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-                              watermark=cfg.watermark)
+        self.graphs.start_serving()
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -311,7 +329,7 @@ class LLMEngine:
                 "kv_blocks_total": self.kv.num_blocks - 1, "kv_blocks_free": self.kv.num_free_blocks,
                 "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
-                "compiled_graphs": len(self.runner.graphs.executables),
-                "graphs_from_cache": self.runner.graphs.loaded_from_cache,
-                "compiles_after_start": self.runner.graphs.compiles_after_start,
-                "compile_timings": self.runner.graphs.report()}   # where the start's time went
+                "compiled_graphs": len(self.graphs.manager.executables),
+                "graphs_from_cache": self.graphs.manager.loaded_from_cache,
+                "compiles_after_start": self.graphs.manager.compiles_after_start,
+                "compile_timings": self.graphs.manager.report()}   # where the start's time went

@@ -29,8 +29,8 @@ SUPPRESS_WIDTH = 2 * MAX_STOP_TOKEN_IDS
 NEG_INF = float("-inf")
 # Cuts that each pass of the top-k / top-p threshold search tests past its lower bound. A pass reads the [S, V]
 # logits once, and 32 key bits take ceil(32 / log2(P + 1)) passes per threshold: more pivots, fewer reads but more
-# arithmetic per element. On an H100 (V = 128256) P = 7 was fastest at S = 64 and 256 and tied with 15 at S = 8;
-# benchmarks/bench_sampler.py sweeps it.
+# arithmetic per element. Tuned on H100 with a Llama-3 vocabulary (V = 128256); benchmarks/bench_sampler.py sweeps
+# it.
 SEARCH_PIVOTS = 7
 SEARCH_CHUNK = 4096  # longest row the search reduces whole: see `chunked`
 
@@ -179,8 +179,8 @@ def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
 
 def chunked(x: jax.Array) -> jax.Array:
     """[S, V] -> [S, C, W], -inf padded (-inf changes no count that matters, and weighs 0): rows of at most
-    SEARCH_CHUNK, which XLA reduces whole. A longer row's reduction it splits into two kernels, and the filter ran
-    20% slower that way at S = 64 on an H100."""
+    SEARCH_CHUNK, which XLA reduces whole. A longer row's reduction it splits into two kernels, which makes the
+    filter slower on GPU."""
     num_chunks = -(-x.shape[1] // SEARCH_CHUNK)
     width = -(-x.shape[1] // num_chunks)
     padded = jnp.pad(x, ((0, 0), (0, num_chunks * width - x.shape[1])), constant_values=NEG_INF)
@@ -231,8 +231,8 @@ def search_passes(pivots: int) -> int:
 
 def mass_above(rows: jax.Array, weights: jax.Array, cuts: jax.Array) -> jax.Array:
     """[S, K]: the summed weights [S, C, W] of each row's values at or above each of its K cuts [S, K]. One variadic
-    reduction, so one kernel reads the rows once for all the cuts (a reduction over a broadcast [S, K, C, W] ran
-    slower on an H100)."""
+    reduction, so one kernel reads the rows once for all the cuts (a reduction over a broadcast [S, K, C, W] is
+    slower on GPU)."""
     above = tuple(jnp.where(rows >= cuts[:, i, None, None], weights, 0.0) for i in range(cuts.shape[1]))
     sums = jax.lax.reduce(above, (np.float32(0),) * len(above), lambda a, b: tuple(map(jnp.add, a, b)), (2,))
     return jnp.stack(sums, axis=-1).sum(axis=1)

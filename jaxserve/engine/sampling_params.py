@@ -49,10 +49,6 @@ class SamplingParams:
         self.stop_token_ids = normalise_stop_token_ids(self.stop_token_ids)
         check_ranges(self)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
 
 def check_types(p: SamplingParams) -> None:
     """Reject wrong types (bool is an int in Python, but never a count or a float here); ints become floats."""

@@ -1,14 +1,14 @@
 """Decode-first continuous batching under one token budget per step; the scheduler owns each sequence's
 lifecycle (admit, advance, fork, preempt, finish) and says everything a step needs in one `SchedulerOutput`.
 
-Running decodes claim their token first; prefill (chunked) gets what is left of the budget, which the config
-check keeps at least `min_prefill_chunk` (seed 002's `max(n_ubatch, T - D)`), so a long prompt never freezes
-decoding and decoding never starves prefill. Short of KV blocks, the newest running sequence is preempted
-by recompute: its blocks go back to the pool (tail first) and it waits at the queue's front; on resume its
-freed blocks usually still hit the prefix cache. A request's n > 1 siblings are forked in the KV manager as its
-prompt's last chunk is scheduled; where forks take room (vattention copies the prompt's KV), that chunk waits until
-the manager says they fit, and admissions wait behind it. A sequence is advanced when it is scheduled: the step's tokens
-count as computed and a sampling row appends a PENDING token, which the engine fills when the sample lands.
+Running decodes claim their token first; prefill (chunked) gets what is left of the budget, which the config check
+keeps at least `min_prefill_chunk`, so a long prompt never freezes decoding and decoding never starves prefill.
+Short of KV blocks, the newest running sequence is preempted by recompute: its blocks go back to the pool (tail
+first) and it waits at the queue's front; on resume its freed blocks usually still hit the prefix cache. A request's
+n > 1 siblings are forked in the KV manager as its prompt's last chunk is scheduled; where forks take room
+(vattention copies the prompt's KV), that chunk waits until the manager says they fit, and admissions wait behind
+it. A sequence is advanced when it is scheduled: the step's tokens count as computed and a sampling row appends a
+PENDING token, which the engine fills when the sample lands.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.cache.kv_cache_manager import KVCacheManager
+from jaxserve.cache.kv_backend import KVManager
 from jaxserve.config import EngineConfig
 from jaxserve.engine.sequence import PENDING, Sequence, SequenceStatus
 
@@ -49,7 +49,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv: KVCacheManager):
+    def __init__(self, cfg: EngineConfig, kv: KVManager):
         self.cfg, self.kv = cfg, kv
         self.waiting: list[Sequence] = []     # sorted by (priority, arrival)
         self.running: list[Sequence] = []     # in admission order: the last is the newest

@@ -62,10 +62,6 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -101,9 +97,6 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(slots=True)

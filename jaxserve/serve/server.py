@@ -1,35 +1,27 @@
-"""`jaxserve serve`: a grpc.aio server (with health, reflection and Prometheus metrics) and, with --http-port, the
-OpenAI-compatible HTTP server (openai_http.py) in the same event loop, over one LLMEngine, or one per data-parallel
-replica, each driven through its engine thread (engine_loop.py). Tokenization runs on a thread of its own, so a
-long prompt never stalls the engines' steps; once every engine failed, health turns NOT_SERVING (HTTP /health
-503) and the process exits 1."""
+"""`jaxserve serve`: its options, and the server that runs the engine loop (engine_loop.py: one LLMEngine, or one per
+data-parallel replica, each on its thread, and a tokenizer thread) under two APIs in one event loop: gRPC
+(grpc_api.py, on a grpc.aio server with health and reflection) and, with --http-port, OpenAI-compatible HTTP
+(openai_http.py); plus Prometheus metrics, and the signals that drain it. Once every engine failed, health turns
+NOT_SERVING (HTTP /health 503) and the process exits 1."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-from google.protobuf.message import DecodeError
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.engine.llm_engine import AdmissionError, LLMEngine
-from jaxserve.engine.sequence import RequestOutput
-from jaxserve.serve import jaxserve_pb2 as pb
-from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.serve.convert import (delta_response, detokenize, full_response, model_info, request_prompt,
-                                    sampling_params)
-from jaxserve.serve.connections import ConnectionLimits, bearer_matches, raise_fd_limit
-from jaxserve.serve.engine_loop import REFUSALS, EngineFailed, EngineLoop, Overloaded, Submission
-from jaxserve.serve.metrics import RequestTimer, ServerMetrics
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.serve.connections import ConnectionLimits, raise_fd_limit
+from jaxserve.serve.engine_loop import EngineLoop
+from jaxserve.serve.grpc_api import SERVICE_NAME, JaxServeServicer, grpc_server
+from jaxserve.serve.metrics import ServerMetrics
 from jaxserve.serve.openai_http import HttpServer, OpenAIApp
 
 DEFAULT_HOST = "127.0.0.1"
@@ -38,14 +30,7 @@ DEFAULT_METRICS_PORT = 9400
 DEFAULT_MAX_WAITING = 512             # requests without a first token before RESOURCE_EXHAUSTED
 DEFAULT_GRACE_PERIOD_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a 128k-token prompt as int64 ids is ~1 MiB
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
-STATS_FIELDS = frozenset(pb.ServerStatsResponse.DESCRIPTOR.fields_by_name)   # of the engine loop's stats
-
 SCHEDULING_POLICIES = ("fcfs", "priority")
-
-# error -> status of the call; the first that matches
-GRPC_CODES = ((AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED), (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-              (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED), (EngineFailed, grpc.StatusCode.UNAVAILABLE))
 
 
 @dataclass(slots=True)
@@ -116,72 +101,6 @@ class ServeOptions:
                 raise ValueError(f"{flag} {port} on --host {self.host}: cannot bind ({e.strerror or e})") from None
 
 
-# ---- the service --------------------------------------------------------------------------------------
-class JaxServeServicer(pb_grpc.JaxServeServicer):
-    def __init__(self, engine_loop: EngineLoop, info: pb.ModelInfoResponse, metrics: ServerMetrics,
-                 opts: ServeOptions):
-        self.engine_loop, self.info, self.metrics, self.opts = engine_loop, info, metrics, opts
-        self.engine = engine_loop.engine   # only its thread-safe tokenize / tokenizer, on the tokenizer thread
-
-    async def Generate(self, request, context):
-        sent: dict[int, tuple[int, int, bool]] = {}
-        async with contextlib.aclosing(self._outputs(request, context)) as outputs:   # a cancel aborts at once
-            async for out in outputs:
-                yield delta_response(out, sent)
-
-    async def Complete(self, request, context):
-        async with contextlib.aclosing(self._outputs(request, context)) as outputs:
-            async for last in outputs:
-                pass
-        return full_response(last)
-
-    async def Tokenize(self, request, context):
-        ids = await self._off_engine(context, self.engine.tokenize, request.text, request.add_special_tokens)
-        return pb.TokenizeResponse(token_ids=ids)
-
-    async def Detokenize(self, request, context):
-        text = await self._off_engine(context, detokenize, self.engine, request.token_ids,
-                                      request.skip_special_tokens)
-        return pb.DetokenizeResponse(text=text)
-
-    async def ModelInfo(self, request, context):
-        return self.info
-
-    async def ServerStats(self, request, context):
-        return pb.ServerStatsResponse(**{k: v for k, v in self.engine_loop.stats().items() if k in STATS_FIELDS})
-
-    async def _outputs(self, request, context) -> AsyncIterator[RequestOutput]:
-        """The request's cumulative outputs (engine_loop.generate); a refusal or failure ends the call."""
-        timer = RequestTimer(self.metrics)
-        try:
-            submission = await self.engine_loop.off_engine(self._submission, request)
-            async with contextlib.aclosing(self.engine_loop.generate(submission, timer)) as outputs:
-                async for out in outputs:
-                    yield out
-        except REFUSALS as e:
-            timer.end(e)
-            await abort(context, e)
-
-    def _submission(self, request) -> Submission:
-        """On the tokenizer thread: the request converted, checked and tokenized."""
-        prompt, params = request_prompt(request, self.engine), sampling_params(request.sampling)
-        if request.priority and self.opts.scheduling_policy == "fcfs":
-            raise ValueError("priority: this server serves first come, first served (start it with "
-                             "--scheduling-policy priority to honour priorities)")
-        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        return Submission(prompt, self.engine_loop.prompt_ids(prompt), params, request.priority, cache_salt)
-
-    async def _off_engine(self, context, fn, *args):
-        try:
-            return await self.engine_loop.off_engine(fn, *args)
-        except ValueError as e:
-            await abort(context, e)
-
-
-async def abort(context, error: Exception):
-    await context.abort(next(code for kind, code in GRPC_CODES if isinstance(error, kind)), str(error))
-
-
 def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -195,7 +114,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.engine_loop = EngineLoop(engines, opts.max_waiting, self._on_engine_failure)
         self.metrics = ServerMetrics(self.engine_loop.stats)
-        self.servicer = JaxServeServicer(self.engine_loop, model_info(engines[0], model_name), self.metrics, opts)
+        self.servicer = JaxServeServicer(self.engine_loop, self.metrics, model_name, opts.scheduling_policy)
         self.http = None if opts.http_port is None else HttpServer(
             OpenAIApp(self.engine_loop, self.metrics, model_name, opts.api_key, opts.max_message_bytes,
                       opts.http_limits.read_timeout_s, opts.allowed_origins).app,
@@ -206,12 +125,7 @@ class Server:
 
     async def start(self) -> None:
         opts = self.opts
-        interceptors = () if opts.api_key is None else (BearerInterceptor(opts.api_key),)
-        self.grpc = grpc.aio.server(interceptors=interceptors,
-                                    options=[("grpc.max_receive_message_length", opts.max_message_bytes),
-                                             ("grpc.max_send_message_length", opts.max_message_bytes),
-                                             ("grpc.so_reuseport", 0)])
-        add_servicer(self.servicer, self.grpc)
+        self.grpc = grpc_server(self.servicer, opts.api_key, opts.max_message_bytes)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if opts.reflection:
             reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -245,90 +159,6 @@ class Server:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.failed.set()
-
-
-class BearerInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED unless a call carries the metadata `authorization: Bearer <key>`; the health service stays
-    open to probes."""
-
-    def __init__(self, key: str):
-        self.key = key
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(f"/{health.SERVICE_NAME}/"):
-            return handler
-        if bearer_matches(dict(details.invocation_metadata or ()).get("authorization"), self.key):
-            return handler
-        return refusing(handler)
-
-
-def refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """handler's kind of method, answering UNAUTHENTICATED."""
-    async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: Bearer <api key> missing or wrong "
-                                                             "(call metadata)")
-
-    async def refuse_stream(request, context):
-        await refuse(request, context)
-        yield
-
-    kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
-    return handler._replace(**{kind: refuse_stream if kind.endswith("_stream") else refuse})
-
-
-class Undecodable:
-    """What a request that is not a valid protobuf message of its type deserializes to."""
-
-    def __init__(self, error: DecodeError):
-        self.error = error
-
-
-def add_servicer(servicer: JaxServeServicer, grpc_server) -> None:
-    """The generated registration, but an undecodable request gets INVALID_ARGUMENT (grpc's own deserializer
-    failure is an opaque UNKNOWN)."""
-    handlers = {}
-    pb_grpc.add_JaxServeServicer_to_server(servicer, Registrar(handlers))
-    handlers = {name: refuse_undecodable(h) for name, h in handlers.items()}
-    grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    grpc_server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
-class Registrar:
-    """Collects the method handlers that the generated code registers."""
-
-    def __init__(self, handlers: dict):
-        self.handlers = handlers
-
-    def add_generic_rpc_handlers(self, _):
-        pass
-
-    def add_registered_method_handlers(self, _, handlers):
-        self.handlers.update(handlers)
-
-
-def refuse_undecodable(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    def deserialize(data: bytes):
-        try:
-            return handler.request_deserializer(data)
-        except DecodeError as e:
-            return Undecodable(e)
-
-    async def check(request, context):
-        if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message ({request.error})")
-
-    if handler.unary_stream is not None:
-        async def unary_stream(request, context):
-            await check(request, context)
-            async for response in handler.unary_stream(request, context):
-                yield response
-        return handler._replace(request_deserializer=deserialize, unary_stream=unary_stream)
-
-    async def unary_unary(request, context):
-        await check(request, context)
-        return await handler.unary_unary(request, context)
-    return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
 
 
 async def serve_until_signal(engines: list[LLMEngine], opts: ServeOptions, model_name: str) -> int:

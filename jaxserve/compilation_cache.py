@@ -1,0 +1,13 @@
+"""XLA's persistent compilation cache, switched on once per process: by the loader (its small graphs) and the
+engine (every step graph), whichever starts first."""
+import os
+
+import jax
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """XLA's persistent cache, for every graph (restarts compile nothing); on from model load (loader.load_run), so
+    that the loaders' small graphs are cached too. The first directory set wins: jax opens its cache once."""
+    if path and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -1,0 +1,294 @@
+"""The compiled graphs of a step, by key: the model (embed -> layers with scatter KV writes + ragged paged
+attention -> logits of each row's token) per (token bucket, seq bucket, decode-only), the sampler per (seq
+bucket, mode, logprobs), all-position prompt logprobs per token bucket, penalty resets and block copies per padded
+size. The cache and the penalty state are donated: updated in place.
+
+One function maps a step's size to its buckets (`step_shape`); the graphs compiled before serving are that function
+over every size a step can have (`graph_keys`), so a step never meets a graph that was not compiled. A graph is
+made from its key alone (`lower`). Graphs that take the cache carry its size in their key."""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from custom_calls import vmm
+from jaxserve.cache.kv_backend import KVBackend
+from jaxserve.cache.kv_cache import KVCache, copy_blocks, copy_bucket
+from jaxserve.config import SAMPLER_MODES, EngineConfig, graph_knobs
+from jaxserve.engine.compilation import CompilationManager, ExecutableCache, fingerprint
+from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slots, sample
+from jaxserve.engine.sampling_params import MAX_LOGPROBS
+from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs
+from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
+from jaxserve.models.loader import LoadedModel
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 8
+MIN_RESET_WIDTH = 64   # penalty resets pad prompt + output tokens to a power of four from here (few graphs)
+PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, not [T, V] (5 GB at 4K x 128K)
+# GPU graphs of more rows than this take cuBLAS GEMMs, not XLA's autotuned Triton ones: cuBLAS starts faster and
+# runs big steps as fast or faster, but small GEMMs (batch-1 decode) are faster with Triton (benchmarks/NOTES_*).
+TRITON_GEMM_MAX_ROWS = 64
+CACHE_BOUND = ("model", "copy")   # kinds of graph that take the cache, so depend on its size
+
+
+class GraphKey(NamedTuple):
+    """A compiled graph: its kind, its static sizes and, for a graph that takes the cache, the cache's blocks."""
+    kind: str
+    dims: tuple = ()
+    num_blocks: int | None = None
+
+
+PEAK = GraphKey("peak", ("model",))   # the largest model graph on a stand-in cache: its memory analysis only
+
+
+def pow2_ladder(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
+    """low, low * factor, ... (powers of two for factor 2, 4, ...) below high, then high itself."""
+    ladder = [low * factor ** i for i in range(max(0, math.ceil(math.log(high / low, factor))) + 1)]
+    return tuple([x for x in ladder if x < high] + [high])
+
+
+def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
+    return next(b for b in ladder if b >= n)
+
+
+def bucket_ladders(cfg: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (token, seq) bucket ladders of an engine config."""
+    return (cfg.token_buckets or pow2_ladder(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens),
+            cfg.seq_buckets or pow2_ladder(min(MIN_SEQ_BUCKET, cfg.max_num_seqs), cfg.max_num_seqs))
+
+
+def step_shape(num_tokens: int, num_rows: int, decode_only: bool, ladders: tuple, has_decode_kernel: bool
+               ) -> tuple[int, int, bool]:
+    """The (token bucket, seq bucket, decode-only) a step pads to: a row without tokens (an n > 1 child) still
+    takes a token's place; decode-only (one token per row) runs the decode kernel's graph where there is one."""
+    tokens, seqs = ladders
+    return (bucket_for(max(num_tokens, num_rows, 1), tokens), bucket_for(num_rows, seqs),
+            decode_only and has_decode_kernel)
+
+
+def step_sizes(cfg: EngineConfig, ladders: tuple) -> Iterator[tuple[int, int, bool]]:
+    """(tokens, rows, decode-only) sizes that reach every shape a step can take: step_shape is constant between
+    consecutive bucket bounds, so each bound and the size after it stand for all sizes."""
+    bounds = sorted({1, *(b + d for b in (*ladders[0], *ladders[1]) for d in (0, 1))})
+    for rows in (r for r in bounds if r <= cfg.max_num_seqs):
+        yield rows, rows, True   # every row decodes one token
+        yield from ((n, rows, False) for n in bounds if n <= cfg.max_num_batched_tokens)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Per input token: logprob of the next prompt token and the top-K, from all-position logits."""
+    logprob: jax.Array   # [T]
+    top_ids: jax.Array   # [T, K]
+    top_logprobs: jax.Array
+
+
+def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, graphdef, kernels: AttentionKernels, mesh: Mesh,
+              fence: bool = False):
+    """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H])."""
+    model = nnx.merge(graphdef, params)
+    # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
+    token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
+    hidden, kv_cache = model(token_ids, inp.positions, kv_cache, PagedAttention(inp.attn, kernels, mesh))
+    logits = model.logits(hidden[inp.logits_indices])
+    if fence:   # vattention on GPU: the logits follow every cache read; unmaps wait for this fence
+        logits = vmm.fence(logits)
+    return kv_cache, logits, hidden
+
+
+def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_tokens: int):
+    """The sampler graph: (penalty, SamplerOutput, this step's samples padded to num_last_tokens)."""
+    out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
+                          num_logprobs=inp.num_logprobs, mode=inp.mode)
+    return penalty, out, jnp.zeros(num_last_tokens, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
+
+
+def run_prompt_logprobs(params, hidden, next_prompt_ids, *, graphdef) -> PromptLogprobs:
+    """All-position logprobs (run only for steps that serve a prompt_logprobs request), PROMPT_LOGPROBS_ROWS
+    tokens at a time."""
+    model, rows = nnx.merge(graphdef, params), math.gcd(len(hidden), PROMPT_LOGPROBS_ROWS)
+
+    def chunk(args):
+        h, nxt = args
+        logprobs = jax.nn.log_softmax(model.logits(h), axis=-1)
+        target = jnp.take_along_axis(logprobs, jnp.maximum(nxt, 0)[:, None], axis=-1)[:, 0]
+        top, ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+        return PromptLogprobs(target, ids.astype(jnp.int32), top)
+
+    out = jax.lax.map(chunk, (hidden.reshape(-1, rows, hidden.shape[-1]), next_prompt_ids.reshape(-1, rows)))
+    return jax.tree.map(lambda x: x.reshape(len(hidden), *x.shape[2:]), out)
+
+
+def kv_addressing(cells: np.ndarray, blocks_per_row: int | None) -> dict:
+    """Where rows' KV lies, as build_step_inputs takes it: their block-table rows or, under contiguous kernels,
+    their cache rows (no block ids on the host)."""
+    if blocks_per_row is None:
+        return dict(block_tables=cells)
+    return dict(kv_slots=cells, blocks_per_slot=blocks_per_row)
+
+
+class StepGraphs:
+    """One engine's jitted step functions and their executables by GraphKey. Their shardings are explicit so that
+    XLA never moves the weights or the cache: weights as loaded, the cache as its backend lays it out (donated),
+    everything else replicated: the model's logits gathered from the vocab-split LM head for the sampler, which
+    runs whole on every device. Graphs that take the cache exist once `bind_cache` gave its size."""
+
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, mesh: Mesh, backend: KVBackend):
+        mc = self.model_config = loaded.config
+        self.cfg, self.mesh, self.backend = cfg, mesh, backend
+        graphdef, self.params = nnx.split(loaded.model)
+        self.dtype = loaded.dtype
+        self.eos_token_ids = loaded.eos_token_ids
+        self.ladders = self.token_buckets, self.seq_buckets = bucket_ladders(cfg)
+        self.reset_widths = pow2_ladder(MIN_RESET_WIDTH, cfg.max_model_len, factor=4)
+        self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim,
+                                                 backend.blocks_per_row)
+        self.replicated = NamedSharding(mesh, P())
+        self.manager = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
+            mc, graph_knobs(cfg), str(self.dtype), [(d.id, d.device_kind) for d in mesh.devices.flat],
+            self.kernels)), options=self.compiler_options)
+        self.penalty = jax.eval_shape(functools.partial(init_penalty_state, cfg.max_num_seqs, mc.vocab_size))
+        self.last_tokens = jax.ShapeDtypeStruct((self.seq_buckets[-1],), jnp.int32)
+        self.num_blocks: int | None = None
+        self.cache_shape: KVCache | None = None
+        if backend.fence:
+            vmm.register_fence()
+        self._jit(graphdef)
+
+    def _jit(self, graphdef) -> None:
+        rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
+        sharding = self.backend.cache_sharding
+        cache = jax.tree.map(lambda _: sharding, self.backend.cache_structs(1))
+        self.model = jax.jit(functools.partial(run_model, graphdef=graphdef, kernels=self.kernels, mesh=self.mesh,
+                                               fence=self.backend.fence),
+                             in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep, rep),
+                             donate_argnums=1)
+        self.sampler = jax.jit(functools.partial(run_sampler, num_last_tokens=self.seq_buckets[-1]),
+                               in_shardings=rep, out_shardings=rep, donate_argnums=1)
+        self.prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, graphdef=graphdef),
+                                       in_shardings=(params, rep, rep), out_shardings=rep)
+        self.reset = jax.jit(reset_slots, in_shardings=rep, out_shardings=rep, donate_argnums=0)
+
+    # ---- keys ---------------------------------------------------------------------------------------
+    def model_key(self, num_tokens: int, num_rows: int, decode_only: bool) -> GraphKey:
+        shape = step_shape(num_tokens, num_rows, decode_only, self.ladders, self.kernels.has_decode_kernel)
+        return GraphKey("model", shape, self.num_blocks)
+
+    def keys_of(self, inp: StepInputs) -> list[GraphKey]:
+        """The graphs a step's inputs run: model, sampler and (prompt logprobs) the all-position logprobs."""
+        keys = [GraphKey("model", inp.model.key, self.num_blocks), GraphKey("sampler", inp.sampler.key)]
+        return keys + ([] if inp.next_prompt_ids is None else [GraphKey("prompt", (len(inp.next_prompt_ids),))])
+
+    def copy_key(self, num_copies: int) -> GraphKey:
+        return GraphKey("copy", (copy_bucket(num_copies),), self.num_blocks)
+
+    def graph_keys(self) -> list[GraphKey]:
+        """Every graph a step can run, cache-bound ones first and largest first (the longest compiles start first,
+        so that none is left running alone at the end)."""
+        return self.cache_bound_keys() + self.cache_free_keys()
+
+    def cache_bound_keys(self) -> list[GraphKey]:
+        models = {self.model_key(*size) for size in step_sizes(self.cfg, self.ladders)}
+        copies = {self.copy_key(n) for n in pow2_ladder(copy_bucket(1), copy_bucket(self.cfg.max_num_seqs))}
+        return sorted(models, key=lambda k: k.dims, reverse=True) + sorted(copies, reverse=True)
+
+    def cache_free_keys(self) -> list[GraphKey]:
+        prompts = [GraphKey("prompt", (t,)) for t in reversed(self.token_buckets)]
+        samplers = [GraphKey("sampler", (s, mode, n)) for s in reversed(self.seq_buckets) for mode in SAMPLER_MODES
+                    for n in (0, MAX_LOGPROBS)]
+        return prompts + samplers + [GraphKey("reset", (s, w)) for s in self.seq_buckets for w in self.reset_widths]
+
+    # ---- graphs ------------------------------------------------------------------------------------
+    def lower(self, key: GraphKey) -> jax.stages.Lowered:
+        """The graph of key, traced and lowered against abstract inputs of its sizes."""
+        match key:
+            case GraphKey("model", (t, s, decode_only)):
+                inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only).model
+                return self.model.lower(self.params, self.cache_shape, self.last_tokens, inp)
+            case GraphKey("peak"):   # a stand-in cache: temp memory does not depend on its size (a row: contiguous)
+                stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
+                inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1]).model
+                return self.model.lower(self.params, stand_in, self.last_tokens, inp)
+            case GraphKey("sampler", (s, mode, num_logprobs)):
+                inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
+                                       num_logprobs=num_logprobs).sampler
+                logits = jax.ShapeDtypeStruct((s, self.model_config.vocab_size), jnp.float32)
+                return self.sampler.lower(logits, self.penalty, inp)
+            case GraphKey("prompt", (t,)):
+                hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype)
+                return self.prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32))
+            case GraphKey("copy", (n,)):
+                ids = np.zeros(n, np.int32)
+                return copy_blocks.lower(self.cache_shape, ids, ids, mesh=self.mesh)
+            case GraphKey("reset", (rows, width)):
+                ids = np.zeros((rows, width), np.int32)
+                return self.reset.lower(self.penalty, np.zeros(rows, np.int32), ids, ids)
+        raise ValueError(f"no graph of key {key}")
+
+    def get(self, key: GraphKey) -> jax.stages.Compiled:
+        """The executable of key, compiled now if it was not (counted once serving)."""
+        return self.manager.get(key, functools.partial(self.lower, key))
+
+    def compiler_options(self, key: GraphKey) -> dict:
+        """XLA's options for the graph of key: see TRITON_GEMM_MAX_ROWS (model and prompt-logprob graphs' rows)."""
+        rows = self.token_buckets[-1] if key == PEAK else key.dims[0] if key.kind in ("model", "prompt") else 0
+        on_gpu = self.mesh.devices.flat[0].platform != "cpu"
+        return {"xla_gpu_enable_triton_gemm": False} if on_gpu and rows > TRITON_GEMM_MAX_ROWS else {}
+
+    # ---- start-up ----------------------------------------------------------------------------------
+    def activation_peak(self) -> int:
+        """XLA's temp memory of the largest step's model, sampler and prompt-logprob graphs (summed: safe whichever
+        runs), reserved before the KV cache takes what is left. The model's graph on a stand-in cache is only
+        looked at; the others are kept, and (precompile) every graph that does not take the cache compiles beside
+        them."""
+        with self.manager.timed("peak_s"):
+            kept = [GraphKey("sampler", (self.seq_buckets[-1], "filter", MAX_LOGPROBS)),
+                    GraphKey("prompt", (self.token_buckets[-1],))]
+            self.manager.submit({PEAK: functools.partial(self.lower, PEAK)}, peek=True)
+            self.manager.submit({key: functools.partial(self.lower, key) for key in kept})
+            if self.cfg.precompile:
+                self.manager.submit({key: functools.partial(self.lower, key) for key in self.cache_free_keys()})
+            executables = self.manager.wait([PEAK, *kept]).values()
+            peak = sum(getattr(e.memory_analysis(), "temp_size_in_bytes", 0) for e in executables)
+        print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
+        return peak
+
+    def bind_cache(self, num_blocks: int) -> None:
+        """The cache's size, from here on in the keys of the graphs that take it."""
+        self.num_blocks, self.cache_shape = num_blocks, self.backend.cache_structs(num_blocks)
+
+    def precompile(self) -> None:
+        """Compile every graph a step can run, before serving; the executable cache makes restarts fast."""
+        with self.manager.timed("precompile_s"):
+            self.manager.compile_all({key: functools.partial(self.lower, key) for key in self.graph_keys()})
+        self.manager.precompiled = True
+
+    def start_serving(self) -> None:
+        """From now on a compile stalls every stream: each is counted."""
+        self.manager.started = True
+
+    # ---- inputs ------------------------------------------------------------------------------------
+    def step_inputs(self, **kw) -> StepInputs:
+        """build_step_inputs with this engine's constants. Rows that all decode one token run the decode kernel's
+        graph where there is one (`decode_only` forces it, for the compile-time dummies); no rows: a dummy."""
+        counts = kw.get("counts", ())
+        decode_only = kw.pop("decode_only", len(counts) > 0 and all(c == 1 for c in counts))
+        if "block_tables" not in kw and "kv_slots" not in kw:
+            cells = np.zeros((0,) if self.kernels.blocks_per_slot else (0, self.max_blocks_per_seq), np.int32)
+            kw |= kv_addressing(cells, self.kernels.blocks_per_slot)
+        return build_step_inputs(block_size=self.cfg.block_size, scratch_slot=self.cfg.max_num_seqs,
+                                 eos_token_ids=self.eos_token_ids,
+                                 decode_only=decode_only and self.kernels.has_decode_kernel, **kw)
