@@ -8,7 +8,7 @@
 `engine` (one backend a process: an illegal address on one must not take the others' rows): offline 256 x
 512/128, decode at 64 x 4096 (TPOT: the decode steps' time), prefill 1 x 8191 (TTFT; its token makes the model's
 8192 positions), each run once to warm up, then measured. Per workload: host time per step (schedule + step
-inputs + launch: `LLMEngine._launch`), of it the block-table work (table writes and row gathers) and the
+inputs + launch: `LLMEngine.launch_step`), of it the block-table work (table writes and row gathers) and the
 synchronous page maps (a step cannot launch before its pages are mapped; look-ahead maps run on the mapper
 thread), and how much of those maps was exposed (on the device's critical path: `count_exposed_maps`); and the KV
 capacity the same memory gives (tokens, and sequences of the workload's length: the cross-layer cache's 2 MiB
@@ -16,7 +16,7 @@ page holds 32 tokens of every layer of Llama-3-8B, so a vattention sequence take
 Prefix caching is off in both (vattention has none): the same schedule.
 `kernels`: the engine's decode kernel over a paged cache (shuffled blocks), its contiguous variant (rows by
 slot, stage 2) on one layer's rows, and on a layer of the cross-layer cache the engine runs (blocks num_layers
-apart, rows an odd number of pages apart as VmmGeometry lays them out; 16 layers at batch 64, 4 at 256, for
+apart, rows an odd number of pages apart as VAttentionGeometry lays them out; 16 layers at batch 64, 4 at 256, for
 memory: Llama-3-8B has 32), and cuDNN (`jax.nn.dot_product_attention`) on the dense [B, ctx, kv, d] layout a
 one-layer row is (the "unmodified kernel"); 256 x 4096 is past what the 8B model's KV fits beside its weights on
 an H100.
@@ -77,8 +77,8 @@ BUSY_DEVICE_S = 50e-6
 
 def instrument(engine) -> Timer:
     timer, runner = Timer(), engine.runner
-    engine._launch = timer.wrap("launch", engine._launch)
-    engine._complete = wait_then(engine._complete, timer)
+    engine.launch_step = timer.wrap("launch", engine.launch_step)
+    engine.complete_step = wait_then(engine.complete_step, timer)
     engine.step = count_exposed_maps(engine.step, timer)
     runner.block_table.write = timer.wrap("block_table", runner.block_table.write)
     runner.kv_addressing = timer.wrap("block_table", runner.kv_addressing)
@@ -89,7 +89,7 @@ def instrument(engine) -> Timer:
 
 
 def wait_then(complete, timer: Timer):
-    """_complete, the wait for the step's results timed apart (async scheduling: the previous step's)."""
+    """complete_step, the wait for the step's results timed apart (async scheduling: the previous step's)."""
     @functools.wraps(complete)
     def timed(launched):
         start = time.perf_counter()
@@ -217,16 +217,16 @@ def bench_kernels(args, command: str) -> None:
         q, rows, paged, table = decode_batch(batch, context)
         cu, lens = jnp.arange(batch + 1, dtype=jnp.int32), jnp.full(batch, context, jnp.int32)
         n, slots = jnp.array([batch], jnp.int32), jnp.arange(batch, dtype=jnp.int32)
-        cross_bps = bps + 2   # VmmGeometry: 4,096 tokens are 128 pages of 32, and rows are laid an odd number apart
+        cross_bps = bps + 2   # VAttentionGeometry: 4,096 tokens are 128 pages of 32, and rows are laid an odd number apart
         cross = [cross_layer_rows(r, num_layers, num_layers // 2, cross_bps) for r in rows]
         calls = {   # name -> (fn, its arrays: arguments, never constants folded into the graph)
             "paged": (lambda q, k, v, t: ragged_paged_attention(q, k, v, cu, lens, t, n, sm_scale=scale,
                                                                 decode_only=True), (q, *paged, table)),
             "contiguous": (lambda q, k, v, s: contiguous_ragged_attention(
-                q, k.reshape(-1, 16, 8, 128), v.reshape(-1, 16, 8, 128), cu, lens, s, n, blocks_per_slot=bps,
+                q, k.reshape(-1, 16, 8, 128), v.reshape(-1, 16, 8, 128), cu, lens, s, n, blocks_per_row=bps,
                 sm_scale=scale, decode_only=True), (q, *rows, slots)),
             "contiguous-cross-layer": (lambda q, k, v, s, layer: contiguous_ragged_attention(
-                q, k, v, cu, lens, s, n, blocks_per_slot=cross_bps, num_layers=num_layers, layer=layer,
+                q, k, v, cu, lens, s, n, blocks_per_row=cross_bps, num_layers=num_layers, layer=layer,
                 sm_scale=scale, decode_only=True), (q, *cross, slots, jnp.int32(num_layers // 2))),
             "cudnn": (lambda q, k, v: jax.nn.dot_product_attention(
                 q[:, None], k, v, scale=scale, implementation="cudnn", query_seq_lengths=jnp.ones(batch, jnp.int32),

@@ -106,12 +106,12 @@ class _DLPackRange:
 
 
 class VmmManager:
-    """One device's ranges and page pool: see csrc/vmm_manager.cu. Slots are rows of every range."""
+    """One device's ranges and page pool: see csrc/vmm_manager.cu. A row is a sequence's span of every range."""
 
-    def __init__(self, *, device: int, num_slots: int, num_tensors: int, slot_bytes: int, num_pages: int,
+    def __init__(self, *, device: int, num_rows: int, num_tensors: int, row_bytes: int, num_pages: int,
                  page_size: int, dry_run: bool = False, path: str | None = None):
         self.lib, self.device, handle = load(path), device, _VP()
-        rc = self.lib.vmm_create(device, num_slots, num_tensors, slot_bytes, num_pages, page_size, int(dry_run),
+        rc = self.lib.vmm_create(device, num_rows, num_tensors, row_bytes, num_pages, page_size, int(dry_run),
                                  ctypes.byref(handle))
         if rc < 0:
             error = self.lib.vmm_last_error().decode()
@@ -132,17 +132,17 @@ class VmmManager:
     def _call(self, name: str, *args) -> int:
         return _check(self.lib, getattr(self.lib, name)(self._live(), *args), name.removeprefix("vmm_"))
 
-    def map(self, slot: int, num_pages: int) -> None:
-        self._call("vmm_map", slot, num_pages)
+    def map(self, row: int, num_pages: int) -> None:
+        self._call("vmm_map", row, num_pages)
 
-    def map_async(self, slot: int, num_pages: int) -> None:
-        self._call("vmm_map_async", slot, num_pages)
+    def map_async(self, row: int, num_pages: int) -> None:
+        self._call("vmm_map_async", row, num_pages)
 
     def sync(self) -> None:
         self._call("vmm_sync")
 
-    def trim(self, slot: int, keep_pages: int) -> None:
-        self._call("vmm_trim", slot, keep_pages)
+    def trim(self, row: int, keep_pages: int) -> None:
+        self._call("vmm_trim", row, keep_pages)
 
     def record_fence(self, stream: int = 0) -> None:
         self._call("vmm_record_fence", stream)
@@ -150,8 +150,8 @@ class VmmManager:
     def poll(self) -> None:
         self._call("vmm_poll")
 
-    def num_mapped(self, slot: int) -> int:
-        return self._call("vmm_num_mapped", slot)
+    def num_mapped(self, row: int) -> int:
+        return self._call("vmm_num_mapped", row)
 
     @property
     def num_free_pages(self) -> int:

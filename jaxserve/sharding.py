@@ -19,7 +19,7 @@ from jaxserve.config import ModelConfig
 TP = "tp"
 HEADS = P(None, TP, None)          # q/k/v and attention outputs [T, heads, head_dim]: split on heads
 KV_CACHE = P(None, None, TP, None)  # a layer's K or V cache [blocks, block_size, kv_heads, head_dim]
-CROSS_LAYER_KV_CACHE = P(None, None, None, TP, None)   # kv_cache.CrossLayerKV's [blocks, layers, block_size, ...]
+VATTENTION_CACHE = P(None, None, None, TP, None)   # kv_cache.VAttentionCache's [blocks, layers, block_size, ...]
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 ROW_PARALLEL = ("o_proj", "down_proj")
 KV_PROJ = ("k_proj", "v_proj")

@@ -16,7 +16,7 @@ cache layout and metadata; decodes stay with the Triton kernel.
 - q tiles start at any row, which a swizzled TMA cannot address: q and the output pass through a plain SMEM
   buffer; outputs leave by a ladder of power-of-two-row TMA stores, so a tile never writes the next
   sequence's rows. Rows of decode sequences are left alone (the caller merges them in, in place).
-- Contiguous (vAttention) caches: given each sequence's first page (and `blocks_per_slot`) in place of the block
+- Contiguous (vAttention) caches: given each sequence's first page (and `blocks_per_row`) in place of the block
   table, page c of sequence s is first[s] + c * block_stride, computed (`TablePages` / `SlotPages`); the stride is
   a cross-layer cache's layer count.
 """
@@ -93,16 +93,16 @@ def work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, rows):
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, sm_scale,
                             sliding_window=None, tuning: PrefillTuning = PrefillTuning(), interpret=False,
-                            blocks_per_slot: int | None = None, block_stride: int = 1):
+                            blocks_per_row: int | None = None, block_stride: int = 1):
     """Attention rows of the non-decode sequences and zeros for the padding tail; decode rows undefined.
-    blocks: the block table [max_seqs, max_blocks], or (blocks_per_slot given) each sequence's first block, its
+    blocks: the block table [max_seqs, max_blocks], or (blocks_per_row given) each sequence's first block, its
     row's blocks block_stride apart."""
     num_tokens, num_q_heads, head_dim = q.shape
     rows = COMPUTE_WGS * tuning.block_q
     meta = work_items(cu_q_lens, kv_lens, jnp.asarray(num_seqs).reshape(()), num_tokens, rows)
     kernel = functools.partial(
         mosaic_prefill_kernel, tuning=tuning, sm_scale=float(sm_scale), sliding_window=sliding_window,
-        group=num_q_heads // k_cache.shape[2], blocks_per_slot=blocks_per_slot, block_stride=block_stride)
+        group=num_q_heads // k_cache.shape[2], blocks_per_row=blocks_per_row, block_stride=block_stride)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(scratch(q.dtype, head_dim, tuning, k_cache.shape[1], interpret),),
@@ -128,18 +128,18 @@ class TablePages:
 class SlotPages:
     """Contiguous: sequence s's page c is first[s] + c * stride (first[s]: its row's first page)."""
     ref: Any  # first pages [max_seqs]
-    blocks_per_slot: int
+    blocks_per_row: int
     stride: int = 1
 
     def of(self, seq):
         return self.ref[seq]  # one load per work item
 
     def page(self, first, col):
-        return first + jnp.minimum(col, self.blocks_per_slot - 1) * self.stride
+        return first + jnp.minimum(col, self.blocks_per_row - 1) * self.stride
 
 
-def page_addressing(blocks_ref, blocks_per_slot, block_stride=1) -> TablePages | SlotPages:
-    return TablePages(blocks_ref) if blocks_per_slot is None else SlotPages(blocks_ref, blocks_per_slot, block_stride)
+def page_addressing(blocks_ref, blocks_per_row, block_stride=1) -> TablePages | SlotPages:
+    return TablePages(blocks_ref) if blocks_per_row is None else SlotPages(blocks_ref, blocks_per_row, block_stride)
 
 
 @jax.tree_util.register_dataclass
@@ -238,7 +238,7 @@ def locate(meta_ref, w, num_q_heads, block_q, block_kv, sliding_window) -> Item:
 
 
 def mosaic_prefill_kernel(meta_ref, q_ref, k_ref, v_ref, blocks_ref, out_ref, scratch: Scratch, *, tuning, sm_scale,
-                          sliding_window, group, blocks_per_slot, block_stride):
+                          sliding_window, group, blocks_per_row, block_stride):
     """One CTA: its compute warpgroups and its memory warpgroup walk the same work items, in the same order."""
     num_q_heads = q_ref.shape[1]
     total = meta_ref[meta_ref.shape[0] - 1, 0] * num_q_heads
@@ -262,7 +262,7 @@ def mosaic_prefill_kernel(meta_ref, q_ref, k_ref, v_ref, blocks_ref, out_ref, sc
         plgpu.set_max_registers(40, action="decrease")
         plgpu.warp_map(functools.partial(
             stream_warp, k=KVStream(k_ref, scratch.k), v=KVStream(v_ref, scratch.v),
-            pages=page_addressing(blocks_ref, blocks_per_slot, block_stride), items=lambda n: locate_w(item_of(n, cta)),
+            pages=page_addressing(blocks_ref, blocks_per_row, block_stride), items=lambda n: locate_w(item_of(n, cta)),
             num_items=num_items, tuning=tuning, group=group))
 
 

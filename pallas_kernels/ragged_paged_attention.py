@@ -32,9 +32,9 @@ tiles from its grid position and issues its first block-table and K/V loads befo
 decode merges the partials in the same launch. So a short context waits on two dependent loads, not on the
 whole chain from num_seqs to K/V plus a merge launch.
 
-Contiguous mode (vAttention, `contiguous_ragged_attention`): each sequence's KV is one row (slot) of the cache,
-which viewed as blocks makes block i of slot s the block s * blocks_per_slot + i. The same launches run with
-`slots` [max_seqs] in place of the block table: each program loads its sequence's first block once and computes
+Contiguous mode (vAttention, `contiguous_ragged_attention`): each sequence's KV is one row of the cache, which
+viewed as blocks makes block i of row r the block r * blocks_per_row + i. The same launches run with
+`kv_rows` [max_seqs] in place of the block table: each program loads its sequence's first block once and computes
 every block id from it, so no table is built on the host, read, or gathered. A cross-layer cache (vAttention's
 megacache: a block holds every layer of its tokens, so that a 2 MiB page holds a short run of tokens, not 1,024
 tokens of one layer) is the same cache viewed as [num_blocks * num_layers, block_size, ...]: layer l of block b
@@ -93,16 +93,16 @@ class Geometry:
     head_dim: int
     block_size: int
     max_seqs: int
-    max_blocks: int  # per sequence: the block table's width, or (contiguous) blocks_per_slot
+    max_blocks: int  # per sequence: the block table's width, or (contiguous) blocks_per_row
     contiguous: bool  # blocks are addressed by slot (SlotRows), not by table (BlockTable)
     block_stride: int = 1  # contiguous: ids between a row's consecutive blocks (a cross-layer cache's layers)
 
     @classmethod
-    def of(cls, q, k_cache, blocks, blocks_per_slot: int | None, block_stride: int = 1) -> "Geometry":
-        """blocks: the block table (blocks_per_slot None), or each sequence's first block."""
-        contiguous = blocks_per_slot is not None
+    def of(cls, q, k_cache, blocks, blocks_per_row: int | None, block_stride: int = 1) -> "Geometry":
+        """blocks: the block table (blocks_per_row None), or each sequence's first block."""
+        contiguous = blocks_per_row is not None
         return cls(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], blocks.shape[0],
-                   blocks_per_slot if contiguous else blocks.shape[1], contiguous, block_stride)
+                   blocks_per_row if contiguous else blocks.shape[1], contiguous, block_stride)
 
     def addressing(self, blocks_ref) -> "BlockTable | SlotRows":
         return SlotRows(blocks_ref) if self.contiguous else BlockTable(blocks_ref)
@@ -188,19 +188,19 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
                             prefill_backend=prefill_backend, decode_only=decode_only, interpret=interpret, **tuning)
 
 
-def contiguous_ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *, blocks_per_slot: int,
+def contiguous_ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, kv_rows, num_seqs, *, blocks_per_row: int,
                                 sm_scale: float, num_layers: int = 1, layer=0, **options) -> jax.Array:
-    """`ragged_paged_attention` on a contiguous (vAttention) cache: sequence i's KV is row slots[i] of the cache,
+    """`ragged_paged_attention` on a contiguous (vAttention) cache: sequence i's KV is row kv_rows[i] of the cache,
     its first kv_lens[i] tokens, with no block table. The cache stays [num_blocks, block_size, kv_heads,
-    head_dim], num_blocks = rows * blocks_per_slot (a row's tokens are its blocks', in order); slots int32
+    head_dim], num_blocks = rows * blocks_per_row (a row's tokens are its blocks', in order); kv_rows int32
     [max_seqs], each < rows for live sequences (entries past num_seqs are ignored). A cross-layer cache
-    ([rows * blocks_per_slot, num_layers, block_size, ...] viewed as [.. * num_layers, block_size, ...]) is read at
+    ([rows * blocks_per_row, num_layers, block_size, ...] viewed as [.. * num_layers, block_size, ...]) is read at
     `layer` (an int or a traced int32 scalar). options: as `ragged_paged_attention`'s (sliding_window, soft_cap,
     impl, prefill_backend, decode_only, interpret, tuning).
     """
     check_layers(num_layers, layer)
     return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens,
-                            row_starts(slots, blocks_per_slot, num_layers, layer), num_seqs, blocks_per_slot,
+                            row_starts(kv_rows, blocks_per_row, num_layers, layer), num_seqs, blocks_per_row,
                             sm_scale=sm_scale, block_stride=num_layers, **options)
 
 
@@ -211,25 +211,25 @@ def check_layers(num_layers: int, layer) -> None:
         raise ValueError(f"layer must be in [0, num_layers={num_layers}), got {layer}")
 
 
-def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_slot: int | None, *,
+def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_row: int | None, *,
                      sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                      impl: str = "auto", prefill_backend: str = "auto", decode_only: bool = False,
                      interpret: bool = False, block_stride: int = 1, **tuning) -> jax.Array:
-    """Both public entry points: `blocks` is the block table (blocks_per_slot None) or each sequence's first block
+    """Both public entry points: `blocks` is the block table (blocks_per_row None) or each sequence's first block
     (contiguous, its row's blocks block_stride apart)."""
-    num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slot, num_seqs,
+    num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row, num_seqs,
                             sm_scale, sliding_window, soft_cap, impl, prefill_backend, block_stride)
     scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
     if resolve_impl(impl, interpret) == "reference":
         if tuning:
             raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")
-        tables = blocks if blocks_per_slot is None else strided_block_tables(blocks, blocks_per_slot, block_stride)
+        tables = blocks if blocks_per_row is None else strided_block_tables(blocks, blocks_per_row, block_stride)
         return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, tables, num_seqs,
                                                 **dataclasses.asdict(scores))
     check_pallas_shapes(q, k_cache)
     tuning = make_tuning(q.dtype, tuning)
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
-    addressing = dict(blocks_per_slot=blocks_per_slot, block_stride=block_stride)
+    addressing = dict(blocks_per_row=blocks_per_row, block_stride=block_stride)
     if decode_only:
         return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing)
     mosaic = prefill_on_mosaic(q, k_cache, blocks, scores, tuning, prefill_backend, interpret)
@@ -278,7 +278,7 @@ def make_tuning(dtype, overrides: dict) -> Tuning:
     return tuning
 
 
-def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slot, num_seqs, sm_scale,
+def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row, num_seqs, sm_scale,
                  sliding_window, soft_cap, impl, prefill_backend, block_stride=1):
     """Validate shapes, dtypes and options; return num_seqs as int32 [1]."""
     if impl not in IMPLS:
@@ -299,7 +299,7 @@ def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slo
     if kv_lens.ndim != 1 or cu_q_lens.shape != (kv_lens.shape[0] + 1,):
         raise ValueError(f"kv_lens must be [max_seqs] and cu_q_lens [max_seqs + 1], got {kv_lens.shape}, "
                          f"{cu_q_lens.shape}")
-    row_blocks = None if blocks_per_slot is None else blocks_per_slot * block_stride
+    row_blocks = None if blocks_per_row is None else blocks_per_row * block_stride
     blocks_name = check_blocks(blocks, row_blocks, kv_lens, k_cache)
     for name, x in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), (blocks_name, blocks)):
         if x.dtype != jnp.int32:
@@ -317,7 +317,7 @@ def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_slo
 
 
 def check_blocks(blocks, row_blocks, kv_lens, k_cache) -> str:
-    """The block table [max_seqs, max_blocks], or slots [max_seqs] over a cache of whole rows of row_blocks blocks
+    """The block table [max_seqs, max_blocks], or kv_rows [max_seqs] over a cache of whole rows of row_blocks blocks
     (all layers'); returns its name."""
     if row_blocks is None:
         if blocks.ndim != 2 or blocks.shape[0] != kv_lens.shape[0]:
@@ -325,11 +325,11 @@ def check_blocks(blocks, row_blocks, kv_lens, k_cache) -> str:
                              f"got {blocks.shape}")
         return "block_tables"
     if not isinstance(row_blocks, int) or row_blocks < 1 or k_cache.shape[0] % row_blocks:
-        raise ValueError(f"blocks_per_slot (x num_layers) must be an int >= 1 dividing num_blocks={k_cache.shape[0]} "
+        raise ValueError(f"blocks_per_row (x num_layers) must be an int >= 1 dividing num_blocks={k_cache.shape[0]} "
                          f"(the cache is whole rows), got {row_blocks!r}")
     if blocks.shape != kv_lens.shape:
-        raise ValueError(f"slots must be [max_seqs={kv_lens.shape[0]}], got {blocks.shape}")
-    return "slots"
+        raise ValueError(f"kv_rows must be [max_seqs={kv_lens.shape[0]}], got {blocks.shape}")
+    return "kv_rows"
 
 
 def check_pallas_shapes(q, k_cache):
@@ -350,8 +350,8 @@ def is_power_of_2(n: int) -> bool:
 
 def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
                        tuning: Tuning, interpret: bool, mosaic: mgpu_prefill.PrefillTuning | None,
-                       blocks_per_slot: int | None = None, block_stride: int = 1):
-    geo = Geometry.of(q, k_cache, blocks, blocks_per_slot, block_stride)
+                       blocks_per_row: int | None = None, block_stride: int = 1):
+    geo = Geometry.of(q, k_cache, blocks, blocks_per_row, block_stride)
     meta = (num_seqs, cu_q_lens, kv_lens, blocks.reshape(-1))
     rows = (q.reshape(-1, geo.head_dim), k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim))
     parts, lse = decode_call(geo, scores, tuning, interpret)(*meta, *rows)
@@ -360,21 +360,21 @@ def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs
         return out.reshape(q.shape)
     out = mgpu_prefill.paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
                                                sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
-                                               tuning=mosaic, interpret=interpret, blocks_per_slot=blocks_per_slot,
+                                               tuning=mosaic, interpret=interpret, blocks_per_row=blocks_per_row,
                                                block_stride=block_stride)
     out = merge_call(geo, tuning, interpret, q.dtype)(num_seqs, cu_q_lens, parts, lse, out.reshape(-1, geo.head_dim))
     return out.reshape(q.shape)
 
 
 pallas_attention = jax.jit(attention_launches,
-                           static_argnames=("scores", "tuning", "interpret", "mosaic", "blocks_per_slot",
+                           static_argnames=("scores", "tuning", "interpret", "mosaic", "blocks_per_row",
                                             "block_stride"))
 
 
-@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret", "blocks_per_slot", "block_stride"))
+@functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret", "blocks_per_row", "block_stride"))
 def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
-                      tuning: Tuning, interpret: bool, blocks_per_slot: int | None = None, block_stride: int = 1):
-    geo = Geometry.of(q, k_cache, blocks, blocks_per_slot, block_stride)
+                      tuning: Tuning, interpret: bool, blocks_per_row: int | None = None, block_stride: int = 1):
+    geo = Geometry.of(q, k_cache, blocks, blocks_per_row, block_stride)
     splits = min(decode_slots(geo, tuning) // geo.decode_rows, tuning.decode_max_splits)  # fixed by the shape
     slots = max(geo.num_tokens, splits * geo.decode_rows)  # every token row has a program to zero it
     tile = tuning.split_decode_kv_tile if splits > 1 else tuning.decode_kv_tile

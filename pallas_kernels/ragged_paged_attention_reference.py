@@ -5,7 +5,7 @@ columns `kv_blocks_per_step` at a time with an online softmax. Each step gathers
 each token ([num_tokens, kv_blocks_per_step * block_size, kv_heads, head_dim]), never the whole context,
 and the trip count comes from the longest live sequence rather than from the block table's width.
 
-Contiguous (vAttention) caches, where sequence i's KV is row slots[i] of the cache (block_tables.py says which
+Contiguous (vAttention) caches, where sequence i's KV is row kv_rows[i] of the cache (block_tables.py says which
 blocks that is): `contiguous_ragged_attention_reference` runs the paged reference over
 that identity table (the CPU path, as lean as the paged one); `contiguous_slice_reference` reads each row directly
 as one slice, no block ids, dense: the test oracle that shares no addressing with either.
@@ -88,31 +88,31 @@ def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_len, bloc
     return m, l_prev * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
 
-def contiguous_ragged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *,
-                                          blocks_per_slot: int, num_layers: int = 1, layer=0,
+def contiguous_ragged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, kv_rows, num_seqs, *,
+                                          blocks_per_row: int, num_layers: int = 1, layer=0,
                                           **options) -> jax.Array:
-    """Same contract as `contiguous_ragged_attention`: the paged reference over the slots' identity table."""
+    """Same contract as `contiguous_ragged_attention`: the paged reference over the rows' identity table."""
     return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens,
-                                            identity_block_tables(slots, blocks_per_slot, num_layers, layer),
+                                            identity_block_tables(kv_rows, blocks_per_row, num_layers, layer),
                                             num_seqs, **options)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks_per_slot", "num_layers", "sm_scale", "sliding_window",
+@functools.partial(jax.jit, static_argnames=("blocks_per_row", "num_layers", "sm_scale", "sliding_window",
                                              "soft_cap"))
-def contiguous_slice_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, slots, num_seqs, *, blocks_per_slot: int,
+def contiguous_slice_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, kv_rows, num_seqs, *, blocks_per_row: int,
                                sm_scale: float, num_layers: int = 1, layer=0, sliding_window: int | None = None,
                                soft_cap: float | None = None) -> jax.Array:
     """`contiguous_ragged_attention_reference` written directly: each token reads its sequence's whole row of the
-    cache viewed as [rows, blocks_per_slot, num_layers, block_size, kv_heads, head_dim] at `layer`, and attends its
+    cache viewed as [rows, blocks_per_row, num_layers, block_size, kv_heads, head_dim] at `layer`, and attends its
     first kv_len keys. Memory [num_tokens, row length, kv_heads, head_dim]: for tests and small shapes."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     seq, q_pos, kv_len = locate_tokens(cu_q_lens, kv_lens, jnp.reshape(num_seqs, ()), num_tokens)
 
     def rows(c):  # [rows, keys, kv_heads, head_dim] at `layer`
-        c = c.reshape(-1, blocks_per_slot, num_layers, *c.shape[1:])
+        c = c.reshape(-1, blocks_per_row, num_layers, *c.shape[1:])
         return jnp.take(c, layer, axis=2).reshape(c.shape[0], -1, num_kv_heads, head_dim)
-    k, v = (rows(c)[slots[seq]].astype(jnp.float32) for c in (k_cache, v_cache))  # [tokens, keys, kv_heads, head_dim]
+    k, v = (rows(c)[kv_rows[seq]].astype(jnp.float32) for c in (k_cache, v_cache))  # [tokens, keys, kv_heads, head_dim]
     key = jnp.arange(k.shape[1])
     live = key[None, :] < kv_len[:, None]
     v = jnp.where(live[..., None, None], v, 0.0)  # keys past kv_len were never written (NaN x 0 would leak)

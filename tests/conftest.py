@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded model (loaded once) and tiny random HF checkpoints with their torch oracles."""
+"""Shared fixtures: the embedded model (loaded once) and its HF transformers oracle; tests that use them must be
+marked slow. The other shared builders are in helpers.py."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -8,6 +9,17 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # on a GPU: va
 import pytest  # noqa: E402
 
 from jaxserve.models.loader import embedded_model_path, load_model  # noqa: E402
+
+EMBEDDED_MODEL_FIXTURES = {"smollm", "smollm_hf"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that runs the embedded model must be marked slow (`pytest -m "not slow"` is the quick loop)."""
+    unmarked = [item.nodeid for item in items
+                if EMBEDDED_MODEL_FIXTURES & set(item.fixturenames) and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError("these tests use the embedded model (smollm, smollm_hf) but are not marked "
+                                "@pytest.mark.slow:\n  " + "\n  ".join(unmarked))
 
 
 @pytest.fixture(scope="session")

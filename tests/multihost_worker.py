@@ -60,26 +60,26 @@ def main(process_id: int, port: int, marker: str | None = None) -> dict:
     from jaxserve import LLM
     from jaxserve.config import EngineConfig
     from jaxserve.engine import distributed
-    from jaxserve.engine.runner import ModelRunner
+    from jaxserve.engine.llm_engine import start_device
     from jaxserve.models.loader import random_model
-    from jaxserve.models.sharding import make_mesh
+    from jaxserve.sharding import make_mesh
 
     jax.config.update("jax_num_cpu_devices", 1)
     cluster = distributed.cluster_from(f"127.0.0.1:{port}", 2, process_id)
     distributed.initialize(cluster, 2)
     loaded = random_model(TINY, jnp.float32, mesh=make_mesh(2))   # the global mesh: one device per process
     if not cluster.is_leader:
-        runner = ModelRunner(loaded, EngineConfig(tensor_parallel_size=2, **LAZY))
-        return {"steps": distributed.follow(cluster, runner), "fingerprint": runner.graphs.cache.fingerprint}
+        graphs, runner, _ = start_device(loaded, EngineConfig(tensor_parallel_size=2, **LAZY))
+        return {"steps": distributed.follow(cluster, runner), "fingerprint": graphs.manager.cache.fingerprint}
     llm = LLM(loaded, tensor_parallel_size=2, **LAZY)
     with distributed.leading(cluster, llm.engine.runner) as publisher:
         if marker:   # the worker waits on step 0 since the seal's barrier (a secret is set): it reads this first
             publisher.client.key_value_set_bytes(step_key(0), pickle.dumps(Planted(marker)))
             time.sleep(1)
         out = {**outputs(llm), "published": publisher.step}
-    runner = llm.engine.runner
-    return {**out, "processes": [d.process_index for d in runner.mesh.devices.flat],
-            "fingerprint": runner.graphs.cache.fingerprint}
+    graphs = llm.engine.graphs
+    return {**out, "processes": [d.process_index for d in graphs.mesh.devices.flat],
+            "fingerprint": graphs.manager.cache.fingerprint}
 
 
 if __name__ == "__main__":

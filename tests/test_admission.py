@@ -1,16 +1,19 @@
 """No request can break the engine: bad values are refused at admission naming the field, requests that can never
 fit are refused at once, queues are bounded, and the engine keeps serving the others (issue: fault isolation)."""
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig, ModelConfig, load_run_config
+from jaxserve.config import EngineConfig, load_run_config
 from jaxserve.engine.llm_engine import AdmissionError
 from jaxserve.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from jaxserve.models.loader import random_model
 
-TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
+from helpers import TINY_NO_EOS
+
+TINY = dataclasses.replace(TINY_NO_EOS, max_position_embeddings=1024)
 KNOBS = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64, min_prefill_chunk=16, num_blocks=24,
              precompile=False, watermark=0.0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -12,28 +12,12 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 
+from helpers import jaxserve
+
+pytestmark = pytest.mark.slow   # every test runs the CLI or an interpreter in a subprocess
+
 PROMPT = "The capital of France is"
 SERVE_DIR = Path(__file__).resolve().parents[1] / "jaxserve" / "serve"
-
-
-# The CLI in an interpreter where torch cannot be found (as after `scripts/setup.sh` without --dev)
-WITHOUT_TORCH = """import importlib.util, sys
-hidden = lambda name: name.partition(".")[0] == "torch"
-find_spec = importlib.util.find_spec
-importlib.util.find_spec = lambda name, package=None: None if hidden(name) else find_spec(name, package)
-class HideTorch:
-    def find_spec(self, name, path=None, target=None):
-        if hidden(name):
-            raise ModuleNotFoundError(f"No module named {name!r}")
-sys.meta_path.insert(0, HideTorch())
-from jaxserve.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def jaxserve(*args, timeout=600, without_torch=False):
-    entry = ["-c", WITHOUT_TORCH] if without_torch else ["-m", "jaxserve.cli"]
-    return subprocess.run([sys.executable, *entry, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +135,7 @@ def test_cli_import_leaves_benchmarks_alone():
 
 
 def test_serve_modules_never_import_the_cli():
-    assert "jaxserve.cli" not in modules_after_importing("jaxserve.serve.server", "jaxserve.serve.client")
+    assert "jaxserve.cli" not in modules_after_importing("jaxserve.serve.server", "jaxserve.client")
     for path in SERVE_DIR.glob("*.py"):   # not even lazily, inside a function
         assert "jaxserve.cli" not in imported_names(path), path
 

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import types
 
@@ -16,32 +15,13 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
-from jaxserve.engine import runner as runner_module
+from jaxserve.cache import kv_cache
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache
-from jaxserve.engine.runner import PEAK_MODEL, TRITON_GEMM_MAX_ROWS, ModelRunner
+from jaxserve.engine.step_graphs import PEAK, TRITON_GEMM_MAX_ROWS, GraphKey, StepGraphs
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.models.loader import random_model
 
-TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, max_position_embeddings=512, eos_token_ids=(1,))
-KNOBS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, min_prefill_chunk=16,
-             token_buckets=(16, 64), seq_buckets=(4, 8), compile_cache_dir=None)
-
-
-def mixed_requests() -> tuple[list[list[int]], list[SamplingParams]]:
-    """Every kind of request: greedy, sampled (top-k/p, min-p), penalties, logprobs, prompt logprobs, n > 1,
-    stop ids under min_tokens, a long prompt (chunked prefill)."""
-    params = [SamplingParams(temperature=0.0, max_tokens=12),
-              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=1, max_tokens=12),
-              SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, seed=2, max_tokens=12),
-              SamplingParams(temperature=0.0, logprobs=3, max_tokens=12),
-              SamplingParams(temperature=0.0, prompt_logprobs=2, max_tokens=4),
-              SamplingParams(temperature=1.0, n=3, seed=3, max_tokens=12),
-              SamplingParams(temperature=0.0, stop_token_ids=[5, 6, 7], min_tokens=4, max_tokens=12),
-              SamplingParams(temperature=0.0, max_tokens=8)]
-    prompts = [[2 + (i * 7 + j) % 120 for j in range(n)] for i, n in enumerate((5, 17, 33, 9, 40, 3, 12, 200))]
-    return prompts, params
+from helpers import KNOBS, TINY, mixed_requests   # tests/multihost_worker.py and tp_worker.py import them from here
 
 
 @pytest.mark.parametrize("knobs", [dict(num_blocks=128), dict(num_blocks=22)], ids=["roomy", "preempting"])
@@ -74,23 +54,22 @@ def sized_start(monkeypatch):
         seen["submitted"].extend(key for key in graphs if key not in seen["submitted"])
         return submit(self, graphs, **kw)
 
-    def compiled(self, cache, key, lowered):
+    def compiled(self, key, lowered):
         seen["compiled"].append(key)
-        return compile_(self, cache, key, lowered)
-    monkeypatch.setattr(runner_module, "num_blocks_for_memory", sized)
+        return compile_(self, key, lowered)
+    monkeypatch.setattr(kv_cache, "num_blocks_for_memory", sized)
     monkeypatch.setattr(CompilationManager, "submit", submitted)
     monkeypatch.setattr(CompilationManager, "_compile", compiled)
     return lambda **knobs: (LLM(random_model(TINY, jnp.float32), **{**KNOBS, "num_blocks": None, **knobs}), seen)
 
 
-def old_activation_peak(runner) -> int:
-    """The activation peak as it was measured before the peak's graphs were shared with precompile: the largest
-    bucket's model on a 2-block stand-in cache, sampler (filter, logprobs) and prompt logprobs, compiled here."""
-    stand_in, (t, s) = runner.cache_structs(2, jnp.float32), (runner.token_buckets[-1], runner.seq_buckets[-1])
-    inp = runner.step_inputs(num_tokens=t, num_seqs=s, num_logprobs=MAX_LOGPROBS, sampler_mode="filter")
-    lowered = [runner._model.lower(runner.params, stand_in, runner.last_tokens, inp.model),
-               runner._lower_sampler(inp.sampler), runner._lower_prompt_logprobs(t)]
-    return sum(x.compile().memory_analysis().temp_size_in_bytes for x in lowered)
+PEAK_KEYS = [PEAK, GraphKey("sampler", (8, "filter", MAX_LOGPROBS)), GraphKey("prompt", (64,))]
+
+
+def compiled_peak(graphs: StepGraphs) -> int:
+    """The activation peak of the peak's graphs compiled here, apart from the start's compilation manager: the
+    largest bucket's model on a 2-block stand-in cache, sampler (filter, logprobs) and prompt logprobs."""
+    return sum(graphs.lower(key).compile().memory_analysis().temp_size_in_bytes for key in PEAK_KEYS)
 
 
 def test_a_sized_cold_start_compiles_each_graph_once(sized_start):
@@ -99,17 +78,17 @@ def test_a_sized_cold_start_compiles_each_graph_once(sized_start):
     change, before the cache is sized; then the rest. Each graph compiles once, serving compiles none, the peak is
     what it was, and the timings count every compile."""
     llm, seen = sized_start()
-    runner, peak_keys = llm.engine.runner, [PEAK_MODEL, ("sampler", 8, "filter", MAX_LOGPROBS), ("prompt", 64)]
-    assert seen["submitted"][:3] == peak_keys and PEAK_MODEL not in runner.graphs.executables
+    graphs = llm.engine.graphs
+    assert seen["submitted"][:3] == PEAK_KEYS and PEAK not in graphs.manager.executables
     before = set(seen["submitted_before_sizing"])
-    assert before == {PEAK_MODEL, *runner.cache_free_graphs()} and not before & set(runner.cache_bound_graphs())
-    assert len(seen["compiled"]) == len(set(seen["compiled"])) == len(runner.graphs.executables) + 1
-    assert set(seen["compiled"]) == {PEAK_MODEL, *runner.cache_free_graphs(), *runner.cache_bound_graphs()}
-    assert seen["peak"] == old_activation_peak(runner) > 0
+    assert before == {PEAK, *graphs.cache_free_keys()} and not before & set(graphs.cache_bound_keys())
+    assert len(seen["compiled"]) == len(set(seen["compiled"])) == len(graphs.manager.executables) + 1
+    assert set(seen["compiled"]) == {PEAK, *graphs.graph_keys()}
+    assert seen["peak"] == compiled_peak(graphs) > 0
     stats = llm.engine.stats()
     timings = stats["compile_timings"]
     assert {k: v["compiled"] for k, v in timings["kinds"].items()} == \
-        {kind: sum(key[0] == kind for key in seen["compiled"]) for kind in ("peak", "sampler", "prompt", "reset",
+        {kind: sum(key.kind == kind for key in seen["compiled"]) for kind in ("peak", "sampler", "prompt", "reset",
                                                                             "model", "copy")}
     assert timings["kinds"]["peak"]["compiled"] == 1 and timings["compile_wall_s"] > 0
     assert all(timings[k] > 0 for k in ("peak_s", "precompile_s", "trace_s", "compile_s"))
@@ -122,9 +101,8 @@ def test_a_sized_lazy_start_compiles_only_the_peak(sized_start):
     """Without precompile a start compiles what sizing the cache needs and nothing more (its sampler and
     prompt-logprob graphs are kept: serving uses them)."""
     llm, seen = sized_start(precompile=False)
-    assert sorted(seen["compiled"]) == sorted(seen["submitted"]) == sorted(
-        [PEAK_MODEL, ("sampler", 8, "filter", MAX_LOGPROBS), ("prompt", 64)])
-    assert set(llm.engine.runner.graphs.executables) == set(seen["compiled"]) - {PEAK_MODEL}
+    assert sorted(seen["compiled"]) == sorted(seen["submitted"]) == sorted(PEAK_KEYS)
+    assert set(llm.engine.graphs.manager.executables) == set(seen["compiled"]) - {PEAK}
 
 
 def test_lazy_graphs_are_counted():
@@ -143,8 +121,7 @@ WARM_START = textwrap.dedent("""
                                            counts[event] + 1))
     import jax.numpy as jnp
     from jaxserve import LLM
-    from jaxserve.config import ModelConfig
-    from jaxserve.models.loader import random_model
+        from jaxserve.models.loader import random_model
     cfg = json.loads(sys.argv[1])
     cfg = ModelConfig(**{**cfg, "eos_token_ids": tuple(cfg["eos_token_ids"])})
     stats = LLM(random_model(cfg, jnp.float32), **json.loads(sys.argv[2])).engine.stats()
@@ -153,6 +130,7 @@ WARM_START = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_warm_restart_compiles_nothing(tmp_path):
     """The persistent compilation cache is on by default and keyed by the graphs: a second start of the same
     engine finds every graph there."""
@@ -194,28 +172,15 @@ def test_executable_cache_round_trip(tmp_path):
     assert manager("a").loaded_from_cache == 0
 
 
-def test_a_graph_under_way_is_saved_under_the_fingerprint_it_was_submitted_with(tmp_path):
-    """The runner extends the fingerprint (num_blocks) while graphs submitted before it still compile: they are
-    saved under the fingerprint a start looks them up with, the one they were submitted with."""
-    salt, gate = float(time.time_ns() % 1_000_003), threading.Event()
-    f = jax.jit(lambda a: a + salt)
-
-    class Gated:   # a compile that ends only once the fingerprint has changed
-        def __init__(self, lowered):
-            self.lowered = lowered
-
-        def compile(self, options=None):
-            assert gate.wait(60)
-            return self.lowered.compile(options)
-    m = CompilationManager(ExecutableCache(str(tmp_path), "a", backend="test"))
-    m.submit({("f", 4): lambda: Gated(f.lower(jnp.zeros(4)))})
-    m.cache.fingerprint += " num_blocks=64"
-    gate.set()
-    m.wait()
-    again = CompilationManager(ExecutableCache(str(tmp_path), "a", backend="test"))
-    again.compile_all({("f", 4): lambda: f.lower(jnp.zeros(4))})
-    assert again.loaded_from_cache == 1 and again.report()["kinds"]["f"] == dict(compiled=0, loaded=1, trace_s=0,
-                                                                                   compile_s=0)
+def test_the_cache_size_is_in_the_keys_of_the_graphs_that_take_the_cache():
+    """The fingerprint is final before any graph compiles; a graph that takes the cache carries its size in its key
+    (a start that sizes the cache differently reuses every other executable), one that does not, does not."""
+    model = random_model(TINY, jnp.float32)
+    graphs = [LLM(model, **{**KNOBS, "num_blocks": n, "precompile": False}).engine.graphs for n in (32, 64)]
+    assert graphs[0].manager.cache.fingerprint == graphs[1].manager.cache.fingerprint
+    keys = [set(g.graph_keys()) for g in graphs]
+    assert {k for k in keys[0] if k.num_blocks is None} == {k for k in keys[1] if k.num_blocks is None}
+    assert {(k.kind, k.num_blocks) for k in keys[0] - keys[1]} == {("model", 32), ("copy", 32)}
 
 
 def test_forks_wider_than_their_prompt_compile_nothing():
@@ -233,7 +198,7 @@ def test_host_only_knobs_keep_the_executables_and_graph_knobs_do_not():
 
     def fingerprint(**knobs) -> str:
         llm = LLM(model, **{**KNOBS, "num_blocks": 64, "precompile": False, **knobs})
-        return llm.engine.runner.graphs.cache.fingerprint
+        return llm.engine.graphs.manager.cache.fingerprint
     base = fingerprint()
     assert fingerprint(max_queued_requests=5, watermark=0.2, compile_cache_dir="/tmp/elsewhere") == base
     assert fingerprint(seq_buckets=(8,)) != base and fingerprint(block_size=8) != base
@@ -250,8 +215,7 @@ def test_a_step_traces_its_layers_once(monkeypatch):
     traced, call = [], llama.DecoderLayer.__call__
     monkeypatch.setattr(llama.DecoderLayer, "__call__", lambda *a: traced.append(1) or call(*a))
     llm = LLM(model, **{**KNOBS, "precompile": False, "num_blocks": 64})
-    runner = llm.engine.runner
-    runner._lower_model(runner.step_inputs(num_tokens=16, num_seqs=4).model)
+    llm.engine.graphs.lower(llm.engine.graphs.model_key(16, 4, False))
     assert len(traced) == 1
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [9] * 20], params, use_tqdm=False)]
@@ -281,10 +245,12 @@ def test_each_graph_compiles_with_its_keys_xla_options():
 
     def policy(platform):
         device = types.SimpleNamespace(platform=platform)
-        runner = types.SimpleNamespace(token_buckets=(16, 64, 4096), mesh=types.SimpleNamespace(
+        graphs = types.SimpleNamespace(token_buckets=(16, 64, 4096), mesh=types.SimpleNamespace(
             devices=np.array([device])))
-        return lambda key: ModelRunner.compiler_options(runner, key)
+        return lambda key: StepGraphs.compiler_options(graphs, key)
     gpu, cpu, cublas = policy("gpu"), policy("cpu"), {"xla_gpu_enable_triton_gemm": False}
-    assert gpu(("model", TRITON_GEMM_MAX_ROWS * 2, 64, False)) == gpu(("prompt", 4096)) == gpu(PEAK_MODEL) == cublas
-    assert gpu(("model", TRITON_GEMM_MAX_ROWS, 64, True)) == gpu(("sampler", 256, "filter", 0)) == {}
-    assert cpu(("model", 4096, 256, False)) == cpu(PEAK_MODEL) == {}
+    assert gpu(GraphKey("model", (TRITON_GEMM_MAX_ROWS * 2, 64, False), 99)) == gpu(GraphKey("prompt", (4096,))) \
+        == gpu(PEAK) == cublas
+    assert gpu(GraphKey("model", (TRITON_GEMM_MAX_ROWS, 64, True), 99)) == gpu(GraphKey("sampler", (256, "filter", 0)))\
+        == {}
+    assert cpu(GraphKey("model", (4096, 256, False), 99)) == cpu(PEAK) == {}

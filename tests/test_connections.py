@@ -16,16 +16,13 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine
-from jaxserve.config import ModelConfig
 from jaxserve.models.loader import random_model
 from jaxserve.serve.connections import ConnectionLimits
 from jaxserve.serve.server import ServeOptions
-from helpers import base_url, in_process, wait_idle
+
+from helpers import SERVER_KNOBS, TINY_NO_EOS, base_url, in_process, wait_idle
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-KNOBS = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=128, num_blocks=256)
 KEY, ORIGIN = "k3y", "https://ok.example"
 LIMITS = ConnectionLimits(max_connections=8, read_timeout_s=1.0, write_timeout_s=1.0)
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -36,7 +33,7 @@ STEP_S = 0.02
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(random_model(TINY, jnp.float32), EngineConfig(precompile=False, **KNOBS))
+    engine = LLMEngine(random_model(TINY_NO_EOS, jnp.float32), EngineConfig(precompile=False, **SERVER_KNOBS))
     with in_process(engine, api_key=KEY, allowed_origins=(ORIGIN,), http_limits=LIMITS) as s:
         yield s
 
@@ -47,6 +44,7 @@ def post(server, body: bytes | dict, headers: dict | None = None) -> httpx2.Resp
     return httpx2.post(base_url(server) + "/v1/completions", content=content, headers=headers, timeout=60)
 
 
+@pytest.mark.slow
 def test_the_lone_surrogate_salt_is_refused_at_the_edge_and_the_engine_keeps_serving(server):
     """The hole: a `\\ud800` cache_salt passed validation and raised on the engine thread, ending the server;
     sent as text/plain, any web page could send it."""
@@ -67,12 +65,14 @@ def test_the_lone_surrogate_salt_is_refused_at_the_edge_and_the_engine_keeps_ser
     (b'{"prompt": [3], "repetition_penalty": 1e300}', "repetition_penalty"),
     (json.dumps({"prompt": [3] * 600_000}).encode(), "prompt")], ids=["deep", "temperature", "rp-tiny", "rp-huge",
                                                                       "id-flood"])
+@pytest.mark.slow
 def test_unbounded_inputs_are_400s_naming_the_field(server, body, param):
     response = post(server, body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert server.engine_loop.stats()["serving"]
 
 
+@pytest.mark.slow
 def test_browser_origins_are_refused_unless_allowed_with_cors(server):
     url, body = base_url(server) + "/v1/completions", {"prompt": IDS, "max_tokens": 2}
     evil = post(server, body, {"Origin": "http://evil.example"})
@@ -86,6 +86,7 @@ def test_browser_origins_are_refused_unless_allowed_with_cors(server):
     assert preflight["http://evil.example"].status_code == 403
 
 
+@pytest.mark.slow
 def test_the_bearer_scheme_is_case_insensitive_and_health_stays_open(server):
     url = base_url(server)
     assert [httpx2.get(url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}, timeout=10).status_code
@@ -121,6 +122,7 @@ def request_head(length: int) -> bytes:
             f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode()
 
 
+@pytest.mark.slow
 def test_slow_headers_and_slow_bodies_are_cut_after_the_read_timeout(server):
     with connect(server) as silent, connect(server) as trickling_headers, connect(server) as trickling_body:
         trickling_headers.sendall(request_head(100)[:30])
@@ -132,6 +134,7 @@ def test_slow_headers_and_slow_bodies_are_cut_after_the_read_timeout(server):
     assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
 
 
+@pytest.mark.slow
 def test_a_client_that_disconnects_mid_body_logs_no_traceback(server):
     records = []
     handler = logging.Handler(logging.ERROR)
@@ -147,6 +150,7 @@ def test_a_client_that_disconnects_mid_body_logs_no_traceback(server):
     assert records == []
 
 
+@pytest.mark.slow
 def test_connections_past_the_cap_get_503_and_the_server_recovers(server):
     idle = [connect(server) for _ in range(LIMITS.max_connections)]
     try:
@@ -161,6 +165,7 @@ def test_connections_past_the_cap_get_503_and_the_server_recovers(server):
     assert post(server, {"prompt": IDS, "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.slow
 def test_a_stream_whose_client_stops_reading_is_cut_and_its_request_aborted(server, monkeypatch):
     """The client reads nothing: once the server's buffers fill, the write timeout cuts the connection, which
     aborts the request and frees its blocks long before it would have finished (steps slowed to STEP_S, as a
@@ -214,6 +219,7 @@ FD_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_out_of_descriptors_is_one_warning_and_service_resumes(tmp_path):
     """19,990 idle sockets used to exhaust the descriptors and asyncio logged a traceback per accept retry: now
     the soft limit is raised to the hard one, the failure is one rate-limited line, idle sockets are cut after the

@@ -202,6 +202,7 @@ def library(tmp_path_factory):
         mp.undo()
 
 
+@pytest.mark.slow
 def test_nvcc_build_exports_ffi_symbols_and_is_cached(library, tmp_path_factory):
     exported = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
                               check=True).stdout
@@ -218,11 +219,13 @@ def test_nvcc_build_exports_ffi_symbols_and_is_cached(library, tmp_path_factory)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU available() registers the full library; this one would clash")
+@pytest.mark.slow
 def test_registers_targets_for_cuda_without_gpu(library):
     handle = cc.register(str(library))
     assert all(getattr(handle, symbol) for symbol in SYMBOLS)
 
 
+@pytest.mark.slow
 def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
     seed, rng = fresh_rng()
     case = make_paged_case(rng, lens=[5, 9], q_heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)

@@ -22,20 +22,20 @@ import pytest
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import KNOBS, token_prompts  # noqa: E402
 from multihost_worker import TINY_HF  # noqa: E402
-from test_compilation import KNOBS  # noqa: E402
 
 from jaxserve import LLM, LLMEngine, SamplingParams  # noqa: E402
 from jaxserve.client import Client  # noqa: E402
 from jaxserve.models.loader import load_replicas  # noqa: E402
-from jaxserve.models.sharding import replica_meshes  # noqa: E402
+from jaxserve.sharding import replica_meshes  # noqa: E402
 from jaxserve.serve.server import ServeOptions, Server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 ENGINE = {**KNOBS, "token_buckets": list(KNOBS["token_buckets"]), "seq_buckets": list(KNOBS["seq_buckets"]),
           "num_blocks": 64}
-PROMPTS = [[2 + (i * 7 + j) % 120 for j in range(n)] for i, n in enumerate((5, 17, 33, 9, 40, 12))]
+PROMPTS = token_prompts(5, 17, 33, 9, 40, 12)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 LONG = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)   # outlives its part of the test
 
@@ -169,7 +169,7 @@ def child() -> dict:
     devices = [[d.id for d in r.mesh.devices.flat] for r in replicas]
     reference = LLM(replicas[0], config=cfg).generate(PROMPTS, GREEDY, use_tqdm=False)
     engines = [LLMEngine(r, cfg) for r in replicas]
-    fingerprints = [e.runner.graphs.cache.fingerprint for e in engines]
+    fingerprints = [e.graphs.manager.cache.fingerprint for e in engines]
     out = asyncio.run(scenario(engines, Recorder(engines)))
     return {**out, "devices": devices, "reference": [o.outputs[0].token_ids for o in reference],
             "same_fingerprint": fingerprints[0] == fingerprints[1]}
@@ -184,16 +184,19 @@ def dp2() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_each_replica_has_its_own_device_and_executables(dp2):
     assert dp2["devices"] == [[0], [1]] and not dp2["same_fingerprint"]
 
 
+@pytest.mark.slow
 def test_requests_go_to_the_least_loaded_replica_and_match_one_engine(dp2):
     assert set(dp2["batch_replicas"]) == {0, 1}   # gRPC and HTTP requests share the router
     assert dp2["long_replicas"] == [0, 1]         # the second found replica 0 busy with the first
     assert dp2["grpc_tokens"] == dp2["reference"] and dp2["http_tokens"] == dp2["reference"][0]
 
 
+@pytest.mark.slow
 def test_an_abort_reaches_the_replica_serving_the_request(dp2):
     """Request 7 was added on replica 0 and request 8 on replica 1: each is aborted there, while still running."""
     assert sorted(dp2["aborted"]) == [[0, "7", True], [1, "8", True]]
@@ -201,6 +204,7 @@ def test_an_abort_reaches_the_replica_serving_the_request(dp2):
     assert (stats["running"], stats["waiting"], stats["kv_blocks_used"]) == (0, 0, 0)
 
 
+@pytest.mark.slow
 def test_stats_and_metrics_are_summed_over_replicas(dp2):
     engines, stats, grpc_stats = dp2["engine_stats"], dp2["stats"], dp2["grpc_stats"]
     for key in ("kv_blocks_total", "compiles_after_start", "compiled_graphs", "prefix_cache_queries"):
@@ -214,6 +218,7 @@ def test_stats_and_metrics_are_summed_over_replicas(dp2):
     assert re.search(r"^jaxserve_replicas_serving 2\.0$", dp2["metrics"], re.M)
 
 
+@pytest.mark.slow
 def test_a_failed_replica_leaves_the_other_serving(dp2):
     one = dp2["one_failed"]
     assert one["error"].startswith("UNAVAILABLE") and "injected device failure" in one["error"]
@@ -222,6 +227,7 @@ def test_a_failed_replica_leaves_the_other_serving(dp2):
     assert one["after_tokens"] == dp2["reference"][2]
 
 
+@pytest.mark.slow
 def test_the_server_fails_once_no_replica_is_left(dp2):
     both = dp2["both_failed"]
     assert both["error"].startswith("UNAVAILABLE") and both["refused"].startswith("UNAVAILABLE")
@@ -240,6 +246,7 @@ def test_more_replicas_than_devices_is_an_error_naming_both_sizes():
         replica_meshes(2, 2, devices=jax.devices() * 2)
 
 
+@pytest.mark.slow
 def test_serve_refuses_too_many_replicas_in_one_line_before_loading():
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics", "--data-parallel-size", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,

@@ -5,92 +5,20 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
-from gguf.quants import dequantize, quantize
 
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.gguf import GLOBAL_NAMES, TENSOR_NAMES
 from jaxserve.models.loader import load_model
 
-from test_models import TINY, forward_logits, greedy, hf_logits, rel_err
+from helpers import (K_QUANT_F16_SCALES, TINY_HF_KWARGS, close_writer, forward_logits, greedy, hf_logits,
+                     llama_writer, rel_err, write_gguf)
 
-# Byte offsets of the fp16 super-block scales in each K-quant block (llama.cpp's ggml-common.h). gguf.quants
-# cannot quantize to K-quants, so tests write random blocks whose scales are set small and finite.
-K_QUANT_F16_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *K_QUANT_F16_SCALES]
-HEADS, KV_HEADS = 4, 2
-K_TINY = {**TINY, "hidden_size": 256, "intermediate_size": 512}   # K-quant rows are blocks of 256 values
+K_TINY = {**TINY_HF_KWARGS, "hidden_size": 256, "intermediate_size": 512}   # K-quant rows are blocks of 256 values
 
 
 def tiny_llama():
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**K_TINY)).eval()
-
-
-def llama_cpp_permute(w, n_head):
-    """What llama.cpp's converter does to q/k rows (interleaved rope); the loader must undo it."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_name(hf_name):
-    for g, h in GLOBAL_NAMES.items():
-        if h == hf_name:
-            return g
-    layer, suffix = hf_name.removeprefix("model.layers.").split(".", 1)
-    return f"blk.{layer}." + next(g for g, h in TENSOR_NAMES.items() if h == suffix)
-
-
-def llama_writer(path, cfg):
-    """A GGUFWriter holding cfg's llama metadata."""
-    w = GGUFWriter(str(path), "llama")
-    for add, value in ((w.add_block_count, cfg.num_hidden_layers), (w.add_embedding_length, cfg.hidden_size),
-                       (w.add_feed_forward_length, cfg.intermediate_size), (w.add_head_count, HEADS),
-                       (w.add_head_count_kv, KV_HEADS), (w.add_context_length, 512),
-                       (w.add_vocab_size, cfg.vocab_size), (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
-                       (w.add_rope_freq_base, cfg.rope_parameters["rope_theta"])):
-        add(value)
-    return w
-
-
-def close_writer(w):
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def encoded(x, kind, rng):
-    """x as the bytes of GGML type kind; for a K-quant, random blocks of x's shape instead."""
-    if kind.name not in K_QUANT_F16_SCALES:
-        return quantize(x, kind)
-    block_size, type_size = GGML_QUANT_SIZES[kind]
-    blocks = rng.integers(0, 256, (x.shape[0], x.shape[1] // block_size, type_size), np.uint8)
-    for at in K_QUANT_F16_SCALES[kind.name]:
-        scales = rng.uniform(1e-4, 1e-3, (*blocks.shape[:-1], 1)).astype(np.float16)
-        blocks[..., at:at + 2] = scales.view(np.uint8)
-    return blocks.reshape(x.shape[0], -1)
-
-
-def write_gguf(path, hf, qtype):
-    """Write hf's weights as a llama GGUF: matrices in qtype (a type name, or a function of the HF name giving
-    one), norms F32. Return the weights a reader gets back, in HF order."""
-    type_of = qtype if callable(qtype) else lambda name: qtype
-    w, rng = llama_writer(path, hf.config), np.random.default_rng(0)
-    stored = {}
-    for name, t in hf.state_dict().items():
-        x = t.numpy()
-        n_head = HEADS if "q_proj" in name else KV_HEADS
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            x = llama_cpp_permute(x, n_head)
-        kind = GGMLQuantizationType[type_of(name)] if x.ndim == 2 else GGMLQuantizationType.F32
-        data = encoded(x, kind, rng)
-        w.add_tensor(gguf_name(name), data, raw_dtype=None if kind == GGMLQuantizationType.F32 else kind)
-        stored[name] = dequantize(data, kind).reshape(x.shape)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):  # what an HF-layout reader must end up with
-            stored[name] = stored[name].reshape(n_head, x.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2)
-            stored[name] = stored[name].reshape(x.shape)
-    close_writer(w)
-    return stored
 
 
 def with_weights(hf, weights):

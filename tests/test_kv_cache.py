@@ -9,9 +9,10 @@ import custom_calls
 import pytest
 
 from jaxserve.cache import kv_cache
-from jaxserve.cache.kv_cache import (CrossLayerKV, allocate_kv_cache, copy_blocks, describe_kv_capacity,
+from jaxserve.cache.kv_cache import (VAttentionCache, allocate_kv_cache, copy_blocks, describe_kv_capacity,
                                      from_layer_blocks, kv_bytes_per_block, layer_blocks, layer_of,
-                                     layer_slot_mapping, num_blocks_for_memory, with_layer, write_kv)
+                                     layer_slot_mapping, num_blocks_for_memory, pad_block_copies, with_layer,
+                                     write_kv)
 from jaxserve.cache.kv_cache_manager import KVCacheManager
 
 NB, BS, H, D = 32, 4, 2, 8
@@ -44,10 +45,16 @@ def slots_of(manager, seq_id, start, end):
     return jnp.asarray(blocks[pos // BS] * BS + pos % BS, jnp.int32)
 
 
+def copy(cache, src, dst):
+    """copy_blocks as the runner calls it: ids padded to a bucket; no copies, no call."""
+    num_blocks = cache.k.shape[0] if isinstance(cache, VAttentionCache) else cache[0][0].shape[0]
+    return copy_blocks(cache, *pad_block_copies(src, dst, num_blocks)) if len(src) else cache
+
+
 def run_writes(cache, manager, writes):
     """One engine step: this step's COW copies first (one call), then every (seq, tokens, start) write."""
     src, dst = manager.take_copies()
-    cache = copy_blocks(cache, src, dst)
+    cache = copy(cache, src, dst)
     for seq_id, tokens, start in writes:
         end = len(tokens)
         k, v = token_kv(tokens[start:end], np.arange(start, end))
@@ -92,7 +99,7 @@ def test_cache_writes_and_copies_run_the_cuda_calls_where_they_run():
     cache, idx = poisoned_cache(1), jnp.zeros(kv_cache.COPY_BUCKET_MIN, jnp.int32)
     k, v = token_kv([1, 2, 3], [0, 1, 2])
     write_hlo = jit_step.lower(cache, k, v, jnp.asarray([4, 5, 6], jnp.int32)).as_text()
-    copy_hlo = kv_cache._copy_blocks.lower(cache, idx, idx).as_text()
+    copy_hlo = kv_cache.copy_blocks.lower(cache, idx, idx).as_text()
     on_gpu = custom_calls.available()
     assert ("jaxserve_reshape_and_cache" in write_hlo) == on_gpu
     assert ("jaxserve_copy_blocks" in copy_hlo) == on_gpu
@@ -125,9 +132,9 @@ def test_step_with_write_kv_updates_donated_cache_in_place():
 def test_copy_blocks_updates_donated_cache_in_place_in_one_call():
     cache = poisoned_cache(2)
     idx = jnp.zeros(kv_cache.COPY_BUCKET_MIN, jnp.int32)
-    assert_cache_aliased_without_copy(kv_cache._copy_blocks.lower(cache, idx, idx).compile().as_text(), 4)
+    assert_cache_aliased_without_copy(kv_cache.copy_blocks.lower(cache, idx, idx).compile().as_text(), 4)
     ptrs = [x.unsafe_buffer_pointer() for layer in cache for x in layer]
-    out = copy_blocks(cache, np.array([1, 2], np.int32), np.array([3, 4], np.int32))
+    out = copy(cache, np.array([1, 2], np.int32), np.array([3, 4], np.int32))
     assert all(x.is_deleted() for layer in cache for x in layer)
     assert [x.unsafe_buffer_pointer() for layer in out for x in layer] == ptrs
 
@@ -143,11 +150,10 @@ def test_copy_blocks_matches_numpy_and_reads_all_sources_before_writing():
     dst = np.array([6, 7, 8, 10, 11], np.int32)  # 6 and 7 are read and written: every copy reads the old values
     want = data.copy()
     want[:, :, dst] = data[:, :, src]
-    before = kv_cache._copy_blocks._cache_size()
-    out = copy_blocks(cache, src, dst)
+    out = copy(cache, src, dst)
     np.testing.assert_array_equal(np.stack([np.stack(layer) for layer in out]), want)
-    copy_blocks(out, src[:3], dst[:3])  # same bucket: no new compilation
-    assert kv_cache._copy_blocks._cache_size() - before <= 1
+    # 3 and 5 copies pad to one bucket: one compiled graph serves both
+    assert pad_block_copies(src[:3], dst[:3], NB)[0].shape == pad_block_copies(src, dst, NB)[0].shape
 
 
 def test_cross_layer_cache_writes_one_layer_and_copies_every_layer_of_a_block():
@@ -155,13 +161,13 @@ def test_cross_layer_cache_writes_one_layer_and_copies_every_layer_of_a_block():
     model's layers share one trace), and a block copy moves all of a block's layers, in place."""
     rng = np.random.default_rng(4)
     data = rng.standard_normal((2, NB, 3, BS, H, D), dtype=np.float32)
-    cache = CrossLayerKV(jnp.asarray(data[0]), jnp.asarray(data[1]))
+    cache = VAttentionCache(jnp.asarray(data[0]), jnp.asarray(data[1]))
     k, v = token_kv([1, 2, 3], [0, 1, 2])
     slots = jnp.asarray([4 * BS + 1, 4 * BS + 2, 9 * BS], jnp.int32)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def write(cache, layer, k, v, slots):   # as models/attention.paged_attention writes
-        kv_layer = CrossLayerKV(cache.k, cache.v, layer)
+        kv_layer = VAttentionCache(cache.k, cache.v, layer)
         kc, vc, num_layers, i = layer_blocks(kv_layer)
         kc, vc = write_kv(kc, vc, k, v, layer_slot_mapping(slots, BS, num_layers, i))
         return with_layer(cache, 1, from_layer_blocks(kv_layer, kc, vc))
@@ -173,22 +179,23 @@ def test_cross_layer_cache_writes_one_layer_and_copies_every_layer_of_a_block():
     want[0, [4, 4, 9], 1, [1, 2, 0]], want[1, [4, 4, 9], 1, [1, 2, 0]] = np.asarray(k), np.asarray(v)
     np.testing.assert_array_equal(np.stack([cache.k, cache.v]), want)
     ptrs = [x.unsafe_buffer_pointer() for x in (cache.k, cache.v)]
-    out = copy_blocks(cache, np.array([4, 2], np.int32), np.array([7, 4], np.int32))
+    out = copy(cache, np.array([4, 2], np.int32), np.array([7, 4], np.int32))
     want[:, [7, 4]] = want[:, [4, 2]]
     np.testing.assert_array_equal(np.stack([out.k, out.v]), want)
     assert cache.k.is_deleted() and [x.unsafe_buffer_pointer() for x in (out.k, out.v)] == ptrs
 
 
-def test_copy_blocks_empty_is_free_and_bad_input_is_rejected():
-    cache = poisoned_cache(1)
+def test_block_copies_are_padded_to_a_bucket_and_bad_ids_are_rejected():
+    src, dst = pad_block_copies([3, 5], [7, 9], NB)
+    assert len(src) == len(dst) == kv_cache.COPY_BUCKET_MIN and list(src[:2]) == [3, 5] and list(dst[:2]) == [7, 9]
+    assert (dst[2:] >= NB).all()   # padding pairs write past the cache: skipped
     empty = np.zeros(0, np.int32)
-    assert copy_blocks(cache, empty, empty) is cache and not cache[0][0].is_deleted()
     with pytest.raises(ValueError, match="src and dst"):
-        copy_blocks(cache, np.array([1], np.int32), empty)
+        pad_block_copies(np.array([1], np.int32), empty, NB)
     with pytest.raises(ValueError, match="distinct"):
-        copy_blocks(cache, np.array([1, 2], np.int32), np.array([3, 3], np.int32))
+        pad_block_copies(np.array([1, 2], np.int32), np.array([3, 3], np.int32), NB)
     with pytest.raises(ValueError, match=r"\[0, 32\)"):
-        copy_blocks(cache, np.array([1], np.int32), np.array([NB], np.int32))
+        pad_block_copies(np.array([1], np.int32), np.array([NB], np.int32), NB)
 
 
 # --- manager + device arrays: copy-on-write and prefix hits -----------------------------------------------------
@@ -288,8 +295,8 @@ def test_num_blocks_from_device_memory_stats():
 
 
 def test_num_blocks_on_host_memory_is_a_capped_fraction(monkeypatch):
-    assert kv_cache._available_host_bytes() > 0
-    monkeypatch.setattr(kv_cache, "_available_host_bytes", lambda: 10 << 30)
+    assert kv_cache.available_host_bytes() > 0
+    monkeypatch.setattr(kv_cache, "available_host_bytes", lambda: 10 << 30)
     per_block = kv_bytes_per_block(32, 16, 8, 128, jnp.bfloat16)  # Llama-3-8B: 2 MiB per block
     cpu = StatsDevice(None)  # like a CPU device: no allocator stats
     assert num_blocks_for_memory(per_block, device=cpu, cpu_fraction=0.25, cpu_max_bytes=100 << 30) == 1280

@@ -15,9 +15,7 @@ from safetensors.numpy import load_file, save_file
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.loader import CONVERTED_META, load_model, save_converted
 
-from test_cli import jaxserve
-from test_gguf import HEADS, KV_HEADS, write_gguf
-from test_models import TINY
+from helpers import HEADS, KV_HEADS, TINY_HF_KWARGS, jaxserve, write_gguf
 
 # The tensor every weight-corrupting case spoils: its HF name, GGUF name and the name the error gives.
 HF_TENSOR, GGUF_TENSOR, LOADED_TENSOR = ("model.layers.1.mlp.up_proj.weight", "blk.1.ffn_up.weight",
@@ -28,7 +26,7 @@ NOT_FINITE = f"tensor {LOADED_TENSOR} holds NaN or Inf values"
 @pytest.fixture(scope="module")
 def tiny_hf():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{**TINY, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
+    cfg = transformers.LlamaConfig(**{**TINY_HF_KWARGS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -125,6 +123,7 @@ def test_malformed_model_is_a_load_error_naming_file_and_fault(checkpoint, tiny_
     assert message.startswith(f"{named}: ") and fault in message and "\n" not in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CLI_CASES)
 def test_cli_reports_a_malformed_model_in_one_line(checkpoint, tiny_hf, tmp_path, case):
     make, fault = CASES[case]

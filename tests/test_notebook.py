@@ -4,6 +4,7 @@ import pathlib
 import sys
 
 import nbformat
+import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
@@ -12,6 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 KERNEL = "jaxserve-test"
 CELL_TIMEOUT_S = 600   # generous: the notebook takes about a minute, CI machines are busy
+
+pytestmark = pytest.mark.slow
 
 
 def this_python_kernel(kernel_dir: pathlib.Path) -> KernelManager:

@@ -19,15 +19,14 @@ import openai
 import pytest
 
 from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
-from jaxserve.config import ModelConfig
 from jaxserve.engine.llm_engine import NeverFits, QueueFull
 from jaxserve.models.loader import random_model
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 from jaxserve.serve.openai_http import ENGINE_FIELDS, UNSUPPORTED, api_error
-from helpers import MODEL, base_url, in_process, wait_idle
+
+from helpers import MODEL, SERVER_KNOBS, TINY_NO_EOS, base_url, in_process, wait_idle
 
 REPO = Path(__file__).resolve().parents[1]
-KNOBS = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=128, num_blocks=256)
 KEY = "test-key"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -37,7 +36,7 @@ LONG = {"prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True,
 
 @pytest.fixture(scope="module")
 def server(smollm):
-    with in_process(LLMEngine(smollm, EngineConfig(precompile=False, **KNOBS)), api_key=KEY) as s:
+    with in_process(LLMEngine(smollm, EngineConfig(precompile=False, **SERVER_KNOBS)), api_key=KEY) as s:
         yield s
 
 
@@ -49,9 +48,10 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline(smollm):
-    return LLM(smollm, precompile=False, **KNOBS)
+    return LLM(smollm, precompile=False, **SERVER_KNOBS)
 
 
+@pytest.mark.slow
 def test_completion_matches_offline(client, offline):
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     want = offline.generate([PROMPT], GREEDY, use_tqdm=False)[0]
@@ -61,6 +61,7 @@ def test_completion_matches_offline(client, offline):
         len(want.prompt_token_ids), 12, len(want.prompt_token_ids) + 12)
 
 
+@pytest.mark.slow
 def test_chat_matches_llm_chat(client, offline):
     got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=24, temperature=0)
     want = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
@@ -71,6 +72,7 @@ def test_chat_matches_llm_chat(client, offline):
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.slow
 def test_streamed_chunks_concatenate_to_the_full_text_with_usage_last(client, chat):
     if chat:
         kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
@@ -89,6 +91,7 @@ def test_streamed_chunks_concatenate_to_the_full_text_with_usage_last(client, ch
         assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
 
 
+@pytest.mark.slow
 def test_n_seed_and_stop_match_offline_per_choice(client, offline):
     params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, stop=["."])
     kwargs = dict(model=MODEL, prompt=PROMPT, n=3, temperature=0.9, seed=7, max_tokens=12, stop=["."])
@@ -104,6 +107,7 @@ def test_n_seed_and_stop_match_offline_per_choice(client, offline):
     assert len(set(want)) > 1 and any(reason == "stop" for _, reason in want)
 
 
+@pytest.mark.slow
 def test_logprobs_completion_and_chat(client, offline, smollm):
     decode = lambda t: smollm.tokenizer.decode([t])  # noqa: E731
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
@@ -146,6 +150,7 @@ BAD = {   # name -> (chat, request fields, status, param)
 
 
 @pytest.mark.parametrize("case", list(BAD))
+@pytest.mark.slow
 def test_bad_input_is_an_openai_error_naming_the_field(client, server, case):
     chat, fields, status, param = BAD[case]
     request = dict(model=MODEL, max_tokens=4, **({"messages": MESSAGES} if chat else {"prompt": PROMPT}))
@@ -159,6 +164,7 @@ def test_bad_input_is_an_openai_error_naming_the_field(client, server, case):
     assert server.engine_loop.stats()["serving"]
 
 
+@pytest.mark.slow
 def test_api_key_health_models_metrics_and_unknown_routes(server, client):
     url = base_url(server)
     with openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as wrong:
@@ -177,6 +183,7 @@ def test_api_key_health_models_metrics_and_unknown_routes(server, client):
     assert finished and float(finished[1]) >= 1 and "jaxserve_time_to_first_token_seconds_count" in metrics
 
 
+@pytest.mark.slow
 def test_connections_send_at_once(server, client):
     """TCP_NODELAY on every accepted connection: without it Nagle holds each streamed event until the client's
     delayed ACK, ~40 ms (the listening socket must carry it: asyncio does not set it on uvicorn's)."""
@@ -186,6 +193,7 @@ def test_connections_send_at_once(server, client):
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+@pytest.mark.slow
 def test_a_disconnected_client_frees_its_slot_and_blocks_at_once(server, stream):
     before = wait_idle(server)
     headers, body = {"Authorization": f"Bearer {KEY}"}, {"model": MODEL, **LONG, "stream": stream}
@@ -202,11 +210,12 @@ def test_a_disconnected_client_frees_its_slot_and_blocks_at_once(server, stream)
     assert 0 < after["engine_steps"] - before["engine_steps"] < LONG["max_tokens"] // 2   # aborted, not run out
 
 
+@pytest.mark.slow
 def test_refusal_statuses_and_tokenization_off_the_engine_thread(smollm):
     """Can never fit: 400; past max_waiting: 429; after an engine failure: 503, /health 503. Text is templated
     and tokenized on the tokenizer thread."""
     gate, threads = threading.Event(), []
-    engine = LLMEngine(smollm, EngineConfig(precompile=False, **{**KNOBS, "num_blocks": 24}))
+    engine = LLMEngine(smollm, EngineConfig(precompile=False, **{**SERVER_KNOBS, "num_blocks": 24}))
     tokenize = engine.tokenize
     engine.tokenize = lambda *a: threads.append(threading.current_thread().name) or tokenize(*a)
 
@@ -265,6 +274,7 @@ def fuzz_value(rng: random.Random, depth: int = 0):
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.slow
 def test_random_values_in_every_field_get_200_or_4xx_and_the_engine_keeps_serving(server, chat):
     """Whatever a request's fields hold, the answer is a success or a 4xx naming the problem: never a 500, never
     an error on the engine thread (which would end the server)."""
@@ -300,6 +310,7 @@ def test_admission_errors_map_to_statuses():
     assert (api_error(Overloaded("x"), {}).status, api_error(EngineFailed("x"), {}).status) == (429, 503)
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_busy_http_port_before_loading_the_model():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -313,22 +324,21 @@ def test_serve_refuses_a_busy_http_port_before_loading_the_model():
 
 
 # ---- a model without a tokenizer (random weights: what the GPU serving benchmarks run) ----------------------
-TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, max_position_embeddings=512)
 IDS = list(range(3, 40))
 TOKEN_IDS = dict(ignore_eos=True, return_token_ids=True)
 
 
 @pytest.fixture(scope="module")
 def bare():
-    """(server, client) over TINY random weights, tokenizer None."""
-    engine = LLMEngine(random_model(TINY, jnp.float32), EngineConfig(precompile=False, **KNOBS))
+    """(server, client) over TINY_NO_EOS random weights, tokenizer None."""
+    engine = LLMEngine(random_model(TINY_NO_EOS, jnp.float32), EngineConfig(precompile=False, **SERVER_KNOBS))
     assert engine.tokenizer is None
     with in_process(engine) as server, \
             openai.OpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
         yield server, c
 
 
+@pytest.mark.slow
 def test_token_id_prompts_without_a_tokenizer_stream_and_count_tokens(bare):
     _, client = bare
     full = client.completions.create(model=MODEL, prompt=IDS, max_tokens=9, temperature=0, logprobs=1,
@@ -344,6 +354,7 @@ def test_token_id_prompts_without_a_tokenizer_stream_and_count_tokens(bare):
     assert chunks[-1].usage.completion_tokens == 9 and chunks[-2].choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_without_a_tokenizer_chat_and_text_prompts_are_400s(bare):
     server, client = bare
     chat = error_of(client.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=4)
@@ -353,6 +364,7 @@ def test_without_a_tokenizer_chat_and_text_prompts_are_400s(bare):
     assert server.engine_loop.stats()["serving"]
 
 
+@pytest.mark.slow
 def test_cache_salt_is_a_prefix_cache_namespace(bare):
     server, client = bare
     prompt = list(range(1, 100))

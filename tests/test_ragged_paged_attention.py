@@ -5,9 +5,6 @@ no live token was written, block-table entries past a sequence's end are garbage
 buffers poison the allocator: reading anything unwritten, or leaving an output row unwritten, shows up
 as NaN. Padding rows must come out exactly zero.
 """
-from dataclasses import dataclass
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,100 +12,12 @@ import pytest
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
-ON_GPU = jax.default_backend() == "gpu"
+from helpers import (GEOMETRY, MIXES, Batch, check_close, interpret_tuning, make_batch, naive_attention, on_gpu,
+                     on_hopper, poison_allocator)
+
+ON_GPU = on_gpu()
 INTERPRET = not ON_GPU
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-@dataclass(slots=True)
-class Batch:
-    q: jax.Array
-    k_cache: jax.Array
-    v_cache: jax.Array
-    cu_q_lens: jax.Array
-    kv_lens: jax.Array
-    block_tables: jax.Array
-    num_seqs: jax.Array
-    live_tokens: int
-
-    def args(self):
-        return (self.q, self.k_cache, self.v_cache, self.cu_q_lens, self.kv_lens, self.block_tables,
-                self.num_seqs)
-
-
-GEOMETRY = {"q_heads": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16, "max_seqs": 8, "num_tokens": 64,
-            "max_blocks": 8, "num_blocks": 48}  # shared so one compile serves every mix
-
-
-def make_batch(rng, q_lens, kv_lens, *, q_heads, kv_heads, head_dim, block_size, max_seqs, num_tokens, max_blocks,
-               num_blocks, dtype=jnp.float32) -> Batch:
-    """Random batch: sequences' pages in random order, NaN in every cache slot no live token wrote."""
-    num_seqs, live_tokens = len(q_lens), sum(q_lens)
-    pages = [-(-n // block_size) for n in kv_lens]
-    assert num_seqs <= max_seqs and live_tokens <= num_tokens and max(pages) <= max_blocks < num_blocks
-    order = iter(rng.permutation(np.arange(1, num_blocks)))
-    tables = rng.integers(-5, 1 << 20, (max_seqs, max_blocks)).astype(np.int32)  # garbage past the end
-    cache = np.full((2, num_blocks, block_size, kv_heads, head_dim), np.nan, np.float32)
-    for i, n in enumerate(kv_lens):
-        for j in range(pages[i]):
-            tables[i, j] = next(order)
-            filled = min(block_size, n - j * block_size)
-            cache[:, tables[i, j], :filled] = rng.standard_normal((2, filled, kv_heads, head_dim))
-    cu = np.full(max_seqs + 1, live_tokens, np.int32)
-    cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
-    lens = rng.integers(1 << 20, 1 << 21, max_seqs).astype(np.int32)  # garbage past num_seqs
-    lens[:num_seqs] = kv_lens
-    q = rng.standard_normal((num_tokens, q_heads, head_dim)).astype(np.float32)
-    return Batch(jnp.asarray(q, dtype), jnp.asarray(cache[0], dtype), jnp.asarray(cache[1], dtype),
-                 jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(tables), jnp.asarray([num_seqs], jnp.int32),
-                 live_tokens)
-
-
-def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=None) -> np.ndarray:
-    """Per-sequence dense attention in float64 numpy, written from the spec."""
-    q, cu, kv_lens, tables = (np.asarray(x) for x in (batch.q.astype(jnp.float32), batch.cu_q_lens,
-                                                        batch.kv_lens, batch.block_tables))
-    k_cache, v_cache = (np.asarray(x.astype(jnp.float32), np.float64) for x in (batch.k_cache, batch.v_cache))
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = np.zeros(q.shape)
-    for i in range(int(batch.num_seqs[0])):
-        kv_len, qs = kv_lens[i], q[cu[i]:cu[i + 1]].astype(np.float64)
-        pages = tables[i, : -(-kv_len // block_size)]
-        k, v = (np.repeat(c[pages].reshape(-1, kv_heads, q.shape[2])[:kv_len], q.shape[1] // kv_heads, axis=1)
-                for c in (k_cache, v_cache))
-        s = np.einsum("qhd,khd->hqk", qs, k) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * np.tanh(s / soft_cap)
-        q_pos, key = kv_len - len(qs) + np.arange(len(qs)), np.arange(kv_len)
-        mask = key[None, :] <= q_pos[:, None]
-        if sliding_window is not None:
-            mask &= key[None, :] > q_pos[:, None] - sliding_window
-        s = np.where(mask, s, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        out[cu[i]:cu[i + 1]] = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v)
-    return out
-
-
-def check_close(out, expected, batch: Batch, dtype, label=""):
-    """Live rows finite and within tolerance (max abs error / max abs value); padding rows exactly zero."""
-    out = np.asarray(out.astype(jnp.float32))
-    live = out[: batch.live_tokens]
-    assert np.isfinite(live).all(), f"{label}: non-finite output in live rows"
-    assert (out[batch.live_tokens:] == 0).all(), f"{label}: padding rows must be zeros"
-    expected = np.asarray(expected, np.float64)[: batch.live_tokens]
-    error = np.abs(live - expected).max() / np.abs(expected).max()
-    assert error <= TOLERANCE[dtype], f"{label}: relative error {error:.3g} > {TOLERANCE[dtype]}"
-
-
-def poison_allocator(batch: Batch):
-    """On GPU, free a few NaN buffers of the output's size so an unwritten output row likely reads NaN."""
-    if ON_GPU:
-        for _ in range(3):
-            jnp.full(batch.q.shape, jnp.nan, batch.q.dtype).block_until_ready().delete()
-
-
-# The interpreter runs programs one by one: launch fewer decode programs there (still several splits each).
-INTERPRET_TUNING = {"decode_programs": 16} if INTERPRET else {}
+INTERPRET_TUNING = interpret_tuning()
 
 
 def check_kernel(batch: Batch, dtype, label="", tuning=None, **options):
@@ -117,15 +26,6 @@ def check_kernel(batch: Batch, dtype, label="", tuning=None, **options):
     out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
                                  **options, **(tuning or INTERPRET_TUNING))
     check_close(out, expected, batch, dtype, label)
-
-
-# (q_lens, kv_lens): decodes first (the engine's order), then chunked prefills; kv not multiples of 16.
-MIXES = {
-    "decodes": ([1, 1, 1, 1, 1], [1, 17, 40, 64, 99]),
-    "prefill": ([45], [45]),
-    "mixed": ([1, 1, 1, 13, 30, 7], [33, 5, 80, 13, 71, 50]),
-    "decode_after_prefill": ([1, 9, 1, 1], [30, 40, 17, 64]),  # never from the engine; must still work
-}
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
@@ -236,7 +136,7 @@ def test_rejects_bad_input(change, field):
         ragged_paged_attention(*args.values(), **kwargs)
 
 
-HOPPER = ON_GPU and getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+HOPPER = on_hopper()
 # Long prompts and chunks over cached context: several 128-row tiles per sequence, partial last tiles.
 MOSAIC_MIXES = {
     "mixed": ([1, 1, 1, 13, 30, 7], [33, 5, 80, 13, 71, 50]),

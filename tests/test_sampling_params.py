@@ -1,5 +1,6 @@
 import pytest
 
+from jaxserve.engine.sampler import mode_for
 from jaxserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -8,7 +9,6 @@ def test_defaults_match_vllm():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens) == (1, 1.0, 1.0, 0, 0.0, 16, 0)
     assert (p.stop, p.stop_token_ids, p.seed, p.logprobs) == ([], [], None, None)
     assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
-    assert not p.greedy
 
 
 def test_stop_str_becomes_list_and_ints_become_floats():
@@ -20,7 +20,8 @@ def test_stop_str_becomes_list_and_ints_become_floats():
 
 @pytest.mark.parametrize("temperature, greedy", [(0.0, True), (1e-6, True), (1e-5, False), (0.7, False)])
 def test_greedy_below_threshold(temperature, greedy):
-    assert SamplingParams(temperature=temperature).greedy is greedy
+    """The engine samples a request greedily (argmax, no random draw) below GREEDY_TEMPERATURE."""
+    assert mode_for([SamplingParams(temperature=temperature)], vocab_size=32) == ("greedy" if greedy else "sample")
 
 
 def test_edges_accepted():

@@ -16,15 +16,15 @@ from benchmarks.sweep import (SWEEP_SAMPLING, SweepCase, Traffic, assign_blocks,
                               ladder_rows, pad_to, padding_waste, run_sweep, simulate_steps, step_cost,
                               synthetic_inputs)
 from jaxserve.cli import main as cli_main
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.runner import ModelRunner
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import start_device
 from jaxserve.engine.scheduler import StepRow
 from jaxserve.engine.sequence import Sequence
 from jaxserve.models.attention import AttentionKernels
 from jaxserve.models.loader import random_model
 
-TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+from helpers import TINY_NO_EOS as TINY
+
 CFG = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, min_prefill_chunk=16,
                    token_buckets=(16, 32, 64), seq_buckets=(4, 8), num_blocks=160, precompile=False)
 ROW_FIELDS = {"bench", "impl", "params", "ms", "tok_s", "compile_s", "bytes", "flops", "roofline_frac"}
@@ -37,7 +37,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def runner(tiny):
-    return ModelRunner(tiny, CFG)
+    return start_device(tiny, CFG)[1]
 
 
 def engine_inputs(runner, syn):
@@ -78,9 +78,9 @@ def test_synthetic_inputs_are_what_the_engine_builds(runner, case):
 
 def test_decode_cases_run_the_engines_decode_graph(tiny, monkeypatch):
     """Where a decode kernel runs (the GPU), a decode case is timed on the decode-only graph the engine runs."""
-    import jaxserve.engine.runner as runner_module
-    monkeypatch.setattr(runner_module, "resolve_attention_kernels", lambda *_: AttentionKernels("pallas", "triton"))
-    r, rng = ModelRunner(tiny, CFG), np.random.default_rng(0)
+    import jaxserve.engine.step_graphs as step_graphs
+    monkeypatch.setattr(step_graphs, "resolve_attention_kernels", lambda *_: AttentionKernels("pallas", "triton"))
+    r, rng = start_device(tiny, CFG)[1], np.random.default_rng(0)
     assert synthetic_inputs(r, SweepCase(16, 8, 40, "decode"), rng).model.attn.decode_only
     assert not synthetic_inputs(r, SweepCase(32, 8, 40, "mixed"), rng).model.attn.decode_only
 

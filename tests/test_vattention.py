@@ -9,116 +9,26 @@ import pytest
 
 from custom_calls import build
 from jaxserve.cache.vattention import (CudaPageMapper, FakePageMapper, ForkError, VAttentionKVCacheManager,
-                                       VmmGeometry)
+                                       VAttentionGeometry)
+
+from helpers import fuzz
 
 C_ABI = ("vmm_last_error", "vmm_granularity", "vmm_create", "vmm_destroy", "vmm_page_size", "vmm_base", "vmm_map",
          "vmm_map_async", "vmm_sync", "vmm_trim", "vmm_record_fence", "vmm_poll", "vmm_num_mapped",
          "vmm_num_free_pages", "vmm_num_deferred", "vmm_dry_complete_fences", "vmm_export_dlpack",
          "JaxserveVmmFence")
 # page 4 KiB, 384-byte tokens: 10.67 tokens a page, so tokens straddle pages
-GEOMETRIES = [dict(num_slots=6, max_model_len=100, block_size=4, token_bytes=384, num_pages=28, page_size=4096),
-              dict(num_slots=4, max_model_len=64, block_size=16, token_bytes=512, num_pages=12, page_size=4096)]
+GEOMETRIES = [dict(num_seqs=6, max_model_len=100, block_size=4, token_bytes=384, num_pages=28, page_size=4096),
+              dict(num_seqs=4, max_model_len=64, block_size=16, token_bytes=512, num_pages=12, page_size=4096)]
 
 
 def make(geometry: dict, mapper: str = "fake", library=None, **kw):
-    g = VmmGeometry(**geometry)
+    g = VAttentionGeometry(**geometry)
     if mapper == "fake":
-        m = FakePageMapper(g.num_pages, g.rows, g.pages_per_slot)
+        m = FakePageMapper(g.num_pages, g.rows, g.pages_per_row)
     else:
         m = CudaPageMapper(g, num_tensors=2, dry_run=True, library=library)
     return VAttentionKVCacheManager(g, m, **kw), m
-
-
-class Model:
-    """What the manager must do, by counting alone: live tokens per seq, the budget, the block tables."""
-
-    def __init__(self, kv: VAttentionKVCacheManager):
-        self.kv, self.g = kv, kv.geometry
-        self.tokens: dict[int, int] = {}
-        self.tables: dict[int, list[int]] = {}
-
-    def free_pages(self) -> int:
-        return self.g.num_pages - self.kv.null_pages - sum(self.g.pages_for(n) for n in self.tokens.values())
-
-    def admit_ok(self, n: int) -> bool:
-        return len(self.tokens) < self.g.num_slots and self.free_pages() - self.g.pages_for(n) >= \
-            self.kv.watermark_pages
-
-    def expected_slot(self, n: int) -> set[int]:
-        """Best fit: fewest mapped among free slots covering n's pages, else the most mapped."""
-        kv, need = self.kv, self.g.pages_for(n)
-        free = [s for s in range(1, self.g.rows) if s not in kv.live]
-        fits = [s for s in free if kv.mapped[s] >= need]
-        best = min(kv.mapped[s] for s in fits) if fits else max(kv.mapped[s] for s in free)
-        return {s for s in (fits or free) if kv.mapped[s] == best}
-
-    def apply_updates(self) -> None:
-        for seq_id, start, ids in self.kv.take_block_updates():
-            self.tables[seq_id] = self.tables.get(seq_id, [])[:start] + ids
-
-
-def check_invariants(model: Model, mapper) -> None:
-    kv, g = model.kv, model.g
-    if isinstance(mapper, FakePageMapper):   # every pool page in exactly one place: never double-mapped
-        held = [p for pages in mapper.pages for p in pages] + mapper.free
-        assert sorted(held) == list(range(g.num_pages))
-    mapped = [mapper.num_mapped(s) for s in range(g.rows)]
-    assert mapped == kv.mapped, "manager's view of mapped pages differs from the mapper's"
-    assert sum(mapped) <= g.num_pages and kv.total_mapped == sum(mapped)
-    assert mapped[0] >= kv.null_pages and 0 not in kv.live
-    assert kv.num_free_pages == model.free_pages() >= 0
-    slots = [kv.slot_of(s) for s in model.tokens]
-    assert len(set(slots)) == len(slots)
-    assert sorted(kv.free_slots) == sorted(set(range(1, g.rows)) - set(slots))
-    model.apply_updates()
-    for seq_id, n in model.tokens.items():
-        slot = kv.slot_of(seq_id)
-        assert kv.seqs[seq_id].num_computed == n
-        assert mapped[slot] >= g.pages_for(n), "a live sequence's tokens are not all mapped"
-        if isinstance(mapper, FakePageMapper):
-            assert mapper.ready[slot] >= g.pages_for(n), "a step could touch a page still being mapped ahead"
-        ids = [slot * g.blocks_per_slot + i for i in range(-(-n // g.block_size))]   # the identity ids
-        assert kv.block_ids(seq_id) == ids == model.tables[seq_id][:len(ids)]
-
-
-def fuzz(kv, mapper, seed: int, steps: int = 400) -> dict:
-    rng, model = np.random.default_rng(seed), Model(kv)
-    seen, next_id = {"refused": 0, "reclaimed": 0, "reused": 0, "grow_refused": 0}, 0
-    for _ in range(steps):
-        op = rng.choice(["admit", "grow", "grow", "free"])
-        if op == "admit" or not model.tokens:
-            n = int(rng.integers(1, kv.geometry.max_model_len // 2))
-            expect_ok, before = model.admit_ok(n), list(kv.mapped)
-            candidates = model.expected_slot(n) if len(model.tokens) < kv.geometry.num_slots else set()
-            ok, cached = kv.allocate(next_id, [7] * n, n)
-            assert (ok, cached) == (expect_ok, 0), f"seed {seed}: admission of {n} tokens"
-            if ok:
-                assert kv.slot_of(next_id) in candidates, f"seed {seed}: not the best-fit slot"
-                seen["reused"] += before[kv.slot_of(next_id)] > 0
-                model.tokens[next_id] = n
-            else:
-                seen["refused"] += 1
-                assert kv.mapped == before and next_id not in kv.seqs
-            next_id += 1
-        elif op == "grow":
-            seq_id = int(rng.choice(list(model.tokens)))
-            old = model.tokens[seq_id]
-            add = int(rng.integers(0, min(kv.geometry.max_model_len - old, 24) + 1))
-            expect_ok = kv.geometry.pages_for(old + add) - kv.geometry.pages_for(old) <= model.free_pages()
-            assert kv.allocate(seq_id, [7] * (old + add), add) == (expect_ok, 0), f"seed {seed}: growth"
-            if expect_ok:
-                model.tokens[seq_id] = old + add
-            else:
-                seen["grow_refused"] += 1
-        else:   # finish or preempt: the same call
-            seq_id = int(rng.choice(list(model.tokens)))
-            kv.free(seq_id)
-            del model.tokens[seq_id]
-            with pytest.raises(KeyError):
-                kv.free(seq_id)
-        check_invariants(model, mapper)
-    seen["reclaimed"] = sum(op == "trim" for op, *_ in getattr(mapper, "log", []))
-    return seen
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
@@ -131,82 +41,82 @@ def test_fuzz_page_accounting_against_model(geometry, lookahead, seed):
 
 
 def test_best_fit_prefers_smallest_slot_with_enough_mapped_pages():
-    kv, mapper = make(dict(num_slots=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=40,
+    kv, mapper = make(dict(num_seqs=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=40,
                            page_size=4096), watermark=0)   # 4 tokens a page
-    for seq_id, n in enumerate([40, 12, 24, 4]):   # slots 1..4 with 10, 3, 6, 1 pages
+    for seq_id, n in enumerate([40, 12, 24, 4]):   # rows 1..4 with 10, 3, 6, 1 pages
         assert kv.allocate(seq_id, [1] * n, n) == (True, 0)
-    assert [kv.slot_of(i) for i in range(4)] == [1, 2, 3, 4]
+    assert [kv.row_of(i) for i in range(4)] == [1, 2, 3, 4]
     for seq_id in range(4):
         kv.free(seq_id)
-    assert kv.mapped[1:] == [10, 3, 6, 1] and kv.num_free_pages == 39   # freed slots keep their pages
-    kv.allocate(10, [1] * 17, 17)   # 5 pages: slot 3 (6) is the tightest fit
-    kv.allocate(11, [1] * 9, 9)     # 3 pages: slot 2 exactly
-    kv.allocate(12, [1] * 60, 60)   # 15 pages: nothing fits, the most mapped (slot 1, 10 pages) grows
-    assert [kv.slot_of(i) for i in (10, 11, 12)] == [3, 2, 1]
+    assert kv.mapped[1:] == [10, 3, 6, 1] and kv.num_free_pages == 39   # freed rows keep their pages
+    kv.allocate(10, [1] * 17, 17)   # 5 pages: row 3 (6) is the tightest fit
+    kv.allocate(11, [1] * 9, 9)     # 3 pages: row 2 exactly
+    kv.allocate(12, [1] * 60, 60)   # 15 pages: nothing fits, the most mapped (row 1, 10 pages) grows
+    assert [kv.row_of(i) for i in (10, 11, 12)] == [3, 2, 1]
     assert not any(op == "trim" for op, *_ in mapper.log) and kv.mapped[1:] == [15, 3, 6, 1]
 
 
 def test_premap_spreads_the_pool_so_admissions_map_nothing():
-    """Eager allocation: every pool page mapped at start, evenly over the slots; a sequence within its slot's
-    share maps nothing, a longer one reclaims from free slots."""
-    kv, mapper = make(dict(num_slots=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=15,
+    """Eager allocation: every pool page mapped at start, evenly over the rows; a sequence within its row's
+    share maps nothing, a longer one reclaims from free rows."""
+    kv, mapper = make(dict(num_seqs=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=15,
                            page_size=4096), watermark=0, premap=True)   # 4 tokens a page, 16 pages a row
     assert kv.mapped == [1, 3, 3, 4, 4] and kv.total_mapped == 15 and kv.ready == kv.mapped
     maps = len(mapper.log)
-    assert kv.allocate("a", [1] * 12, 12) == (True, 0) and len(mapper.log) == maps   # 3 pages: slot 1's own
-    assert kv.allocate("b", [1] * 40, 40) == (True, 0)   # 10 pages: the most mapped free slot grows by reclaiming
-    assert any(op == "trim" for op, *_ in mapper.log[maps:]) and kv.mapped[kv.slot_of("b")] == 10
+    assert kv.allocate("a", [1] * 12, 12) == (True, 0) and len(mapper.log) == maps   # 3 pages: row 1's own
+    assert kv.allocate("b", [1] * 40, 40) == (True, 0)   # 10 pages: the most mapped free row grows by reclaiming
+    assert any(op == "trim" for op, *_ in mapper.log[maps:]) and kv.mapped[kv.row_of("b")] == 10
     assert kv.total_mapped <= 15
 
 
 def test_a_prompts_later_chunks_are_mapped_ahead_on_the_mapper_thread():
     """Chunked prefill under eager allocation: the first chunk's pages are the step's (ready), the rest of the
-    prompt's are taken at once from free slots' spare pages and mapped on the mapper thread while steps run, so the
+    prompt's are taken at once from free rows' spare pages and mapped on the mapper thread while steps run, so the
     next chunk reclaims nothing and its synchronous map finds its pages mapped."""
-    kv, mapper = make(dict(num_slots=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=15,
-                           page_size=4096), watermark=0, premap=True)   # 4 tokens a page; slots hold 3, 3, 4, 4
+    kv, mapper = make(dict(num_seqs=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=15,
+                           page_size=4096), watermark=0, premap=True)   # 4 tokens a page; rows hold 3, 3, 4, 4
     prompt, log = [1] * 48, len(mapper.log)   # 12 pages
     assert kv.allocate("a", prompt, 16) == (True, 0)
-    slot = kv.slot_of("a")
-    assert (kv.ready[slot], kv.pinned[slot], kv.mapped[slot]) == (4, 4, 12) and kv.num_free_pages == 10
-    assert ("map_ahead", slot, 12) in mapper.log[log:] and any(op == "trim" for op, *_ in mapper.log[log:])
+    row = kv.row_of("a")
+    assert (kv.ready[row], kv.pinned[row], kv.mapped[row]) == (4, 4, 12) and kv.num_free_pages == 10
+    assert ("map_ahead", row, 12) in mapper.log[log:] and any(op == "trim" for op, *_ in mapper.log[log:])
     log = len(mapper.log)
-    assert kv.allocate("a", prompt, 16) == (True, 0) and kv.ready[slot] == 8
-    assert mapper.log[log:] == [("map", slot, 8)] and mapper.num_mapped(slot) == 12
+    assert kv.allocate("a", prompt, 16) == (True, 0) and kv.ready[row] == 8
+    assert mapper.log[log:] == [("map", row, 8)] and mapper.num_mapped(row) == 12
 
 
-def test_reclaim_takes_free_slots_pages_before_a_live_slots_mapped_ahead_ones():
-    kv, mapper = make(dict(num_slots=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=23,
-                           page_size=4096), watermark=0, premap=True)   # slots hold 5, 5, 6, 6
+def test_reclaim_takes_free_rows_pages_before_a_live_rows_mapped_ahead_ones():
+    kv, mapper = make(dict(num_seqs=4, max_model_len=64, block_size=4, token_bytes=1024, num_pages=23,
+                           page_size=4096), watermark=0, premap=True)   # rows hold 5, 5, 6, 6
     assert kv.allocate("a", [1] * 48, 16) == (True, 0)   # 4 pages its step's, 8 mapped ahead
-    a = kv.slot_of("a")
+    a = kv.row_of("a")
     assert (kv.pinned[a], kv.mapped[a]) == (4, 12)
-    assert kv.allocate("b", [1] * 40, 40) == (True, 0)   # 10 pages: the free slots' 10, not a's spare 8
-    assert kv.mapped[a] == 12 and not any(op == "trim" and slot == a for op, slot, _ in mapper.log)
+    assert kv.allocate("b", [1] * 40, 40) == (True, 0)   # 10 pages: the free rows' 10, not a's spare 8
+    assert kv.mapped[a] == 12 and not any(op == "trim" and row == a for op, row, _ in mapper.log)
 
 
-def test_reclaims_free_slots_only_when_the_pool_runs_short_and_refuses_past_budget():
-    kv, mapper = make(dict(num_slots=3, max_model_len=64, block_size=4, token_bytes=1024, num_pages=17,
+def test_reclaims_free_rows_only_when_the_pool_runs_short_and_refuses_past_budget():
+    kv, mapper = make(dict(num_seqs=3, max_model_len=64, block_size=4, token_bytes=1024, num_pages=17,
                            page_size=4096), watermark=0)   # 16 usable pages
     assert kv.allocate("a", [1] * 40, 40) == (True, 0) and kv.allocate("b", [1] * 24, 24) == (True, 0)
     kv.free("a")
     assert kv.mapped[1] == 10 and kv.num_free_pages == 10
     assert kv.allocate("c", [1] * 64, 64) == (False, 0)   # 16 pages > 10 free: refused, nothing changed
     assert kv.mapped[1:] == [10, 6, 0] and "c" not in kv.seqs
-    assert kv.allocate("c", [1] * 16, 16) == (True, 0)     # best fit reuses slot 1 (10 pages, keeps them)
-    assert kv.slot_of("c") == 1 and kv.mapped[1] == 10
-    assert kv.allocate("d", [1] * 16, 16) == (True, 0)     # 4 pages: 0 unmapped, so slot 1's spare 6 give 4
+    assert kv.allocate("c", [1] * 16, 16) == (True, 0)     # best fit reuses row 1 (10 pages, keeps them)
+    assert kv.row_of("c") == 1 and kv.mapped[1] == 10
+    assert kv.allocate("d", [1] * 16, 16) == (True, 0)     # 4 pages: 0 unmapped, so row 1's spare 6 give 4
     assert ("trim", 1, 6) in mapper.log and kv.mapped[1:] == [6, 6, 4]
     assert kv.allocate("c", [1] * 30, 14) == (False, 0)    # needs 4 more pages, 2 left
     assert kv.allocate("c", [1] * 24, 8) == (True, 0)
 
 
 def test_growth_and_capacity_in_block_units_match_the_paged_manager_contract():
-    kv, _ = make(dict(num_slots=2, max_model_len=64, block_size=4, token_bytes=1024, num_pages=9, page_size=4096),
+    kv, _ = make(dict(num_seqs=2, max_model_len=64, block_size=4, token_bytes=1024, num_pages=9, page_size=4096),
                  watermark=0)
     assert kv.num_blocks == 1 + 8 and kv.num_free_blocks == 8 and kv.usage == 0.0 and kv.max_tokens_per_seq == 32
     assert kv.lookup_prefix([1, 2, 3]) == 0
-    assert kv.geometry.blocks_per_slot == 17   # 64 tokens = 16 pages, rounded up to an odd number of pages
+    assert kv.geometry.blocks_per_row == 17   # 64 tokens = 16 pages, rounded up to an odd number of pages
     assert kv.allocate(1, [5] * 6, 6) == (True, 0) and kv.take_block_updates() == [(1, 0, [17, 18])]
     assert kv.allocate(1, [5] * 7, 1) == (True, 0) and kv.take_block_updates() == []   # same block
     assert kv.allocate(1, [5] * 9, 2) == (True, 0) and kv.take_block_updates() == [(1, 2, [19])]
@@ -221,18 +131,18 @@ def test_growth_and_capacity_in_block_units_match_the_paged_manager_contract():
 
 
 def test_fork_copies_the_parent_after_its_step_and_holds_its_pages_until_then():
-    kv, _ = make(dict(num_slots=3, max_model_len=64, block_size=4, token_bytes=1024, num_pages=12, page_size=4096),
+    kv, _ = make(dict(num_seqs=3, max_model_len=64, block_size=4, token_bytes=1024, num_pages=12, page_size=4096),
                  watermark=0)
-    bps = kv.geometry.blocks_per_slot
+    bps = kv.geometry.blocks_per_row
     kv.allocate("p", [1] * 10, 10)
     kv.fork("p", "c")
-    p, c = kv.slot_of("p"), kv.slot_of("c")
+    p, c = kv.row_of("p"), kv.row_of("c")
     assert p != c and kv.mapped[c] >= 3 and kv.block_ids("c") == [c * bps + i for i in range(3)]
     assert [len(x) for x in kv.take_copies()] == [0, 0]   # the parent's last chunk is written by this step
-    kv.free("p")   # finished before its copy ran: the slot is free, its pages stay pinned
-    assert p in kv.free_slots and kv.pinned[p] == 3
-    kv.allocate("q", [1] * 2, 2)   # best fit re-places the slot: its writes come after the copy
-    assert kv.slot_of("q") == p and kv.pinned[p] == 3
+    kv.free("p")   # finished before its copy ran: the row is free, its pages stay pinned
+    assert p in kv.free_rows and kv.pinned[p] == 3
+    kv.allocate("q", [1] * 2, 2)   # best fit re-places the row: its writes come after the copy
+    assert kv.row_of("q") == p and kv.pinned[p] == 3
     src, dst = kv.take_copies()
     assert src.tolist() == [p * bps + i for i in range(3)] and dst.tolist() == [c * bps + i for i in range(3)]
     assert kv.pinned[p] == 1 and kv.mapped[p] == 3
@@ -249,10 +159,10 @@ def test_fork_copies_the_parent_after_its_step_and_holds_its_pages_until_then():
 
 
 def test_geometry_pads_rows_to_whole_pages_and_blocks():
-    g = VmmGeometry(num_slots=8, max_model_len=2048, block_size=16, token_bytes=30 * 3 * 64 * 2, num_pages=10)
-    assert g.tokens_per_slot == 8192 and g.slot_bytes % g.page_size == 0 and g.blocks_per_slot == 512
-    g = VmmGeometry(num_slots=8, max_model_len=4000, block_size=16, token_bytes=32 * 8 * 128 * 2, num_pages=10)
-    assert g.tokens_per_slot == 4000 and g.pages_for(32) == 1 and g.pages_for(33) == 2   # Llama-3-8B megacache
+    g = VAttentionGeometry(num_seqs=8, max_model_len=2048, block_size=16, token_bytes=30 * 3 * 64 * 2, num_pages=10)
+    assert g.tokens_per_row == 8192 and g.row_bytes % g.page_size == 0 and g.blocks_per_row == 512
+    g = VAttentionGeometry(num_seqs=8, max_model_len=4000, block_size=16, token_bytes=32 * 8 * 128 * 2, num_pages=10)
+    assert g.tokens_per_row == 4000 and g.pages_for(32) == 1 and g.pages_for(33) == 2   # Llama-3-8B megacache
 
 
 # ---------------------------------------------------------------- the C++ manager: nvcc build, C ABI, dry run
@@ -274,6 +184,7 @@ def vmm_library(tmp_path_factory):
     return str(out)
 
 
+@pytest.mark.slow
 def test_library_builds_with_the_library_and_exports_the_c_abi(vmm_library):
     assert build.SOURCE_DIR / "vmm_manager.cu" in build.sources()   # part of libjaxserve_cuda.so
     exported = subprocess.run(["nm", "-D", "--defined-only", vmm_library], capture_output=True, text=True,
@@ -286,6 +197,7 @@ def test_library_builds_with_the_library_and_exports_the_c_abi(vmm_library):
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("lookahead", [0, 12])
+@pytest.mark.slow
 def test_fuzz_through_the_cpp_manager_dry_run(vmm_library, geometry, lookahead):
     kv, mapper = make(geometry, "cuda", vmm_library, lookahead_tokens=lookahead, watermark=0.05)
     fuzz(kv, mapper, seed=lookahead, steps=250)   # the dry backend raises on any map over a mapped page
@@ -295,9 +207,10 @@ def test_fuzz_through_the_cpp_manager_dry_run(vmm_library, geometry, lookahead):
     mapper.close()
 
 
+@pytest.mark.slow
 def test_cpp_manager_defers_unmaps_until_the_fence_and_refuses_past_the_pool(vmm_library):
     from custom_calls.vmm import VmmError, VmmManager
-    m = VmmManager(device=0, num_slots=3, num_tensors=2, slot_bytes=4 * 4096, num_pages=5, page_size=4096,
+    m = VmmManager(device=0, num_rows=3, num_tensors=2, row_bytes=4 * 4096, num_pages=5, page_size=4096,
                    dry_run=True, path=vmm_library)
     m.map(1, 3)
     m.map_async(2, 2)
@@ -305,11 +218,11 @@ def test_cpp_manager_defers_unmaps_until_the_fence_and_refuses_past_the_pool(vmm
     assert (m.num_mapped(1), m.num_mapped(2), m.num_free_pages) == (3, 2, 0)
     with pytest.raises(VmmError, match="page pool exhausted"):
         m.map(0, 1)
-    m.record_fence()   # a step that may read slot 1 was launched
+    m.record_fence()   # a step that may read row 1 was launched
     m.trim(1, 1)
     assert (m.num_mapped(1), m.num_free_pages, m.num_deferred) == (1, 2, 2)   # pages back, unmaps wait
     m.map(0, 2)   # other rows take the pages at once (stream order protects their data)
-    assert m.complete_fences(0) == 2 * (1 + 2 + 2 + 2)   # slot 1's old pages still mapped in both ranges
+    assert m.complete_fences(0) == 2 * (1 + 2 + 2 + 2)   # row 1's old pages still mapped in both ranges
     m.complete_fences(1)
     m.poll()
     assert m.num_deferred == 0 and m.complete_fences(1) == 2 * (1 + 2 + 2)
@@ -317,23 +230,25 @@ def test_cpp_manager_defers_unmaps_until_the_fence_and_refuses_past_the_pool(vmm
     m.trim(0, 0)
     m.map(0, 1)   # remapping a page whose unmap waits on a fence: waits for it, unmaps, maps again
     assert m.num_deferred == 0 and m.num_mapped(0) == 1 and m.complete_fences(0) == 2 * (1 + 1 + 2)
-    with pytest.raises(VmmError, match="exceed a slot"):
+    with pytest.raises(VmmError, match="exceed a row"):
         m.map(1, 5)
     m.close()
     with pytest.raises(VmmError, match="closed"):
         m.map(1, 1)
 
 
+@pytest.mark.slow
 def test_cpp_manager_without_a_driver_fails_clearly(vmm_library):
     from custom_calls.vmm import VmmError, VmmManager
     import jax
     if jax.default_backend() == "gpu":
         pytest.skip("a driver is present")
     with pytest.raises(VmmError, match="needs an NVIDIA GPU"):
-        VmmManager(device=0, num_slots=2, num_tensors=2, slot_bytes=1 << 21, num_pages=1, page_size=1 << 21,
+        VmmManager(device=0, num_rows=2, num_tensors=2, row_bytes=1 << 21, num_pages=1, page_size=1 << 21,
                    path=vmm_library)
 
 
+@pytest.mark.slow
 def test_fence_registers_and_lowers_for_cuda_aliased_without_an_effect(vmm_library):
     """Aliased to its input, and no effect: an effect takes every step off JAX's C++ dispatch path (with one, the
     H100 showed 6-9 ms more host time per 8B step than paged mode; the cause read from JAX's dispatch code)."""
@@ -356,10 +271,10 @@ def test_the_scheduler_runs_unchanged_on_the_vattention_manager():
     from jaxserve.engine.sequence import PENDING, Sequence, next_seq_id
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, min_prefill_chunk=8, max_model_len=128,
                        block_size=4)
-    kv, mapper = make(dict(num_slots=4, max_model_len=128, block_size=4, token_bytes=1024, num_pages=24,
+    kv, mapper = make(dict(num_seqs=4, max_model_len=128, block_size=4, token_bytes=1024, num_pages=24,
                            page_size=4096), watermark=0, lookahead_tokens=8)   # 4 tokens a page
     sched, rng, tables, forked = Scheduler(cfg, kv), np.random.default_rng(0), {}, set()
-    bps, num_forks = kv.geometry.blocks_per_slot, 0
+    bps, num_forks = kv.geometry.blocks_per_row, 0
     for step in range(300):
         if len(sched.waiting) < 2:
             prompt = int(rng.integers(4, 60))
@@ -370,14 +285,14 @@ def test_the_scheduler_runs_unchanged_on_the_vattention_manager():
         out = sched.schedule()
         for seq_id, start, ids in out.block_updates:
             tables[seq_id] = tables.get(seq_id, [])[:start] + ids
-        dst_slots = {int(d) // bps for d in out.copies[1]} if len(out.copies) else set()
-        assert {kv.slot_of(c) for c in forked if c in kv.seqs} <= dst_slots, "a fork's copy did not come next step"
+        dst_rows = {int(d) // bps for d in out.copies[1]} if len(out.copies) else set()
+        assert {kv.row_of(c) for c in forked if c in kv.seqs} <= dst_rows, "a fork's copy did not come next step"
         forked = {c.seq_id for c in out.forks}
         for row in out.rows:
-            slot, end = kv.slot_of(row.seq.seq_id), row.start + row.count
+            kv_row, end = kv.row_of(row.seq.seq_id), row.start + row.count
             blocks = tables[row.seq.seq_id][:-(-end // 4)]
-            assert len(blocks) == -(-end // 4) and all(slot * bps <= b < (slot + 1) * bps for b in blocks)
-            assert mapper.ready[slot] >= kv.geometry.pages_for(end), "a step would write an unmapped page"
+            assert len(blocks) == -(-end // 4) and all(kv_row * bps <= b < (kv_row + 1) * bps for b in blocks)
+            assert mapper.ready[kv_row] >= kv.geometry.pages_for(end), "a step would write an unmapped page"
             if row.samples:
                 row.seq.token_ids[-1] = 7
             if row.samples and (row.seq.num_output_tokens >= 20 or rng.random() < 0.05):

@@ -1,14 +1,13 @@
-"""vAttention mode (issue #20) in the engine, on CPU, with both kernel addressings: "contiguous" (stage 2: a step
-carries each row's slot, the kernels compute its block ids; no block table anywhere) and "identity" (stage 1: the
-paged kernels over identity block tables). Where the schedule is the same as paged mode's, greedy tokens and
+"""vAttention mode in the engine, on CPU, with both kernel addressings: "contiguous" (a step carries each row's
+slot, the kernels compute its block ids; no block table anywhere) and "identity" (the paged kernels over identity
+block tables). Where the schedule is the same as paged mode's, greedy tokens and
 logprobs must be bit-identical to it, so to each other (and tokens wherever the pool differs: preemption, forks
 waiting for their pages). Every step must touch only pages the (fake) mapper made ready, and no compiled graph may
 read the whole cache array.
 
-The CPU stand-in's page size is lowered here (tests only: runner.CPU_VMM_PAGE_SIZE): a 2 MiB page holds 8K of the
+The CPU stand-in's page size is lowered here (tests only: vattention.CPU_PAGE_SIZE): a 2 MiB page holds 8K of the
 tiny model's 256-byte tokens (both layers: the cache is cross-layer), so no prompt would ever cross a page."""
 import dataclasses
-import math
 import re
 
 import jax
@@ -18,20 +17,20 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
-from jaxserve.engine import runner as runner_module
+from jaxserve.cache import vattention as vattention_module
+from jaxserve.engine import step_graphs
 from jaxserve.engine.llm_engine import NeverFits
 from jaxserve.models.attention import AttentionKernels
 from jaxserve.models.loader import random_model
 
-from test_compilation import KNOBS, TINY, mixed_requests
+from helpers import (KNOBS, PAGED, TINY, check_cache_untouched_whole, entry_params, mixed_requests, results,
+                     token_prompts, tokens)
 
 PAGE_SIZE = 2000   # 7.8 of TINY's 256-byte tokens (2 layers x 2 kv heads x 16 x f32): tokens and blocks straddle pages
 VATTENTION = dict(kv_backend="vattention", enable_prefix_caching=False)   # vattention_kernels: contiguous
 KERNELS = ("contiguous", "identity")
-PAGED = dict(enable_prefix_caching=False)   # the reference: the same schedule (vattention has no prefix hits)
 BASE = {**KNOBS, "precompile": False, "num_blocks": 256}
-PROMPTS = [[2 + (i * 7 + j) % 120 for j in range(n)] for i, n in enumerate((5, 17, 33, 9, 40, 3, 12, 200, 70, 31, 8,
-                                                                             100))]   # 12 > max_num_seqs: slots reused
+PROMPTS = token_prompts(5, 17, 33, 9, 40, 3, 12, 200, 70, 31, 8, 100)   # 12 > max_num_seqs: slots reused
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, logprobs=3, ignore_eos=True)
 
 
@@ -42,30 +41,20 @@ def tiny():
 
 @pytest.fixture(autouse=True)
 def small_pages(monkeypatch):
-    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", PAGE_SIZE)
+    monkeypatch.setattr(vattention_module, "CPU_PAGE_SIZE", PAGE_SIZE)
 
 
 def vattention(kernels: str = "contiguous") -> dict:
     return dict(VATTENTION, vattention_kernels=kernels)
 
 
-def results(llm: LLM, prompts, params) -> list:
-    """Every output of every request: tokens, logprobs, prompt logprobs (compared exactly)."""
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [([(c.token_ids, c.logprobs) for c in o.outputs], o.prompt_logprobs) for o in outs]
-
-
-def tokens(res: list) -> list:
-    return [[ids for ids, _ in outs] for outs, _ in res]
-
-
 def row_blocks(attn, g) -> list[np.ndarray]:
     """The blocks each live row reads, up to its last token: its block-table row, or its slot's (contiguous)."""
     n = attn.num_seqs[0]
     num_blocks = -(-attn.kv_lens[:n] // g.block_size)
-    if attn.kv_slots is None:
+    if attn.kv_rows is None:
         return [table[:b] for table, b in zip(attn.block_tables, num_blocks)]
-    return [slot * g.blocks_per_slot + np.arange(b) for slot, b in zip(attn.kv_slots, num_blocks)]
+    return [slot * g.blocks_per_row + np.arange(b) for slot, b in zip(attn.kv_rows, num_blocks)]
 
 
 def watch_pages(llm: LLM) -> list:
@@ -74,25 +63,25 @@ def watch_pages(llm: LLM) -> list:
     blocks in one row of the range; contiguous kernels' steps carry slots and no block table. Returns the steps
     checked."""
     runner, g = llm.engine.runner, llm.engine.kv.geometry
-    mapper, checked, contiguous = runner.page_mapper, [], llm.engine.cfg.vattention_kernels == "contiguous"
+    mapper, checked, contiguous = llm.engine.kv.mapper, [], llm.engine.cfg.vattention_kernels == "contiguous"
 
     def ready(block_ids, offsets) -> bool:
-        rows, blocks_in_row = np.divmod(np.asarray(block_ids), g.blocks_per_slot)
+        rows, blocks_in_row = np.divmod(np.asarray(block_ids), g.blocks_per_row)
         return all(g.pages_for(b * g.block_size + o + 1) <= mapper.ready[r]
                    for r, b, o in zip(rows, blocks_in_row, np.asarray(offsets)))
 
     def check(step):
         if step.inputs is not None:
             attn = step.inputs.model.attn
-            assert (attn.block_tables is None, attn.kv_slots is None) == (contiguous, not contiguous)
+            assert (attn.block_tables is None, attn.kv_rows is None) == (contiguous, not contiguous)
             writes = attn.slot_mapping
             assert ready(writes // g.block_size, writes % g.block_size), "a step writes an unmapped page"
             for blocks in row_blocks(attn, g):
-                assert len(set(blocks // g.blocks_per_slot)) == 1 and ready(blocks, [g.block_size - 1] * len(blocks))
+                assert len(set(blocks // g.blocks_per_row)) == 1 and ready(blocks, [g.block_size - 1] * len(blocks))
         if step.copies is not None:
             assert ready(np.concatenate(step.copies), [g.block_size - 1] * 2 * len(step.copies[0]))
         checked.append(step)
-    runner.on_launch = check
+    runner.observe_launches(check)
     return checked
 
 
@@ -114,7 +103,7 @@ def test_greedy_tokens_and_logprobs_are_bit_identical_to_paged(tiny, paged_greed
     kv, stats = llm.engine.kv, llm.engine.stats()
     assert len(steps) > 20 and max(kv.mapped) >= kv.geometry.pages_for(200) > 20
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["compiles_after_start"] > 0
-    assert any(op == "map_ahead" for op, _, _ in llm.engine.runner.page_mapper.log) == (lookahead > 0)
+    assert any(op == "map_ahead" for op, _, _ in llm.engine.kv.mapper.log) == (lookahead > 0)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -152,8 +141,8 @@ def test_decode_kernels_address_rows_by_slot(decode, monkeypatch):
     """Where a decode kernel runs (the GPU), decode-only steps have graphs of their own: under contiguous kernels
     the contiguous Pallas decode, or the CUDA call over identity tables the graph builds from the slots (on the CPU
     both run pure JAX: the CUDA call's reference sums in another order, so tokens only). head_dim 64: the call's."""
-    monkeypatch.setattr(runner_module, "resolve_attention_kernels",
-                        lambda _d, _p, _h, blocks_per_slot=None: AttentionKernels(decode, "triton", blocks_per_slot))
+    monkeypatch.setattr(step_graphs, "resolve_attention_kernels",
+                        lambda _d, _p, _h, blocks_per_row=None: AttentionKernels(decode, "triton", blocks_per_row))
     model = random_model(dataclasses.replace(TINY, head_dim=64), jnp.float32)
     expected = results(LLM(model, **BASE, **PAGED), PROMPTS[:6], GREEDY)
     llm = LLM(model, **BASE, **VATTENTION)
@@ -185,7 +174,7 @@ def test_requests_that_never_fit_are_refused_and_the_engine_keeps_serving(tiny):
 def precompiled(tiny):
     """Engines compiled before serving: vattention with each kernels, and their paged reference."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", PAGE_SIZE)
+        patch.setattr(vattention_module, "CPU_PAGE_SIZE", PAGE_SIZE)
         engines = {kernels: LLM(tiny, **{**KNOBS, "num_blocks": 128}, **vattention(kernels)) for kernels in KERNELS}
         return {**engines, "paged": LLM(tiny, **{**KNOBS, "num_blocks": 128}, **PAGED)}
 
@@ -207,78 +196,39 @@ def test_a_long_prompts_fork_copies_compile_nothing(precompiled):
     assert len(out.outputs) == 3 and llm.engine.stats()["compiles_after_start"] == 0
 
 
-def entry_params(compiled) -> list[str]:
-    """The compiled graph's parameter shapes, as HLO writes them (s32[4,16]{1,0}, ...)."""
-    header = compiled.as_text().split("\n", 1)[0]
-    params = re.search(r"entry_computation_layout=\{\((.*?)\)->", header).group(1)
-    return re.split(r", (?:/\*index=\d+\*/)?", params)
-
-
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_contiguous_steps_carry_one_slot_per_row_and_no_block_table(precompiled, kernels):
     """Contiguous kernels: the host keeps one slot per device slot, a step's inputs carry [S] slots, and no model
     graph takes an int32 [S, W] table; identity mode's do (so the check would see one)."""
-    runner, contiguous = precompiled[kernels].engine.runner, kernels == "contiguous"
-    attn = runner.step_inputs(num_tokens=16, num_seqs=4).model.attn
-    assert runner.block_table.table.ndim == (1 if contiguous else 2)
-    assert attn.block_tables is None if contiguous else attn.block_tables.shape == (4, runner.max_blocks_per_seq)
-    assert attn.kv_slots.shape == (4,) if contiguous else attn.kv_slots is None
-    models = [v for k, v in runner.graphs.executables.items() if k[0] == "model"]
+    engine, contiguous = precompiled[kernels].engine, kernels == "contiguous"
+    graphs = engine.graphs
+    attn = graphs.step_inputs(num_tokens=16, num_seqs=4).model.attn
+    assert engine.runner.block_table.table.ndim == (1 if contiguous else 2)
+    assert attn.block_tables is None if contiguous else attn.block_tables.shape == (4, graphs.max_blocks_per_seq)
+    assert attn.kv_rows.shape == (4,) if contiguous else attn.kv_rows is None
+    models = [v for k, v in graphs.manager.executables.items() if k.kind == "model"]
     assert len(models) >= 4
     for compiled in models:
         assert any(re.match(r"s32\[\d+,\d+\]", p) for p in entry_params(compiled)) != contiguous
-
-
-CACHE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "fusion", "scatter", "gather",
-             "dynamic-slice", "dynamic-update-slice", "custom-call"}   # in-place writes, indexed reads, plumbing
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+|\(.*?\)) ([a-z][\w\-]*)\((.*)$")
-ARRAY = re.compile(r"^[a-z]\w*\[([\d,]*)\]")
-
-
-def whole_cache_ops(hlo: str, cache_size: int) -> set[str]:
-    """Opcodes outside CACHE_OPS that produce or take an array of the cache's size (any shape: bitcasts reshape
-    it), in every computation, fusions' insides included: a copy, a slice, an elementwise op, a reduction..."""
-    bad, sizes = set(), {}
-    for line in hlo.splitlines():
-        if not (m := INSTRUCTION.match(line)):
-            continue
-        name, result, opcode, rest = m.groups()
-        dims = ARRAY.match(result)
-        sizes[name] = math.prod(int(d) for d in dims.group(1).split(",") if d) if dims else None
-        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-        if opcode not in CACHE_OPS and cache_size in [sizes[name]] + [sizes.get(o) for o in operands]:
-            bad.add(opcode)
-    return bad
-
-
-def check_cache_untouched_whole(compiled, cache_struct) -> None:
-    """The cache goes in and out aliased (donated: updated in place) and only CACHE_OPS touch arrays its size."""
-    hlo, size = compiled.as_text(), math.prod(cache_struct.shape)
-    header = hlo.split("\n", 1)[0]
-    shape = re.escape(f"[{','.join(map(str, cache_struct.shape))}]")
-    cache_params = [i for i, p in enumerate(entry_params(compiled)) if re.match(r"\w+" + shape, p)]
-    aliased = {int(i) for i in re.findall(r"\(\s*(\d+), \{\}, (?:may|must)-alias\)", header)}
-    assert cache_params and set(cache_params) <= aliased, f"cache parameters {cache_params} not aliased: {header}"
-    assert not whole_cache_ops(hlo, size), whole_cache_ops(hlo, size)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_no_compiled_step_reads_the_whole_cache(precompiled, kernels):
     """Every graph that takes the cache (the model per bucket, block copies): aliased in and out, and touched only
     by the scatter, the kernels' indexed reads and custom calls. On a GPU anything else reads unmapped pages."""
-    runner = precompiled[kernels].engine.runner
-    struct = runner.cache_shape.k
-    graphs = {k: v for k, v in runner.graphs.executables.items() if k[0] in ("model", "copy")}
-    assert len(graphs) >= 4
-    for compiled in graphs.values():
+    graphs = precompiled[kernels].engine.graphs
+    struct = graphs.cache_shape.k
+    cache_bound = {k: v for k, v in graphs.manager.executables.items() if k.num_blocks is not None}
+    assert len(cache_bound) >= 4 and {k.kind for k in cache_bound} == {"model", "copy"}
+    for compiled in cache_bound.values():
         check_cache_untouched_whole(compiled, struct)
 
 
 def test_the_cache_guard_catches_a_dropped_donation_and_a_whole_cache_read(precompiled):
-    runner = precompiled["contiguous"].engine.runner
-    struct = runner.cache_shape.k
-    inp = runner.step_inputs(num_tokens=16, num_seqs=4).model
-    undonated = jax.jit(runner._model.__wrapped__).lower(runner.params, runner.cache_shape, runner.last_tokens, inp)
+    graphs = precompiled["contiguous"].engine.graphs
+    struct = graphs.cache_shape.k
+    inp = graphs.step_inputs(num_tokens=16, num_seqs=4).model
+    undonated = jax.jit(graphs.model.__wrapped__).lower(graphs.params, graphs.cache_shape, graphs.last_tokens, inp)
     with pytest.raises(AssertionError, match="not aliased"):
         check_cache_untouched_whole(undonated.compile(), struct)
     summed = jax.jit(lambda c: (c + 1, c.sum()), donate_argnums=0).lower(struct).compile()
@@ -300,16 +250,17 @@ def test_bad_vattention_knobs_name_the_field(knobs, field):
 
 
 def test_cpu_refuses_a_virtual_range_it_cannot_allocate(tiny, monkeypatch):
-    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", 4 << 20)   # 16K tokens a row: 9 rows x 2 ranges = 72 MiB
-    monkeypatch.setattr(runner_module, "CPU_MAX_KV_BYTES", 64 << 20)
+    monkeypatch.setattr(vattention_module, "CPU_PAGE_SIZE", 4 << 20)   # 16K tokens a row: 9 rows x 2 ranges = 72 MiB
+    monkeypatch.setattr(vattention_module, "CPU_MAX_KV_BYTES", 64 << 20)
     with pytest.raises(ValueError, match="whole virtual range, 0.1 GiB .* lower max_num_seqs or max_model_len"):
         LLM(tiny, **BASE, **VATTENTION)
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_paged(smollm, monkeypatch):
     """The embedded model: 23,040-byte tokens (30 layers x 768), 120 KiB pages (5.3 tokens a page, blocks straddle
     pages)."""
-    monkeypatch.setattr(runner_module, "CPU_VMM_PAGE_SIZE", 30 * 4096)
+    monkeypatch.setattr(vattention_module, "CPU_PAGE_SIZE", 30 * 4096)
     knobs = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, min_prefill_chunk=16,
                  token_buckets=(32,), seq_buckets=(4,), num_blocks=64, precompile=False, compile_cache_dir=None)
     ids = [smollm.tokenizer(p)["input_ids"] for p in ("The capital of France is", "def fib(n):" * 6)]

@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.cache.vattention import PAGE_SIZE, CudaPageMapper, VAttentionKVCacheManager, VmmGeometry
+from jaxserve.cache.vattention import PAGE_SIZE, CudaPageMapper, VAttentionKVCacheManager, VAttentionGeometry
 from jaxserve.models.loader import random_model
 
-from test_compilation import TINY, mixed_requests
-from test_vattention import fuzz
-from test_vattention_engine import PAGED, check_cache_untouched_whole, results, tokens
+from helpers import PAGED, TINY, check_cache_untouched_whole, fuzz, mixed_requests, results, tokens
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (CPU CI: dry run)")
 
@@ -24,7 +22,7 @@ WIDE = dataclasses.replace(TINY, vocab_size=512, hidden_size=256, intermediate_s
                            num_kv_heads=8, head_dim=128, max_position_embeddings=4096)
 KNOBS = dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=512, min_prefill_chunk=64,
              token_buckets=(64, 512), seq_buckets=(8,), compile_cache_dir=None)
-LENGTHS = (1500, 40, 2100, 700, 1030, 9, 300, 1100, 64, 2500)   # 10 > 8 slots; prompts cross 512-token pages
+LENGTHS = (1500, 40, 2100, 700, 1030, 9, 300, 1100, 64, 2500)   # 10 > 8 rows; prompts cross 512-token pages
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True)
 
 
@@ -62,16 +60,16 @@ def check_logprobs_close(got: list, expected: list) -> None:
 def test_exported_range_is_zero_copy_and_a_donated_step_updates_it_in_place():
     """Only rows 1 and 2's leading pages are mapped: a jitted donated scatter into them keeps the range's address
     (no copy of the mostly unmapped range, which would fault), and reads back what it wrote."""
-    g = VmmGeometry(num_slots=3, max_model_len=4096, block_size=16, token_bytes=2048, num_pages=8)
+    g = VAttentionGeometry(num_seqs=3, max_model_len=4096, block_size=16, token_bytes=2048, num_pages=8)
     mapper = CudaPageMapper(g, num_tensors=2)
     (m,) = mapper.managers
     mapper.map(1, 2)
     mapper.map_ahead(2, 1)
     assert mapper.num_mapped(2) == 1 and m.num_free_pages == g.num_pages - 3
-    shape = (g.rows * g.blocks_per_slot, g.block_size, 8, 128)
+    shape = (g.rows * g.blocks_per_row, g.block_size, 8, 128)
     cache = mapper.export(0, shape, jnp.bfloat16)[0]
     assert cache.unsafe_buffer_pointer() == m.base(0)
-    rows = np.array([g.blocks_per_slot + 5, g.blocks_per_slot + 70, 2 * g.blocks_per_slot + 3], np.int32)
+    rows = np.array([g.blocks_per_row + 5, g.blocks_per_row + 70, 2 * g.blocks_per_row + 3], np.int32)
     values = jax.random.normal(jax.random.key(0), (3, g.block_size, 8, 128), jnp.bfloat16)
     write = jax.jit(lambda c, i, v: c.at[i].set(v), donate_argnums=0)
     cache = write(cache, rows, values)
@@ -83,7 +81,7 @@ def test_exported_range_is_zero_copy_and_a_donated_step_updates_it_in_place():
 
 def test_the_real_driver_runs_the_accounting_fuzz():
     """Admit / grow / free / preempt / fork against the counting model, every map and unmap a real one."""
-    g = VmmGeometry(num_slots=6, max_model_len=4096, block_size=16, token_bytes=2048, num_pages=14)
+    g = VAttentionGeometry(num_seqs=6, max_model_len=4096, block_size=16, token_bytes=2048, num_pages=14)
     mapper = CudaPageMapper(g, num_tensors=2)
     kv = VAttentionKVCacheManager(g, mapper, lookahead_tokens=700, watermark=0.05)
     fuzz(kv, mapper, seed=3, steps=200)
@@ -96,7 +94,7 @@ def test_the_real_driver_runs_the_accounting_fuzz():
 @pytest.mark.parametrize("kernels, lookahead", [("identity", 0), ("contiguous", 0), ("contiguous", 512)])
 def test_engine_matches_paged_across_pages_and_slot_reuse(wide, paged, kernels, lookahead):
     """Identity tables run paged mode's kernels on the same steps: the same bits. Contiguous kernels (stage 2)
-    address rows by slot: the same greedy tokens."""
+    address rows by row: the same greedy tokens."""
     llm = vattention(wide, vattention_kernels=kernels, vattention_lookahead_tokens=lookahead)
     assert llm.engine.kv.geometry.page_size == PAGE_SIZE
     got = results(llm, prompts(), GREEDY)
@@ -108,7 +106,7 @@ def test_engine_matches_paged_across_pages_and_slot_reuse(wide, paged, kernels, 
 
 @pytest.mark.parametrize("kernels", ["identity", "contiguous"])
 def test_preemption_forks_and_every_request_kind_in_a_small_pool(wide, paged, kernels):
-    """12 usable pages (6144 tokens): preemption and slot reuse remap pages (deferred unmaps behind fences), n = 3
+    """12 usable pages (6144 tokens): preemption and row reuse remap pages (deferred unmaps behind fences), n = 3
     forks copy a prompt across pages; sampled, penalties, logprobs, prompt logprobs compile nothing new. A
     preempted request recomputes its tokens in other batches and kernels (prefill, not decode): in bf16 its greedy
     tokens may leave paged mode's only at a near tie (vLLM's check_logprobs_close)."""
@@ -126,11 +124,11 @@ def test_preemption_forks_and_every_request_kind_in_a_small_pool(wide, paged, ke
 def test_no_compiled_gpu_step_reads_the_whole_cache(wide):
     """The compiled GPU graphs (the model per bucket, block copies): cache aliased in and out, touched only by the
     scatter, the kernels and custom calls — anything else would read unmapped pages and kill the process."""
-    runner = vattention(wide).engine.runner
-    graphs = [v for k, v in runner.graphs.executables.items() if k[0] in ("model", "copy")]
-    assert len(graphs) >= 3
-    for compiled in graphs:
-        check_cache_untouched_whole(compiled, runner.cache_shape.k)
+    graphs = vattention(wide).engine.graphs
+    cache_bound = [v for k, v in graphs.manager.executables.items() if k.num_blocks is not None]
+    assert len(cache_bound) >= 3
+    for compiled in cache_bound:
+        check_cache_untouched_whole(compiled, graphs.cache_shape.k)
 
 
 # 32 layers: 64 KiB tokens per range, a 2 MiB page holds 32 tokens (Llama-3-8B's cross-layer geometry)

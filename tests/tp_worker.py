@@ -28,7 +28,7 @@ from test_compilation import KNOBS, TINY, mixed_requests  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models.loader import load_model, random_model  # noqa: E402
-from jaxserve.models.sharding import KV_CACHE, TP, make_mesh, param_spec  # noqa: E402
+from jaxserve.sharding import KV_CACHE, TP, make_mesh, param_spec  # noqa: E402
 
 LAZY = {**KNOBS, "num_blocks": 64, "precompile": False}
 # Rows of every kind: short and long prompts, one longer than the token budget (chunked prefill), then decodes.
@@ -59,17 +59,17 @@ def random_pair(tp: int, **shapes) -> dict:
 
 def placement(llm: LLM) -> dict:
     """Every parameter as param_spec places it, the cache split on kv heads, the sampler's state whole."""
-    runner, mc = llm.engine.runner, llm.engine.loaded.config
+    runner, mc, mesh = llm.engine.runner, llm.engine.loaded.config, llm.engine.graphs.mesh
     wrong = []
     for path, var in nnx.to_flat_state(nnx.state(llm.engine.loaded.model)):
-        tp = runner.mesh.shape[TP]
+        tp = mesh.shape[TP]
         want = param_spec(path, var.get_value().ndim, mc.num_kv_heads % tp == 0, mc.vocab_size % tp == 0)
-        if var.get_value().sharding.spec != want or var.get_value().sharding.mesh != runner.mesh:
+        if var.get_value().sharding.spec != want or var.get_value().sharding.mesh != mesh:
             wrong.append(".".join(map(str, path)))
     k = runner.kv_cache[0][0]
-    return {"wrong_params": wrong, "cache_spec_ok": k.sharding.spec == KV_CACHE and k.sharding.mesh == runner.mesh,
+    return {"wrong_params": wrong, "cache_spec_ok": k.sharding.spec == KV_CACHE and k.sharding.mesh == mesh,
             "cache_shape": list(k.shape), "cache_shard_shape": list(k.addressable_shards[0].data.shape),
-            "replicated": all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == runner.mesh.size
+            "replicated": all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == mesh.size
                               for x in jax.tree.leaves((runner.penalty, runner.last_tokens)))}
 
 
@@ -79,17 +79,18 @@ def copy_on_write(tp: int) -> dict:
     out = {}
     for n in (1, tp):
         llm = engine(random_model(TINY, jnp.float32, mesh=make_mesh(n)), n)
-        copies, copy = [], llm.engine.runner._copy_blocks
-        llm.engine.runner._copy_blocks = lambda src, dst: (copies.append(len(src)), copy(src, dst))
+        steps = []
+        llm.engine.runner.observe_launches(steps.append)
         out[str(n)] = {"first": greedy(llm, prompt, params), "again": greedy(llm, prompt, params),
-                       "copies": sum(copies), "prefix_hits": llm.engine.stats()["prefix_cache_hits"]}
+                       "copies": sum(len(s.copies[0]) for s in steps if s.copies is not None),
+                       "prefix_hits": llm.engine.stats()["prefix_cache_hits"]}
     return out
 
 
 def collectives(llm: LLM) -> list[str]:
     """The collectives of a compiled model graph, as "op shape"."""
-    runner = llm.engine.runner
-    hlo = runner._lower_model(runner.step_inputs(num_tokens=16, num_seqs=4).model).compile().as_text()
+    graphs = llm.engine.graphs
+    hlo = graphs.lower(graphs.model_key(16, 4, False)).compile().as_text()
     return re.findall(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\(", hlo)
 
 

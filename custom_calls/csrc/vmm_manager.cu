@@ -2,14 +2,14 @@
 // mapped on demand with the CUDA virtual-memory API. One manager per device, reached from Python by a C ABI
 // (ctypes: custom_calls/vmm.py) and from XLA by one FFI handler (the step fence).
 //
-// Mechanism only: which slot a request gets, which pages to reclaim and how far to map ahead is decided by the
+// Mechanism only: which row a request gets, which pages to reclaim and how far to map ahead is decided by the
 // Python accounting (jaxserve/cache/vattention.py), the one place that policy lives. Here:
-//   - num_tensors virtual ranges (K and V of the megacache, or K and V of every layer), each num_slots rows of
-//     slot_bytes (a multiple of the page size); page i of a slot sits at base + slot * slot_bytes + i * page;
+//   - num_tensors virtual ranges (K and V of vattention's cache, or K and V of every layer), each num_rows rows of
+//     row_bytes (a multiple of the page size); page i of a row sits at base + row * row_bytes + i * page;
 //   - a pool of num_pages logical pages created up front (cuMemCreate), each one physical page per tensor;
-//   - Map(slot, n): the slot's leading n pages mapped (cuMemMap + cuMemSetAccess) before it returns;
+//   - Map(row, n): the row's leading n pages mapped (cuMemMap + cuMemSetAccess) before it returns;
 //     MapAsync: the same on the mapper thread (look-ahead);
-//   - Trim(slot, keep): pages past `keep` go back to the pool at once (steps run in stream order, so the next
+//   - Trim(row, keep): pages past `keep` go back to the pool at once (steps run in stream order, so the next
 //     writer of a page runs after its last reader), but the virtual unmap waits for the newest fence: cuMemUnmap
 //     does not wait for kernels that may still read the range;
 //   - fences: a CUDA event recorded on the step's stream (RecordFence, or the FFI handler JaxserveVmmFence);
@@ -255,8 +255,8 @@ class DryBackend : public Backend {
 
 // ---- The manager.
 struct Config {
-  int device, num_slots, num_tensors;
-  int64_t slot_bytes, num_pages, page_size;
+  int device, num_rows, num_tensors;
+  int64_t row_bytes, num_pages, page_size;
 };
 
 class Manager {
@@ -269,9 +269,9 @@ class Manager {
   }
 
   Status Init() {
-    if (cfg_.slot_bytes <= 0 || cfg_.slot_bytes % cfg_.page_size)
-      return "slot_bytes must be a positive multiple of the page size " + std::to_string(cfg_.page_size);
-    slots_.resize(cfg_.num_slots);
+    if (cfg_.row_bytes <= 0 || cfg_.row_bytes % cfg_.page_size)
+      return "row_bytes must be a positive multiple of the page size " + std::to_string(cfg_.page_size);
+    rows_.resize(cfg_.num_rows);
     for (int t = 0; t < cfg_.num_tensors; ++t) {
       uint64_t base;
       VMM_RETURN_IF_ERROR(backend_->Reserve(RangeBytes(), cfg_.page_size, &base));
@@ -290,18 +290,18 @@ class Manager {
     return "";
   }
 
-  Status Map(int slot, int64_t num_pages) {
+  Status Map(int row, int64_t num_pages) {
     std::lock_guard<std::mutex> lock(mu_);
-    VMM_RETURN_IF_ERROR(CheckSlot(slot, num_pages));
+    VMM_RETURN_IF_ERROR(CheckRow(row, num_pages));
     VMM_RETURN_IF_ERROR(TakeAsyncError());
-    return MapLocked(slot, num_pages);
+    return MapLocked(row, num_pages);
   }
 
-  Status MapAsync(int slot, int64_t num_pages) {
+  Status MapAsync(int row, int64_t num_pages) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      VMM_RETURN_IF_ERROR(CheckSlot(slot, num_pages));
-      queue_.emplace_back(slot, num_pages);
+      VMM_RETURN_IF_ERROR(CheckRow(row, num_pages));
+      queue_.emplace_back(row, num_pages);
     }
     wake_.notify_all();
     return "";
@@ -315,14 +315,14 @@ class Manager {
     return ReapFences(false);
   }
 
-  Status Trim(int slot, int64_t keep) {
+  Status Trim(int row, int64_t keep) {
     std::lock_guard<std::mutex> lock(mu_);
-    VMM_RETURN_IF_ERROR(CheckSlot(slot, keep));
-    for (auto& [queued_slot, num_pages] : queue_)  // a look-ahead not yet mapped must not undo the trim
-      if (queued_slot == slot) num_pages = std::min(num_pages, keep);
-    auto& pages = slots_[slot];
+    VMM_RETURN_IF_ERROR(CheckRow(row, keep));
+    for (auto& [queued_row, num_pages] : queue_)  // a look-ahead not yet mapped must not undo the trim
+      if (queued_row == row) num_pages = std::min(num_pages, keep);
+    auto& pages = rows_[row];
     for (int64_t i = static_cast<int64_t>(pages.size()) - 1; i >= keep; --i) {
-      pending_unmap_[{slot, i}] = fences_recorded_;  // the newest fence covers every step that read the page
+      pending_unmap_[{row, i}] = fences_recorded_;  // the newest fence covers every step that read the page
       free_.push_back(pages[i]);
       pages.pop_back();
     }
@@ -337,9 +337,9 @@ class Manager {
     return ReapFences(false);
   }
 
-  int64_t NumMapped(int slot) {
+  int64_t NumMapped(int row) {
     std::lock_guard<std::mutex> lock(mu_);
-    return slot >= 0 && slot < cfg_.num_slots ? static_cast<int64_t>(slots_[slot].size()) : -1;
+    return row >= 0 && row < cfg_.num_rows ? static_cast<int64_t>(rows_[row].size()) : -1;
   }
   int64_t NumFree() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -354,29 +354,29 @@ class Manager {
     return ReapFences(false);
   }
   uint64_t Base(int tensor) const { return tensor >= 0 && tensor < cfg_.num_tensors ? bases_[tensor] : 0; }
-  int64_t RangeBytes() const { return cfg_.slot_bytes * cfg_.num_slots; }
+  int64_t RangeBytes() const { return cfg_.row_bytes * cfg_.num_rows; }
   int64_t PageSize() const { return cfg_.page_size; }
   int Device() const { return cfg_.device; }
   Backend* backend() { return backend_.get(); }
   std::mutex& mu() { return mu_; }
 
  private:
-  Status CheckSlot(int slot, int64_t num_pages) const {
-    if (slot < 0 || slot >= cfg_.num_slots) return "slot " + std::to_string(slot) + " out of range";
-    if (num_pages < 0 || num_pages * cfg_.page_size > cfg_.slot_bytes)
-      return std::to_string(num_pages) + " pages exceed a slot of " + std::to_string(cfg_.slot_bytes) + " bytes";
+  Status CheckRow(int row, int64_t num_pages) const {
+    if (row < 0 || row >= cfg_.num_rows) return "row " + std::to_string(row) + " out of range";
+    if (num_pages < 0 || num_pages * cfg_.page_size > cfg_.row_bytes)
+      return std::to_string(num_pages) + " pages exceed a row of " + std::to_string(cfg_.row_bytes) + " bytes";
     return "";
   }
 
-  Status MapLocked(int slot, int64_t num_pages) {
-    auto& pages = slots_[slot];
+  Status MapLocked(int row, int64_t num_pages) {
+    auto& pages = rows_[row];
     while (static_cast<int64_t>(pages.size()) < num_pages) {
       if (free_.empty()) return "page pool exhausted (" + std::to_string(cfg_.num_pages) + " pages)";
       const int64_t index = static_cast<int64_t>(pages.size());
-      VMM_RETURN_IF_ERROR(FinishUnmap(slot, index));
+      VMM_RETURN_IF_ERROR(FinishUnmap(row, index));
       const int64_t page = free_.back();
       for (int t = 0; t < cfg_.num_tensors; ++t)
-        VMM_RETURN_IF_ERROR(backend_->Map(Address(t, slot, index), cfg_.page_size, handles_[page][t]));
+        VMM_RETURN_IF_ERROR(backend_->Map(Address(t, row, index), cfg_.page_size, handles_[page][t]));
       free_.pop_back();
       pages.push_back(page);
     }
@@ -384,8 +384,8 @@ class Manager {
   }
 
   // A page whose virtual unmap still waits on a fence is about to be mapped again: wait, then unmap.
-  Status FinishUnmap(int slot, int64_t index) {
-    auto it = pending_unmap_.find({slot, index});
+  Status FinishUnmap(int row, int64_t index) {
+    auto it = pending_unmap_.find({row, index});
     if (it == pending_unmap_.end()) return "";
     while (completed_ < it->second) {
       VMM_RETURN_IF_ERROR(backend_->Wait(fences_.front().second));
@@ -422,8 +422,8 @@ class Manager {
     return "";
   }
 
-  uint64_t Address(int tensor, int slot, int64_t index) const {
-    return bases_[tensor] + static_cast<uint64_t>(slot) * cfg_.slot_bytes + index * cfg_.page_size;
+  uint64_t Address(int tensor, int row, int64_t index) const {
+    return bases_[tensor] + static_cast<uint64_t>(row) * cfg_.row_bytes + index * cfg_.page_size;
   }
 
   Status TakeAsyncError() {
@@ -440,9 +440,9 @@ class Manager {
       if (stop_) return;
       busy_ = true;
       while (!queue_.empty()) {
-        const auto [slot, num_pages] = queue_.front();
+        const auto [row, num_pages] = queue_.front();
         queue_.pop_front();
-        const Status status = MapLocked(slot, num_pages);
+        const Status status = MapLocked(row, num_pages);
         if (!status.empty() && async_error_.empty()) async_error_ = status;
       }
       busy_ = false;
@@ -463,8 +463,8 @@ class Manager {
     std::lock_guard<std::mutex> lock(mu_);
     Status first;
     auto keep = [&first](Status s) { if (first.empty()) first = std::move(s); };
-    for (int s = 0; s < cfg_.num_slots && !bases_.empty(); ++s)
-      for (int64_t i = static_cast<int64_t>(slots_[s].size()) - 1; i >= 0; --i)
+    for (int s = 0; s < cfg_.num_rows && !bases_.empty(); ++s)
+      for (int64_t i = static_cast<int64_t>(rows_[s].size()) - 1; i >= 0; --i)
         pending_unmap_[{s, i}] = fences_recorded_;
     keep(ReapFences(true));
     for (auto& page : handles_)
@@ -477,9 +477,9 @@ class Manager {
   std::unique_ptr<Backend> backend_;
   std::vector<uint64_t> bases_;
   std::vector<std::vector<Handle>> handles_;           // page -> one physical page per tensor
-  std::vector<int64_t> free_;                          // pool pages no slot holds
-  std::vector<std::vector<int64_t>> slots_;            // slot -> pool pages of its leading virtual pages
-  std::map<std::pair<int, int64_t>, uint64_t> pending_unmap_;  // (slot, index) -> fence its unmap waits for
+  std::vector<int64_t> free_;                          // pool pages no row holds
+  std::vector<std::vector<int64_t>> rows_;            // row -> pool pages of its leading virtual pages
+  std::map<std::pair<int, int64_t>, uint64_t> pending_unmap_;  // (row, index) -> fence its unmap waits for
   std::deque<std::pair<uint64_t, Fence>> fences_;      // recorded, not yet seen complete, oldest first
   uint64_t fences_recorded_ = 0, completed_ = 0;
   std::deque<std::pair<int, int64_t>> queue_;          // look-ahead maps for the mapper thread
@@ -544,14 +544,14 @@ int vmm_granularity(int device, int64_t* bytes) {
   return Fail(status);
 }
 
-// num_tensors ranges of num_slots * slot_bytes, num_pages logical pages of page_size bytes per tensor.
+// num_tensors ranges of num_rows * row_bytes, num_pages logical pages of page_size bytes per tensor.
 // dry_run: no driver (CPU tests of the bookkeeping).
-int vmm_create(int device, int num_slots, int num_tensors, int64_t slot_bytes, int64_t num_pages,
+int vmm_create(int device, int num_rows, int num_tensors, int64_t row_bytes, int64_t num_pages,
                int64_t page_size, int dry_run, void** out) {
   using namespace jaxserve::vmm;
   *out = nullptr;
-  if (num_slots <= 0 || num_tensors <= 0 || num_pages <= 0 || page_size <= 0)
-    return Fail("num_slots, num_tensors, num_pages and page_size must be > 0");
+  if (num_rows <= 0 || num_tensors <= 0 || num_pages <= 0 || page_size <= 0)
+    return Fail("num_rows, num_tensors, num_pages and page_size must be > 0");
   std::unique_ptr<Backend> backend;
   if (dry_run) {
     backend = std::make_unique<DryBackend>();
@@ -560,7 +560,7 @@ int vmm_create(int device, int num_slots, int num_tensors, int64_t slot_bytes, i
     if (int rc = Fail(cuda->Init(device))) return rc;
     backend = std::move(cuda);
   }
-  auto manager = std::make_shared<Manager>(Config{device, num_slots, num_tensors, slot_bytes, num_pages, page_size},
+  auto manager = std::make_shared<Manager>(Config{device, num_rows, num_tensors, row_bytes, num_pages, page_size},
                                            std::move(backend));
   if (int rc = Fail(manager->Init())) return rc;
   if (!dry_run) {
@@ -579,13 +579,13 @@ int vmm_destroy(void* handle) {
 
 int64_t vmm_page_size(void* m) { return Get(m)->PageSize(); }
 uint64_t vmm_base(void* m, int tensor) { return Get(m)->Base(tensor); }
-int vmm_map(void* m, int slot, int64_t num_pages) { return Fail(Get(m)->Map(slot, num_pages)); }
-int vmm_map_async(void* m, int slot, int64_t num_pages) { return Fail(Get(m)->MapAsync(slot, num_pages)); }
+int vmm_map(void* m, int row, int64_t num_pages) { return Fail(Get(m)->Map(row, num_pages)); }
+int vmm_map_async(void* m, int row, int64_t num_pages) { return Fail(Get(m)->MapAsync(row, num_pages)); }
 int vmm_sync(void* m) { return Fail(Get(m)->Sync()); }
-int vmm_trim(void* m, int slot, int64_t keep_pages) { return Fail(Get(m)->Trim(slot, keep_pages)); }
+int vmm_trim(void* m, int row, int64_t keep_pages) { return Fail(Get(m)->Trim(row, keep_pages)); }
 int vmm_record_fence(void* m, void* stream) { return Fail(Get(m)->RecordFence(stream)); }
 int vmm_poll(void* m) { return Fail(Get(m)->Poll()); }
-int64_t vmm_num_mapped(void* m, int slot) { return Get(m)->NumMapped(slot); }
+int64_t vmm_num_mapped(void* m, int row) { return Get(m)->NumMapped(row); }
 int64_t vmm_num_free_pages(void* m) { return Get(m)->NumFree(); }
 int64_t vmm_num_deferred(void* m) { return Get(m)->NumDeferred(); }
 

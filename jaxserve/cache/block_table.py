@@ -1,6 +1,6 @@
 """Persistent block table, one row per device slot (stable for a sequence's life), updated cell by cell; each step
 gathers its rows in batch order. Under vattention's contiguous kernels a row shrinks to one cell, its sequence's
-slot (`KVSlotTable`): the kernels compute the block ids."""
+cache row (`KVRowTable`): the kernels compute the block ids."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -31,17 +31,17 @@ class BlockTable:
         self.num_blocks[row] = 0
 
 
-class KVSlotTable:
-    """`table[slot]` = the vattention slot (cache row) of the sequence in that device slot; 0, the null row, when
+class KVRowTable:
+    """`table[slot]` = the vattention cache row of the sequence in that device slot; 0, the null row, when
     unused. BlockTable's interface: the manager's block updates carry identity ids, so any id names the row."""
 
-    def __init__(self, max_num_seqs: int, blocks_per_slot: int):
+    def __init__(self, max_num_seqs: int, blocks_per_row: int):
         self.table = np.zeros(max_num_seqs, np.int32)
-        self.blocks_per_slot = blocks_per_slot
+        self.blocks_per_row = blocks_per_row
 
     def write(self, row: int, start: int, block_ids: Sequence[int]) -> None:
         if len(block_ids):   # an empty update (no blocks yet) names no row
-            self.table[row] = block_ids[0] // self.blocks_per_slot
+            self.table[row] = block_ids[0] // self.blocks_per_row
 
     def clear_row(self, row: int) -> None:
         self.table[row] = 0

@@ -17,7 +17,7 @@ from jaxserve.sharding import KV_CACHE, per_shard
 
 @jax.tree_util.register_dataclass
 @dataclass(slots=True)
-class CrossLayerKV:
+class VAttentionCache:
     """vattention's megacache: K and V each [num_blocks, num_layers, block_size, num_kv_heads, head_dim], a block
     holding every layer of its tokens, so that a 2 MiB page holds a run of tokens of all layers (32 of Llama-3-8B),
     not 1,024 tokens of one layer. `layer`: the layer that a model layer writes and reads (a traced int32 scalar:
@@ -33,27 +33,27 @@ class CrossLayerKV:
 
 
 # per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim]; or cross-layer
-KVCache = list[tuple[jax.Array, jax.Array]] | CrossLayerKV
-KVLayer = tuple[jax.Array, jax.Array] | CrossLayerKV   # what one model layer writes and reads
+KVCache = list[tuple[jax.Array, jax.Array]] | VAttentionCache
+KVLayer = tuple[jax.Array, jax.Array] | VAttentionCache   # what one model layer writes and reads
 
 
 def layer_of(cache: KVCache, i: int) -> KVLayer:
     """Model layer i's part of the cache."""
-    if isinstance(cache, CrossLayerKV):
-        return CrossLayerKV(cache.k, cache.v, jnp.int32(i))
+    if isinstance(cache, VAttentionCache):
+        return VAttentionCache(cache.k, cache.v, jnp.int32(i))
     return cache[i]
 
 
 def with_layer(cache: KVCache, i: int, kv_layer: KVLayer) -> KVCache:
     """The cache after model layer i wrote kv_layer."""
-    if isinstance(cache, CrossLayerKV):
-        return CrossLayerKV(kv_layer.k, kv_layer.v)
+    if isinstance(cache, VAttentionCache):
+        return VAttentionCache(kv_layer.k, kv_layer.v)
     return [*cache[:i], kv_layer, *cache[i + 1:]]
 
 
 def layer_blocks(kv_layer: KVLayer) -> tuple[jax.Array, jax.Array, int, jax.Array | int]:
     """(k, v as [blocks, block_size, num_kv_heads, head_dim], layers per block, this layer's index among them)."""
-    if isinstance(kv_layer, CrossLayerKV):
+    if isinstance(kv_layer, VAttentionCache):
         k, v = (x.reshape(-1, *x.shape[2:]) for x in (kv_layer.k, kv_layer.v))
         return k, v, kv_layer.num_layers, kv_layer.layer
     return *kv_layer, 1, 0
@@ -61,8 +61,8 @@ def layer_blocks(kv_layer: KVLayer) -> tuple[jax.Array, jax.Array, int, jax.Arra
 
 def from_layer_blocks(kv_layer: KVLayer, k: jax.Array, v: jax.Array) -> KVLayer:
     """kv_layer with k, v (as `layer_blocks` gave them) written."""
-    if isinstance(kv_layer, CrossLayerKV):
-        return CrossLayerKV(k.reshape(kv_layer.k.shape), v.reshape(kv_layer.v.shape), kv_layer.layer)
+    if isinstance(kv_layer, VAttentionCache):
+        return VAttentionCache(k.reshape(kv_layer.k.shape), v.reshape(kv_layer.v.shape), kv_layer.layer)
     return k, v
 
 
@@ -89,11 +89,11 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 
 def allocate_cross_layer_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                               dtype, sharding: jax.sharding.Sharding | None = None) -> CrossLayerKV:
-    """A zeroed CrossLayerKV (the CPU stand-in of vattention's mapped ranges)."""
+                               dtype, sharding: jax.sharding.Sharding | None = None) -> VAttentionCache:
+    """A zeroed VAttentionCache (the CPU stand-in of vattention's mapped ranges)."""
     _check_positive(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
     shape = (num_blocks, num_layers, block_size, num_kv_heads, head_dim)
-    return CrossLayerKV(jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
+    return VAttentionCache(jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -116,11 +116,11 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, mesh: Mesh | Non
     copies the blocks of its own kv heads (a cache split over `mesh`'s "tp" axis needs the mesh)."""
     # Padding pairs have out-of-bounds dsts, which the copy skips. A cross-layer block (vattention: one device) is
     # one copy of all its layers, the cache seen as [num_blocks, num_layers * block_size, ...].
-    if isinstance(cache, CrossLayerKV):
+    if isinstance(cache, VAttentionCache):
         nb, layers, bs = cache.k.shape[:3]
         k, v = custom_calls.copy_blocks(*(x.reshape(nb, layers * bs, *x.shape[3:]) for x in (cache.k, cache.v)),
                                         src, dst)
-        return CrossLayerKV(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+        return VAttentionCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
 
     def copy(cache, src, dst):
         return [custom_calls.copy_blocks(k, v, src, dst) for k, v in cache]
@@ -172,7 +172,7 @@ def num_blocks_for_memory(bytes_per_block: int, *, device: jax.Device | None = N
     if stats and "bytes_limit" in stats:
         budget = (stats["bytes_limit"] - stats["bytes_in_use"] - activation_peak_bytes) * fraction
     else:
-        budget = min(_available_host_bytes() * cpu_fraction, cpu_max_bytes) - activation_peak_bytes
+        budget = min(available_host_bytes() * cpu_fraction, cpu_max_bytes) - activation_peak_bytes
     num_blocks = int(budget // bytes_per_block)
     if num_blocks < 2:
         raise ValueError(f"KV budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of {bytes_per_block} "
@@ -195,7 +195,7 @@ def describe_kv_capacity(num_blocks: int, block_size: int, bytes_per_block: int,
             f"({usable * bytes_per_block / 2**30:.2f} GiB{f' on each of {devices} devices' if devices > 1 else ''})")
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))

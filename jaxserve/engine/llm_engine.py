@@ -239,13 +239,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Launch step N+1, then finish step N while the device runs N+1 (async scheduling: the host work of
         a step hides behind the device's); synchronous: launch and finish the same step."""
-        launched = self._launch()
+        launched = self.launch_step()
         if not self.cfg.async_scheduling:
-            return self._complete(launched)
+            return self.complete_step(launched)
         done, self._inflight = self._inflight, launched
-        return self._complete(done)
+        return self.complete_step(done)
 
-    def _launch(self) -> Launched | None:
+    def launch_step(self) -> Launched | None:
+        """Schedule the next step and launch it: its device outputs, not yet on the host (the first half of
+        `step`, public so that a profiler can time each half)."""
         output = self.scheduler.schedule()
         for child in output.forks:
             req = self.requests[child.request_id]
@@ -254,7 +256,7 @@ class LLMEngine:
         out = self.runner.execute(output)
         return None if out is None else Launched(output.rows, out)
 
-    def _complete(self, launched: Launched | None) -> list[RequestOutput]:
+    def complete_step(self, launched: Launched | None) -> list[RequestOutput]:
         """Bring a step's samples to the host (the step's one device->host sync) and act on them."""
         if launched is None:
             return []

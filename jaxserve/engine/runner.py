@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.cache.block_table import BlockTable, KVSlotTable
+from jaxserve.cache.block_table import BlockTable, KVRowTable
 from jaxserve.cache.kv_cache import KVCache, copy_bucket, pad_block_copies
 from jaxserve.engine.sampler import SamplerOutput, init_penalty_state, mode_for
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
 from jaxserve.engine.sequence import PENDING, Sequence
-from jaxserve.engine.step_graphs import GraphKey, PromptLogprobs, StepGraphs, bucket_for, kv_addressing
+from jaxserve.engine.step_graphs import PromptLogprobs, StepGraphs, kv_addressing
 from jaxserve.engine.step_inputs import StepInputs, pad
 
 
@@ -39,8 +39,8 @@ class ModelRunner:
         cfg = self.cfg = graphs.cfg
         self.graphs, self.params, self.kv_cache = graphs, graphs.params, kv_cache
         self.num_blocks = graphs.num_blocks
-        rows = graphs.kernels.blocks_per_slot
-        self.block_table = (KVSlotTable(cfg.max_num_seqs, rows) if rows
+        rows = graphs.kernels.blocks_per_row
+        self.block_table = (KVRowTable(cfg.max_num_seqs, rows) if rows
                             else BlockTable(cfg.max_num_seqs, graphs.max_blocks_per_seq))
         self.free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self.slot_of: dict[int, int] = {}     # seq_id -> device slot
@@ -57,7 +57,7 @@ class ModelRunner:
 
     def kv_addressing(self, slots: np.ndarray) -> dict:
         """Where the KV of the sequences in these device slots lies (step_graphs.kv_addressing)."""
-        return kv_addressing(self.block_table.table[slots], self.graphs.kernels.blocks_per_slot)
+        return kv_addressing(self.block_table.table[slots], self.graphs.kernels.blocks_per_row)
 
     def run(self, inp: StepInputs) -> tuple[SamplerOutput, PromptLogprobs | None]:
         """One step on ready inputs through the compiled graphs: device arrays, no sync."""
@@ -112,8 +112,8 @@ class ModelRunner:
         if not seqs:
             return None
         outputs = [s.confirmed_output_ids for s in seqs]
-        rows = bucket_for(len(seqs), self.graphs.seq_buckets)
-        width = bucket_for(max(s.num_prompt_tokens + len(o) for s, o in zip(seqs, outputs)), self.graphs.reset_widths)
+        longest = max(s.num_prompt_tokens + len(o) for s, o in zip(seqs, outputs))
+        rows, width = self.graphs.reset_key(len(seqs), longest).dims
         prompt, output = np.full((2, rows, width), -1, np.int32)
         for i, (s, o) in enumerate(zip(seqs, outputs)):
             prompt[i, :s.num_prompt_tokens] = s.token_ids[:s.num_prompt_tokens]
@@ -121,7 +121,7 @@ class ModelRunner:
         return pad([self.slot_of[s.seq_id] for s in seqs], rows, fill=self.cfg.max_num_seqs), prompt, output
 
     def _reset_penalties(self, slots: np.ndarray, prompt: np.ndarray, output: np.ndarray) -> None:
-        self.penalty = self.graphs.get(GraphKey("reset", prompt.shape))(self.penalty, slots, prompt, output)
+        self.penalty = self.graphs.get(self.graphs.reset_key(*prompt.shape))(self.penalty, slots, prompt, output)
 
     def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:
         counts = [r.count for r in rows]

@@ -136,7 +136,7 @@ def kv_addressing(cells: np.ndarray, blocks_per_row: int | None) -> dict:
     their cache rows (no block ids on the host)."""
     if blocks_per_row is None:
         return dict(block_tables=cells)
-    return dict(kv_slots=cells, blocks_per_slot=blocks_per_row)
+    return dict(kv_rows=cells, blocks_per_row=blocks_per_row)
 
 
 class StepGraphs:
@@ -195,6 +195,10 @@ class StepGraphs:
     def copy_key(self, num_copies: int) -> GraphKey:
         return GraphKey("copy", (copy_bucket(num_copies),), self.num_blocks)
 
+    def reset_key(self, num_seqs: int, width: int) -> GraphKey:
+        """Penalty resets of num_seqs newly placed sequences, their prompt + output tokens padded to width."""
+        return GraphKey("reset", (bucket_for(num_seqs, self.seq_buckets), bucket_for(width, self.reset_widths)))
+
     def graph_keys(self) -> list[GraphKey]:
         """Every graph a step can run, cache-bound ones first and largest first (the longest compiles start first,
         so that none is left running alone at the end)."""
@@ -209,7 +213,7 @@ class StepGraphs:
         prompts = [GraphKey("prompt", (t,)) for t in reversed(self.token_buckets)]
         samplers = [GraphKey("sampler", (s, mode, n)) for s in reversed(self.seq_buckets) for mode in SAMPLER_MODES
                     for n in (0, MAX_LOGPROBS)]
-        return prompts + samplers + [GraphKey("reset", (s, w)) for s in self.seq_buckets for w in self.reset_widths]
+        return prompts + samplers + [self.reset_key(s, w) for s in self.seq_buckets for w in self.reset_widths]
 
     # ---- graphs ------------------------------------------------------------------------------------
     def lower(self, key: GraphKey) -> jax.stages.Lowered:
@@ -286,9 +290,9 @@ class StepGraphs:
         graph where there is one (`decode_only` forces it, for the compile-time dummies); no rows: a dummy."""
         counts = kw.get("counts", ())
         decode_only = kw.pop("decode_only", len(counts) > 0 and all(c == 1 for c in counts))
-        if "block_tables" not in kw and "kv_slots" not in kw:
-            cells = np.zeros((0,) if self.kernels.blocks_per_slot else (0, self.max_blocks_per_seq), np.int32)
-            kw |= kv_addressing(cells, self.kernels.blocks_per_slot)
+        if "block_tables" not in kw and "kv_rows" not in kw:
+            cells = np.zeros((0,) if self.kernels.blocks_per_row else (0, self.max_blocks_per_seq), np.int32)
+            kw |= kv_addressing(cells, self.kernels.blocks_per_row)
         return build_step_inputs(block_size=self.cfg.block_size, scratch_slot=self.cfg.max_num_seqs,
                                  eos_token_ids=self.eos_token_ids,
                                  decode_only=decode_only and self.kernels.has_decode_kernel, **kw)

@@ -57,8 +57,8 @@ class StepInputs:
 
 
 def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratch_slot: int,
-                      block_tables: np.ndarray | None = None, kv_slots: np.ndarray | None = None,
-                      blocks_per_slot: int | None = None, starts: Sequence[int] = (), counts: Sequence[int] = (),
+                      block_tables: np.ndarray | None = None, kv_rows: np.ndarray | None = None,
+                      blocks_per_row: int | None = None, starts: Sequence[int] = (), counts: Sequence[int] = (),
                       token_ids: Sequence[int] = (), slots: Sequence[int] = (), sample_mask: Sequence[bool] = (),
                       params: Sequence[SamplingParams] = (), seeds: Sequence[int] = (),
                       num_generated: Sequence[int] = (), eos_token_ids: Sequence[int] = (),
@@ -68,7 +68,7 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
     """Host (numpy) inputs of one step over n real rows (decodes first), padded to the buckets.
 
     Per row: `starts` (first position computed), `counts` (tokens computed), where its KV lies — `block_tables`
-    [n, W] (its blocks) or, for contiguous kernels, `kv_slots` [n] (its cache row, of `blocks_per_slot` blocks) —
+    [n, W] (its blocks) or, for contiguous kernels, `kv_rows` [n] (its cache row, of `blocks_per_row` blocks) —
     `slots`, `sample_mask`, `params` / `seeds` / `num_generated` (sampling), `logits_from` (row whose logits it
     samples; -1: its own). Per real token, flattened: `token_ids`, `prev_index`, `next_prompt_ids`.
     No rows: an all-padding step (its writes land in the null block), as compile-time dummies use.
@@ -81,14 +81,14 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
     row_of_token = np.repeat(np.arange(n_rows), counts)
     positions = pad(np.arange(n_tok) - np.repeat(cu[:n_rows] - starts, counts), num_tokens)
     pos = positions[:n_tok]
-    slot_mapping, block_tables, kv_slots = cache_addressing(
+    slot_mapping, block_tables, kv_rows = cache_addressing(
         pos, row_of_token, num_tokens=num_tokens, num_seqs=num_seqs, block_size=block_size,
-        block_tables=block_tables, kv_slots=kv_slots, blocks_per_slot=blocks_per_slot)
+        block_tables=block_tables, kv_rows=kv_rows, blocks_per_row=blocks_per_row)
     own_last = np.maximum(cu[1:n_rows + 1] - 1, 0)
     from_row = np.arange(n_rows) if logits_from is None else np.where(np.asarray(logits_from) < 0,
                                                                       np.arange(n_rows), logits_from)
     attn = AttentionBatch(slot_mapping, cu, pad(starts + counts, num_seqs), block_tables, np.array([n_rows], np.int32),
-                          decode_only, kv_slots)
+                          decode_only, kv_rows)
     model = ModelInputs(pad(token_ids, num_tokens), positions, attn, pad(own_last[from_row], num_seqs),
                         pad(prev_index if prev_index is not None else [], num_tokens, fill=-1))
     sampling = make_sampling_tensors(params, seeds, num_generated, num_rows=num_seqs, eos_token_ids=eos_token_ids)
@@ -99,15 +99,15 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
 
 
 def cache_addressing(pos: np.ndarray, row_of_token: np.ndarray, *, num_tokens: int, num_seqs: int, block_size: int,
-                     block_tables: np.ndarray | None, kv_slots: np.ndarray | None, blocks_per_slot: int | None):
+                     block_tables: np.ndarray | None, kv_rows: np.ndarray | None, blocks_per_row: int | None):
     """Padded (slot_mapping [T]: the cache slot each token's K/V is written to, block_tables [S, W] or None,
-    kv_slots [S] or None): block tables, or (contiguous kernels) each row's slot."""
-    if kv_slots is None:
+    kv_rows [S] or None): block tables, or (contiguous kernels) each row's cache row."""
+    if kv_rows is None:
         slot_mapping = block_tables[row_of_token, pos // block_size] * block_size + pos % block_size
         return pad(slot_mapping, num_tokens), pad(block_tables, num_seqs), None
-    # a row's tokens lie in order from its first block on: its slot's base + the position, no block ids
-    slot_mapping = kv_slots[row_of_token] * (blocks_per_slot * block_size) + pos
-    return pad(slot_mapping, num_tokens), None, pad(kv_slots, num_seqs)
+    # a row's tokens lie in order from its first block on: its cache row's base + the position, no block ids
+    slot_mapping = kv_rows[row_of_token] * (blocks_per_row * block_size) + pos
+    return pad(slot_mapping, num_tokens), None, pad(kv_rows, num_seqs)
 
 
 def pad(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:

@@ -4,7 +4,7 @@
 tests) or, given a paged KV layer and a `PagedAttention` (the step's `AttentionBatch` and the engine's
 `AttentionKernels`), scatters the new K/V into the donated cache and runs ragged paged attention over the
 flattened batch — its blocks addressed by block tables, or (vattention's contiguous kernels) by each sequence's
-slot, its row of the cache. A layer of vattention's cross-layer cache (kv_cache.CrossLayerKV) is read as the
+row of the cache. A layer of vattention's cross-layer cache (kv_cache.VAttentionCache) is read as the
 cache's blocks at that layer: the kernels take the same arrays and block ids, num_layers apart. Model code never
 knows which. The engine's kernel choice is resolved here, once.
 Under tensor parallelism the paged step runs per device on its heads (`paged_attention` under
@@ -38,7 +38,7 @@ class AttentionBatch:
     num_seqs: jax.Array       # [1]
     # Static: every row has one query (token i is row i's), so the decode kernel serves the whole step.
     decode_only: bool = field(default=False, metadata=dict(static=True))
-    kv_slots: jax.Array | None = None   # [S] contiguous kernels: each row's vattention slot (its cache row)
+    kv_rows: jax.Array | None = None   # [S] contiguous kernels: each batch row's vattention cache row
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +47,11 @@ class AttentionKernels:
     decode: the kernel of decode-only steps — "pallas" (the one-launch Pallas decode), "cuda" (the custom call)
     or "reference" (no GPU kernel runs here: pure JAX, and decode-only steps need no graph of their own).
     prefill: the GPU kernel of prefill rows — "triton" or "mosaic" (pallas_kernels' prefill_backend).
-    blocks_per_slot: None (blocks addressed by the batch's block tables) or, for vattention's contiguous kernels,
-    the blocks of a cache row: block i of a sequence is kv_slot * blocks_per_slot + i."""
+    blocks_per_row: None (blocks addressed by the batch's block tables) or, for vattention's contiguous kernels,
+    the blocks of a cache row: block i of a sequence is kv_slot * blocks_per_row + i."""
     decode: str = "reference"
     prefill: str = "triton"
-    blocks_per_slot: int | None = None
+    blocks_per_row: int | None = None
 
     @property
     def has_decode_kernel(self) -> bool:
@@ -60,10 +60,10 @@ class AttentionKernels:
 
 
 def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int,
-                              blocks_per_slot: int | None = None) -> AttentionKernels:
+                              blocks_per_row: int | None = None) -> AttentionKernels:
     """decode_attention "auto" takes the Pallas launch where it runs (faster than the CUDA call across batch sizes
     and context lengths); "cuda" forces the call, an error naming why when it cannot run. A bad name is an error
-    naming the knob. blocks_per_slot: see AttentionKernels."""
+    naming the knob. blocks_per_row: see AttentionKernels."""
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
     if prefill_attention not in PREFILL_ATTENTION:
@@ -73,9 +73,9 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
                else custom_calls.unavailable_reason())
         if why:
             raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {why}")
-        return AttentionKernels("cuda", prefill_attention, blocks_per_slot)
+        return AttentionKernels("cuda", prefill_attention, blocks_per_row)
     pallas = resolve_impl("auto", interpret=False) == "pallas"
-    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_slot)
+    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,25 +132,25 @@ def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: Attent
 def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
                      **kw):
     """The Pallas launches (pure JAX off the GPU) over the batch's block tables or, under contiguous kernels, its
-    slots; the cache's blocks at `layer` of num_layers (see the module)."""
+    cache rows; the cache's blocks at `layer` of num_layers (see the module)."""
     kw.update(prefill_backend=kernels.prefill, decode_only=batch.decode_only)
     lens = (q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens)
-    if kernels.blocks_per_slot is None:
+    if kernels.blocks_per_row is None:
         return ragged_paged_attention(*lens, layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs,
                                       **kw)
-    return contiguous_ragged_attention(*lens, batch.kv_slots, batch.num_seqs, blocks_per_slot=kernels.blocks_per_slot,
+    return contiguous_ragged_attention(*lens, batch.kv_rows, batch.num_seqs, blocks_per_row=kernels.blocks_per_row,
                                        num_layers=num_layers, layer=layer, **kw)
 
 
 def cuda_decode(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
                 **kw):
     """Decode-only batch: token i is row i's query; padding rows have kv_len 0 and come out as zeros. The custom
-    call takes block tables: under contiguous kernels, the slots' identity tables, built in the graph (the call
+    call takes block tables: under contiguous kernels, the rows' identity tables, built in the graph (the call
     reads only each row's first kv_len keys)."""
     num_tokens, num_rows = q.shape[0], batch.kv_lens.shape[0]
     q_rows = q[:num_rows] if num_tokens >= num_rows else jnp.pad(q, ((0, num_rows - num_tokens), (0, 0), (0, 0)))
-    tables = (layer_block_ids(batch.block_tables, num_layers, layer) if kernels.blocks_per_slot is None
-              else identity_block_tables(batch.kv_slots, kernels.blocks_per_slot, num_layers, layer))
+    tables = (layer_block_ids(batch.block_tables, num_layers, layer) if kernels.blocks_per_row is None
+              else identity_block_tables(batch.kv_rows, kernels.blocks_per_row, num_layers, layer))
     out = custom_calls.paged_decode_attention(q_rows, k_cache, v_cache, batch.kv_lens, tables, **kw)
     return out[:num_tokens] if num_rows >= num_tokens else jnp.pad(out, ((0, num_tokens - num_rows), (0, 0), (0, 0)))
 

@@ -1,4 +1,5 @@
-"""Engine correctness: a request's output must not depend on how it was scheduled (CPU, f32)."""
+"""Engine correctness (jaxserve/engine/llm_engine.py): a request's output must not depend on how it was scheduled
+(CPU, f32)."""
 import dataclasses
 import random
 
@@ -14,8 +15,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.models.attention import AttentionKernels, resolve_attention_kernels
 from jaxserve.models.loader import load_model
 
-from test_models import PROMPTS
-from test_models import hf_greedy as _hf_greedy
+from helpers import TEXT_PROMPTS, hf_greedy as _hf_greedy
 
 _HF_MEMO = {}
 
@@ -40,7 +40,7 @@ def smollm_llm(smollm):
 
 @pytest.fixture(scope="module")
 def hf_expected(smollm, smollm_hf):
-    ids = [smollm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    ids = [smollm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in TEXT_PROMPTS]
     return ids, [hf_greedy(smollm_hf, i, GREEDY.max_tokens) for i in ids]
 
 
@@ -48,6 +48,7 @@ def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow
 def test_batched_greedy_matches_hf(smollm_llm, hf_expected):
     ids, expected = hf_expected
     assert token_ids(smollm_llm.generate(ids, GREEDY)) == expected
@@ -68,6 +69,7 @@ def test_schedule_does_not_change_greedy_output(tiny, tiny_expected, knobs):
         assert stats["preemptions"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_prefix_caching_on_and_off_give_the_same_output(smollm, smollm_hf, prefix_caching):
     shared = smollm.tokenizer("You are a helpful assistant. Answer briefly and precisely. " * 3)["input_ids"]
@@ -183,6 +185,7 @@ FUZZ_VALUES = [None, True, False, 0, 1, -1, 3, 2**31, 2**63, -(2**70), 0.5, 1e-3
                float("inf"), "", "a", "\ud800", "s" * 2000, [], [1, 2], ["\udfff"], ["."], [2**40], (1,), {}, object()]
 
 
+@pytest.mark.slow
 def test_random_values_in_every_request_field_raise_valueerror_or_run(smollm_llm):
     """Through the Python API, every SamplingParams field and add_request argument takes random values: each
     request is refused with a ValueError naming a field, or it runs; a step never raises."""
@@ -215,6 +218,7 @@ def test_abort_frees_everything(tiny_llm):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+@pytest.mark.slow
 def test_stream_yields_the_same_text_as_generate(smollm_llm):
     params = SamplingParams(temperature=0.0, max_tokens=20)
     text = "".join(d.text for d in smollm_llm.stream("The capital of France is", params))
@@ -234,16 +238,16 @@ def test_step_donates_the_cache_and_penalty_state(tiny_llm):
 
 
 def test_kv_sizing_reserves_the_profiled_activation_peak(tiny, monkeypatch):
-    from jaxserve.engine import runner as runner_module
+    from jaxserve.cache import kv_cache
     seen = {}
 
     def sized(bytes_per_block, *, activation_peak_bytes, fraction, device):
         seen.update(peak=activation_peak_bytes, bytes_per_block=bytes_per_block)
         return 64
-    monkeypatch.setattr(runner_module, "num_blocks_for_memory", sized)
+    monkeypatch.setattr(kv_cache, "num_blocks_for_memory", sized)
     llm = LLM(tiny[0], **{**BASE, "num_blocks": None})
-    assert llm.engine.runner.num_blocks == 64
-    assert seen["peak"] > 0 and seen["peak"] == llm.engine.runner.activation_bytes(np.float32)
+    assert llm.engine.runner.num_blocks == llm.engine.kv.num_blocks == 64
+    assert seen["peak"] > 0 and seen["peak"] == llm.engine.graphs.activation_peak()
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +317,7 @@ def test_each_step_compiles_the_sampler_its_requests_need(tiny_llm):
     mixed = token_ids(tiny_llm.generate(prompts, [greedy, top1, free]))
     assert mixed[:2] == expected[:2]
     assert mixed[2] != expected[2]  # random sampling really ran beside them
-    modes = {key[2] for key in tiny_llm.engine.runner.graphs.executables if key[0] == "sampler"}
+    modes = {key.dims[1] for key in tiny_llm.engine.graphs.manager.executables if key.kind == "sampler"}
     assert {"greedy", "filter"} <= modes
 
 
@@ -337,11 +341,11 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, monkeyp
     """Decode-only steps run the decode kernel's graph (mixed steps the ragged kernel's) and HF's tokens come
     out. On the GPU these are the Pallas decode-only launch (its small buckets split contexts and merge in the
     launch) and the CUDA call; on CPU both fall back to the reference, which checks the plumbing only."""
-    import jaxserve.engine.runner as runner_module
-    monkeypatch.setattr(runner_module, "resolve_attention_kernels", lambda *_: AttentionKernels(kernel, "triton"))
+    import jaxserve.engine.step_graphs as step_graphs
+    monkeypatch.setattr(step_graphs, "resolve_attention_kernels", lambda *_: AttentionKernels(kernel, "triton"))
     prompts, expected = tiny_expected
     llm = LLM(tiny[0], **BASE)
-    assert llm.engine.runner.kernels.decode == kernel
+    assert llm.engine.graphs.kernels.decode == kernel
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
-    decode_only = {key[3] for key in llm.engine.runner.graphs.executables if key[0] == "model"}
+    decode_only = {key.dims[2] for key in llm.engine.graphs.manager.executables if key.kind == "model"}
     assert decode_only == {False, True}

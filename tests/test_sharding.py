@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU: the checks that need several devices run in child processes (tests/tp_worker.py)
-with the host split into 2 and 4 devices; the rest (config, CLI, refusals, the tp=1 graph) run here."""
+"""Tensor parallelism (jaxserve/sharding.py) on CPU: the checks that need several devices run in child processes
+(tests/tp_worker.py) with the host split into 2 and 4 devices; the rest (config, CLI, refusals, the tp=1 graph) run
+here."""
 import json
 import os
 import re
@@ -17,8 +18,9 @@ from jaxserve import LLM
 from jaxserve.cli import build_parser, served_engine_config
 from jaxserve.config import EngineConfig, load_run_config
 from jaxserve.models.loader import load_run, random_model
-from jaxserve.models.sharding import cache_kv_heads, check_tensor_parallel, param_spec
-from test_compilation import KNOBS, TINY
+from jaxserve.sharding import cache_kv_heads, check_tensor_parallel, param_spec
+
+from helpers import KNOBS, TINY
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
 WORKER_TIMEOUT_S = 240
@@ -43,32 +45,40 @@ def tp4():
 
 
 def assert_same_outputs(one: dict, many: dict):
-    """Greedy tokens identical; logprobs equal but for the order of the all-reduce sums."""
+    """Greedy tokens identical; logprobs equal but for the order of the all-reduce sums. f32 sums reordered over a
+    30-layer model move a logprob by a few parts in 1e6 of its size: atol for the small ones, rtol for the tail
+    (-24.38 moved by 2e-4 at TP3 on a 2-core x86 CPU)."""
     assert many["tokens"] == one["tokens"]
-    np.testing.assert_allclose(np.concatenate(many["logprobs"]), np.concatenate(one["logprobs"]), atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(many["logprobs"]), np.concatenate(one["logprobs"]), rtol=2e-5,
+                               atol=1e-4)
 
 
+@pytest.mark.slow
 def test_tp2_greedy_tokens_and_logprobs_match_one_device(tp2):
     assert_same_outputs(tp2["tiny"]["1"], tp2["tiny"]["2"])
 
 
+@pytest.mark.slow
 def test_tp2_with_fewer_kv_heads_than_devices_matches_one_device(tp2):
     """4 q heads, 1 kv head: the projections stay whole and each device keeps its own copy of the kv head."""
     assert_same_outputs(tp2["mqa"]["1"], tp2["mqa"]["2"])
 
 
+@pytest.mark.slow
 def test_tp4_and_smollm_at_tp3_match_one_device(tp4):
     """TP4 on 2 kv heads (each held by two devices), and the embedded SmolLM2 (9 q / 3 kv heads) split 3 ways."""
     assert_same_outputs(tp4["tiny"]["1"], tp4["tiny"]["4"])
     assert_same_outputs(tp4["smollm"]["1"], tp4["smollm"]["3"])
 
 
+@pytest.mark.slow
 def test_tp2_places_every_parameter_and_the_cache_split(tp2):
     placed = tp2["placement"]
     assert placed["wrong_params"] == [] and placed["cache_spec_ok"] and placed["replicated"]
     assert placed["cache_shape"][2] == TINY.num_kv_heads and placed["cache_shard_shape"][2] == TINY.num_kv_heads // 2
 
 
+@pytest.mark.slow
 def test_tp2_model_graph_moves_only_activations(tp2):
     """One all-reduce for the embedding lookup and one after each row-parallel matmul (o, down), all of [T, H];
     one all-gather of the [S, V] logits. Never the weights or the cache."""
@@ -77,6 +87,7 @@ def test_tp2_model_graph_moves_only_activations(tp2):
         1 + 2 * TINY.num_layers)
 
 
+@pytest.mark.slow
 def test_tp2_copy_on_write_and_prefix_hits_match_one_device(tp2):
     one, two = tp2["cow"]["1"], tp2["cow"]["2"]
     assert two["copies"] == one["copies"] > 0 and two["prefix_hits"] == one["prefix_hits"] > 0
@@ -84,6 +95,7 @@ def test_tp2_copy_on_write_and_prefix_hits_match_one_device(tp2):
     assert all(t == one["first"]["tokens"][0] for t in two["first"]["tokens"] + two["again"]["tokens"])
 
 
+@pytest.mark.slow
 def test_tp2_precompile_covers_every_graph(tp2):
     assert tp2["precompiled"]["compiles_after_start"] == 0
 
@@ -91,8 +103,8 @@ def test_tp2_precompile_covers_every_graph(tp2):
 def test_tp1_graph_is_the_one_device_graph():
     """No shard_map and no collectives at tp=1: the code path compiles to what it did before meshes."""
     llm = LLM(random_model(TINY, jnp.float32), **{**KNOBS, "num_blocks": 64, "precompile": False})
-    runner = llm.engine.runner
-    lowered = runner._lower_model(runner.step_inputs(num_tokens=16, num_seqs=4).model)
+    graphs = llm.engine.graphs
+    lowered = graphs.lower(graphs.model_key(16, 4, False))
     assert "manual_computation" not in lowered.as_text() and not COLLECTIVE.search(lowered.compile().as_text())
 
 

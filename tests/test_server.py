@@ -1,6 +1,7 @@
-"""`jaxserve serve` end to end: one real server subprocess on loopback (embedded SmolLM2, small engine, lazy
-compile) driven through the Python client and the CLI; in-process servers over a fresh engine for TLS, the
-message-size limit and an injected engine failure. The SIGTERM test stops the shared server: it stays last."""
+"""`jaxserve serve` end to end (jaxserve/serve/server.py, grpc_api.py): one real server subprocess on loopback
+(embedded SmolLM2, small engine, lazy compile) driven through the Python client and the CLI; in-process servers over
+a fresh engine for TLS, the message-size limit and an injected engine failure. The SIGTERM test stops the shared
+server: it stays last."""
 import asyncio
 import contextlib
 import os
@@ -28,8 +29,9 @@ from jaxserve.client import Client
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve.server import SERVICE_NAME, ServeOptions, Server, serve_until_signal, stop_then_force
 
+from helpers import SERVER_KNOBS, free_port
+
 REPO = Path(__file__).resolve().parents[1]
-KNOBS = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=128, num_blocks=256)
 MAX_WAITING = 48
 GRACE_S = 20
 READY_TIMEOUT_S = 300
@@ -63,7 +65,7 @@ class ServerProcess:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    flags = [a for k, v in KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    flags = [a for k, v in SERVER_KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--metrics-port", "0", "--no-precompile",
            "--max-waiting", str(MAX_WAITING), "--grace-period", str(GRACE_S), *flags]
     with open(log, "w") as out:
@@ -81,7 +83,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(server, smollm):
     """The offline API over the same model and knobs (built while the server subprocess starts)."""
-    return LLM(smollm, precompile=False, **KNOBS)
+    return LLM(smollm, precompile=False, **SERVER_KNOBS)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +136,7 @@ def assert_no_leak(stats: pb.ServerStatsResponse) -> None:
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == stats.kv_blocks_total > 0
 
 
+@pytest.mark.slow
 def test_concurrent_streams_match_offline_while_others_cancel(server, reference):
     rng = random.Random(0)
     cancel_after = [rng.randint(1, 4) for _ in range(8)]
@@ -159,6 +162,7 @@ def test_concurrent_streams_match_offline_while_others_cancel(server, reference)
     assert_no_leak(stats)
 
 
+@pytest.mark.slow
 def test_complete_matches_stream_and_offline_logprobs(server, offline):
     prompt, params = PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
 
@@ -176,6 +180,7 @@ def test_complete_matches_stream_and_offline_logprobs(server, offline):
         assert lp.top[0].token_id == lp.token_id and lp.logprob == max(t.logprob for t in lp.top) <= 0  # greedy
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_come_back_with_the_last_message(server, offline):
     prompt, params = PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
 
@@ -191,6 +196,7 @@ def test_prompt_logprobs_come_back_with_the_last_message(server, offline):
     assert not any(r.prompt_logprobs for r in stream[:-1])
 
 
+@pytest.mark.slow
 def test_n_outputs_stream_per_index_with_stop_strings(server, offline):
     prompt, params = PROMPTS[5], SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, stop=["."])
 
@@ -213,6 +219,7 @@ def test_n_outputs_stream_per_index_with_stop_strings(server, offline):
                (w.stop_reason if isinstance(w.stop_reason, str) else None)
 
 
+@pytest.mark.slow
 def test_tokenize_detokenize_and_model_info(server, smollm):
     text = "Hello world, this is jaxserve."
 
@@ -253,6 +260,7 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("rpc", ["Generate", "Complete"])
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
+@pytest.mark.slow
 def test_bad_input_is_invalid_argument_naming_the_field(server, case, rpc):
     request, field_name = BAD_INPUTS[case]
 
@@ -270,6 +278,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(server, case, rpc):
 @pytest.mark.parametrize("ids, message", [([5, 49152], "token_ids must be in"),
                                           ([5] * 3_000_000, "at most max_model_len=512 ids, got 3,000,000")],
                          ids=["outside-vocabulary", "flood"])
+@pytest.mark.slow
 def test_detokenize_refuses_ids_outside_the_vocabulary_or_past_max_model_len(server, smollm, ids, message):
     assert smollm.config.vocab_size == 49152
 
@@ -284,6 +293,7 @@ def test_detokenize_refuses_ids_outside_the_vocabulary_or_past_max_model_len(ser
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
+@pytest.mark.slow
 def test_cancel_or_deadline_aborts_the_request_and_frees_its_blocks(server, how):
     async def scenario(c: Client):
         before = await wait_idle(c)
@@ -301,6 +311,7 @@ def test_cancel_or_deadline_aborts_the_request_and_frees_its_blocks(server, how)
     assert after.engine_steps - before.engine_steps < LONG.max_tokens // 2   # aborted, not run to max_tokens
 
 
+@pytest.mark.slow
 def test_resource_exhausted_past_max_waiting(server):
     short = SamplingParams(temperature=0.0, max_tokens=2)
 
@@ -309,7 +320,7 @@ def test_resource_exhausted_past_max_waiting(server):
             stream = c.generate(f"Story {i}:", LONG)
             await anext(stream)
             return stream
-        seats = await asyncio.gather(*(seat(i) for i in range(KNOBS["max_num_seqs"])))
+        seats = await asyncio.gather(*(seat(i) for i in range(SERVER_KNOBS["max_num_seqs"])))
         queued = [asyncio.ensure_future(c.complete(f"Queued {i}:", short)) for i in range(MAX_WAITING)]
         while (await c.server_stats()).pending < MAX_WAITING:
             await asyncio.sleep(0.05)
@@ -327,6 +338,7 @@ def test_resource_exhausted_past_max_waiting(server):
     assert health == "SERVING"
 
 
+@pytest.mark.slow
 def test_prometheus_metrics(server):
     async def scenario(c: Client):
         await c.complete("Metrics, please:", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -347,11 +359,13 @@ def test_prometheus_metrics(server):
         assert f"jaxserve_{gauge}" in {name for name, _ in samples}
 
 
+@pytest.mark.slow
 def test_reflection_lists_the_services(server):
     services = list_services(server.wait_ready())
     assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
 
 
+@pytest.mark.slow
 def test_cli_client_streams_the_offline_text(server, reference):
     host, port = server.wait_ready().rsplit(":", 1)
     s = SAMPLED[0]
@@ -371,6 +385,7 @@ def test_cli_client_streams_the_offline_text(server, reference):
     (["--max-num-seqs", "0"], "max_num_seqs must be a positive int"),
     (["--config", "/nonexistent.yaml"], "cannot read"),
 ], ids=["port-in-use", "tls-file", "host", "engine-knob", "config"])
+@pytest.mark.slow
 def test_serve_refuses_bad_flags_in_one_line_before_loading_the_model(flags, match):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -388,7 +403,8 @@ def test_serve_refuses_bad_flags_in_one_line_before_loading_the_model(flags, mat
 # ---- in-process servers over a fresh engine (no compile needed: nothing here runs a step) ----------------
 @contextlib.asynccontextmanager
 async def in_process(smollm, engine_knobs=None, **opts):
-    server = Server([LLMEngine(smollm, EngineConfig(precompile=False, **{**KNOBS, **(engine_knobs or {})}))],
+    knobs = {**SERVER_KNOBS, **(engine_knobs or {})}
+    server = Server([LLMEngine(smollm, EngineConfig(precompile=False, **knobs))],
                     ServeOptions(**{"port": 0, "metrics_port": None, "grace_period_s": 1.0, **opts}), "smollm2")
     await server.start()
     try:
@@ -398,6 +414,7 @@ async def in_process(smollm, engine_knobs=None, **opts):
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+@pytest.mark.slow
 def test_tls_and_message_size_limit(smollm, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=jaxserve",
@@ -422,6 +439,7 @@ def test_tls_and_message_size_limit(smollm, tmp_path):
     assert no_tls.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.slow
 def test_api_key_guards_every_grpc_service_but_health_and_the_metrics_port(smollm):
     async def scenario():
         async with in_process(smollm, api_key="k3y", metrics_port=0) as server:
@@ -465,6 +483,7 @@ def http_status(url: str, headers: dict) -> int:
         return e.code
 
 
+@pytest.mark.slow
 def test_engine_failure_is_unavailable_and_not_serving(smollm):
     async def scenario():
         async with in_process(smollm) as server:
@@ -488,16 +507,11 @@ def test_engine_failure_is_unavailable_and_not_serving(smollm):
     assert (health, service_health, stats.serving, failed) == ("NOT_SERVING", "NOT_SERVING", False, True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_an_engine_failure_ends_serving_with_exit_code_1(smollm):
     """A supervisor restarts what exits non-zero: a failed engine must not leave a live, useless server."""
     async def scenario():
-        engine, port = LLMEngine(smollm, EngineConfig(precompile=False, **KNOBS)), free_port()
+        engine, port = LLMEngine(smollm, EngineConfig(precompile=False, **SERVER_KNOBS)), free_port()
         engine.step = lambda: (_ for _ in ()).throw(RuntimeError("injected device failure"))
         serving = asyncio.create_task(serve_until_signal(
             [engine], ServeOptions(port=port, metrics_port=None, grace_period_s=1.0), "smollm2"))
@@ -520,6 +534,7 @@ def test_a_second_signal_exits_without_draining(monkeypatch):
     assert exits == [130]
 
 
+@pytest.mark.slow
 def test_refusals_get_their_status_and_nothing_reaches_the_engine_thread(smollm):
     """Can never fit: RESOURCE_EXHAUSTED; a priority under fcfs, an oversized or undecodable request:
     INVALID_ARGUMENT; tokenization runs on the tokenizer thread, never the engine's."""
@@ -562,6 +577,7 @@ def list_services(target: str) -> set[str]:
         return set(ProtoReflectionDescriptorDatabase(channel).get_services())
 
 
+@pytest.mark.slow
 def test_reflection_can_be_turned_off(smollm):
     async def scenario():
         async with in_process(smollm, reflection=False) as server:
@@ -573,6 +589,7 @@ def test_reflection_can_be_turned_off(smollm):
 
 
 # ---- last: stops the shared server ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_sigterm_drains_the_in_flight_stream_and_exits_zero(server):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -595,12 +612,13 @@ def test_sigterm_drains_the_in_flight_stream_and_exits_zero(server):
     assert "jaxserve serve: stopped" in server.log.read_text()
 
 
+@pytest.mark.slow
 def test_a_restart_on_the_drained_ports_starts_at_once(server, tmp_path):
     """The drain left the drained stream's connection in TIME-WAIT on the gRPC and metrics ports: a supervisor's
     immediate restart must bind them (the servers set SO_REUSEADDR, and so must the pre-check)."""
     assert server.proc.poll() is not None   # after the SIGTERM test
     port, metrics_port = server.target.rpartition(":")[2], server.metrics_url.split(":")[2].split("/")[0]
-    flags = [a for k, v in KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    flags = [a for k, v in SERVER_KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", port, "--metrics-port", metrics_port,
            "--no-precompile", *flags]
     log = tmp_path / "restart.log"

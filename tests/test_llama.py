@@ -1,86 +1,49 @@
-"""Oracle tests: every model family against HF transformers (PyTorch CPU, same weights, f32)."""
-import jax.numpy as jnp
+"""Oracle tests: every model family of jaxserve/models/llama.py against HF transformers (PyTorch CPU, same weights,
+f32)."""
 import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
 
 from jaxserve.models.loader import load_model
 
-PROMPTS = ["Hi", "The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,",
-           "Once upon a time, in a land far away, there lived a dragon who",
-           "Translate to French: I would like a cup of coffee, please.",
-           "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-           "A long prompt " + "with many repeated words and numbers 1234 5678 " * 6]
+from helpers import TEXT_PROMPTS, TINY_HF_KWARGS, forward_logits, greedy, hf_greedy, hf_logits, rel_err
+
 LOGITS_RTOL = 1e-4
 GREEDY_TOKENS = 32
 
 
-def forward_logits(loaded, ids):
-    """All-position logits from the plain full-sequence forward (no cache)."""
-    fn = nnx.jit(lambda m, ids: m.logits(m(ids, jnp.arange(ids.shape[0]))[0]))
-    return np.asarray(fn(loaded.model, jnp.asarray(ids, jnp.int32)))
-
-
-def hf_logits(hf_model, ids):
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].numpy()
-
-
-def rel_err(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def greedy(loaded, ids, n):
-    """Greedy decoding with the full forward, padded to one length so it compiles once."""
-    total = len(ids) + n
-    fn = nnx.jit(lambda m, ids, last: m.logits(m(ids, jnp.arange(total))[0][last][None])[0].argmax())
-    out = list(ids)
-    for _ in range(n):
-        padded = jnp.asarray(out + [0] * (total - len(out)), jnp.int32)
-        out.append(int(fn(loaded.model, padded, len(out) - 1)))
-    return out[len(ids):]
-
-
-def hf_greedy(hf_model, ids, n):
-    ids = torch.tensor([ids])
-    with torch.no_grad():   # an explicit mask: HF would otherwise mask prompt tokens equal to pad_token_id
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
-
-
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", TEXT_PROMPTS)
 def test_smollm_last_logits_match_hf(smollm, smollm_hf, prompt):
     ids = smollm.tokenizer(prompt)["input_ids"]
     assert rel_err(forward_logits(smollm, ids)[-1], hf_logits(smollm_hf, ids)[-1]) <= LOGITS_RTOL
 
 
+@pytest.mark.slow
 def test_smollm_greedy_matches_hf(smollm, smollm_hf):
-    ids = smollm.tokenizer(PROMPTS[1])["input_ids"]
+    ids = smollm.tokenizer(TEXT_PROMPTS[1])["input_ids"]
     assert greedy(smollm, ids, GREEDY_TOKENS) == hf_greedy(smollm_hf, ids, GREEDY_TOKENS)
 
 
+@pytest.mark.slow
 def test_tokenizer_matches_hf_gguf_tokenizer(smollm):
     from transformers import AutoTokenizer
     from jaxserve.models.loader import embedded_model_path
     path = embedded_model_path("smollm2-135m-instruct")
     hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    for p in PROMPTS + ["héllo wörld 中文 🙂 12345"]:
+    for p in TEXT_PROMPTS + ["héllo wörld 中文 🙂 12345"]:
         assert smollm.tokenizer(p)["input_ids"] == hf_tok(p)["input_ids"]
         assert smollm.tokenizer.decode(smollm.tokenizer(p)["input_ids"]) == p
 
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
 FAMILIES = {
-    "llama3": lambda: transformers.LlamaConfig(**TINY, rope_parameters=dict(
+    "llama3": lambda: transformers.LlamaConfig(**TINY_HF_KWARGS, rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64)),
-    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=16),
-    "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
-    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),
+    "mistral": lambda: transformers.MistralConfig(**TINY_HF_KWARGS, sliding_window=16),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY_HF_KWARGS, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY_HF_KWARGS, head_dim=32),
 }
 
 

@@ -1,8 +1,9 @@
-"""Multi-host serving on one machine: two CPU processes, one device each, joined through JAX's coordination service
-on 127.0.0.1, run one TP2 engine — through the engine API (tests/multihost_worker.py), then as `jaxserve serve`.
-Process 0 schedules and publishes every step; process 1 launches the same graphs. The tokens must be one device's,
-and process 1 must leave when process 0 does. A value planted in the step channel (a pickle, a forged step) must be
-refused: by its MAC under JAXSERVE_CLUSTER_SECRET, by the step format without one."""
+"""Multi-host serving (jaxserve/engine/distributed.py, step_codec.py) on one machine: two CPU processes, one device
+each, joined through JAX's coordination service on 127.0.0.1, run one TP2 engine — through the engine API
+(tests/multihost_worker.py), then as `jaxserve serve`. Process 0 schedules and publishes every step; process 1
+launches the same graphs. The tokens must be one device's, and process 1 must leave when process 0 does. A value
+planted in the step channel (a pickle, a forged step) must be refused: by its MAC under JAXSERVE_CLUSTER_SECRET, by
+the step format without one."""
 import asyncio
 import dataclasses
 import json
@@ -10,7 +11,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,20 +27,15 @@ from jaxserve.config import model_config_from_hf
 from jaxserve.engine import step_codec
 from jaxserve.engine.distributed import STOP, Cluster, Seal, StepReader, cluster_from, step_key
 from jaxserve.models.loader import random_model
+
+from helpers import TINY, free_port
 from multihost_worker import LAZY, TINY_HF, Planted, outputs
-from test_compilation import TINY
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("multihost_worker.py")
 TIMEOUT_S = 180
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}   # one CPU device per process
 SECRET = {"JAXSERVE_CLUSTER_SECRET": "a test secret"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd: list[str], log: Path, env: dict = ENV) -> subprocess.Popen:
@@ -83,6 +78,7 @@ def two_processes(tmp_path_factory) -> tuple[list[int], dict, dict]:
     return codes, last_json(logs / "0.log"), worker
 
 
+@pytest.mark.slow
 def test_tp2_across_two_processes_matches_one_device(two_processes, one_device):
     _, leader, _ = two_processes
     assert leader["processes"] == [0, 1]   # the mesh spans both processes
@@ -90,11 +86,13 @@ def test_tp2_across_two_processes_matches_one_device(two_processes, one_device):
     np.testing.assert_allclose(np.concatenate(leader["logprobs"]), np.concatenate(one_device["logprobs"]), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_worker_runs_every_published_step_then_exits(two_processes):
     codes, leader, worker = two_processes
     assert codes == [0, 0] and worker["steps"] == leader["published"] > 0
 
 
+@pytest.mark.slow
 def test_a_planted_pickle_is_refused_by_its_mac_and_has_no_effect(two_processes):
     """The worker read it first (logged once, however often it read it again), never unpickled it, and ran the
     leader's step 0 that replaced it: the tokens above are one device's."""
@@ -104,6 +102,7 @@ def test_a_planted_pickle_is_refused_by_its_mac_and_has_no_effect(two_processes)
                                "verify") == 1, worker["log"][-3000:]
 
 
+@pytest.mark.slow
 def test_each_process_keys_its_own_executables(two_processes):
     """Same mesh, model and config: only the process tells their executables apart in a shared cache."""
     _, leader, worker = two_processes
@@ -123,6 +122,7 @@ def serve_cluster(tmp_path: Path, *flags: str) -> tuple[list[subprocess.Popen], 
     return procs, logs
 
 
+@pytest.mark.slow
 def test_jaxserve_serve_across_two_processes(tmp_path):
     """The leader serves gRPC, the worker follows; SIGTERM to the leader drains it, and the worker leaves too."""
     assert model_config_from_hf(TINY_HF) == TINY
@@ -140,6 +140,7 @@ def test_jaxserve_serve_across_two_processes(tmp_path):
     assert re.search(r"stopped after [1-9]\d* steps", logs[1].read_text())
 
 
+@pytest.mark.slow
 def test_a_dead_worker_ends_the_leader_within_the_heartbeat_timeout(tmp_path):
     """SIGKILL to the worker: the leader must not hang on its collectives; the coordination service ends it (exit
     code != 0, for a supervisor to restart the cluster) within about HEARTBEAT_TIMEOUT_S."""
@@ -195,6 +196,7 @@ def test_cluster_flags_fall_back_to_the_environment_and_are_checked():
             cluster_from(**{"environ": {}, **kwargs})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, match", [
     (["--process-id", "2"], r"--process-id 2 must be in \[0, 2\) for --num-processes 2"),
     (["--process-id", "1", "--data-parallel-size", "2"], "--data-parallel-size: a multi-host engine is one replica"),
@@ -212,6 +214,7 @@ def test_bad_cluster_flags_are_one_line_errors_before_anything_starts(flags, mat
     assert lines[0].startswith("jaxserve serve: error:")
 
 
+@pytest.mark.slow
 def test_a_mesh_short_of_the_cluster_is_refused_in_every_process(tmp_path):
     """--tensor-parallel-size must count every device of every process (one engine over all of them): with the
     default 1, each process says so and exits, none waits for the other forever."""
