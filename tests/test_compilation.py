@@ -121,7 +121,8 @@ WARM_START = textwrap.dedent("""
                                            counts[event] + 1))
     import jax.numpy as jnp
     from jaxserve import LLM
-        from jaxserve.models.loader import random_model
+    from jaxserve.config import ModelConfig
+    from jaxserve.models.loader import random_model
     cfg = json.loads(sys.argv[1])
     cfg = ModelConfig(**{**cfg, "eos_token_ids": tuple(cfg["eos_token_ids"])})
     stats = LLM(random_model(cfg, jnp.float32), **json.loads(sys.argv[2])).engine.stats()
