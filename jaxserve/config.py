@@ -211,8 +211,8 @@ class EngineConfig:
     # models/attention.py resolves both once per engine (AttentionKernels).
     # decode-only steps: "auto" (the Pallas decode-only launch), "cuda"
     decode_attention: str = knob("auto", group="compilation", check=one_of(DECODE_ATTENTION))
-    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: faster on long prompts, its compile time
-    # inside a 32-layer step not yet measured, so off by default; benchmarks/NOTES_attention.md)
+    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: faster on long prompts; off by default until
+    # its compile time inside a whole model's step is known)
     prefill_attention: str = knob("triton", group="compilation", check=one_of(PREFILL_ATTENTION))
     compile_cache_dir: str | None = knob("~/.cache/jaxserve/xla", group="compilation", graphs=False,
                                          check=OPTIONAL_PATH)

@@ -36,7 +36,7 @@ Contiguous mode (vAttention, `contiguous_ragged_attention`): each sequence's KV 
 viewed as blocks makes block i of row r the block r * blocks_per_row + i. The same launches run with
 `kv_rows` [max_seqs] in place of the block table: each program loads its sequence's first block once and computes
 every block id from it, so no table is built on the host, read, or gathered. A cross-layer cache (vAttention's
-megacache: a block holds every layer of its tokens, so that a 2 MiB page holds a short run of tokens, not 1,024
+cache: a block holds every layer of its tokens, so that a 2 MiB page holds a short run of tokens, not 1,024
 tokens of one layer) is the same cache viewed as [num_blocks * num_layers, block_size, ...]: layer l of block b
 is block b * num_layers + l, so a row's blocks are num_layers apart (`Geometry.block_stride`). Only the
 addressing differs (`BlockTable` / `SlotRows`, the kernels' `blocks`); the launches are the paged ones.

@@ -1,4 +1,4 @@
-"""Device-side KV cache: per-layer K/V arrays (paged) or one cross-layer pair (vattention's megacache), in-place
+"""Device-side KV cache: per-layer K/V arrays (paged) or one cross-layer pair (vattention's), in-place
 writes by slot, batched block copies, sizing."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jaxserve.sharding import KV_CACHE, per_shard
 @jax.tree_util.register_dataclass
 @dataclass(slots=True)
 class VAttentionCache:
-    """vattention's megacache: K and V each [num_blocks, num_layers, block_size, num_kv_heads, head_dim], a block
+    """vattention's cache: K and V each [num_blocks, num_layers, block_size, num_kv_heads, head_dim], a block
     holding every layer of its tokens, so that a 2 MiB page holds a run of tokens of all layers (32 of Llama-3-8B),
     not 1,024 tokens of one layer. `layer`: the layer that a model layer writes and reads (a traced int32 scalar:
     the layers share one trace), None for the whole cache. Attention reads it as [num_blocks * num_layers,

@@ -39,7 +39,7 @@ from jaxserve.cache.kv_cache import CPU_MAX_KV_BYTES, VAttentionCache, allocate_
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.sharding import VATTENTION_CACHE
 
-PAGE_SIZE = 2 << 20  # the stock driver's only VMM granularity (measured on H100)
+PAGE_SIZE = 2 << 20  # the stock driver's only VMM granularity on Hopper
 # The page size on CPU, where FakePageMapper stands in for the driver: the GPU's, so that the CPU runs the GPU's
 # geometry; tests lower it so that a tiny model's prompts span many pages.
 CPU_PAGE_SIZE = PAGE_SIZE

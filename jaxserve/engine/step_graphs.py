@@ -37,7 +37,7 @@ MIN_SEQ_BUCKET = 8
 MIN_RESET_WIDTH = 64   # penalty resets pad prompt + output tokens to a power of four from here (few graphs)
 PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, not [T, V] (5 GB at 4K x 128K)
 # GPU graphs of more rows than this take cuBLAS GEMMs, not XLA's autotuned Triton ones: cuBLAS starts faster and
-# runs big steps as fast or faster, but small GEMMs (batch-1 decode) are faster with Triton (benchmarks/NOTES_*).
+# runs big steps as fast or faster, but small GEMMs (batch-1 decode) are faster with Triton.
 TRITON_GEMM_MAX_ROWS = 64
 CACHE_BOUND = ("model", "copy")   # kinds of graph that take the cache, so depend on its size
 
