@@ -12,13 +12,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.cache.kv_backend import KVManager, make_kv_backend
-from jaxserve.config import EngineConfig
 from jaxserve.compilation_cache import enable_compilation_cache
+from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner
-from jaxserve.engine.step_graphs import StepGraphs
 from jaxserve.engine.sampling_params import INT32_MAX, SamplingParams, check_text, short
 from jaxserve.engine.scheduler import Scheduler, StepRow
+from jaxserve.engine.step_graphs import StepGraphs
 from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, next_seq_id,
                                       stable_seed)
 from jaxserve.models.loader import LoadedModel
