@@ -156,17 +156,20 @@ class LLMEngine:
         refused before the tokenizer spends time on it."""
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass token ids")
-        check_text("prompt", text)
         limit = self.cfg.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
-        if len(text) > limit or len(text.encode()) > limit:
-            raise ValueError(f"prompt: {len(text.encode()):,} bytes cannot fit max_model_len="
+        # a text of more characters than the limit has more bytes too: it is refused unencoded
+        num_bytes = len(text) if len(text) > limit else len(check_text("prompt", text))
+        if num_bytes > limit:
+            raise ValueError(f"prompt: at least {num_bytes:,} bytes cannot fit max_model_len="
                              f"{self.cfg.max_model_len} tokens (at most {limit:,} bytes)")
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def _prompt(self, prompt, token_ids) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str) and token_ids is None:
+            return prompt, self.tokenize(prompt)   # which checks the text
         if isinstance(prompt, str):
             check_text("prompt", prompt)
-            return prompt, self.tokenize(prompt) if token_ids is None else self._prompt(token_ids, None)[1]
+            return prompt, self._prompt(token_ids, None)[1]
         if isinstance(prompt, (list, tuple)):
             self.check_prompt_length(len(prompt))   # before any per-id work
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -92,11 +92,11 @@ def normalise_stop_token_ids(ids) -> list[int]:
     return list(ids)
 
 
-def check_text(name: str, text: str) -> None:
+def check_text(name: str, text: str) -> bytes:
     """Text that is valid Unicode (JSON's "\\ud800" escapes give lone surrogates, which no encoder, tokenizer or hash
-    takes): a ValueError naming the field, where the request arrives, never later on the engine's thread."""
+    takes), as UTF-8: a ValueError naming the field, where the request arrives, never later on the engine's thread."""
     try:
-        text.encode()
+        return text.encode()
     except UnicodeEncodeError as e:
         raise ValueError(f"{name}: not valid Unicode (a lone surrogate at character {e.start})") from None
 
