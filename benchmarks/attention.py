@@ -1,6 +1,8 @@
 """Paged attention on one GPU: jaxserve's Pallas kernel against its peers, and the copy ceiling, in one run.
 
-Llama-3-8B heads (32 q / 8 kv / 128), bf16, block size 16, pages in random order. Impls:
+Llama-3-8B heads (32 q / 8 kv / 128), bf16, block size 16, pages in random order. `--kv-dtype fp8` adds our rows
+over the same caches in float8 e4m3 (q and the output stay bf16) beside the bf16 ones; rows say which in
+params.kv_dtype, and GB/s counts the bytes each cache holds. Impls:
   jaxserve-pallas   pallas_kernels.ragged_paged_attention (our cache layout); for decode what the engine runs
                     on a decode-only step (`decode_only=True`: one launch, split-K merged in it when the batch
                     is small); jaxserve-pallas-alt the mixed-batch path (split-K partials, a merge launch)
@@ -19,6 +21,7 @@ per call (benchmarks/NOTES_attention.md, v5).
   python benchmarks/attention.py                 # full sweep -> benchmarks/results/attention_h100.json + .png
   python benchmarks/attention.py --tune          # tuning variants at key points -> attention_tune.json
   python benchmarks/attention.py --plans         # decode paths and the CUDA call's splits, with the peers
+  python benchmarks/attention.py --kv-dtype fp8  # any of the above with fp8-cache rows beside the bf16 ones
 """
 import argparse
 import json
@@ -28,7 +31,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +45,8 @@ from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attenti
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
+KV_DTYPES = {"bf16": DTYPE, "fp8": jnp.float8_e4m3fn}  # our kernel's caches; the peers read bf16
+KV_RUNS = ["bf16"]  # the caches our rows run over, bf16 first (--kv-dtype)
 SM_SCALE = 1 / math.sqrt(HEAD_DIM)
 L2_BYTES = 50e6
 TARGET_RUN_S = 2e-3  # GPU time per timed program: long enough to hide launch and sync overhead
@@ -73,8 +78,12 @@ class Batch:
     block_tables: jax.Array
     num_seqs: jax.Array
     q_lens: list
-    kv_bytes: float
+    kv_elements: int  # K and V elements the context holds: every call reads them once
     flops: float
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_elements * self.k_cache.dtype.itemsize
 
     def args(self, k_cache=None, v_cache=None):
         return (self.q, self.k_cache if k_cache is None else k_cache, self.v_cache if v_cache is None else v_cache,
@@ -96,8 +105,13 @@ def make_batch(key, q_lens, kv_lens) -> Batch:
                  jax.random.normal(kk, cache_shape, DTYPE), jax.random.normal(kv, cache_shape, DTYPE),
                  jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
                  jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables), jnp.asarray([len(q_lens)], jnp.int32),
-                 list(q_lens), 2 * sum(kv_lens) * KV_HEADS * HEAD_DIM * jnp.dtype(DTYPE).itemsize,
-                 4 * visible * Q_HEADS * HEAD_DIM)
+                 list(q_lens), 2 * sum(kv_lens) * KV_HEADS * HEAD_DIM, 4 * visible * Q_HEADS * HEAD_DIM)
+
+
+def with_kv_dtype(batch: Batch, kv_dtype: str) -> Batch:
+    """`batch` over its caches stored as KV_DTYPES[kv_dtype] (the same values, rounded)."""
+    dtype = KV_DTYPES[kv_dtype]
+    return replace(batch, k_cache=batch.k_cache.astype(dtype), v_cache=batch.v_cache.astype(dtype))
 
 
 def time_calls(fn, arg_sets):
@@ -126,8 +140,9 @@ def rotation(batch: Batch, per_copy_bytes: float, make_copy):
 def fresh_cache_copy(batch: Batch, i: int):
     if i == 0:
         return batch.args()
-    k = jax.random.normal(jax.random.key(100 + i), batch.k_cache.shape, DTYPE)
-    return batch.args(k, jax.random.normal(jax.random.key(200 + i), batch.v_cache.shape, DTYPE))
+    k, v = (jax.random.normal(jax.random.key(seed + i), batch.k_cache.shape, DTYPE).astype(batch.k_cache.dtype)
+            for seed in (100, 200))
+    return batch.args(k, v)
 
 
 def relative_error(out, expected, rows):
@@ -224,19 +239,31 @@ def gather_attend(q, k_cache, v_cache, tables, q_pos):
     return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(q.shape)
 
 
+def kv_variants(batch: Batch):
+    """(kv dtype, `batch` over its caches in that dtype, the reference output) for each of KV_RUNS, bf16 first."""
+    for kv_dtype in KV_RUNS:
+        converted = with_kv_dtype(batch, kv_dtype)
+        yield kv_dtype, converted, reference(converted)
+
+
 def bench_decode(rec: Recorder, batch_size, context, tunings=(None,)):
-    batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
-    expected = reference(batch)
-    params = {"batch": batch_size, "context": context}
-    sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-    for tuning in tunings:
-        rec.measure("decode", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default",
-                                                  "path": "decode-only"},
-                    ours(tuning, decode_only=True), sets, batch, expected, info)
-    if tunings != (None,):
-        return
-    rec.measure("decode", "jaxserve-pallas-alt", {**params, "path": "mixed-batch"}, ours(), sets, batch, expected,
-                info)
+    bf16 = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
+    for kv_dtype, batch, expected in kv_variants(bf16):
+        params = {"batch": batch_size, "context": context, "kv_dtype": kv_dtype}
+        sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
+        for tuning in tunings:
+            rec.measure("decode", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default",
+                                                      "path": "decode-only"},
+                        ours(tuning, decode_only=True), sets, batch, expected, info)
+        if tunings == (None,):
+            rec.measure("decode", "jaxserve-pallas-alt", {**params, "path": "mixed-batch"}, ours(), sets, batch,
+                        expected, info)
+            if kv_dtype == "bf16":
+                bench_decode_peers(rec, params, batch, expected, sets, info)
+
+
+def bench_decode_peers(rec: Recorder, params, batch: Batch, expected, sets, info):
+    batch_size = len(batch.q_lens)
     q4 = lambda a: (a[0][:, None], a[1], a[2])  # noqa: E731 - [B, 1, H, D] for cuDNN
     ones, lens = jnp.ones((batch_size,), jnp.int32), batch.kv_lens
     paged = cudnn_paged(ones, lens, batch.block_tables, causal=False)
@@ -245,7 +272,6 @@ def bench_decode(rec: Recorder, batch_size, context, tunings=(None,)):
     rec.measure("decode", "xla-gather", params, lambda *a: gather_attend(*a[:3], a[5], q_pos), sets, batch,
                 expected, info)
     bench_cuda_decode(rec, params, sets, batch, expected, info)
-    del sets
     bench_contiguous_decode(rec, params, batch, expected)
     bench_jax_paged_decode(rec, params, batch, expected)
 
@@ -295,13 +321,20 @@ def bench_jax_paged_decode(rec: Recorder, params, batch: Batch, expected):
 
 
 def bench_prefill(rec: Recorder, length, tunings=(None,)):
-    batch = make_batch(jax.random.key(7), [length], [length])
-    expected = reference(batch)
-    params = {"batch": 1, "context": length}
-    sets, info = rotation(batch, 3 * L2_BYTES, lambda i: batch.args())  # compute-bound: L2 residency is real
-    for tuning in tunings:
-        rec.measure("prefill", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default"},
-                    ours(tuning), sets, batch, expected, info)
+    """Our prefill over each KV_RUNS cache (an fp8 one takes the Triton prefill: the Mosaic kernel reads q's dtype
+    only), the peers over bf16."""
+    for kv_dtype, batch, expected in kv_variants(make_batch(jax.random.key(7), [length], [length])):
+        params = {"batch": 1, "context": length, "kv_dtype": kv_dtype}
+        sets, info = rotation(batch, 3 * L2_BYTES, lambda i: batch.args())  # compute-bound: L2 residency is real
+        for tuning in tunings:
+            rec.measure("prefill", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default"},
+                        ours(tuning), sets, batch, expected, info)
+        if kv_dtype == "bf16":
+            bench_prefill_peers(rec, params, batch, expected, sets, info)
+
+
+def bench_prefill_peers(rec: Recorder, params, batch: Batch, expected, sets, info):
+    length = params["context"]
     k, v = to_contiguous(batch, batch.k_cache, batch.v_cache)
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SM_SCALE, is_causal=True,  # noqa: E731
                                                       implementation="cudnn")[0]
@@ -319,13 +352,18 @@ def bench_prefill(rec: Recorder, length, tunings=(None,)):
 def bench_mixed(rec: Recorder, decodes, context, chunk, chunk_context):
     """`decodes` decodes at `context` plus one `chunk`-token prefill chunk whose kv length is chunk_context."""
     q_lens, kv_lens = [1] * decodes + [chunk], [context] * decodes + [chunk_context]
-    batch = make_batch(jax.random.key(11), q_lens, kv_lens)
-    expected = reference(batch)
-    params = {"batch": decodes + 1, "context": context, "decodes": decodes, "chunk": chunk,
-              "chunk_context": chunk_context}
-    sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-    rec.measure("mixed", "jaxserve-pallas", {**params, "tuning": TUNING or "default"}, ours(), sets, batch,
-                expected, info)
+    for kv_dtype, batch, expected in kv_variants(make_batch(jax.random.key(11), q_lens, kv_lens)):
+        params = {"batch": decodes + 1, "context": context, "decodes": decodes, "chunk": chunk,
+                  "chunk_context": chunk_context, "kv_dtype": kv_dtype}
+        sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
+        rec.measure("mixed", "jaxserve-pallas", {**params, "tuning": TUNING or "default"}, ours(), sets, batch,
+                    expected, info)
+        if kv_dtype == "bf16":
+            bench_mixed_peers(rec, params, batch, expected, sets, info)
+
+
+def bench_mixed_peers(rec: Recorder, params, batch: Batch, expected, sets, info):
+    decodes, context, chunk, chunk_context = (params[k] for k in ("decodes", "context", "chunk", "chunk_context"))
     dec_tables = batch.block_tables[:decodes]
     chunk_table = batch.block_tables[decodes:, :-(-chunk_context // BLOCK)]
     bench_cudnn_mixed(rec, params, batch, expected, dec_tables, chunk_table, chunk)
@@ -397,17 +435,20 @@ def run_plans(rec: Recorder):
     then the prefill peers and the Mosaic kernel's work-item order."""
     measure_copy(rec)
     for batch_size, context in PLAN_POINTS:
-        batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
-        expected, params = reference(batch), {"batch": batch_size, "context": context}
-        sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-        for path, fn in (("decode-only", ours(decode_only=True)), ("mixed-batch", ours()),
-                         ("decode-only, no split", ours({**TUNING, "decode_max_splits": 1}, decode_only=True))):
-            rec.measure("decode", "jaxserve-pallas", {**params, "path": path}, fn, sets, batch, expected, info)
-        bench_cuda_decode(rec, params, sets, batch, expected, info, split_choices=(None, 1))
-        if context == 512:
-            rec.measure_floor(params, sets)
-        del sets
-        bench_contiguous_decode(rec, params, batch, expected)
+        bf16 = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
+        for kv_dtype, batch, expected in kv_variants(bf16):
+            params = {"batch": batch_size, "context": context, "kv_dtype": kv_dtype}
+            sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
+            for path, fn in (("decode-only", ours(decode_only=True)), ("mixed-batch", ours()),
+                             ("decode-only, no split", ours({**TUNING, "decode_max_splits": 1}, decode_only=True))):
+                rec.measure("decode", "jaxserve-pallas", {**params, "path": path}, fn, sets, batch, expected, info)
+            if kv_dtype != "bf16":
+                continue
+            bench_cuda_decode(rec, params, sets, batch, expected, info, split_choices=(None, 1))
+            if context == 512:
+                rec.measure_floor(params, sets)
+            del sets
+            bench_contiguous_decode(rec, params, batch, expected)
     bench_prefill(rec, 8192)
     bench_mosaic_variants(rec, 8192, variants=({}, {"alternate_rounds": False}))
 
@@ -419,11 +460,16 @@ def run_tune(rec: Recorder):
     bench_prefill(rec, 8192, tunings=TUNE_VARIANTS["prefill"])
 
 
-def pick_tuning(rows) -> dict:
-    """From --tune rows: per bench, the variant with the best geometric-mean time relative to the default."""
+def kv_dtype_of(row) -> str:
+    return row["params"].get("kv_dtype", "bf16")  # rows from before fp8 caches were bf16
+
+
+def pick_tuning(rows, kv_dtype="bf16") -> dict:
+    """From --tune rows over `kv_dtype` caches: per bench, the variant with the best geometric-mean time relative
+    to the default."""
     picked = {}
     for bench in ("decode", "prefill"):
-        ok = [r for r in rows if r["bench"] == bench and "error" not in r and "ms" in r]
+        ok = [r for r in rows if r["bench"] == bench and "error" not in r and "ms" in r and kv_dtype_of(r) == kv_dtype]
         default = {(r["params"]["batch"], r["params"]["context"]): r["ms"] for r in ok
                    if r["params"]["tuning"] == "default"}
         scores = {}
@@ -440,11 +486,12 @@ def pick_tuning(rows) -> dict:
 
 def run_profile():
     """Run our kernel a few times at PROFILE_POINTS, untimed: the workload for `ncu -k regex:attention`."""
+    fn = jax.jit(ours())
     for q_len, batch_size, context in PROFILE_POINTS:
-        batch = make_batch(jax.random.key(0), [q_len] * batch_size, [context] * batch_size)
-        fn = jax.jit(ours())
-        for _ in range(3):
-            jax.block_until_ready(fn(*batch.args()))
+        bf16 = make_batch(jax.random.key(0), [q_len] * batch_size, [context] * batch_size)
+        for batch in (with_kv_dtype(bf16, kv_dtype) for kv_dtype in KV_RUNS):
+            for _ in range(3):
+                jax.block_until_ready(fn(*batch.args()))
 
 
 def plot(rows, path):
@@ -453,11 +500,12 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
     decode = [r for r in rows if r["bench"] == "decode" and "gbps" in r and "error" not in r]
     points = sorted({(r["params"]["batch"], r["params"]["context"]) for r in decode})
-    impls = sorted({r["impl"] for r in decode})
+    series = lambda r: r["impl"] + ("" if kv_dtype_of(r) == "bf16" else f" ({kv_dtype_of(r)} KV)")  # noqa: E731
+    impls = sorted({series(r) for r in decode})
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / max(len(impls), 1)
     for j, impl in enumerate(impls):
-        best = {p: max((r["gbps"] for r in decode if r["impl"] == impl
+        best = {p: max((r["gbps"] for r in decode if series(r) == impl
                         and (r["params"]["batch"], r["params"]["context"]) == p), default=0) for p in points}
         ax.bar(np.arange(len(points)) + j * width, [best[p] for p in points], width, label=impl)
     copy = [r["gbps"] for r in rows if r["bench"] == "copy"]
@@ -465,17 +513,19 @@ def plot(rows, path):
         ax.axhline(copy[0], color="k", ls="--", lw=1, label="XLA copy")
     ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, [f"B={b}\nctx={c}" for b, c in points])
     ax.set_ylabel("KV read GB/s")
-    ax.set_title(f"Paged decode, Llama-3-8B heads, bf16, block 16 ({rows[0]['device']})")
+    ax.set_title(f"Paged decode, Llama-3-8B heads, bf16 q, block 16 ({rows[0]['device']})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def print_table(rows):
-    print(f"\n{'bench':8} {'impl':17} {'B':>4} {'ctx':>6} {'ms':>9} {'GB/s':>7} {'TF/s':>6} {'%copy':>6} tuning / error")
+    print(f"\n{'bench':8} {'impl':17} {'kv':4} {'B':>4} {'ctx':>6} {'ms':>9} {'GB/s':>7} {'TF/s':>6} {'%copy':>6} "
+          "tuning / error")
     for r in rows:
         p = r["params"]
-        print(f"{r['bench']:8} {r['impl']:17} {p.get('batch', ''):>4} {p.get('context', ''):>6} "
+        print(f"{r['bench']:8} {r['impl']:17} {p.get('kv_dtype', ''):4} {p.get('batch', ''):>4} "
+              f"{p.get('context', ''):>6} "
               f"{r.get('ms') or float('nan'):9.4f} {r.get('gbps') or 0:7.0f} {r.get('tflops') or 0:6.1f} "
               f"{r.get('pct_copy') or 0:6.1f} {r.get('error', '')[:70] or p.get('tuning', '')}")
 
@@ -491,12 +541,15 @@ def main():
     parser.add_argument("--target-ms", type=float, default=TARGET_RUN_S * 1e3, help="GPU time per timed program")
     parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
     parser.add_argument("--tuning", default="{}", help="JSON Tuning overrides for our rows")
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
+                        help="fp8: our rows over e4m3 caches too, beside the bf16 ones (--pick: pick from those)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention_h100.json"))
     args = parser.parse_args()
     if args.pick:
         with open(args.pick) as f:
-            return print(json.dumps(pick_tuning(json.load(f))))
+            return print(json.dumps(pick_tuning(json.load(f), args.kv_dtype)))
     TUNING.update(json.loads(args.tuning))
+    KV_RUNS[:] = ["bf16"] if args.kv_dtype == "bf16" else ["bf16", args.kv_dtype]
     MAX_CALLS, TARGET_RUN_S = args.max_calls, args.target_ms / 1e3
     if args.profile:
         return run_profile()

@@ -8,10 +8,28 @@ import pathlib
 import platform
 import subprocess
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.cache.kv_cache import kv_cache_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class Bytes:
+    """Bytes per element the roofline counts: the linear layers' weights, the rest (embeddings, LM head, norms:
+    the model dtype) and the KV cache."""
+    linear: int
+    other: int
+    kv: int
+
+    @classmethod
+    def of(cls, loaded, engine_cfg) -> "Bytes":
+        model = jnp.dtype(loaded.dtype).itemsize
+        return cls(1 if loaded.quantization == "fp8" else model, model,
+                   jnp.dtype(kv_cache_dtype(engine_cfg.kv_cache_dtype, loaded.dtype)).itemsize)
 
 
 def device_name() -> str:
@@ -81,10 +99,12 @@ def copy_bandwidth_gbps(nbytes: int | None = None) -> float:
     return 2 * x.nbytes / ms / 1e6
 
 
-def matmul_tflops(n: int | None = None) -> float:
+def matmul_tflops(dtype=jnp.bfloat16, n: int | None = None) -> float:
+    """An n x n x n matmul's rate in dtype (FP8: the second operand [N, K], as FP8 GEMMs take it)."""
     n = n or (8192 if jax.default_backend() == "gpu" else 1024)
-    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (1, 2))
-    ms = time_ms(jax.jit(lambda a, b: a @ b), a, b)
+    a, b = (jax.random.normal(jax.random.key(i), (n, n)).astype(dtype) for i in (1, 2))
+    dot = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+    ms = time_ms(jax.jit(dot), a, b)
     return 2 * n**3 / ms / 1e9
 
 

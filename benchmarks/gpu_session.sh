@@ -15,13 +15,17 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention-engine  # #20: engine vs paged, one run
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention-soak   # #20: the server soaked under vattention
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-collectives|scale-70b   # #19 on nvidia-h200-x2
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tests   # the FP8 paths' tests on the GPU
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8         # bf16 beside FP8: batch 1, 256 x 512/128
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode  # bf16 beside FP8: 256 x 128/1024, capacity
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-anchor  # 1,000 x 1,000/1,000 in FP8 (TensorRT-LLM's)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
 TUNED="seq_buckets=[256] token_buckets=[256,512,1024,2048,3072,4096]"   # the throughput-only ladder
 SAMPLED="--temperature 0.8 --top-p 0.95 --top-k 50"
-LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, coldstart, attention, serve, tests, sweep, vattention* or scale*}.log
+LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, coldstart, attention, serve, tests, sweep, vattention*, scale* or fp8*}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -106,6 +110,24 @@ case $1 in
       --concurrency 64 --out "$OUT/soak_vattention_h100.json"
     run 420 python benchmarks/soak.py --config configs/llama3-8b-vattention.yaml --num-requests 3000 \
       --concurrency 128 --prompt-len 8 1800 --max-tokens 4 240 --out "$OUT/soak_vattention_h100.json" ;;
+  fp8-tests)
+    run 540 python -m pytest -q -p no:cacheprovider tests/test_fp8_weights.py tests/test_fp8_kv.py \
+      tests/test_custom_calls.py tests/test_ragged_paged_attention.py -m "not slow" ;;
+  fp8)   # bf16, FP8 weights, FP8 weights + KV: the same workloads in one call
+    B1="--num-prompts 1 --input-len 128 --output-len 512"
+    for q in "" "--quantization fp8"; do run 100 python benchmarks/offline.py --config $CONFIG $B1 $q \
+      --out "$OUT/fp8_batch1_gpu.json"; done
+    for q in "" "--quantization fp8" "--quantization fp8 --set kv_cache_dtype=fp8"; do
+      run 110 python benchmarks/offline.py --config $CONFIG $q --out "$OUT/fp8_offline_gpu.json"
+    done ;;
+  fp8-decode)   # decode-heavy; the engine stats' kv_blocks_total give each cache's capacity
+    DH="--input-len 128 --output-len 1024"
+    for q in "" "--set kv_cache_dtype=fp8" "--quantization fp8 --set kv_cache_dtype=fp8"; do
+      run 170 python benchmarks/offline.py --config $CONFIG $DH $q --out "$OUT/fp8_decode_gpu.json"
+    done ;;
+  fp8-anchor)   # TensorRT-LLM's published Llama-3.1-8B FP8 workload: 1,000 prompts of 1,000 in / 1,000 out
+    run 540 python benchmarks/offline.py --config configs/llama3-8b-fp8.yaml --num-prompts 1000 --input-len 1000 \
+      --output-len 1000 --out "$OUT/fp8_anchor_gpu.json" ;;
   sweep)
     run 540 python benchmarks/sweep.py --config $CONFIG --token-buckets 256 1024 4096 --seq-buckets 64 256 \
       --contexts 512 2048 --kinds decode --warmup 2 --repeats 5 --out "$OUT/sweep_gpu_decode.json" ;;

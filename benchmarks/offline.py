@@ -6,7 +6,8 @@ run: (weights + KV) bytes of every decode step over the copy bandwidth, plus the
 bf16 matmul rate; TPOT beside one mid-run decode step's bytes over that bandwidth (`tpot_roofline_frac`: at
 batch 1, the weight-read roofline); under tensor parallelism both bounds divide by the tp devices, each
 reading and multiplying its shard. `--set knob=value` overrides the config's engine knobs.
-`--peer transformers-cb` also runs HF transformers continuous batching on the same shapes.
+`--peer transformers-cb` also runs HF transformers continuous batching on the same shapes. `--quantization fp8`
+and `--set kv_cache_dtype=fp8` count FP8's bytes and matmul rate in the roofline.
 
   python benchmarks/offline.py --config configs/llama3-8b-random.yaml            # GPU
   python benchmarks/offline.py --config configs/llama3-8b-random.yaml --temperature 0.8 --top-p 0.95 --top-k 50
@@ -27,20 +28,27 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import copy_bandwidth_gbps, matmul_tflops, write_rows  # noqa: E402
+from benchmarks.common import Bytes, copy_bandwidth_gbps, matmul_tflops, write_rows  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.config import load_run_config, model_config_from_hf  # noqa: E402
+from jaxserve.config import QUANTIZATIONS, load_run_config, model_config_from_hf  # noqa: E402
 from jaxserve.models.loader import load_run  # noqa: E402
 
 
-def decode_step_bytes(cfg, n, context, dtype_bytes):
+def weight_read_bytes(cfg, b: Bytes) -> int:
+    """The weights a decode step reads: every linear layer and the LM head (embeddings: one row per token)."""
+    lm_head = cfg.vocab_size * cfg.hidden_size
+    return (cfg.num_params - lm_head * (1 if cfg.tie_word_embeddings else 2)) * b.linear + lm_head * b.other
+
+
+def decode_step_bytes(cfg, n, context, b: Bytes):
     """One decode step's least traffic: every weight once, n sequences' K/V at that context."""
-    return (cfg.num_params + n * context * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim) * dtype_bytes
+    return weight_read_bytes(cfg, b) + n * context * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * b.kv
 
 
-def roofline_s(cfg, n, input_len, output_len, gbps, tflops, dtype_bytes):
-    decode_bytes = sum(decode_step_bytes(cfg, n, input_len + j, dtype_bytes) for j in range(1, output_len))
+def roofline_s(cfg, n, input_len, output_len, gbps, tflops, b: Bytes):
+    """tflops: the matmul rate of the linear layers' dtype (FP8 doubles bf16's)."""
+    decode_bytes = sum(decode_step_bytes(cfg, n, input_len + j, b) for j in range(1, output_len))
     prefill_flops = 2 * cfg.num_params * n * input_len
     return decode_bytes / (gbps * 1e9) + prefill_flops / (tflops * 1e12)
 
@@ -132,6 +140,8 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--set", nargs="+", default=[], metavar="KNOB=VALUE",
                     help="override engine knobs of the config, e.g. --set prefill_attention=mosaic seq_buckets=[256]")
+    ap.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
+                    help="fp8: the linear layers' weights in FP8 (the KV cache: --set kv_cache_dtype=fp8)")
     ap.add_argument("--peer", choices=["none", "transformers-cb"], default="none")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/offline_<device>.json)")
@@ -142,12 +152,13 @@ def main(argv=None):
         print(json.dumps(run_transformers_cb(cfg, make_prompts(cfg, args), args.output_len)))
         return
     peer_result = run_peer_process(argv) if args.peer == "transformers-cb" else None
-    loaded, engine_cfg = load_run(None, args.config, tensor_parallel_size=args.tensor_parallel_size)
+    loaded, engine_cfg = load_run(None, args.config, tensor_parallel_size=args.tensor_parallel_size,
+                                  quantization=args.quantization)
     engine_cfg = override(engine_cfg, args.set)
     cfg = loaded.config
     prompts = make_prompts(cfg, args)
-    gbps, tflops = copy_bandwidth_gbps(), matmul_tflops()
-    dtype_bytes = jnp.dtype(loaded.model.embed_tokens.embedding[...].dtype).itemsize
+    gbps, tflops = copy_bandwidth_gbps(), matmul_tflops(jnp.float8_e4m3fn if args.quantization else jnp.bfloat16)
+    dtype_bytes = Bytes.of(loaded, engine_cfg)
     tp = engine_cfg.tensor_parallel_size   # tp devices read and multiply in parallel: the bounds scale by tp
     roof = roofline_s(cfg, args.num_prompts, args.input_len, args.output_len, gbps, tflops, dtype_bytes) / tp
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
@@ -159,7 +170,8 @@ def main(argv=None):
               "prefill_attention": engine_cfg.prefill_attention, "set": args.set,
               "decode_attention": engine_cfg.decode_attention, "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
               "token_buckets": list(engine_cfg.token_buckets or []), "async_scheduling": engine_cfg.async_scheduling,
-              "tensor_parallel_size": engine_cfg.tensor_parallel_size,
+              "tensor_parallel_size": engine_cfg.tensor_parallel_size, "quantization": loaded.quantization,
+              "kv_cache_dtype": engine_cfg.kv_cache_dtype,
               **({"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}),
               "model": "llama3-8b-random" if loaded.source == "random" else loaded.source}
     rows = [{"bench": "offline", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": ntok / wall,

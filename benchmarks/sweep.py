@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.common import copy_bandwidth_gbps, matmul_tflops, time_ms, write_rows  # noqa: E402
-from jaxserve.cache.kv_cache import kv_bytes_per_block, num_blocks_for_memory  # noqa: E402
+from benchmarks.common import Bytes, copy_bandwidth_gbps, matmul_tflops, time_ms, write_rows  # noqa: E402
+from jaxserve.cache.kv_cache import kv_bytes_per_block, kv_cache_dtype, num_blocks_for_memory  # noqa: E402
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
-from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig  # noqa: E402
 from jaxserve.engine.llm_engine import start_device  # noqa: E402
 from jaxserve.engine.runner import ModelRunner  # noqa: E402
 from jaxserve.engine.step_graphs import bucket_ladders  # noqa: E402
@@ -116,7 +116,7 @@ def synthetic_inputs(runner: ModelRunner, case: SweepCase, rng: np.random.Genera
 
 
 # ---- cost model and measurement ----------------------------------------------------------------------------
-def step_cost(mc: ModelConfig, itemsize: int, starts: np.ndarray, counts: np.ndarray) -> tuple[int, int]:
+def step_cost(mc: ModelConfig, b: Bytes, starts: np.ndarray, counts: np.ndarray) -> tuple[int, int]:
     """(bytes, FLOPs) the real work of a step needs at least: every weight and every context key/value read
     once, new K/V written; matmuls for every token, the LM head for each row's last token, exact causal
     (windowed) attention. Padding is not useful work, so it lowers the roofline fraction."""
@@ -125,9 +125,10 @@ def step_cost(mc: ModelConfig, itemsize: int, starts: np.ndarray, counts: np.nda
     window = mc.sliding_window or mc.max_position_embeddings
     _, pos = ragged_positions(starts, counts)
     keys = int(np.minimum(pos + 1, window).sum())
-    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * b.kv
     kv_read = int(np.minimum(starts + counts, window).sum())
-    nbytes = (layer_params + head + len(pos) * mc.hidden_size) * itemsize + kv_per_token * (kv_read + len(pos))
+    nbytes = (layer_params * b.linear + (head + len(pos) * mc.hidden_size) * b.other
+              + kv_per_token * (kv_read + len(pos)))
     flops = 2 * len(pos) * layer_params + 2 * len(counts) * head + 4 * mc.num_layers * mc.num_heads * mc.head_dim * keys
     return nbytes, flops
 
@@ -140,7 +141,8 @@ def blocks_needed(cases: list[SweepCase], block_size: int, max_model_len: int) -
 def sweep_runner(loaded, cfg: EngineConfig, cases: list[SweepCase]) -> ModelRunner:
     """A runner whose cache holds every case's blocks (or what fits in memory), not the serving-sized pool."""
     mc = loaded.config
-    per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, loaded.dtype)
+    per_block = kv_bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                                   kv_cache_dtype(cfg.kv_cache_dtype, loaded.dtype))
     fits = cfg.num_blocks or num_blocks_for_memory(per_block, fraction=cfg.memory_fraction)
     needed = blocks_needed(cases, cfg.block_size, cfg.max_model_len)
     if needed >= fits:
@@ -186,7 +188,8 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
     contexts = tuple(contexts or sorted({max(1, cfg.max_model_len // 8), cfg.max_model_len // 2, cfg.max_model_len}))
     check_sweep_args(cfg, token_buckets, seq_buckets, contexts, kinds, repeats)
     rng = np.random.default_rng(seed)
-    ceilings = copy_bandwidth_gbps(), matmul_tflops()   # before the cache takes the free memory
+    weights = jnp.float8_e4m3fn if loaded.quantization == "fp8" else jnp.bfloat16
+    ceilings = copy_bandwidth_gbps(), matmul_tflops(weights)   # before the cache takes the free memory
     cases = [SweepCase(t, s, c, k) for t in token_buckets for s in seq_buckets for c in contexts for k in kinds]
     runner = sweep_runner(loaded, cfg, cases)
     rows, compiled = [], {}   # model graph key -> compile stats: one compile per graph the engine runs
@@ -197,15 +200,14 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
             compiled[inp.model.key] = compile_step(runner, inp)
         inp.model, inp.sampler = jax.device_put((inp.model, inp.sampler))
         ms = time_step(runner, inp, warmup, repeats)
-        rows.append(sweep_row(runner, case, ms, compiled[inp.model.key], ceilings))
+        rows.append(sweep_row(runner, case, ms, compiled[inp.model.key], ceilings, Bytes.of(loaded, cfg)))
     return rows
 
 
-def sweep_row(runner: ModelRunner, case: SweepCase, ms: float, compile_stats, ceilings) -> dict:
+def sweep_row(runner: ModelRunner, case: SweepCase, ms: float, compile_stats, ceilings, b: Bytes) -> dict:
     (compile_s, temp_bytes, code_bytes), (gbps, tflops) = compile_stats, ceilings
     starts, counts = case_layout(case, runner.cfg.max_model_len)
-    itemsize = jnp.dtype(runner.graphs.dtype).itemsize
-    nbytes, flops = step_cost(runner.graphs.model_config, itemsize, starts, counts)
+    nbytes, flops = step_cost(runner.graphs.model_config, b, starts, counts)
     roofline_ms = max(nbytes / gbps / 1e6, flops / tflops / 1e9)
     row = {"bench": "sweep", "impl": "jaxserve", "params": dataclasses.asdict(case), "compile_s": compile_s, "ms": ms,
            "tok_s": counts.sum() / ms * 1e3, "bytes": nbytes, "flops": flops, "roofline_ms": roofline_ms,
@@ -359,6 +361,9 @@ def save_plots(rows: list[dict], steps: np.ndarray, chosen, stem: pathlib.Path) 
 # ---- command line -------------------------------------------------------------------------------------------
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML run config (configs/); default: the embedded SmolLM2")
+    p.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
+                   help="fp8: the linear layers' weights in FP8 (overrides the config)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help="overrides the config")
     p.add_argument("--token-buckets", type=int, nargs="+", default=None, help="default: the config's ladder")
     p.add_argument("--seq-buckets", type=int, nargs="+", default=None, help="default: the config's ladder")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="default: max_model_len / 8, / 2, x 1")
@@ -380,7 +385,9 @@ def invocation(args) -> str:
 
 
 def cmd_sweep(args) -> None:
-    loaded, cfg = load_run(None, args.config)
+    loaded, cfg = load_run(None, args.config, quantization=args.quantization)
+    if args.kv_cache_dtype:
+        cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
     rows = run_sweep(loaded, cfg, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets,
                      contexts=args.contexts, kinds=args.kinds, warmup=args.warmup, repeats=args.repeats, seed=args.seed)
     if not rows:

@@ -2,7 +2,9 @@
 
 Cache layout (shared with the Pallas kernels and the engine): per layer K and V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; block 0 is a null block for padding
-writes; slot = block_id * block_size + offset.
+writes; slot = block_id * block_size + offset. The cache is in q's dtype or float8_e4m3fn: the
+engine writes FP8 k/v already quantized and folds the scales into q and the output, so the ops
+only copy FP8 bytes and widen them to f32 when reading.
 
 Each op has a pure-JAX ``*_reference`` beside it. The public functions run the CUDA
 library when ``available()`` (an NVIDIA GPU, and nvcc built or found the cached library),
@@ -27,7 +29,8 @@ TARGETS = {
     "jaxserve_reshape_and_cache": "JaxserveReshapeAndCache",
     "jaxserve_copy_blocks": "JaxserveCopyBlocks",
 }
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)   # q's, and a cache's in q's dtype
+CACHE_DTYPES = (*DTYPES, jnp.float8_e4m3fn)
 HEAD_DIMS = (64, 128, 256)
 # Split-K: aim for this many CTAs per SM, never slicing a sequence finer than
 # MIN_SPLIT_TOKENS (each split pays a fixed setup and a partial write); MAX_SPLITS
@@ -92,8 +95,8 @@ def check_cache(k_cache, v_cache) -> None:
         raise ValueError(f"k_cache must be [num_blocks, block_size, kv_heads, head_dim], got {k_cache.shape}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"v_cache {v_cache.shape} {v_cache.dtype} must match k_cache {k_cache.shape} {k_cache.dtype}")
-    if k_cache.dtype not in DTYPES:
-        raise ValueError(f"k_cache dtype must be float32, bfloat16 or float16, got {k_cache.dtype}")
+    if k_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"k_cache dtype must be float32, bfloat16, float16 or float8_e4m3fn, got {k_cache.dtype}")
     if k_cache.shape[3] * k_cache.dtype.itemsize % 16:
         raise ValueError(f"k_cache head_dim * itemsize must be a multiple of 16 bytes, got head_dim {k_cache.shape[3]}")
 
@@ -107,8 +110,10 @@ def check_decode_args(q, k_cache, v_cache, kv_lens, block_tables, sliding_window
     check_cache(k_cache, v_cache)
     check_index("kv_lens", kv_lens, 1)
     check_index("block_tables", block_tables, 2)
-    if q.ndim != 3 or q.dtype != k_cache.dtype or q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"q must be [batch, q_heads, {k_cache.shape[3]}] in {k_cache.dtype}, got {q.shape} {q.dtype}")
+    fp8 = k_cache.dtype == jnp.float8_e4m3fn
+    if q.ndim != 3 or q.dtype not in (DTYPES if fp8 else (k_cache.dtype,)) or q.shape[2] != k_cache.shape[3]:
+        dtype = "float32, bfloat16 or float16" if fp8 else k_cache.dtype
+        raise ValueError(f"q must be [batch, q_heads, {k_cache.shape[3]}] in {dtype}, got {q.shape} {q.dtype}")
     if q.shape[2] not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {q.shape[2]}")
     if q.shape[1] % k_cache.shape[2]:
@@ -123,7 +128,8 @@ def check_decode_args(q, k_cache, v_cache, kv_lens, block_tables, sliding_window
 
 def paged_decode_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale,
                                      sliding_window=None, soft_cap=None):
-    """Decode attention in f32 over each sequence's gathered pages; rows with kv_len 0 give zeros."""
+    """Decode attention in f32 over each sequence's gathered pages (an FP8 cache widened as stored), out in q's
+    dtype; rows with kv_len 0 give zeros."""
     batch, q_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     ctx = block_tables.shape[1] * block_size
@@ -165,7 +171,8 @@ def call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, *, s
 
 def paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale, sliding_window=None,
                            soft_cap=None, num_splits=None):
-    """Attention of q [B, Hq, D] (the token at position kv_lens[b] - 1) over its paged K/V.
+    """Attention of q [B, Hq, D] (the token at position kv_lens[b] - 1) over its paged K/V, in q's dtype or
+    float8_e4m3fn (read as stored: no scale applied).
 
     kv_lens [B] int32 counts the current token; block_tables [B, max_blocks] int32.
     Keys with pos > qpos - sliding_window are seen; soft_cap applies cap * tanh(s / cap)

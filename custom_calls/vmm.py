@@ -19,7 +19,8 @@ from custom_calls import build
 FENCE_TARGET, FENCE_SYMBOL = "jaxserve_vmm_fence", "JaxserveVmmFence"
 KDL_CUDA = 2
 DLPACK_DTYPES = {jnp.dtype(jnp.float32): (2, 32), jnp.dtype(jnp.float16): (2, 16),
-                 jnp.dtype(jnp.bfloat16): (4, 16)}   # DLPack (type code, bits)
+                 jnp.dtype(jnp.bfloat16): (4, 16),
+                 jnp.dtype(jnp.float8_e4m3fn): (10, 8)}   # DLPack (type code, bits); 10 is kDLFloat8_e4m3fn
 _DLTENSOR_NAME = b"dltensor"   # the capsule keeps this pointer: it must outlive every capsule
 
 _I64, _VP = ctypes.c_int64, ctypes.c_void_p

@@ -14,7 +14,7 @@ import grpc
 
 from jaxserve.cache.vattention import leave_gpu_memory_to_the_page_pool
 from jaxserve.client import print_completion
-from jaxserve.config import EngineConfig, engine_flags, load_run_config
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, engine_flags, load_run_config
 from jaxserve.engine import distributed
 from jaxserve.engine.llm import LLM, has_chat_template
 from jaxserve.engine.llm_engine import LLMEngine, check_config, start_device
@@ -35,6 +35,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML engine config (see configs/)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="devices the model is split over (overrides --config; default 1)")
+    p.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
+                   help="fp8: the linear layers' weights in float8 e4m3 with per-channel scales, quantized at load "
+                        "(overrides --config; a pre-quantized FP8 checkpoint needs no flag)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="fp8: the KV cache in float8 e4m3 with a scale per layer and kv head, twice the tokens "
+                        "(overrides --config; default auto: the model's dtype)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +65,10 @@ def prepare_process(cfg: EngineConfig) -> None:
 def make_llm(args, **engine_kwargs) -> LLM:
     if args.config:
         prepare_process(load_run_config(args.config).engine)
-    loaded, engine = load_run(args.model, args.config, args.dtype, args.tensor_parallel_size)
+    loaded, engine = load_run(args.model, args.config, args.dtype, args.tensor_parallel_size,
+                              quantization=args.quantization)
+    if args.kv_cache_dtype:
+        engine_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     return LLM(loaded, config=engine, **engine_kwargs)
 
 
@@ -98,13 +107,14 @@ def cmd_chat(args) -> None:
 
 
 def cmd_convert(args) -> None:
-    dst = save_converted(load_model(args.src, args.dtype), args.dst)
+    dst = save_converted(load_model(args.src, args.dtype, quantization=args.quantization), args.dst)
     print(f"saved {args.src} -> {dst}", file=sys.stderr)
 
 
 def served_engine_config(args) -> EngineConfig:
     """--config's engine section (or the defaults) with the engine flags on top, checked whole."""
-    knobs = {k: getattr(args, k) for k in ENGINE_FLAGS + ("tensor_parallel_size",) if getattr(args, k) is not None}
+    knobs = {k: getattr(args, k) for k in ENGINE_FLAGS + ("tensor_parallel_size", "kv_cache_dtype")
+             if getattr(args, k) is not None}
     if args.no_precompile:
         knobs["precompile"] = False
     return replace(load_run_config(args.config).engine if args.config else EngineConfig(), **knobs)
@@ -114,7 +124,7 @@ def load_served_replicas(args, cfg: EngineConfig) -> tuple[list[LoadedModel], st
     """The model of --model / --config (whose `model: random` builds random weights) on each data-parallel
     replica's devices (cfg's tensor_parallel_size each), and its served name."""
     replicas, _ = load_replicas(args.model, args.config, args.dtype, cfg.tensor_parallel_size,
-                                args.data_parallel_size)
+                                args.data_parallel_size, quantization=args.quantization)
     return replicas, replicas[0].source if args.config else args.model
 
 
@@ -268,6 +278,8 @@ def build_parser(with_bench_commands: bool = False) -> argparse.ArgumentParser:
     conv.add_argument("src")
     conv.add_argument("dst")
     conv.add_argument("--dtype", choices=["f32", "bf16"], default=None)
+    conv.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
+                      help="fp8: save the linear layers' weights quantized to float8 e4m3")
     conv.set_defaults(func=cmd_convert)
     add_serve_parser(sub)
     add_client_parser(sub)

@@ -124,6 +124,8 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
 DECODE_ATTENTION = ("auto", "cuda")
 PREFILL_ATTENTION = ("triton", "mosaic")
 SAMPLER_MODES = ("greedy", "sample", "filter")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
+KV_CACHE_DTYPES = ("auto", "fp8")   # cache/kv_cache.py: auto keeps the model's dtype; fp8 is e4m3 with scales
+QUANTIZATIONS = (None, "fp8")   # models/fp8.py: weights of the linear layers in e4m3, per output channel scales
 KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py
 VATTENTION_KERNELS = ("contiguous", "identity")   # models/attention.py: slots, or identity block tables
 
@@ -203,6 +205,9 @@ class EngineConfig:
     # "paged", or "vattention": each sequence's KV in one contiguous row of a virtual range whose pages are mapped
     # on demand (no prefix caching)
     kv_backend: str = knob("paged", group="cache", check=one_of(KV_BACKENDS))
+    # "fp8": K and V stored in float8 e4m3 with a scale per layer and kv head (calibrated at start unless the
+    # checkpoint brings them): twice the tokens in the same memory, half the bytes a decode step reads
+    kv_cache_dtype: str = knob("auto", group="cache", check=one_of(KV_CACHE_DTYPES))
 
     # Compilation: which graphs exist (the bucket shapes, the attention kernels) and where executables persist
     # None: powers of two from 16 to max_num_batched_tokens, and from 8 to max_num_seqs
@@ -270,6 +275,8 @@ def check_engine_config(c: EngineConfig) -> None:
              "(its pages are per sequence, not shared): set enable_prefix_caching: false")
         need(c.tensor_parallel_size == 1, "tensor_parallel_size", "must be 1 with kv_backend: vattention (the "
              "per-device ranges are not yet combined into one sharded cache)")
+    need(not (c.kv_cache_dtype == "fp8" and c.prefill_attention == "mosaic"), "prefill_attention",
+         "must be triton with kv_cache_dtype: fp8 (the Mosaic prefill kernel reads a cache of q's dtype only)")
     need(c.max_num_seqs + c.min_prefill_chunk <= c.max_num_batched_tokens, "max_num_batched_tokens",
          f"must be >= max_num_seqs ({c.max_num_seqs}) + min_prefill_chunk ({c.min_prefill_chunk}) so that decodes "
          "never starve prefill")
@@ -284,6 +291,7 @@ class RunConfig:
     """A YAML file in configs/: which model, which dtype, engine knobs."""
     model: str = "smollm2-135m-instruct"
     dtype: str | None = None
+    quantization: str | None = None        # "fp8": linear layers' weights quantized at load (models/fp8.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
     random_model: dict | None = None       # HF-style config for random weights (benchmarks)
 

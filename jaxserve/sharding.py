@@ -69,14 +69,15 @@ def cache_kv_heads(num_kv_heads: int, tp: int) -> int:
 
 def param_spec(path: tuple, ndim: int, shard_kv: bool, shard_vocab: bool) -> P:
     """The PartitionSpec of the parameter at an NNX state path (e.g. ("layers", 3, "self_attn", "q_proj",
-    "kernel")); kernels are [in, out], embeddings [vocab, hidden]."""
+    "kernel")); kernels are [in, out], Fp8Linear weights [out, in] (the kernel's spec reversed), embeddings
+    [vocab, hidden]."""
     module, leaf = (path[-2] if len(path) > 1 else None), path[-1]
     if module in KV_PROJ and not shard_kv or module in VOCAB_PARALLEL and not shard_vocab:
         return P()
-    if module in COLUMN_PARALLEL:
-        return P(None, TP) if leaf == "kernel" else P(TP)   # the bias follows the output features
+    if module in COLUMN_PARALLEL:   # the bias and an FP8 weight's scales follow the output features
+        return {"kernel": P(None, TP), "weight": P(TP, None)}.get(leaf, P(TP))
     if module in ROW_PARALLEL:
-        return P(TP, None) if leaf == "kernel" else P()
+        return {"kernel": P(TP, None), "weight": P(None, TP)}.get(leaf, P())
     if module == "embed_tokens":
         return P(TP, None)
     return P(*([None] * ndim))

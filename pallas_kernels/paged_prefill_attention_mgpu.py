@@ -2,7 +2,9 @@
 
 The prefill half of `ragged_paged_attention` on H100-class GPUs, where it runs well ahead of the Triton path:
 prefill is compute bound, and page copies by TMA from a warpgroup of their own keep the tensor cores fed. Same
-cache layout and metadata; decodes stay with the Triton kernel.
+cache layout and metadata; decodes stay with the Triton kernel. The cache must be q's dtype: K and V go from TMA
+straight into wgmma, so an fp8 (e4m3) cache would need a convert pass through SMEM per tile, in a pipeline built
+around there being none; the Triton prefill reads fp8 caches instead.
 
 - Persistent grid (one CTA per SM) looping over work items (q tile x q head), so a batch with few or no
   prefill rows costs one short wave instead of thousands of empty CTAs. Work comes longest-causal first.
@@ -52,6 +54,8 @@ def supported(q, k_cache, soft_cap, tuning: PrefillTuning = PrefillTuning()) -> 
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (needs bfloat16/float16)"
+    if k_cache.dtype != q.dtype:  # wgmma takes K and V from the SMEM ring as TMA lands them, in q's dtype
+        return f"KV cache dtype {k_cache.dtype} (needs q's, {q.dtype}: no in-kernel conversion)"
     if head_dim not in (64, 128):
         return f"head_dim {head_dim} (needs 64 or 128)"
     if block_size % 8 or tuning.block_kv % block_size:

@@ -7,8 +7,8 @@ Backends, per role:
 - decode: Pallas' Triton lowering, kept although JAX 0.11 deprecates it: decode has 1-8 query rows per KV
   head (Triton's mma pads them to 16 rows, Mosaic's wgmma to 64), each KV tile is gathered from pages at
   random addresses as one pointer-tensor load, and it runs on sm_80+ with exact float32 dots.
-- prefill: on Hopper (sm_90) with bf16/f16, `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page copies,
-  wgmma, warp specialisation), the faster of the two there; elsewhere the Triton prefill kernel below.
+- prefill: on Hopper (sm_90) with bf16/f16 (q and cache), `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page
+  copies, wgmma, warp specialisation), the faster of the two there; elsewhere the Triton prefill kernel below.
 Nothing in the API names the backend (`prefill_backend` only overrides the choice).
 
 Two launches, with no host- or XLA-side metadata preparation (each program reads the raw
@@ -40,6 +40,11 @@ cache: a block holds every layer of its tokens, so that a 2 MiB page holds a sho
 tokens of one layer) is the same cache viewed as [num_blocks * num_layers, block_size, ...]: layer l of block b
 is block b * num_layers + l, so a row's blocks are num_layers apart (`Geometry.block_stride`). Only the
 addressing differs (`BlockTable` / `SlotRows`, the kernels' `blocks`); the launches are the paged ones.
+
+FP8 caches (float8_e4m3fn, same layout, a byte per element) are read as they are: the caller folds the K scale into
+q and the V scale into the output, so the Triton kernels load e4m3 tiles and convert them to q's dtype (exact:
+bf16, f16 and f32 hold every e4m3 value) before the dots, which run as they do over a cache of q's dtype. Triton
+converts e4m3 on sm_89+ only; "auto" takes the reference below that. The Mosaic prefill does not read them.
 """
 import dataclasses
 import functools
@@ -61,6 +66,10 @@ from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attenti
 IMPLS = ("auto", "pallas", "reference")
 PREFILL_BACKENDS = ("auto", "triton", "mosaic")
 INT32_MAX = 2**31 - 1
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # q's (and the output's), on the pallas impl
+FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)  # the one cache dtype that may differ from q's (q in KERNEL_DTYPES)
+FP8_MIN_CAPABILITY = 8.9  # Triton converts e4m3 on sm_89+ (Ada, Hopper) only
+PALLAS_MIN_CAPABILITY = 8.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +88,8 @@ class Tuning:
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
 
 
-# float32 tiles are twice the bytes: halve them to stay inside shared memory.
+# float32 tiles are twice the bytes: halve them to stay inside shared memory. Chosen by q's dtype, the one the dots
+# run in: an fp8 cache's tiles are converted to it, so float32 q over an fp8 cache takes these too.
 F32_TUNING = Tuning(decode_kv_tile=32, decode_num_warps=4, decode_num_stages=3, prefill_kv_tile=32,
                     prefill_num_stages=2)
 
@@ -176,12 +186,13 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
     q [num_tokens, num_q_heads, head_dim]; cu_q_lens [max_seqs + 1]; kv_lens [max_seqs] (context including
     the new tokens); block_tables [max_seqs, max_blocks_per_seq]; num_seqs int32 [1] or scalar. Query j of
     sequence i sits at position kv_lens[i] - q_len_i + j. Rows past cu_q_lens[num_seqs] come out as zeros.
+    The caches are q's dtype, or float8_e4m3fn (read as their values: any scale is the caller's); the output is q's.
     impl: "pallas" (the GPU kernel; `interpret=True` runs it on the CPU), "reference" (pure JAX), or "auto"
-    (pallas on an sm_80+ NVIDIA GPU or when interpreting, else reference). prefill_backend, for the pallas
-    impl's non-decode rows: "mosaic" (the Hopper wgmma/TMA kernel), "triton", or "auto" (mosaic on sm_90 when
-    it supports the shapes, else triton). decode_only: the caller guarantees every sequence has one query
-    (token i is sequence i's; anything else is undefined), so the pallas impl runs one launch without
-    split-K. `tuning`: fields of `Tuning`.
+    (pallas on an sm_80+ NVIDIA GPU, sm_89+ for an fp8 cache, or when interpreting, else reference).
+    prefill_backend, for the pallas impl's non-decode rows: "mosaic" (the Hopper wgmma/TMA kernel; not over an
+    fp8 cache), "triton", or "auto" (mosaic on sm_90 when it supports the call, else triton). decode_only: the
+    caller guarantees every sequence has one query (token i is sequence i's; anything else is undefined), so the
+    pallas impl runs one launch without split-K. `tuning`: fields of `Tuning`.
     """
     return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, None,
                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
@@ -220,13 +231,13 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row, num_seqs,
                             sm_scale, sliding_window, soft_cap, impl, prefill_backend, block_stride)
     scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
-    if resolve_impl(impl, interpret) == "reference":
+    if resolve_impl(impl, interpret, k_cache.dtype) == "reference":
         if tuning:
             raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")
         tables = blocks if blocks_per_row is None else strided_block_tables(blocks, blocks_per_row, block_stride)
         return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, tables, num_seqs,
                                                 **dataclasses.asdict(scores))
-    check_pallas_shapes(q, k_cache)
+    check_pallas_inputs(q, k_cache, interpret)
     tuning = make_tuning(q.dtype, tuning)
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
     addressing = dict(blocks_per_row=blocks_per_row, block_stride=block_stride)
@@ -245,7 +256,8 @@ def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backen
     prefill_tuning = mgpu_prefill.PrefillTuning(block_kv=tuning.mosaic_block_kv)
     why_not = mgpu_prefill.supported(q, k_cache, scores.soft_cap, prefill_tuning)
     if backend == "mosaic" and why_not:
-        raise ValueError(f"prefill_backend='mosaic' cannot serve this call: {why_not}")
+        raise ValueError(f"prefill_backend='mosaic' cannot serve this call: {why_not}; prefill_backend='triton' "
+                         "(or 'auto', which falls back to it) can")
     if backend == "triton" or why_not:
         return None
     device = jax.devices()[0]
@@ -258,12 +270,23 @@ def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backen
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
 
 
-def resolve_impl(impl: str, interpret: bool) -> str:
+def resolve_impl(impl: str, interpret: bool, cache_dtype=None) -> str:
+    """"auto": pallas where the kernels run (interpreted, or on a GPU that can read `cache_dtype`), else reference."""
     if impl != "auto":
         return impl
+    return "pallas" if interpret or gpu_capability() >= min_capability(cache_dtype) else "reference"
+
+
+def gpu_capability() -> float:
+    """The first device's NVIDIA compute capability (9.0 on Hopper), 0 off NVIDIA GPUs."""
     device = jax.devices()[0]
-    on_gpu = device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) >= 8.0
-    return "pallas" if interpret or on_gpu else "reference"
+    return float(getattr(device, "compute_capability", 0)) if device.platform == "gpu" else 0.0
+
+
+def min_capability(cache_dtype) -> float:
+    """The least compute capability whose Pallas kernels read a cache of `cache_dtype` (None: q's dtype)."""
+    fp8 = cache_dtype is not None and jnp.dtype(cache_dtype) == FP8_CACHE
+    return FP8_MIN_CAPABILITY if fp8 else PALLAS_MIN_CAPABILITY
 
 
 def make_tuning(dtype, overrides: dict) -> Tuning:
@@ -294,8 +317,11 @@ def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k_cache ({k_cache.shape[3]}) differ")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k_cache.shape[2]})")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    fp8_ok = k_cache.dtype == FP8_CACHE and q.dtype in KERNEL_DTYPES
+    if v_cache.dtype != k_cache.dtype or not (k_cache.dtype == q.dtype or fp8_ok):
+        raise ValueError(f"k_cache and v_cache must both have q's dtype, or both be float8_e4m3fn with q in "
+                         f"float32/bfloat16/float16; got q {q.dtype}, k_cache {k_cache.dtype}, "
+                         f"v_cache {v_cache.dtype}")
     if kv_lens.ndim != 1 or cu_q_lens.shape != (kv_lens.shape[0] + 1,):
         raise ValueError(f"kv_lens must be [max_seqs] and cu_q_lens [max_seqs + 1], got {kv_lens.shape}, "
                          f"{cu_q_lens.shape}")
@@ -332,7 +358,7 @@ def check_blocks(blocks, row_blocks, kv_lens, k_cache) -> str:
     return "kv_rows"
 
 
-def check_pallas_shapes(q, k_cache):
+def check_pallas_inputs(q, k_cache, interpret: bool):
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     if not is_power_of_2(head_dim) or head_dim < 16:
         raise ValueError(f"impl='pallas' needs head_dim a power of two >= 16, got {head_dim}")
@@ -340,8 +366,12 @@ def check_pallas_shapes(q, k_cache):
         raise ValueError(f"impl='pallas' needs block_size a power of two, got {block_size}")
     if q.shape[1] // k_cache.shape[2] > 16:
         raise ValueError(f"impl='pallas' supports up to 16 q heads per kv head, got {q.shape[1] // k_cache.shape[2]}")
-    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    if q.dtype not in KERNEL_DTYPES:
         raise ValueError(f"impl='pallas' needs q in float32/bfloat16/float16, got {q.dtype}")
+    if not interpret and k_cache.dtype == FP8_CACHE and 0 < gpu_capability() < FP8_MIN_CAPABILITY:
+        raise ValueError(f"impl='pallas' reads a float8_e4m3fn cache on compute capability {FP8_MIN_CAPABILITY}+ "
+                         f"only (Triton's e4m3 conversion), this GPU is {gpu_capability()}; use impl='reference' "
+                         "(or 'auto', which picks it here)")
 
 
 def is_power_of_2(n: int) -> bool:
@@ -664,12 +694,14 @@ def attend_tile(t, carry, *, masked, q, q_pos, seq_blocks, kv_len, kv_head, cach
     page = cache.blocks.block(seq_blocks, col, masked, live, geo, num_pages)
     kv_row = (page * geo.block_size + key % geo.block_size) * geo.num_kv_heads + kv_head
     mask = live if masked is True else None
-    s = logits(q, load_tile_rows(cache.k, kv_row, mask), scores)
+    # An fp8 cache's tiles become q's dtype (exactly) as they load: the dots see what a cache of q's dtype gives.
+    s = logits(q, load_tile_rows(cache.k, kv_row, mask).astype(q.dtype), scores)
     if masked:
         s = jnp.where(visible(key, q_pos, scores.sliding_window), s, -jnp.inf)
     acc, m, l = carry
     m_new, p, alpha = online_softmax_step(m, s)
-    v = load_tile_rows(cache.v, kv_row, mask)  # issued before the row sums: latency decides small decodes
+    # issued before the row sums: latency decides small decodes
+    v = load_tile_rows(cache.v, kv_row, mask).astype(q.dtype)
     if masked == "speculative":
         v = jnp.where(live[:, None], v, jnp.zeros((), v.dtype))
     pv = dot(p.astype(v.dtype), v, ((1,), (0,)))
@@ -707,8 +739,9 @@ def load_tile_rows(ref, rows, ok, volatile=False):
     view = ref.at[rows[:, None], jnp.arange(ref.shape[1])[None, :]]
     if ok is None:
         return plgpu.load(view, volatile=volatile)
-    return plgpu.load(view, mask=jnp.broadcast_to(ok[:, None], (rows.shape[0], ref.shape[1])), other=0,
-                      volatile=volatile)
+    # the fill in ref's dtype: Triton's lowering casts no integer to float8
+    return plgpu.load(view, mask=jnp.broadcast_to(ok[:, None], (rows.shape[0], ref.shape[1])),
+                      other=jnp.zeros((), ref.dtype), volatile=volatile)
 
 
 def store_tile_rows(ref, rows, ok, tile):

@@ -26,7 +26,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, bl
                                      sm_scale: float, sliding_window: int | None = None,
                                      soft_cap: float | None = None,
                                      kv_blocks_per_step: int = KV_BLOCKS_PER_STEP) -> jax.Array:
-    """Same contract as `ragged_paged_attention`; computes in float32, returns q's dtype."""
+    """Same contract as `ragged_paged_attention`; computes in float32 (an fp8 cache's blocks are converted as they
+    are gathered), returns q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     seq, q_pos, kv_len = locate_tokens(cu_q_lens, kv_lens, jnp.reshape(num_seqs, ()), num_tokens)

@@ -340,6 +340,14 @@ def make_batch(rng, q_lens, kv_lens, *, q_heads, kv_heads, head_dim, block_size,
                  live_tokens)
 
 
+def cached_as(batch: Batch, cache_dtype) -> Batch:
+    """`batch` with its K and V caches stored as cache_dtype (None: as they are); NaN stays NaN (e4m3fn has one)."""
+    if cache_dtype is None:
+        return batch
+    return dataclasses.replace(batch, k_cache=batch.k_cache.astype(cache_dtype),
+                               v_cache=batch.v_cache.astype(cache_dtype))
+
+
 def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=None) -> np.ndarray:
     """Per-sequence dense attention in float64 numpy, written from the spec."""
     q, cu, kv_lens, tables = (np.asarray(x) for x in (batch.q.astype(jnp.float32), batch.cu_q_lens,

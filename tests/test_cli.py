@@ -53,6 +53,16 @@ def test_generate_raw_matches_the_python_api(offline):
     assert "Paris" in rows[0]["text"]
 
 
+def test_generate_serves_fp8_weights_and_cache_as_the_python_api_does():
+    run = jaxserve("generate", "--raw", "--json", "--max-tokens", "8", "--quantization", "fp8", "--kv-cache-dtype",
+                   "fp8", PROMPT)
+    assert run.returncode == 0, run.stderr
+    llm = LLM(quantization="fp8", kv_cache_dtype="fp8", precompile=False)
+    assert llm.engine.stats()["weight_dtype"] == llm.engine.stats()["kv_cache_dtype"] == "float8_e4m3fn"
+    expected = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert json.loads(run.stdout)["token_ids"] == expected[0].outputs[0].token_ids
+
+
 def test_convert_round_trip_gives_the_same_tokens(tmp_path):
     dst = tmp_path / "smollm-orbax"
     assert jaxserve("convert", "smollm2-135m-instruct", str(dst)).returncode == 0

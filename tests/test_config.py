@@ -16,7 +16,8 @@ HOST_ONLY = {"compile_cache_dir", "precompile", "max_queued_requests", "max_queu
 # A value other than the default that passes every check, per knob (with DEFAULT_OK's other knobs).
 OTHER_VALUE = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, min_prefill_chunk=64,
                    async_scheduling=False, seed=7, block_size=32, num_blocks=64, memory_fraction=0.5,
-                   enable_prefix_caching=False, watermark=0.1, kv_backend="vattention", token_buckets=(16, 256),
+                   enable_prefix_caching=False, watermark=0.1, kv_backend="vattention", kv_cache_dtype="fp8",
+                   token_buckets=(16, 256),
                    seq_buckets=(8, 32), decode_attention="cuda", prefill_attention="mosaic",
                    compile_cache_dir="/tmp/elsewhere", precompile=False, tensor_parallel_size=2,
                    max_queued_requests=5, max_queued_tokens=1000, vattention_lookahead_tokens=64,
@@ -80,10 +81,21 @@ def test_every_cli_flag_is_an_int_knob():
     ("prefill_attention", "flash", r"must be one of \('triton', 'mosaic'\)"),
     ("vattention_lookahead_tokens", -1, "must be an int >= 0"), ("compile_cache_dir", 3, "must be a path or null"),
     ("seq_buckets", (8, 8), "must be null or a strictly increasing list of positive ints"),
+    ("kv_cache_dtype", "int8", r"must be one of \('auto', 'fp8'\)"),
 ])
 def test_a_bad_knob_is_named_with_its_rule(name, bad, rule):
     with pytest.raises(ValueError, match=rf"^engine config: {name} {rule}, got "):
         EngineConfig(**{name: bad})
+
+
+def test_the_mosaic_prefill_is_refused_over_an_fp8_cache():
+    with pytest.raises(ValueError, match="^engine config: prefill_attention must be triton with kv_cache_dtype: fp8"):
+        EngineConfig(kv_cache_dtype="fp8", prefill_attention="mosaic")
+
+
+def test_the_cli_passes_quantization_and_the_kv_cache_dtype():
+    args = cli.build_parser().parse_args(["serve", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    assert args.quantization == "fp8" and cli.served_engine_config(args).kv_cache_dtype == "fp8"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -4,7 +4,9 @@ Each batch is a paged test batch with its pages moved, in order, into the rows o
 gaps), NaN everywhere else; kv_rows past num_seqs are garbage. The contiguous kernel is checked against the
 direct slice reference (no block ids: not circular), against the paged kernel over the kv_rows' identity table,
 and the references against float64 numpy. Outputs start as NaN (the interpreter fills them so; on GPU the
-allocator is poisoned): an unwritten row never passes, and padding rows must be exactly zero.
+allocator is poisoned): an unwritten row never passes, and padding rows must be exactly zero. FP8 caches
+(float8_e4m3fn) are checked against the references over the same cache: e4m3 values are exact in q's dtype, so q's
+dtype sets the tolerance.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -19,8 +21,8 @@ from pallas_kernels.ragged_paged_attention import contiguous_ragged_attention, r
 from pallas_kernels.ragged_paged_attention_reference import (contiguous_ragged_attention_reference,
                                                               contiguous_slice_reference)
 
-from helpers import (GEOMETRY, MIXES, Batch, check_close, interpret_tuning, make_batch, naive_attention, on_gpu,
-                     on_hopper, poison_allocator)
+from helpers import (GEOMETRY, MIXES, Batch, cached_as, check_close, interpret_tuning, make_batch, naive_attention,
+                     on_gpu, on_hopper, poison_allocator)
 
 ON_GPU = on_gpu()
 INTERPRET = not ON_GPU
@@ -29,6 +31,7 @@ INTERPRET_TUNING = interpret_tuning()
 BLOCKS_PER_ROW = 8  # rows of 128 tokens at block_size 16: GEOMETRY's longest context fills one
 KV_ROWS = [5, 1, 3, 0, 4, 2]  # cache rows of sequences 0, 1, ...: out of order, the first three with gaps
 NUM_ROWS = 6
+FP8 = jnp.float8_e4m3fn
 
 
 @dataclass(slots=True)
@@ -63,8 +66,9 @@ def to_rows(rng, batch: Batch, blocks_per_row=BLOCKS_PER_ROW, num_rows=NUM_ROWS)
     return RowBatch(paged, jnp.asarray(kv_rows), blocks_per_row)
 
 
-def row_batch(rng, q_lens, kv_lens, dtype=jnp.float32, **shape) -> RowBatch:
-    return to_rows(rng, make_batch(rng, q_lens, kv_lens, **{**GEOMETRY, **shape}, dtype=dtype))
+def row_batch(rng, q_lens, kv_lens, dtype=jnp.float32, cache=None, **shape) -> RowBatch:
+    """A contiguous test batch with q in `dtype` and K/V stored as `cache` (None: dtype too)."""
+    return to_rows(rng, cached_as(make_batch(rng, q_lens, kv_lens, **{**GEOMETRY, **shape}, dtype=dtype), cache))
 
 
 def check_contiguous_kernel(batch: RowBatch, dtype, label="", tuning=None, **options):
@@ -84,26 +88,32 @@ def check_contiguous_kernel(batch: RowBatch, dtype, label="", tuning=None, **opt
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 20}, {"soft_cap": 5.0}])
-def test_references_match_float64(mix, options):
+@pytest.mark.parametrize("options, cache", [
+    ({}, None),
+    ({"sliding_window": 20}, None),
+    ({"soft_cap": 5.0}, None),
+    ({}, FP8),  # e4m3 blocks converted to float32 as they are gathered
+])
+def test_references_match_float64(mix, options, cache):
     """Both contiguous references (slice; paged over the identity table) against numpy on the identity table."""
-    batch = row_batch(np.random.default_rng(0), *MIXES[mix])
+    batch = row_batch(np.random.default_rng(0), *MIXES[mix], cache=cache)
     expected = naive_attention(batch.paged, sm_scale=0.125, **options)
     for reference in (contiguous_slice_reference, contiguous_ragged_attention_reference):
         out = reference(*batch.args(), blocks_per_row=BLOCKS_PER_ROW, sm_scale=0.125, **options)
         check_close(out, expected, batch.paged, jnp.float32, reference.__name__)
 
 
-@pytest.mark.parametrize("dtype, options", [
-    (jnp.float32, {"sliding_window": 20, "soft_cap": 5.0}),
-    (jnp.bfloat16, {}),
-    (jnp.bfloat16, {"sliding_window": 33}),
+@pytest.mark.parametrize("dtype, cache, options", [
+    (jnp.float32, None, {"sliding_window": 20, "soft_cap": 5.0}),
+    (jnp.bfloat16, None, {}),
+    (jnp.bfloat16, None, {"sliding_window": 33}),
+    (jnp.bfloat16, FP8, {"sliding_window": 33}),
 ])
-def test_kernel_mixed_batches(dtype, options):
+def test_kernel_mixed_batches(dtype, cache, options):
     """Decodes, prefills and mixes (contexts across block boundaries), split-K decodes merged in the prefill."""
     rng = np.random.default_rng(1)
     for name, (q_lens, kv_lens) in MIXES.items():
-        check_contiguous_kernel(row_batch(rng, q_lens, kv_lens, dtype), dtype, name, **options)
+        check_contiguous_kernel(row_batch(rng, q_lens, kv_lens, dtype, cache), dtype, name, **options)
 
 
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, block_size", [
@@ -121,18 +131,19 @@ def test_kernel_gqa_and_shapes(q_heads, kv_heads, head_dim, block_size):
 
 
 @pytest.mark.parametrize("max_splits", [16, 1])
-@pytest.mark.parametrize("dtype, options", [
-    (jnp.float32, {"soft_cap": 5.0}),
-    (jnp.bfloat16, {"sliding_window": 33}),
+@pytest.mark.parametrize("dtype, cache, options", [
+    (jnp.float32, None, {"soft_cap": 5.0}),
+    (jnp.bfloat16, None, {"sliding_window": 33}),
+    (jnp.bfloat16, FP8, {"sliding_window": 33}),
 ])
-def test_one_launch_decode(dtype, options, max_splits):
+def test_one_launch_decode(dtype, cache, options, max_splits):
     """decode_only=True: 4 programs per context (or 1), the first tile's loads speculative (garbage kv_rows past
     num_seqs clamped); a full row (128), block multiples and one-past; rows past the decodes zero."""
     shape = {"num_tokens": 16, "max_blocks": 16}
     tuning = {"decode_programs": 64, "decode_kv_tile": 16, "decode_max_splits": max_splits}
     rng = np.random.default_rng(5)
     for kv_lens in ([1, 17, 128, 64, 99, 3], [16, 32, 33, 48, 112, 127]):
-        batch = row_batch(rng, [1] * len(kv_lens), kv_lens, dtype, **shape)
+        batch = row_batch(rng, [1] * len(kv_lens), kv_lens, dtype, cache, **shape)
         check_contiguous_kernel(batch, dtype, str(kv_lens), {**tuning, "decode_only": True}, **options)
 
 
@@ -225,8 +236,12 @@ def to_cross_layer(rng, batch: RowBatch, num_layers: int, layer: int) -> RowBatc
     return dataclasses.replace(batch, paged=dataclasses.replace(batch.paged, k_cache=caches[0], v_cache=caches[1]))
 
 
-@pytest.mark.parametrize("decode_only", [False, True])
-def test_cross_layer_cache(decode_only):
+@pytest.mark.parametrize("decode_only, cache", [
+    (False, None),
+    (True, None),
+    (True, FP8),  # what decode steps run over an fp8 cross-layer cache
+])
+def test_cross_layer_cache(decode_only, cache):
     """The kernels and both references read `layer` of a cross-layer cache (the layer traced, as the engine's
     layers share one trace) and give what they give on that layer alone."""
     rng, dtype = np.random.default_rng(11), jnp.bfloat16
@@ -234,7 +249,7 @@ def test_cross_layer_cache(decode_only):
     q_lens = [1] * len(kv_lens) if decode_only else MIXES["mixed"][0]
     shape = {"num_tokens": 16, "max_blocks": 16} if decode_only else {}
     tuning = {**INTERPRET_TUNING, "decode_only": True, "decode_programs": 64} if decode_only else INTERPRET_TUNING
-    check_cross_layer(rng, row_batch(rng, q_lens, kv_lens, dtype, **shape), dtype, tuning)
+    check_cross_layer(rng, row_batch(rng, q_lens, kv_lens, dtype, cache, **shape), dtype, tuning)
 
 
 def check_cross_layer(rng, single: RowBatch, dtype, tuning, num_layers=3, layer=1):

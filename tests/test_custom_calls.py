@@ -1,8 +1,13 @@
 """custom_calls: CUDA FFI ops against their pure-JAX references (GPU), and on CPU the nvcc build,
 the exported FFI symbols, registration + lowering for platform CUDA, the references against
-naive loops, argument checks and the fallback with its notice."""
+naive loops, argument checks and the fallback with its notice; caches in q's dtype and FP8 (e4m3).
+
+GPU tests skip on CPU; on a GPU run `JAX_PLATFORMS=cuda pytest tests/test_custom_calls.py` (conftest
+defaults JAX_PLATFORMS to cpu)."""
+import ctypes
 import logging
 import math
+import struct
 import subprocess
 
 import jax
@@ -11,11 +16,13 @@ import numpy as np
 import pytest
 
 import custom_calls as cc
-from custom_calls import build
+from custom_calls import build, vmm
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU; CPU CI covers build/registration/fallback")
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
+FP8 = jnp.float8_e4m3fn
+CACHE_DTYPES = [pytest.param(None, id="cache=q"), pytest.param(FP8, id="cache=fp8")]   # None: q's dtype
 SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks")
 
 
@@ -31,15 +38,25 @@ def assert_same_bits(out, ref, seed):
     assert out.dtype == ref.dtype and np.array_equal(out.view(bits), ref.view(bits)), f"seed {seed}"
 
 
+def random_values(rng, shape, dtype) -> np.ndarray:
+    """Finite values in dtype; for float8_e4m3fn every finite bit pattern (subnormals, -0 too) is drawn."""
+    if jnp.dtype(dtype) == FP8:
+        bits = rng.integers(0, 256, shape, dtype=np.uint8)
+        return np.where((bits & 0x7F) == 0x7F, bits ^ 1, bits).view(jnp.dtype(FP8))  # 0x7F, 0xFF are NaN
+    return rng.standard_normal(shape).astype(jnp.dtype(dtype))
+
+
 def rel_err(out, ref) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(out).all(), "output holds NaN/Inf"
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def make_paged_case(rng, *, lens, q_heads, kv_heads, head_dim, block_size=16, max_blocks=None, dtype=jnp.float32):
-    """Random q and live cache slots (t < len - 1: the step writes the token at len - 1), pages in
-    random order, every other slot (null block 0, slot tails, spare blocks) NaN-poisoned."""
+def make_paged_case(rng, *, lens, q_heads, kv_heads, head_dim, block_size=16, max_blocks=None, dtype=jnp.float32,
+                    cache_dtype=None):
+    """Random q in dtype and live cache slots in cache_dtype (default dtype; t < len - 1: the step writes the
+    token at len - 1), pages in random order, every other slot (null block 0, slot tails, spare blocks)
+    NaN-poisoned."""
     lens = np.asarray(lens, np.int32)
     need = [math.ceil(n / block_size) for n in lens]
     max_blocks = max_blocks or max(max(need), 1)
@@ -57,10 +74,11 @@ def make_paged_case(rng, *, lens, q_heads, kv_heads, head_dim, block_size=16, ma
             v_cache[tables[b, t // block_size], t % block_size] = rng.standard_normal((kv_heads, head_dim))
     slots = np.where(lens > 0, tables[np.arange(len(lens)), np.maximum(lens - 1, 0) // block_size] * block_size
                      + np.maximum(lens - 1, 0) % block_size, 0).astype(np.int32)  # padding rows write the null block
-    cast = lambda a: jnp.asarray(a, dtype)
+    cast = lambda a: jnp.asarray(a, cache_dtype or dtype)
     new_shape = (len(lens), kv_heads, head_dim)
-    return dict(q=cast(rng.standard_normal((len(lens), q_heads, head_dim))), k_cache=cast(k_cache),
-                v_cache=cast(v_cache), new_k=cast(rng.standard_normal(new_shape)), new_v=cast(rng.standard_normal(new_shape)),
+    q = jnp.asarray(rng.standard_normal((len(lens), q_heads, head_dim)), dtype)
+    return dict(q=q, k_cache=cast(k_cache), v_cache=cast(v_cache), new_k=cast(rng.standard_normal(new_shape)),
+                new_v=cast(rng.standard_normal(new_shape)),
                 slots=jnp.asarray(slots), kv_lens=jnp.asarray(lens), block_tables=jnp.asarray(tables))
 
 
@@ -92,49 +110,76 @@ def decode_kwargs(head_dim, window, cap):
 
 # ---------------------------------------------------------------- CPU: references vs naive loops
 
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", [
+    (jnp.float32, None, 1e-5), (jnp.float32, FP8, 1e-5),
+    (jnp.bfloat16, FP8, 2 ** -8)])  # bf16 output: its rounding (half an ulp, 2^-9 relative) dominates
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,window,cap", [
     (4, 4, 64, None, None), (8, 2, 128, None, 30.0), (8, 1, 64, 20, None), (16, 2, 64, 7, 5.0)])
-def test_decode_reference_matches_naive_loop(q_heads, kv_heads, head_dim, window, cap):
+def test_decode_reference_matches_naive_loop(dtype, cache_dtype, tolerance, q_heads, kv_heads, head_dim, window, cap):
+    """Against a float64 loop over the cache dequantized to float32 (exact for e4m3)."""
     seed, rng = fresh_rng()
     case = make_paged_case(rng, lens=[37, 0, 16, 61, 1], q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                           max_blocks=5)
+                           max_blocks=5, dtype=dtype, cache_dtype=cache_dtype)
     k_cache, v_cache = cc.reshape_and_cache_reference(case["k_cache"], case["v_cache"], case["new_k"],
                                                       case["new_v"], case["slots"])
     kw = decode_kwargs(head_dim, window, cap)
     out = cc.paged_decode_attention_reference(case["q"], k_cache, v_cache, case["kv_lens"], case["block_tables"], **kw)
-    ref = naive_decode(case["q"], k_cache, v_cache, case["kv_lens"], np.asarray(case["block_tables"]),
-                       kw["sm_scale"], window, cap)
-    assert rel_err(out, ref) <= 1e-5, f"seed {seed}"
+    assert out.dtype == dtype
+    ref = naive_decode(case["q"], k_cache.astype(jnp.float32), v_cache.astype(jnp.float32), case["kv_lens"],
+                       np.asarray(case["block_tables"]), kw["sm_scale"], window, cap)
+    assert rel_err(out, ref) <= tolerance, f"seed {seed}"
     assert not np.asarray(out[1]).any(), "padding row (kv_len 0) must be zeros"
 
 
-def test_cache_write_and_copy_references_match_naive_loops():
+@pytest.mark.parametrize("dtype", [jnp.float32, FP8])
+@pytest.mark.parametrize("write,copy", [(cc.reshape_and_cache_reference, cc.copy_blocks_reference),
+                                        (cc.reshape_and_cache, cc.copy_blocks)], ids=["reference", "public"])
+def test_cache_write_and_copy_match_naive_loops(dtype, write, copy):
+    """Exactly the given bits land (the public ops: their checks, then the reference, or the kernels on a GPU);
+    the slots and blocks written are NaN-poisoned first, so a missed write fails the bit compare."""
     seed, rng = fresh_rng()
     shape = (9, 4, 2, 64)
-    k_cache, v_cache = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    k_cache, v_cache = random_values(rng, shape, dtype), random_values(rng, shape, dtype)
     slots = rng.choice(9 * 4, size=6, replace=False).astype(np.int32)
     slots[2] = -1  # padding token: dropped
-    k, v = rng.standard_normal((6, 2, 64)).astype(np.float32), rng.standard_normal((6, 2, 64)).astype(np.float32)
-    k_out, v_out = cc.reshape_and_cache_reference(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)))
+    for cache in (k_cache, v_cache):
+        cache.reshape(9 * 4, 2, 64)[slots[slots >= 0]] = np.nan
+    k, v = random_values(rng, (6, 2, 64), dtype), random_values(rng, (6, 2, 64), dtype)
+    k_out, v_out = write(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)))
     want_k, want_v = k_cache.copy(), v_cache.copy()
     for t, slot in enumerate(slots):
         if slot >= 0:
             want_k[slot // 4, slot % 4], want_v[slot // 4, slot % 4] = k[t], v[t]
-    np.testing.assert_array_equal(k_out, want_k, err_msg=f"seed {seed}")
-    np.testing.assert_array_equal(v_out, want_v, err_msg=f"seed {seed}")
+    assert_same_bits(k_out, want_k, seed)
+    assert_same_bits(v_out, want_v, seed)
 
+    k_cache, v_cache = random_values(rng, shape, dtype), random_values(rng, shape, dtype)
     src, dst = np.array([1, 2, 3, 50], np.int32), np.array([6, 7, 8, 4], np.int32)  # last pair out of range
-    k_out, v_out = cc.copy_blocks_reference(*map(jnp.asarray, (k_cache, v_cache, src, dst)))
+    k_cache[dst[:3]], v_cache[dst[:3]] = np.nan, np.nan
+    k_out, v_out = copy(*map(jnp.asarray, (k_cache, v_cache, src, dst)))
     want_k, want_v = k_cache.copy(), v_cache.copy()
     want_k[dst[:3]], want_v[dst[:3]] = k_cache[src[:3]], v_cache[src[:3]]
-    np.testing.assert_array_equal(k_out, want_k)
-    np.testing.assert_array_equal(v_out, want_v)
+    assert_same_bits(k_out, want_k, seed)
+    assert_same_bits(v_out, want_v, seed)
+
+
+@pytest.mark.parametrize("dtype", list(vmm.DLPACK_DTYPES))
+def test_vmm_dlpack_codes_match_jax_export(dtype):
+    """vmm's export names each dtype by the DLPack (code, bits) that jax's own export writes, FP8 included."""
+    capsule = jnp.zeros((2,), dtype).__dlpack__()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    # DLTensor: data pointer, device (2 x int32), ndim (int32), then dtype {uint8 code, uint8 bits, uint16 lanes}
+    code, bits, lanes = struct.unpack("<BBH", ctypes.string_at(get(capsule, b"dltensor") + 20, 4))
+    assert (code, bits, lanes) == (*vmm.DLPACK_DTYPES[dtype], 1)
 
 
 # ---------------------------------------------------------------- CPU: argument checks and fallback
 
 @pytest.mark.parametrize("change,field", [
     (dict(q=jnp.zeros((2, 8, 64), jnp.bfloat16)), "^q must be"),
+    (dict(q=jnp.zeros((2, 8, 64), FP8), k_cache=jnp.zeros((5, 16, 4, 64), FP8),
+          v_cache=jnp.zeros((5, 16, 4, 64), FP8)), "^q must be"),
     (dict(q=jnp.zeros((2, 6, 64))), "q heads"),
     (dict(kv_lens=jnp.zeros((2,), jnp.float32)), "kv_lens"),
     (dict(block_tables=jnp.zeros((3, 4), jnp.int32)), "block_tables"),
@@ -158,17 +203,19 @@ def test_cache_ops_reject_bad_arguments():
         cc.reshape_and_cache(cache, cache, jnp.zeros((3, 4, 64)), jnp.zeros((2, 4, 64)), jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="same length"):
         cc.copy_blocks(cache, cache, jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32))
-    with pytest.raises(ValueError, match="k_cache dtype"):
-        cc.copy_blocks(cache.astype(jnp.int8), cache.astype(jnp.int8), jnp.zeros((1,), jnp.int32),
-                       jnp.zeros((1,), jnp.int32))
+    for dtype in (jnp.int8, jnp.float8_e5m2):
+        with pytest.raises(ValueError, match="k_cache dtype"):
+            cc.copy_blocks(cache.astype(dtype), cache.astype(dtype), jnp.zeros((1,), jnp.int32),
+                           jnp.zeros((1,), jnp.int32))
 
 
 @pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
-def test_fallback_logs_once_and_returns_reference_results(caplog):
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_fallback_logs_once_and_returns_reference_results(caplog, cache_dtype):
     """Without a GPU the notice is logged once, at INFO (expected there: no warning on the default CPU path)."""
     cc.unavailable_reason.cache_clear()
     seed, rng = fresh_rng()
-    case = make_paged_case(rng, lens=[20, 3], q_heads=8, kv_heads=2, head_dim=64)
+    case = make_paged_case(rng, lens=[20, 3], q_heads=8, kv_heads=2, head_dim=64, cache_dtype=cache_dtype)
     with caplog.at_level(logging.INFO, logger="custom_calls"):
         k_cache, v_cache = cc.reshape_and_cache(case["k_cache"], case["v_cache"], case["new_k"], case["new_v"],
                                                 case["slots"])
@@ -271,15 +318,18 @@ def run_decode_step(case, kw, num_splits, cuda: bool):
     return jax.jit(step, donate_argnums=(0, 1))(*args)
 
 
+# TOLERANCE[q's dtype] holds for an FP8 cache too: the kernel and the reference read identical e4m3 values,
+# widened exactly to f32, so they differ only in f32 summation order and then the output's rounding to q's dtype.
 @needs_gpu
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 8), (16, 4), (16, 2), (40, 4)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_step_matches_reference(dtype, q_heads, kv_heads, head_dim):
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_step_matches_reference(cache_dtype, dtype, q_heads, kv_heads, head_dim):
     assert cc.available(), cc.unavailable_reason()
     seed, rng = fresh_rng()
     case = make_paged_case(rng, lens=[1, 77, 0, 300, 16, 1029], q_heads=q_heads, kv_heads=kv_heads,
-                           head_dim=head_dim, block_size=16, max_blocks=70, dtype=dtype)
+                           head_dim=head_dim, block_size=16, max_blocks=70, dtype=dtype, cache_dtype=cache_dtype)
     kw = decode_kwargs(head_dim, None, None)
     ref_k, ref_v, ref = run_decode_step(case, kw, None, cuda=False)
     for splits in (None, 1, 3):
@@ -291,13 +341,14 @@ def test_decode_step_matches_reference(dtype, q_heads, kv_heads, head_dim):
 
 
 @needs_gpu
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("window,cap,block_size", [(100, None, 16), (None, 50.0, 8), (33, 10.0, 32)])
-def test_decode_window_and_soft_cap_match_reference(dtype, window, cap, block_size):
+def test_decode_window_and_soft_cap_match_reference(cache_dtype, dtype, window, cap, block_size):
     assert cc.available(), cc.unavailable_reason()
     seed, rng = fresh_rng()
     case = make_paged_case(rng, lens=[513, 5, 0, 260, 99], q_heads=32, kv_heads=8, head_dim=128,
-                           block_size=block_size, dtype=dtype)
+                           block_size=block_size, dtype=dtype, cache_dtype=cache_dtype)
     kw = decode_kwargs(128, window, cap)
     _, _, ref = run_decode_step(case, kw, None, cuda=False)
     for splits in (None, 1, 4):
@@ -306,7 +357,7 @@ def test_decode_window_and_soft_cap_match_reference(dtype, window, cap, block_si
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, FP8])
 def test_copy_blocks_in_place_matches_reference(dtype):
     assert cc.available(), cc.unavailable_reason()
     seed, rng = fresh_rng()

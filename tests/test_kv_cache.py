@@ -302,6 +302,7 @@ def test_num_blocks_on_host_memory_is_a_capped_fraction(monkeypatch):
     assert num_blocks_for_memory(per_block, device=cpu, cpu_fraction=0.25, cpu_max_bytes=100 << 30) == 1280
     assert num_blocks_for_memory(per_block, device=cpu, cpu_fraction=0.25, cpu_max_bytes=1 << 30) == 512
     assert num_blocks_for_memory(per_block, device=cpu, activation_peak_bytes=1 << 30, cpu_max_bytes=2 << 30) == 512
-    assert describe_kv_capacity(512, 16, per_block) == "KV cache: 511 blocks x 16 = 8,176 tokens (1.00 GiB)"
+    assert (describe_kv_capacity(512, 16, per_block, jnp.bfloat16)
+            == "KV cache (bfloat16): 511 blocks x 16 = 8,176 tokens (1.00 GiB)")
 
 

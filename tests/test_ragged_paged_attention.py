@@ -4,7 +4,12 @@ On CPU the kernel runs in Pallas interpret mode, on an NVIDIA GPU compiled. The 
 no live token was written, block-table entries past a sequence's end are garbage, and (on GPU) freed NaN
 buffers poison the allocator: reading anything unwritten, or leaving an output row unwritten, shows up
 as NaN. Padding rows must come out exactly zero.
+
+FP8 caches (float8_e4m3fn, NaN where unwritten too) are checked against the reference over the same cache: e4m3
+values are exact in q's dtype and the reference reads the same ones, so q's dtype sets every tolerance.
 """
+import importlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,12 +17,14 @@ import pytest
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
-from helpers import (GEOMETRY, MIXES, Batch, check_close, interpret_tuning, make_batch, naive_attention, on_gpu,
-                     on_hopper, poison_allocator)
+from helpers import (GEOMETRY, MIXES, Batch, cached_as, check_close, interpret_tuning, make_batch, naive_attention,
+                     on_gpu, on_hopper, poison_allocator)
 
 ON_GPU = on_gpu()
 INTERPRET = not ON_GPU
 INTERPRET_TUNING = interpret_tuning()
+FP8 = jnp.float8_e4m3fn
+KERNELS = importlib.import_module("pallas_kernels.ragged_paged_attention")  # the package exports its function's name
 
 
 def check_kernel(batch: Batch, dtype, label="", tuning=None, **options):
@@ -29,23 +36,31 @@ def check_kernel(batch: Batch, dtype, label="", tuning=None, **options):
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 20}, {"soft_cap": 5.0}])
-def test_reference_matches_float64(mix, options):
-    batch = make_batch(np.random.default_rng(0), *MIXES[mix], **GEOMETRY)
+@pytest.mark.parametrize("options, cache", [
+    ({}, None),
+    ({"sliding_window": 20}, None),
+    ({"soft_cap": 5.0}, None),
+    ({}, FP8),  # e4m3 blocks converted to float32 as they are gathered
+])
+def test_reference_matches_float64(mix, options, cache):
+    batch = cached_as(make_batch(np.random.default_rng(0), *MIXES[mix], **GEOMETRY), cache)
     out = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125, **options)
     check_close(out, naive_attention(batch, sm_scale=0.125, **options), batch, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype, options", [
-    (jnp.float32, {}),
-    (jnp.float32, {"sliding_window": 20, "soft_cap": 5.0}),  # windows shorter than most contexts
-    (jnp.bfloat16, {}),
-    (jnp.bfloat16, {"sliding_window": 33}),
+@pytest.mark.parametrize("dtype, cache, options", [
+    (jnp.float32, None, {}),
+    (jnp.float32, None, {"sliding_window": 20, "soft_cap": 5.0}),  # windows shorter than most contexts
+    (jnp.float32, FP8, {"sliding_window": 20, "soft_cap": 5.0}),  # e4m3 tiles converted to float32
+    (jnp.bfloat16, None, {}),
+    (jnp.bfloat16, None, {"sliding_window": 33}),
+    (jnp.bfloat16, FP8, {"sliding_window": 33}),
 ])
-def test_kernel_matches_reference(dtype, options):
+def test_kernel_matches_reference(dtype, cache, options):
     rng = np.random.default_rng(1)
     for name, (q_lens, kv_lens) in MIXES.items():
-        check_kernel(make_batch(rng, q_lens, kv_lens, **GEOMETRY, dtype=dtype), dtype, name, **options)
+        check_kernel(cached_as(make_batch(rng, q_lens, kv_lens, **GEOMETRY, dtype=dtype), cache), dtype, name,
+                     **options)
 
 
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, block_size", [
@@ -72,11 +87,12 @@ def test_split_k_decode(q_heads, kv_heads):
 
 
 @pytest.mark.parametrize("max_splits", [16, 1])
-@pytest.mark.parametrize("dtype, options", [
-    (jnp.float32, {"soft_cap": 5.0}),
-    (jnp.bfloat16, {"sliding_window": 33}),
+@pytest.mark.parametrize("dtype, cache, options", [
+    (jnp.float32, None, {"soft_cap": 5.0}),
+    (jnp.bfloat16, None, {"sliding_window": 33}),
+    (jnp.bfloat16, FP8, {"sliding_window": 33}),
 ])
-def test_one_launch_decode(dtype, options, max_splits):
+def test_one_launch_decode(dtype, cache, options, max_splits):
     """decode_only=True: one launch. Each context is split over 4 programs taking every 4th 16-key tile, the
     last of a decode to finish merging the partials (max_splits 16), or one program attends it all (1).
     Every row past the decodes (padding sequences and padding tokens, here more tokens than sequence slots)
@@ -85,12 +101,44 @@ def test_one_launch_decode(dtype, options, max_splits):
     tuning = {"decode_programs": 64, "decode_kv_tile": 16, "decode_max_splits": max_splits}  # 4 splits
     rng = np.random.default_rng(5)
     for kv_lens in ([1, 17, 40, 64, 99, 250, 3], [203], [16] * 8):
-        batch = make_batch(rng, [1] * len(kv_lens), kv_lens, **shape, dtype=dtype)
+        batch = cached_as(make_batch(rng, [1] * len(kv_lens), kv_lens, **shape, dtype=dtype), cache)
         expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125, **options)
         poison_allocator(batch)
         out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
                                      decode_only=True, **options, **tuning)
         check_close(out, expected, batch, dtype, str(kv_lens))
+
+
+@pytest.mark.parametrize("dtype, decode_only, q_lens, kv_lens", [
+    (jnp.bfloat16, False, *MIXES["mixed"]),  # split decodes merged in the prefill launch
+    (jnp.float16, True, [1] * 6, [1, 17, 40, 64, 99, 250]),
+])
+def test_fp8_cache_reads_as_its_values(dtype, decode_only, q_lens, kv_lens):
+    """The kernels over an fp8 cache give exactly what they give over the same e4m3 values stored in q's dtype:
+    each tile converts exactly, then the same dots run on the same values. Both take the Triton prefill ("auto"
+    would give q's dtype the Mosaic one on Hopper: other dots, other roundings)."""
+    shape = {**GEOMETRY, "num_tokens": 16, "max_blocks": 16} if decode_only else GEOMETRY
+    fp8 = cached_as(make_batch(np.random.default_rng(12), q_lens, kv_lens, **shape, dtype=dtype), FP8)
+    outs = []
+    for batch in (fp8, cached_as(fp8, dtype)):
+        poison_allocator(batch)
+        outs.append(ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
+                                           decode_only=decode_only, prefill_backend="triton", **INTERPRET_TUNING))
+    # finite live rows and zero padding first (equality alone passes NaN == NaN); float16 keeps more mantissa than
+    # bfloat16, so bfloat16's tolerance covers it
+    check_close(outs[0], ragged_paged_attention_reference(*fp8.args(), sm_scale=0.125), fp8, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(outs[0].astype(jnp.float32)), np.asarray(outs[1].astype(jnp.float32)))
+
+
+def test_fp8_cache_below_sm89(monkeypatch):
+    """Triton converts e4m3 on sm_89+ only: on an sm_80 GPU "auto" takes the reference over an fp8 cache, and
+    "pallas" refuses, naming the way out."""
+    monkeypatch.setattr(KERNELS, "gpu_capability", lambda: 8.0)
+    batch = cached_as(make_batch(np.random.default_rng(13), *MIXES["mixed"], **GEOMETRY, dtype=jnp.bfloat16), FP8)
+    out = ragged_paged_attention(*batch.args(), sm_scale=0.125)
+    check_close(out, ragged_paged_attention_reference(*batch.args(), sm_scale=0.125), batch, jnp.bfloat16)
+    with pytest.raises(ValueError, match="impl='pallas' reads a float8_e4m3fn cache.*impl='reference'"):
+        ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas")
 
 
 def test_random_mixes():
@@ -115,6 +163,10 @@ def test_auto_picks_a_correct_impl():
     ({"q": jnp.zeros((4, 64))}, "q"),
     ({"v_cache": jnp.zeros((5, 16, 2, 64))}, "v_cache"),
     ({"q": jnp.zeros((64, 3, 64))}, "num_q_heads"),
+    ({"k_cache": jnp.zeros((48, 16, 2, 64), jnp.bfloat16)}, "k_cache and v_cache"),  # float32 q: no other dtype
+    ({"k_cache": jnp.zeros((48, 16, 2, 64), FP8)}, "k_cache and v_cache"),  # V float32: both or neither fp8
+    ({"q": jnp.zeros((64, 8, 64), jnp.int8), "k_cache": jnp.zeros((48, 16, 2, 64), FP8),
+      "v_cache": jnp.zeros((48, 16, 2, 64), FP8)}, "k_cache and v_cache"),  # fp8 needs a float q the kernels take
     ({"kv_lens": jnp.zeros((3,), jnp.int32)}, "cu_q_lens"),
     ({"block_tables": jnp.zeros((8, 4), jnp.float32)}, "block_tables"),
     ({"num_seqs": jnp.zeros((2,), jnp.int32)}, "num_seqs"),
@@ -162,13 +214,15 @@ def test_mosaic_prefill_matches_reference(dtype, q_heads, kv_heads, head_dim, bl
                                                   "mosaic_block_kv": 64}, **options)
 
 
-@pytest.mark.parametrize("dtype, options, reason", [
-    (jnp.float32, {}, "dtype"),
-    (jnp.bfloat16, {"soft_cap": 5.0}, "soft cap"),
+@pytest.mark.parametrize("dtype, cache, options, reason", [
+    (jnp.float32, None, {}, "dtype"),
+    (jnp.bfloat16, None, {"soft_cap": 5.0}, "soft cap"),
+    (jnp.bfloat16, FP8, {}, "KV cache dtype float8_e4m3fn"),
 ])
-def test_mosaic_prefill_refuses_what_it_cannot_serve(dtype, options, reason):
-    """Asked for by name it refuses with the reason; under "auto" such calls take the Triton prefill."""
-    batch = make_batch(np.random.default_rng(11), *MIXES["mixed"], **GEOMETRY, dtype=dtype)
-    with pytest.raises(ValueError, match=f"prefill_backend='mosaic'.*{reason}"):
+def test_mosaic_prefill_refuses_what_it_cannot_serve(dtype, cache, options, reason):
+    """Asked for by name it refuses with the reason and names the Triton prefill, which "auto" takes for such calls
+    (on an H100, test_kernel_matches_reference's fp8 cases take it so)."""
+    batch = cached_as(make_batch(np.random.default_rng(11), *MIXES["mixed"], **GEOMETRY, dtype=dtype), cache)
+    with pytest.raises(ValueError, match=f"prefill_backend='mosaic'.*{reason}.*prefill_backend='triton'"):
         ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
                                prefill_backend="mosaic", **options)

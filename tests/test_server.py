@@ -354,6 +354,8 @@ def test_prometheus_metrics(server):
     assert value("jaxserve_requests_total", outcome="finished") >= 1
     assert value("jaxserve_compiled_graphs") >= 1 and value("jaxserve_compiles_after_start_total") >= 0
     assert value("jaxserve_kv_blocks_free") == stats.kv_blocks_free
+    assert (stats.weight_dtype, stats.kv_cache_dtype) == ("float32", "float32")   # the embedded model on CPU
+    assert value("jaxserve_model_dtypes", weight_dtype="float32", kv_cache_dtype="float32") == 1
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_hit_rate",
                   "preemptions_total", "serving"):
         assert f"jaxserve_{gauge}" in {name for name, _ in samples}

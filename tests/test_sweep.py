@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.common import Bytes
 from benchmarks.sweep import (SWEEP_SAMPLING, SweepCase, Traffic, assign_blocks, case_layout, ladder_candidates,
                               ladder_rows, pad_to, padding_waste, run_sweep, simulate_steps, step_cost,
                               synthetic_inputs)
@@ -124,15 +125,16 @@ def test_assign_blocks_distinct_or_evenly_reused():
 
 
 def test_step_cost_counts_causal_and_windowed_keys():
-    itemsize, kv_token = 4, 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4
+    b = Bytes(linear=1, other=4, kv=2)   # FP8 weights, f32 embeddings and head, a 16-bit cache: each counted apart
+    kv_token = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 2
     layers = TINY.num_params - 2 * TINY.vocab_size * TINY.hidden_size
     per_key = 4 * TINY.num_layers * TINY.num_heads * TINY.head_dim
     starts, counts = np.array([9, 4, 4]), np.array([3, 1, 1])        # a 3-token chunk at 9..11, two decodes at 4
-    nbytes, flops = step_cost(TINY, itemsize, starts, counts)
+    nbytes, flops = step_cost(TINY, b, starts, counts)
     head = TINY.vocab_size * TINY.hidden_size
     assert flops == 2 * 5 * layers + 2 * 3 * head + per_key * (10 + 11 + 12 + 5 + 5)
-    assert nbytes == (layers + head + 5 * TINY.hidden_size) * itemsize + kv_token * (12 + 5 + 5 + 5)
-    _, flops_w = step_cost(dataclasses.replace(TINY, sliding_window=4), itemsize, starts, counts)
+    assert nbytes == layers + (head + 5 * TINY.hidden_size) * 4 + kv_token * (12 + 5 + 5 + 5)
+    _, flops_w = step_cost(dataclasses.replace(TINY, sliding_window=4), b, starts, counts)
     assert flops_w == 2 * 5 * layers + 2 * 3 * head + per_key * (4 * 3 + 4 + 4)
 
 
@@ -144,7 +146,7 @@ def test_run_sweep_rows(tiny):
         assert ROW_FIELDS <= set(r) and set(r["params"]) == {"num_tokens", "num_seqs", "context", "kind"}
         assert r["ms"] > 0 and r["compile_s"] > 0 and 0 < r["roofline_frac"] and math.isfinite(r["roofline_frac"])
         starts, counts = case_layout(SweepCase(**r["params"]), CFG.max_model_len)
-        assert (r["bytes"], r["flops"]) == step_cost(TINY, 4, starts, counts)
+        assert (r["bytes"], r["flops"]) == step_cost(TINY, Bytes(4, 4, 4), starts, counts)
         assert r["tok_s"] == pytest.approx(counts.sum() / r["ms"] * 1e3)
     assert rows[1]["compile_s"] == rows[2]["compile_s"]   # one compile per bucket, shared by its cases
 

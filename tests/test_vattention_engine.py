@@ -142,7 +142,8 @@ def test_decode_kernels_address_rows_by_slot(decode, monkeypatch):
     the contiguous Pallas decode, or the CUDA call over identity tables the graph builds from the slots (on the CPU
     both run pure JAX: the CUDA call's reference sums in another order, so tokens only). head_dim 64: the call's."""
     monkeypatch.setattr(step_graphs, "resolve_attention_kernels",
-                        lambda _d, _p, _h, blocks_per_row=None: AttentionKernels(decode, "triton", blocks_per_row))
+                        lambda _d, _p, _h, blocks_per_row=None, _dtype=None: AttentionKernels(decode, "triton",
+                                                                                            blocks_per_row))
     model = random_model(dataclasses.replace(TINY, head_dim=64), jnp.float32)
     expected = results(LLM(model, **BASE, **PAGED), PROMPTS[:6], GREEDY)
     llm = LLM(model, **BASE, **VATTENTION)

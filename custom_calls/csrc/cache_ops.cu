@@ -1,7 +1,8 @@
 // In-place KV-cache updates on XLA's CUDA stream. The caches are aliased
 // input->output (input_output_aliases on donated arrays), so the kernels write
 // straight into the existing cache buffers. Both are dtype-agnostic 16-byte
-// copies: a cache slot row (Hkv * D elements) and a cache block are contiguous.
+// copies (FP8 caches included): a cache slot row (Hkv * D elements) and a
+// cache block are contiguous.
 #include "common.h"
 
 namespace jaxserve {
@@ -54,8 +55,9 @@ __global__ void __launch_bounds__(kCopyThreads)
 ffi::Error SlotRowBytes(const ffi::AnyBuffer& k_cache, const ffi::AnyBuffer& v_cache, int64_t* row_bytes) {
   const auto kd = k_cache.dimensions();
   if (kd.size() != 4 || v_cache.dimensions().size() != 4 || k_cache.element_count() != v_cache.element_count() ||
-      k_cache.element_type() != v_cache.element_type() || !IsFloatType(k_cache.element_type()))
-    return ffi::Error::InvalidArgument("k_cache and v_cache must match: [num_blocks, block_size, Hkv, D] of f32/bf16/f16");
+      k_cache.element_type() != v_cache.element_type() || !IsCacheType(k_cache.element_type()))
+    return ffi::Error::InvalidArgument(
+        "k_cache and v_cache must match: [num_blocks, block_size, Hkv, D] of f32/bf16/f16/f8e4m3fn");
   *row_bytes = kd[2] * kd[3] * ffi::ByteWidth(k_cache.element_type());
   if (*row_bytes % sizeof(Vec16) != 0)
     return ffi::Error::InvalidArgument("Hkv * D * itemsize must be a multiple of 16 bytes");

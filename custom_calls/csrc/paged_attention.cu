@@ -7,10 +7,14 @@
 // kChunkTokens tokens the CTA caches the slots' row offsets in shared memory,
 // computes all scores (K pass), applies an online-softmax update, then
 // accumulates P·V (V pass) into per-row-group sums kept in shared memory. Each
-// token row is read by kLanes lanes with one 16-byte load each, coalesced, and
-// each lane issues kRowLoadsInFlight independent loads before first use.
-// num_splits > 1 writes unnormalised partials (acc, max, sum) to the
-// workspace and a second kernel merges them.
+// token row is read by kLanes lanes with one load each (16 bytes; 8 for FP8),
+// coalesced, and each lane issues kRowLoadsInFlight independent loads before
+// first use. num_splits > 1 writes unnormalised partials (acc, max, sum) to
+// the workspace and a second kernel merges them.
+//
+// Templates: Q is q's and the output's type, C the cache's: Q itself, or FP8
+// e4m3 under any Q. An FP8 cache is read as stored, each element widened to
+// f32; its scales are the caller's (folded into q and the output).
 #include <cfloat>
 
 #include "common.h"
@@ -21,7 +25,7 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunkTokens = 256;   // tokens staged per CTA iteration
-constexpr int kRowLoadsInFlight = 8;  // independent 16-byte loads per lane
+constexpr int kRowLoadsInFlight = 8;  // independent row loads per lane
 constexpr int kMaxGroupTile = 8;    // query heads per CTA (registers bound it)
 constexpr int kMaxSplits = 128;     // bound of the merge kernel's smem
 constexpr float kLog2e = 1.4426950408889634f;
@@ -56,40 +60,42 @@ __device__ __forceinline__ float WarpSum(float x) {
   return x;
 }
 
-// Lane layout shared by the kernel's phases for element type T, head_dim D.
-template <typename T, int D>
+// Lane layout shared by the kernel's phases for cache element type C, head_dim D.
+template <typename C, int D>
 struct Layout {
-  static constexpr int kVec = Elem<T>::kPerVec;
+  using Vec = typename Elem<C>::Vec;
+  static constexpr int kVec = Elem<C>::kPerVec;
   static constexpr int kLanes = D / kVec < 32 ? D / kVec : 32;  // lanes per token row
-  static constexpr int kChunks = D / (kVec * kLanes);           // 16-byte chunks per lane
+  static constexpr int kChunks = D / (kVec * kLanes);           // loads per lane per row
   static constexpr int kGroups = kWarps * (32 / kLanes);        // token rows in flight per CTA
   static constexpr int kUnroll = kRowLoadsInFlight / kChunks;
   static constexpr int kPerLane = kChunks * kVec;               // head_dim elements per lane
   __device__ static int Dim(int lane_in_row, int c, int e) { return (c * kLanes + lane_in_row) * kVec + e; }
 };
 
-template <typename T, int D, int G>
+template <typename C, int D, int G>
 struct SharedState {
   int64_t row_offset[kChunkTokens];             // element offset of each token's K/V row
   float score[kChunkTokens][G];                 // log2-domain scores, then probabilities
-  float acc[Layout<T, D>::kGroups][G][D];       // per row group P·V sums, kept here between
+  float acc[Layout<C, D>::kGroups][G][D];       // per row group P·V sums, kept here between
                                                 // chunks so q and acc never share registers
   float run_max[G], run_sum[G], rescale[G];
 };
 
-template <typename T, int D, int G>
+// This lane's slice of q (the cache's layout: kVec elements per chunk), scaled, in f32.
+template <typename Q, typename C, int D, int G>
 __device__ void LoadQuery(const DecodeParams& p, int b, int head0, int heads_here, int lane_in_row,
-                          float (&qf)[G][Layout<T, D>::kPerLane]) {
-  using Lay = Layout<T, D>;
-  const T* q = static_cast<const T*>(p.q);
+                          float (&qf)[G][Layout<C, D>::kPerLane]) {
+  using Lay = Layout<C, D>;
+  const Q* q = static_cast<const Q*>(p.q);
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
     for (int c = 0; c < Lay::kChunks; ++c) {
       float f[Lay::kVec] = {};
       if (g < heads_here) {
-        const T* row = q + (static_cast<int64_t>(b) * p.num_q_heads + head0 + g) * D;
-        Elem<T>::ToFloat(*reinterpret_cast<const Vec16*>(row + Lay::Dim(lane_in_row, c, 0)), f);
+        const Q* row = q + (static_cast<int64_t>(b) * p.num_q_heads + head0 + g) * D;
+        LoadFloats<Q, Lay::kVec>(row + Lay::Dim(lane_in_row, c, 0), f);
       }
 #pragma unroll
       for (int e = 0; e < Lay::kVec; ++e) qf[g][c * Lay::kVec + e] = f[e] * p.q_scale;
@@ -97,44 +103,44 @@ __device__ void LoadQuery(const DecodeParams& p, int b, int head0, int heads_her
   }
 }
 
-template <typename T, int D, int G>
-__device__ void LoadRows(const T* cache, const SharedState<T, D, G>& sh, int i0, int n, int lane_in_row,
-                         Vec16 (&rows)[Layout<T, D>::kUnroll][Layout<T, D>::kChunks]) {
-  using Lay = Layout<T, D>;
+template <typename C, int D, int G>
+__device__ void LoadRows(const C* cache, const SharedState<C, D, G>& sh, int i0, int n, int lane_in_row,
+                         typename Layout<C, D>::Vec (&rows)[Layout<C, D>::kUnroll][Layout<C, D>::kChunks]) {
+  using Lay = Layout<C, D>;
 #pragma unroll
   for (int u = 0; u < Lay::kUnroll; ++u) {
     const int i = i0 + u * Lay::kGroups;
 #pragma unroll
     for (int c = 0; c < Lay::kChunks; ++c) {
-      rows[u][c] = make_uint4(0, 0, 0, 0);
+      rows[u][c] = {};
       if (i < n) {
-        const T* src = cache + sh.row_offset[i] + Lay::Dim(lane_in_row, c, 0);
-        rows[u][c] = __ldg(reinterpret_cast<const Vec16*>(src));
+        const C* src = cache + sh.row_offset[i] + Lay::Dim(lane_in_row, c, 0);
+        rows[u][c] = __ldg(reinterpret_cast<const typename Lay::Vec*>(src));
       }
     }
   }
 }
 
 // K pass: score[i][g] = log2-domain logit of token i for head g.
-template <typename T, int D, int G>
-__device__ void ScoreChunk(const DecodeParams& p, SharedState<T, D, G>& sh, int n, int b, int head0,
+template <typename Q, typename C, int D, int G>
+__device__ void ScoreChunk(const DecodeParams& p, SharedState<C, D, G>& sh, int n, int b, int head0,
                            int heads_here, int row_group, int lane_in_row) {
-  using Lay = Layout<T, D>;
-  const T* k_cache = static_cast<const T*>(p.k_cache);
+  using Lay = Layout<C, D>;
+  const C* k_cache = static_cast<const C*>(p.k_cache);
   float qf[G][Lay::kPerLane];  // reloaded per chunk (L1 hit) so it is not live in the V pass
-  LoadQuery<T, D, G>(p, b, head0, heads_here, lane_in_row, qf);
+  LoadQuery<Q, C, D, G>(p, b, head0, heads_here, lane_in_row, qf);
   // Warp-uniform trip count: the shuffles below need every lane of the warp.
   for (int base = 0; base < n; base += Lay::kGroups * Lay::kUnroll) {
     const int i0 = base + row_group;
-    Vec16 rows[Lay::kUnroll][Lay::kChunks];
-    LoadRows<T, D, G>(k_cache, sh, i0, n, lane_in_row, rows);
+    typename Lay::Vec rows[Lay::kUnroll][Lay::kChunks];
+    LoadRows<C, D, G>(k_cache, sh, i0, n, lane_in_row, rows);
 #pragma unroll
     for (int u = 0; u < Lay::kUnroll; ++u) {
       float dot[G] = {};
 #pragma unroll
       for (int c = 0; c < Lay::kChunks; ++c) {
         float kf[Lay::kVec];
-        Elem<T>::ToFloat(rows[u][c], kf);
+        Elem<C>::ToFloat(rows[u][c], kf);
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
@@ -154,8 +160,8 @@ __device__ void ScoreChunk(const DecodeParams& p, SharedState<T, D, G>& sh, int 
 }
 
 // Online softmax over one chunk: warp w owns heads w, w + kWarps, ...
-template <typename T, int D, int G>
-__device__ void SoftmaxChunk(SharedState<T, D, G>& sh, int n, int warp, int lane) {
+template <typename C, int D, int G>
+__device__ void SoftmaxChunk(SharedState<C, D, G>& sh, int n, int warp, int lane) {
   for (int g = warp; g < G; g += kWarps) {
     float chunk_max = -FLT_MAX;
     for (int i = lane; i < n; i += 32) chunk_max = fmaxf(chunk_max, sh.score[i][g]);
@@ -178,18 +184,18 @@ __device__ void SoftmaxChunk(SharedState<T, D, G>& sh, int n, int warp, int lane
 }
 
 // This lane's slice of its row group's accumulator in shared memory.
-template <typename T, int D, int G>
-__device__ __forceinline__ float& AccAt(SharedState<T, D, G>& sh, int row_group, int lane_in_row, int g, int j) {
-  using Lay = Layout<T, D>;
+template <typename C, int D, int G>
+__device__ __forceinline__ float& AccAt(SharedState<C, D, G>& sh, int row_group, int lane_in_row, int g, int j) {
+  using Lay = Layout<C, D>;
   return sh.acc[row_group][g][Lay::Dim(lane_in_row, j / Lay::kVec, j % Lay::kVec)];
 }
 
 // V pass: acc[g][:] = acc[g][:] * rescale[g] + sum_i prob[i][g] * v[i][:].
-template <typename T, int D, int G>
-__device__ void AccumulateChunk(const DecodeParams& p, SharedState<T, D, G>& sh, int n, int row_group,
+template <typename C, int D, int G>
+__device__ void AccumulateChunk(const DecodeParams& p, SharedState<C, D, G>& sh, int n, int row_group,
                                 int lane_in_row) {
-  using Lay = Layout<T, D>;
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  using Lay = Layout<C, D>;
+  const C* v_cache = static_cast<const C*>(p.v_cache);
   float acc[G][Lay::kPerLane];
 #pragma unroll
   for (int g = 0; g < G; ++g)
@@ -197,8 +203,8 @@ __device__ void AccumulateChunk(const DecodeParams& p, SharedState<T, D, G>& sh,
     for (int j = 0; j < Lay::kPerLane; ++j) acc[g][j] = AccAt(sh, row_group, lane_in_row, g, j) * sh.rescale[g];
   for (int base = 0; base < n; base += Lay::kGroups * Lay::kUnroll) {
     const int i0 = base + row_group;
-    Vec16 rows[Lay::kUnroll][Lay::kChunks];
-    LoadRows<T, D, G>(v_cache, sh, i0, n, lane_in_row, rows);
+    typename Lay::Vec rows[Lay::kUnroll][Lay::kChunks];
+    LoadRows<C, D, G>(v_cache, sh, i0, n, lane_in_row, rows);
 #pragma unroll
     for (int u = 0; u < Lay::kUnroll; ++u) {
       const int i = i0 + u * Lay::kGroups;
@@ -209,7 +215,7 @@ __device__ void AccumulateChunk(const DecodeParams& p, SharedState<T, D, G>& sh,
 #pragma unroll
       for (int c = 0; c < Lay::kChunks; ++c) {
         float vf[Lay::kVec];
-        Elem<T>::ToFloat(rows[u][c], vf);
+        Elem<C>::ToFloat(rows[u][c], vf);
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
@@ -224,18 +230,18 @@ __device__ void AccumulateChunk(const DecodeParams& p, SharedState<T, D, G>& sh,
 }
 
 // Sums the CTA's row groups and writes the output (one split) or a partial.
-template <typename T, int D, int G>
-__device__ void WriteResult(const DecodeParams& p, const SharedState<T, D, G>& sh, int b, int head0,
+template <typename Q, typename C, int D, int G>
+__device__ void WriteResult(const DecodeParams& p, const SharedState<C, D, G>& sh, int b, int head0,
                             int heads_here, int split) {
   for (int idx = threadIdx.x; idx < heads_here * D; idx += kThreads) {
     const int g = idx / D, d = idx % D;
     float sum = 0.f;
 #pragma unroll
-    for (int r = 0; r < Layout<T, D>::kGroups; ++r) sum += sh.acc[r][g][d];
+    for (int r = 0; r < Layout<C, D>::kGroups; ++r) sum += sh.acc[r][g][d];
     const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + g;
     if (p.num_splits == 1) {
       const float denom = sh.run_sum[g];
-      static_cast<T*>(p.out)[bh * D + d] = Elem<T>::Store(denom > 0.f ? sum / denom : 0.f);
+      static_cast<Q*>(p.out)[bh * D + d] = Elem<Q>::Store(denom > 0.f ? sum / denom : 0.f);
     } else {
       const int64_t part = bh * p.num_splits + split;
       p.partial_acc[part * D + d] = sum;
@@ -247,10 +253,10 @@ __device__ void WriteResult(const DecodeParams& p, const SharedState<T, D, G>& s
   }
 }
 
-template <typename T, int D, int G>
+template <typename Q, typename C, int D, int G>
 __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const DecodeParams p) {
-  using Lay = Layout<T, D>;
-  __shared__ SharedState<T, D, G> sh;
+  using Lay = Layout<C, D>;
+  __shared__ SharedState<C, D, G> sh;
   const int kv_head = blockIdx.x / p.head_tiles, tile = blockIdx.x % p.head_tiles;
   const int split = blockIdx.y, b = blockIdx.z;
   const int head0 = kv_head * p.group + tile * G;
@@ -280,19 +286,19 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const DecodeParams
       sh.row_offset[i] = slot * p.slot_stride + static_cast<int64_t>(kv_head) * D;
     }
     __syncthreads();
-    ScoreChunk<T, D, G>(p, sh, n, b, head0, heads_here, row_group, lane_in_row);
+    ScoreChunk<Q, C, D, G>(p, sh, n, b, head0, heads_here, row_group, lane_in_row);
     __syncthreads();
-    SoftmaxChunk<T, D, G>(sh, n, warp, lane);
+    SoftmaxChunk<C, D, G>(sh, n, warp, lane);
     __syncthreads();
-    AccumulateChunk<T, D, G>(p, sh, n, row_group, lane_in_row);
+    AccumulateChunk<C, D, G>(p, sh, n, row_group, lane_in_row);
     __syncthreads();
   }
   __syncthreads();  // zeroed acc and run state are visible even when the slice is empty
-  WriteResult<T, D, G>(p, sh, b, head0, heads_here, split);
+  WriteResult<Q, C, D, G>(p, sh, b, head0, heads_here, split);
 }
 
 // Merges num_splits partials per (sequence, head): grid B * Hq, one head each.
-template <typename T, int D>
+template <typename Q, int D>
 __global__ void __launch_bounds__(kThreads) MergeSplitsKernel(const DecodeParams p) {
   __shared__ float weight[kMaxSplits];
   __shared__ float denom;
@@ -315,38 +321,47 @@ __global__ void __launch_bounds__(kThreads) MergeSplitsKernel(const DecodeParams
   for (int d = threadIdx.x; d < D; d += kThreads) {
     float sum = 0.f;
     for (int s = 0; s < p.num_splits; ++s) sum = fmaf(weight[s], acc[s * D + d], sum);
-    static_cast<T*>(p.out)[bh * D + d] = Elem<T>::Store(denom > 0.f ? sum / denom : 0.f);
+    static_cast<Q*>(p.out)[bh * D + d] = Elem<Q>::Store(denom > 0.f ? sum / denom : 0.f);
   }
 }
 
-template <typename T, int D, int G>
+template <typename Q, typename C, int D, int G>
 void Launch(const DecodeParams& p, int batch, int kv_heads, cudaStream_t stream) {
   const dim3 grid(kv_heads * p.head_tiles, p.num_splits, batch);
-  PagedDecodeKernel<T, D, G><<<grid, kThreads, 0, stream>>>(p);
-  if (p.num_splits > 1) MergeSplitsKernel<T, D><<<batch * p.num_q_heads, kThreads, 0, stream>>>(p);
+  PagedDecodeKernel<Q, C, D, G><<<grid, kThreads, 0, stream>>>(p);
+  if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, kThreads, 0, stream>>>(p);
 }
 
-template <typename T, int D>
+template <typename Q, typename C, int D>
 ffi::Error DispatchGroup(const DecodeParams& p, int group_tile, int batch, int kv_heads, cudaStream_t s) {
   switch (group_tile) {
-    case 1: Launch<T, D, 1>(p, batch, kv_heads, s); break;
-    case 2: Launch<T, D, 2>(p, batch, kv_heads, s); break;
-    case 4: Launch<T, D, 4>(p, batch, kv_heads, s); break;
-    case 8: Launch<T, D, 8>(p, batch, kv_heads, s); break;
+    case 1: Launch<Q, C, D, 1>(p, batch, kv_heads, s); break;
+    case 2: Launch<Q, C, D, 2>(p, batch, kv_heads, s); break;
+    case 4: Launch<Q, C, D, 4>(p, batch, kv_heads, s); break;
+    case 8: Launch<Q, C, D, 8>(p, batch, kv_heads, s); break;
     default: return ffi::Error::InvalidArgument("unsupported query-head group tile");
   }
   return LaunchStatus("paged_decode_attention launch");
 }
 
-template <typename T>
+template <typename Q, typename C>
 ffi::Error DispatchHeadDim(const DecodeParams& p, int head_dim, int group_tile, int batch, int kv_heads,
                            cudaStream_t s) {
   switch (head_dim) {
-    case 64: return DispatchGroup<T, 64>(p, group_tile, batch, kv_heads, s);
-    case 128: return DispatchGroup<T, 128>(p, group_tile, batch, kv_heads, s);
-    case 256: return DispatchGroup<T, 256>(p, group_tile, batch, kv_heads, s);
+    case 64: return DispatchGroup<Q, C, 64>(p, group_tile, batch, kv_heads, s);
+    case 128: return DispatchGroup<Q, C, 128>(p, group_tile, batch, kv_heads, s);
+    case 256: return DispatchGroup<Q, C, 256>(p, group_tile, batch, kv_heads, s);
     default: return ffi::Error::InvalidArgument("head_dim must be 64, 128 or 256");
   }
+}
+
+// The cache holds Q itself or FP8 e4m3 (checked by the caller).
+template <typename Q>
+ffi::Error DispatchCache(const DecodeParams& p, ffi::DataType cache, int head_dim, int group_tile, int batch,
+                         int kv_heads, cudaStream_t s) {
+  if (cache == ffi::DataType::F8E4M3FN)
+    return DispatchHeadDim<Q, __nv_fp8_e4m3>(p, head_dim, group_tile, batch, kv_heads, s);
+  return DispatchHeadDim<Q, Q>(p, head_dim, group_tile, batch, kv_heads, s);
 }
 
 int GroupTile(int group) {
@@ -368,6 +383,9 @@ ffi::Error PagedDecodeAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
     return ffi::Error::InvalidArgument("inconsistent q / cache / block_tables shapes");
   if (num_splits < 1 || num_splits > kMaxSplits)
     return ffi::Error::InvalidArgument("num_splits must be in [1, 128]");
+  const ffi::DataType cache = k_cache.element_type();
+  if (v_cache.element_type() != cache || (cache != q.element_type() && cache != ffi::DataType::F8E4M3FN))
+    return ffi::Error::InvalidArgument("k_cache and v_cache must be in q's dtype or both float8_e4m3fn");
   const int group = q_heads / kv_heads, group_tile = GroupTile(group);
   const int64_t partials = int64_t{batch} * q_heads * num_splits;
   if (num_splits > 1 && static_cast<int64_t>(workspace->element_count()) < partials * (head_dim + 2))
@@ -381,10 +399,11 @@ ffi::Error PagedDecodeAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
       int64_t{kv_heads} * head_dim, soft_cap > 0.f ? sm_scale / soft_cap : sm_scale * kLog2e,
       soft_cap > 0.f ? soft_cap * kLog2e : 0.f, sliding_window, num_splits};
   switch (q.element_type()) {
-    case ffi::DataType::F32: return DispatchHeadDim<float>(p, head_dim, group_tile, batch, kv_heads, stream);
-    case ffi::DataType::BF16: return DispatchHeadDim<__nv_bfloat16>(p, head_dim, group_tile, batch, kv_heads, stream);
-    case ffi::DataType::F16: return DispatchHeadDim<__half>(p, head_dim, group_tile, batch, kv_heads, stream);
-    default: return ffi::Error::InvalidArgument("dtype must be float32, bfloat16 or float16");
+    case ffi::DataType::F32: return DispatchCache<float>(p, cache, head_dim, group_tile, batch, kv_heads, stream);
+    case ffi::DataType::BF16:
+      return DispatchCache<__nv_bfloat16>(p, cache, head_dim, group_tile, batch, kv_heads, stream);
+    case ffi::DataType::F16: return DispatchCache<__half>(p, cache, head_dim, group_tile, batch, kv_heads, stream);
+    default: return ffi::Error::InvalidArgument("q dtype must be float32, bfloat16 or float16");
   }
 }
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
@@ -54,6 +55,7 @@ class KVManager(Protocol):
 class KVBackend(Protocol):
     """A device cache's layout (known at construction), then its size, its arrays and its host manager."""
     cache_sharding: NamedSharding
+    dtype: jnp.dtype                # the cache's (kv_cache_dtype: the model's, or float8_e4m3fn)
     blocks_per_row: int | None      # contiguous kernels: a sequence is its cache row of this many blocks
     fence: bool                     # the step's logits must follow every cache read (pages unmapped behind it)
 
@@ -87,8 +89,8 @@ class PagedKV:
                                                        cfg.memory_fraction)
         if jax.process_count() > 1:   # multi-host: every process holds the same pool, the one that fits them all
             num_blocks = int(multihost_utils.process_allgather(np.int32(num_blocks)).min())
-        print(describe_kv_capacity(num_blocks, cfg.block_size, bytes_per_block, cfg.tensor_parallel_size),
-              file=sys.stderr)
+        print(describe_kv_capacity(num_blocks, cfg.block_size, bytes_per_block, self.dtype,
+                                   cfg.tensor_parallel_size), file=sys.stderr)
         return num_blocks
 
     def allocate(self, num_blocks: int) -> KVCache:

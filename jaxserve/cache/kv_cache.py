@@ -72,6 +72,27 @@ def layer_slot_mapping(slot_mapping: jax.Array, block_size: int, num_layers: int
         return slot_mapping
     return (slot_mapping // block_size * num_layers + layer) * block_size + slot_mapping % block_size
 
+# kv_cache_dtype -> the cache's dtype; "auto" (None) keeps the model's
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)   # 448
+
+
+def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
+    """The cache's dtype for the kv_cache_dtype knob."""
+    return jnp.dtype(KV_CACHE_DTYPES[name] or model_dtype)
+
+
+def is_quantized_kv(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.float8_e4m3fn
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x [T, Hkv, D] / scale [Hkv] in the cache's FP8 dtype; clipped first, since e4m3fn has no infinity and an
+    overflowing conversion gives NaN."""
+    scaled = x.astype(jnp.float32) / scale[None, :, None]
+    return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(dtype)
+
+
 COPY_BUCKET_MIN = 16  # copy_blocks pads N to a power of two >= this: few compiled variants
 GPU_MEMORY_FRACTION = 0.9  # share of free device memory (after weights and activations) given to KV
 CPU_MEMORY_FRACTION = 0.25  # CPU has no allocator stats: a modest share of available host RAM...
@@ -187,11 +208,11 @@ def blocks_that_fit(bytes_per_block: int, activation_peak_bytes: int, mesh: Mesh
                                      fraction=fraction, device=d) for d in mesh.local_devices)
 
 
-def describe_kv_capacity(num_blocks: int, block_size: int, bytes_per_block: int, devices: int = 1) -> str:
+def describe_kv_capacity(num_blocks: int, block_size: int, bytes_per_block: int, dtype, devices: int = 1) -> str:
     """One line for the start-up log (bytes_per_block: on each of `devices`); the null block is not usable
     capacity."""
     usable = num_blocks - 1
-    return (f"KV cache: {usable:,} blocks x {block_size} = {usable * block_size:,} tokens "
+    return (f"KV cache ({jnp.dtype(dtype).name}): {usable:,} blocks x {block_size} = {usable * block_size:,} tokens "
             f"({usable * bytes_per_block / 2**30:.2f} GiB{f' on each of {devices} devices' if devices > 1 else ''})")
 
 

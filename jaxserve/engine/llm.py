@@ -36,18 +36,23 @@ def apply_chat_template(tokenizer, conversation, add_generation_prompt: bool = T
 
 class LLM:
     """LLM(model=None) loads the embedded SmolLM2; model may also be a GGUF file, a HF checkpoint directory or
-    a directory written by `jaxserve convert`. Engine knobs (EngineConfig fields) pass as keyword arguments; a
-    model loaded here is placed on tensor_parallel_size devices (a LoadedModel must already be on them)."""
+    a directory written by `jaxserve convert`. quantization="fp8": the linear layers' weights in FP8 (a
+    pre-quantized checkpoint is FP8 by itself). Engine knobs (EngineConfig fields, kv_cache_dtype="fp8" among
+    them) pass as keyword arguments; a model loaded here is placed on tensor_parallel_size devices (a LoadedModel
+    must already be on them)."""
 
     def __init__(self, model: str | LoadedModel | None = DEFAULT_MODEL, dtype: str | None = None,
-                 config: EngineConfig | None = None, **engine_kwargs):
+                 config: EngineConfig | None = None, quantization: str | None = None, **engine_kwargs):
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(engine_kwargs) - known
         if unknown:
             raise ValueError(f"unknown engine arguments {sorted(unknown)}; known: {sorted(known)}")
         cfg = replace(config or EngineConfig(), **engine_kwargs)
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype,
-                                                                          make_mesh(cfg.tensor_parallel_size))
+        if isinstance(model, LoadedModel) and quantization not in (None, model.quantization):
+            raise ValueError(f"quantization={quantization!r}: the LoadedModel given was loaded with "
+                             f"{model.quantization!r}; load it with quantization={quantization!r}")
+        loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, dtype, make_mesh(cfg.tensor_parallel_size), quantization=quantization)
         self.engine = LLMEngine(loaded, cfg)
 
     def get_tokenizer(self):

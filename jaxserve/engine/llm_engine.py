@@ -4,6 +4,7 @@ come back are turned into outputs. Device state is the runner's."""
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.cache.kv_backend import KVManager, make_kv_backend
+from jaxserve.cache.kv_cache import is_quantized_kv, kv_cache_dtype
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -21,6 +23,7 @@ from jaxserve.engine.scheduler import Scheduler, StepRow
 from jaxserve.engine.step_graphs import StepGraphs
 from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, next_seq_id,
                                       stable_seed)
+from jaxserve.models.kv_calibration import calibrate_kv_scales, calibration_ids
 from jaxserve.models.loader import LoadedModel
 from jaxserve.sharding import TP
 
@@ -86,6 +89,11 @@ def tensor_parallel_mesh(loaded: LoadedModel, cfg: EngineConfig) -> Mesh:
     return loaded.mesh
 
 
+def weight_dtype(loaded: LoadedModel) -> str:
+    """The linear layers' weight dtype, as stats and metrics name it."""
+    return "float8_e4m3fn" if loaded.quantization == "fp8" else loaded.dtype.name
+
+
 def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, ModelRunner, KVManager]:
     """The device side's start-up, in its one order: the KV backend's layout (the kernels address it) -> the step
     graphs -> the cache's size (from the activation peak when memory sizes it) -> the graphs bound to that size
@@ -93,7 +101,11 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
     cache allocated and the runner over it -> the host block manager. A multi-host worker runs it too: sizing is
     a collective."""
     mesh = tensor_parallel_mesh(loaded, cfg)
-    backend = make_kv_backend(cfg, loaded.config, mesh, loaded.dtype)
+    kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, loaded.dtype)
+    if is_quantized_kv(kv_dtype) and not loaded.kv_scales_loaded:
+        print("calibrating the FP8 KV cache's scales", file=sys.stderr)
+        calibrate_kv_scales(loaded.model, calibration_ids(loaded.tokenizer, loaded.config.vocab_size))
+    backend = make_kv_backend(cfg, loaded.config, mesh, kv_dtype)
     graphs = StepGraphs(loaded, cfg, mesh, backend)
     num_blocks = backend.size(graphs.activation_peak)
     graphs.bind_cache(num_blocks)
@@ -334,6 +346,7 @@ class LLMEngine:
                 "kv_blocks_total": self.kv.num_blocks - 1, "kv_blocks_free": self.kv.num_free_blocks,
                 "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
+                "weight_dtype": weight_dtype(self.loaded), "kv_cache_dtype": str(self.graphs.backend.dtype),
                 "compiled_graphs": len(self.graphs.manager.executables),
                 "graphs_from_cache": self.graphs.manager.loaded_from_cache,
                 "compiles_after_start": self.graphs.manager.compiles_after_start,

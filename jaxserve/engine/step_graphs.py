@@ -155,10 +155,10 @@ class StepGraphs:
         self.reset_widths = pow2_ladder(MIN_RESET_WIDTH, cfg.max_model_len, factor=4)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim,
-                                                 backend.blocks_per_row)
+                                                 backend.blocks_per_row, backend.dtype)
         self.replicated = NamedSharding(mesh, P())
         self.manager = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
-            mc, graph_knobs(cfg), str(self.dtype), [(d.id, d.device_kind) for d in mesh.devices.flat],
+            mc, graph_knobs(cfg), str(self.dtype), loaded.quantization, [(d.id, d.device_kind) for d in mesh.devices.flat],
             self.kernels)), options=self.compiler_options)
         self.penalty = jax.eval_shape(functools.partial(init_penalty_state, cfg.max_num_seqs, mc.vocab_size))
         self.last_tokens = jax.ShapeDtypeStruct((self.seq_buckets[-1],), jnp.int32)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import custom_calls
-from jaxserve.cache.kv_cache import from_layer_blocks, layer_blocks, layer_slot_mapping, write_kv
+from jaxserve.cache.kv_cache import (from_layer_blocks, is_quantized_kv, layer_blocks, layer_slot_mapping,
+                                     quantize_kv, write_kv)
 from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
 from jaxserve.sharding import HEADS, KV_CACHE, per_shard
 from pallas_kernels.ragged_paged_attention import contiguous_ragged_attention, ragged_paged_attention, resolve_impl
@@ -60,10 +61,10 @@ class AttentionKernels:
 
 
 def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int,
-                              blocks_per_row: int | None = None) -> AttentionKernels:
-    """decode_attention "auto" takes the Pallas launch where it runs (faster than the CUDA call across batch sizes
-    and context lengths); "cuda" forces the call, an error naming why when it cannot run. A bad name is an error
-    naming the knob. blocks_per_row: see AttentionKernels."""
+                              blocks_per_row: int | None = None, cache_dtype=None) -> AttentionKernels:
+    """decode_attention "auto" takes the Pallas launch where it runs over a cache of cache_dtype (faster than the
+    CUDA call across batch sizes and context lengths); "cuda" forces the call, an error naming why when it cannot
+    run. A bad name is an error naming the knob. blocks_per_row: see AttentionKernels."""
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
     if prefill_attention not in PREFILL_ATTENTION:
@@ -74,7 +75,7 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
         if why:
             raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {why}")
         return AttentionKernels("cuda", prefill_attention, blocks_per_row)
-    pallas = resolve_impl("auto", interpret=False) == "pallas"
+    pallas = resolve_impl("auto", interpret=False, cache_dtype=cache_dtype) == "pallas"
     return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_row)
 
 
@@ -100,8 +101,12 @@ def dense_causal_attention(q, k, v, positions, *, sm_scale: float, sliding_windo
 
 
 def attend(q, k, v, positions, kv_layer, paged: PagedAttention | None, *, sm_scale: float,
-           sliding_window: int | None = None):
+           sliding_window: int | None = None, kv_scales: tuple[jax.Array, jax.Array] | None = None):
     """Returns (out [T, Hq, D], updated kv_layer).
+
+    An FP8 cache stores k / k_scale and v / v_scale (kv_scales: each [Hkv], per kv head). The kernels then read
+    the cache as it is: q is multiplied by k_scale before them (q . k = (q * k_scale) . k_stored) and the output
+    by v_scale after them (sum p v = v_scale * sum p v_stored), so no kernel handles a scale.
 
     Paged, over a "tp" mesh: each device writes and attends with its own heads — q and the output split on q
     heads, the new k/v and the cache on kv heads, the batch metadata whole — and o_proj's row-parallel matmul
@@ -110,11 +115,23 @@ def attend(q, k, v, positions, kv_layer, paged: PagedAttention | None, *, sm_sca
     (sharding.cache_kv_heads), so k/v (from replicated projections) are repeated to the cache's heads first."""
     if kv_layer is None:
         return dense_causal_attention(q, k, v, positions, sm_scale=sm_scale, sliding_window=sliding_window), None
-    if (repeat := layer_blocks(kv_layer)[0].shape[2] // k.shape[1]) > 1:
+    cache = layer_blocks(kv_layer)[0]
+    quantized = is_quantized_kv(cache.dtype)
+    if quantized:
+        k_scale, v_scale = kv_scales
+        k, v = quantize_kv(k, k_scale, cache.dtype), quantize_kv(v, v_scale, cache.dtype)
+        q = (q * per_q_head(k_scale, q.shape[1])).astype(q.dtype)
+    if (repeat := cache.shape[2] // k.shape[1]) > 1:
         k, v = jnp.repeat(k, repeat, axis=1), jnp.repeat(v, repeat, axis=1)
     step = functools.partial(paged_attention, kernels=paged.kernels, sm_scale=sm_scale, sliding_window=sliding_window)
-    return per_shard(step, paged.mesh, (HEADS, HEADS, HEADS, KV_CACHE, P()), (HEADS, KV_CACHE))(
+    out, kv_layer = per_shard(step, paged.mesh, (HEADS, HEADS, HEADS, KV_CACHE, P()), (HEADS, KV_CACHE))(
         q, k, v, kv_layer, paged.batch)
+    return ((out * per_q_head(v_scale, q.shape[1])).astype(out.dtype) if quantized else out), kv_layer
+
+
+def per_q_head(scale: jax.Array, num_q_heads: int) -> jax.Array:
+    """A per kv head scale [Hkv] broadcast over q heads [1, Hq, 1] (q head h reads kv head h // group)."""
+    return jnp.repeat(scale, num_q_heads // scale.shape[0])[None, :, None]
 
 
 def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: AttentionKernels, sm_scale: float,

@@ -13,6 +13,7 @@ from flax import nnx
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
+from jaxserve.models.fp8 import Fp8Linear
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -50,22 +51,33 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * y.astype(x.dtype)
 
 
-def _linear(cfg_in, cfg_out, dtype, rngs, bias=False):
+def _linear(cfg_in, cfg_out, dtype, rngs, bias=False, quantization=None):
+    """nnx.Linear in the model dtype, or with quantization="fp8" an Fp8Linear (models/fp8.py)."""
+    if quantization == "fp8":
+        return Fp8Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, rngs=rngs)
     return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
+class KVScale(nnx.Variable):
+    """Per kv head dequantization scale of an FP8 KV cache (1 until calibrated or loaded); not a checkpoint
+    parameter: a model without one loads with ones."""
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization=None):
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(h, cfg.num_heads * d, dtype, rngs, cfg.attention_bias)
-        self.k_proj = _linear(h, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias)
-        self.v_proj = _linear(h, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias)
-        self.o_proj = _linear(cfg.num_heads * d, h, dtype, rngs)
+        self.q_proj = _linear(h, cfg.num_heads * d, dtype, rngs, cfg.attention_bias, quantization)
+        self.k_proj = _linear(h, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
+        self.v_proj = _linear(h, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
+        self.o_proj = _linear(cfg.num_heads * d, h, dtype, rngs, quantization=quantization)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_scale = KVScale(jnp.ones((cfg.num_kv_heads,), jnp.float32))
+        self.v_scale = KVScale(jnp.ones((cfg.num_kv_heads,), jnp.float32))
         self.cfg = cfg
 
-    def __call__(self, x, positions, kv_layer, paged):
+    def project(self, x, positions):
+        """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], as attention sees them (normed, rotated)."""
         cfg, t = self.cfg, x.shape[0]
         q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -73,28 +85,33 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(cfg)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, kv_layer = attend(q, k, v, positions, kv_layer, paged, sm_scale=cfg.head_dim ** -0.5,
-                               sliding_window=cfg.sliding_window)
-        return self.o_proj(out.reshape(t, -1)), kv_layer
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def __call__(self, x, positions, kv_layer, paged):
+        q, k, v = self.project(x, positions)
+        out, kv_layer = attend(q, k, v, positions, kv_layer, paged, sm_scale=self.cfg.head_dim ** -0.5,
+                               sliding_window=self.cfg.sliding_window,
+                               kv_scales=(self.k_scale[...], self.v_scale[...]))
+        return self.o_proj(out.reshape(x.shape[0], -1)), kv_layer
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
-        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype, rngs)
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization=None):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(h, i, dtype, rngs, quantization=quantization)
+        self.up_proj = _linear(h, i, dtype, rngs, quantization=quantization)
+        self.down_proj = _linear(i, h, dtype, rngs, quantization=quantization)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, quantization)
 
     def __call__(self, x, positions, kv_layer, paged):
         h, kv_layer = self.self_attn(self.input_layernorm(x), positions, kv_layer, paged)
@@ -103,9 +120,10 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, quantization: str | None = None, rngs: nnx.Rngs):
+        """quantization="fp8": the decoder layers' linear layers in FP8; embeddings and the LM head stay in dtype."""
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
         self.cfg = cfg
@@ -138,6 +156,6 @@ def run_layer(graphdef, state, x, positions, kv_layer, batch: AttentionBatch | N
     return nnx.merge(graphdef, state)(x, positions, kv_layer, paged)
 
 
-def abstract_model(cfg: ModelConfig, dtype) -> LlamaForCausalLM:
+def abstract_model(cfg: ModelConfig, dtype, quantization: str | None = None) -> LlamaForCausalLM:
     """Shape-only model (no memory); loaders fill its state."""
-    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, quantization=quantization, rngs=nnx.Rngs(0)))

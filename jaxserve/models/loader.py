@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import threading
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,10 +23,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from jaxserve.config import EngineConfig, ModelConfig, RunConfig, load_run_config, model_config_from_hf
+from jaxserve.config import (QUANTIZATIONS, EngineConfig, ModelConfig, RunConfig, load_run_config,
+                             model_config_from_hf)
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.models import gguf
 from jaxserve.models.errors import ModelLoadError, blamed_on
+from jaxserve.models.fp8 import FP8, dequantize_blocks, quantize_weight
 from jaxserve.models.llama import LlamaForCausalLM, abstract_model
 from jaxserve.sharding import make_mesh, param_shardings, replica_meshes
 
@@ -46,6 +49,8 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: object | None   # a transformers fast tokenizer; None for random benchmark models
     source: str
+    quantization: str | None = None   # "fp8": the decoder layers' linear layers are Fp8Linear (models/fp8.py)
+    kv_scales_loaded: bool = False    # the checkpoint brought the FP8 KV cache's scales (else they are calibrated)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -66,6 +71,12 @@ class LoadedModel:
 
 def default_dtype():
     return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported; use one of "
+                         f"{', '.join(map(repr, QUANTIZATIONS))}")
 
 
 def parse_dtype(dtype) -> jnp.dtype:
@@ -101,16 +112,16 @@ def resolve_model_path(name_or_path: str | None) -> Path:
     return path
 
 
-def _nnx_path(hf_name: str) -> tuple[tuple, bool]:
-    """HF parameter name -> (NNX state path, whether the tensor is a Linear weight stored [out, in])."""
+def _nnx_path(hf_name: str) -> tuple:
+    """HF tensor name -> its module's NNX state path, then the tensor's own name (("layers", 3, "self_attn",
+    "q_proj", "weight")); nnx.Embed's table is its "embedding". transformers' weight_scale_inv (FP8 block scales) is
+    the dequantization multiplier that compressed-tensors calls weight_scale, whatever its name says."""
     parts = hf_name.removeprefix("model.").split(".")
     if parts[0] == "embed_tokens":
-        return ("embed_tokens", "embedding"), False
+        return "embed_tokens", "embedding"
     if parts[0] == "layers":
         parts[1] = int(parts[1])
-    if parts[-1] == "weight" and parts[-2].endswith("_proj") or parts[0] == "lm_head":
-        return (*parts[:-1], "kernel"), True
-    return tuple(parts), False
+    return *parts[:-1], "weight_scale" if parts[-1] == "weight_scale_inv" else parts[-1]
 
 
 def place(w, shape: tuple, sharding: NamedSharding, dtype, transposed: bool) -> jax.Array:
@@ -131,53 +142,164 @@ def _to_model_layout(sharding: NamedSharding, dtype, transposed: bool):
                    compiler_options=LOADER_XLA_OPTIONS)
 
 
+@functools.cache
+def _quantizer(out_axis: int, weight: NamedSharding, scale: NamedSharding):
+    """A float weight -> Fp8Linear's weight and weight_scale, on their devices (fp8.quantize_weight)."""
+    return jax.jit(functools.partial(quantize_weight, out_axis=out_axis), out_shardings=(weight, scale),
+                   compiler_options=LOADER_XLA_OPTIONS)
+
+
+@functools.cache
+def _block_requantizer(block: tuple[int, int], weight: NamedSharding, scale: NamedSharding):
+    """Block-scaled e4m3 -> a scale per output channel, the one our GEMM takes: dequantized in f32, requantized."""
+    return jax.jit(lambda w, s: quantize_weight(dequantize_blocks(w, s, block)), out_shardings=(weight, scale),
+                   compiler_options=LOADER_XLA_OPTIONS)
+
+
+@functools.cache
+def _scale_vector(n: int, sharding: NamedSharding):
+    """A stored scale ([], [1], [n] or [n, 1]) as the f32 [n] the model holds."""
+    return jax.jit(lambda s: jnp.broadcast_to(s.reshape(-1).astype(jnp.float32), (n,)), out_shardings=sharding,
+                   compiler_options=LOADER_XLA_OPTIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Layout:
+    """How a pre-quantized checkpoint stores its linear weights: e4m3 [out, in] and their scales."""
+    block: tuple[int, int] | None   # a scale per block of this shape; None: per tensor or per output channel
+
+
 def build_model(cfg: ModelConfig, dtype, tensors: Iterable[tuple[str, object, tuple]], source, mesh=None,
-                total_bytes: int | None = None):
+                total_bytes: int | None = None, quantization: str | None = None,
+                layout: Fp8Layout | None = None) -> tuple[LlamaForCausalLM, bool]:
     """Fill an abstract model with named HF-layout tensors (name, array or lazy slice, stored shape, bytes), each
     placed shard by shard on the mesh (default: the first device); every parameter must be given exactly once.
-    Tensors are read on a few threads while earlier ones transfer."""
-    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    Returns the model and whether the tensors held KV cache scales (non-parameter leaves absent stay ones).
+    Tensors are read on a few threads while earlier ones transfer.
+
+    With quantization="fp8", a float linear weight is quantized on its devices as it arrives, so memory never
+    holds more than a few float tensors beside the FP8 model; an FP8 one (a pre-quantized checkpoint, stored as
+    `layout` says) is placed as stored."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, quantization))
     flat = nnx.to_flat_state(state)
-    wanted = {path: var for path, var in flat}
+    variables = dict(flat)
     shardings = {path: var.get_value() for path, var in
                  nnx.to_flat_state(param_shardings(state, mesh or make_mesh(), cfg))}
+    for path, var in flat:
+        if not isinstance(var, nnx.Param):
+            var.set_value(jax.device_put(jnp.ones(var.shape, var.dtype), shardings[path]))
+    block = layout.block if layout else None
+    halves, lock = {}, threading.Lock()
     progress = tqdm(total=total_bytes, desc="loading weights", unit="B", unit_scale=True, file=sys.stderr,
                     disable=None, leave=False)
 
-    def load(name, w, stored_shape, nbytes):
-        path, transposed = _nnx_path(name)
-        shape = stored_shape[::-1] if transposed else stored_shape
-        var = wanted.get(path)
-        if var is None or tuple(var.shape) != shape:
-            want = None if var is None else tuple(var.shape)
-            raise ModelLoadError(source, f"tensor {name} {shape} does not fit the model (expected {want})")
-        var.set_value(place(w, shape, shardings[path], dtype, transposed))
-        progress.update(nbytes)
+    def refuse(name, shape, expected):
+        raise ModelLoadError(source, f"tensor {name} {tuple(shape)} does not fit the model (expected {expected})")
+
+    def fits(name, path, shape) -> NamedSharding:
+        var = variables.get(path)
+        if var is None or tuple(var.shape) != tuple(shape):
+            refuse(name, shape, None if var is None else tuple(var.shape))
+        return shardings[path]
+
+    def put(path, array) -> tuple:
+        variables[path].set_value(array)
         return path
+
+    def pair(module: tuple, leaf: str, array) -> tuple:
+        """A block-scaled weight and its scales, whichever comes first, wait for each other."""
+        with lock:
+            got = halves.setdefault(module, {})
+            got[leaf] = array
+            if len(got) < 2:
+                return ()
+            del halves[module]
+        weight, scale = (*module, "weight"), (*module, "weight_scale")
+        requantized = _block_requantizer(block, shardings[weight], shardings[scale])(got["weight"], got["weight_scale"])
+        return tuple(map(put, (weight, scale), requantized))
+
+    def load_one(name, w, stored: tuple) -> tuple:
+        *module, leaf = _nnx_path(name)
+        weight, scale, path = (*module, "weight"), (*module, "weight_scale"), (*module, leaf)
+        fp8_linear = scale in variables
+        if leaf == "input_scale":   # static activation scales go unused: activations are quantized per token at
+            return ()               # run time, at least as accurate as one scale for every token
+        if w.dtype == FP8 and not (fp8_linear and leaf == "weight"):
+            raise ModelLoadError(source, f"tensor {name} is FP8, but {'.'.join(map(str, module))} is not an FP8 "
+                                         f"layer (it stays in {jnp.dtype(dtype).name})")
+        if leaf == "weight" and (kernel := (*module, "kernel")) in variables:   # nnx.Linear: kernel [in, out]
+            return put(kernel, place(w, stored[::-1], fits(name, kernel, stored[::-1]), dtype, True)),
+        if leaf == "weight" and fp8_linear:
+            array = place(w, stored, fits(name, weight, stored), w.dtype, False)
+            if w.dtype != FP8:   # a float checkpoint, or a layer a pre-quantized one left in float
+                return tuple(map(put, (weight, scale), _quantizer(0, shardings[weight], shardings[scale])(array)))
+            return pair(tuple(module), leaf, array) if block else (put(weight, array),)
+        if leaf == "weight_scale" and fp8_linear:
+            out, inp = variables[weight].shape
+            if block:
+                if stored != (want := (-(-out // block[0]), -(-inp // block[1]))):
+                    refuse(name, stored, f"{want}: a scale per {block[0]}x{block[1]} block")
+                return pair(tuple(module), leaf, np.asarray(w))
+            if stored not in ((), (1,), (out,), (out, 1)):
+                refuse(name, stored, f"a scale per tensor or per output channel of {out}")
+            return put(scale, _scale_vector(out, shardings[scale])(w)),
+        if leaf in ("k_scale", "v_scale") and path in variables:   # the FP8 KV cache's, per tensor or per kv head
+            if stored not in ((), (1,), (n := cfg.num_kv_heads,)):
+                refuse(name, stored, f"a scale per tensor or per kv head of {n}")
+            return put(path, _scale_vector(n, shardings[path])(w)),
+        return put(path, place(w, stored, fits(name, path, stored), dtype, False)),
+
+    def load(name, w, stored_shape, nbytes) -> tuple:
+        paths = load_one(name, w, tuple(stored_shape))
+        progress.update(nbytes)
+        return paths
 
     with progress, ThreadPoolExecutor(LOAD_THREADS) as pool:
         pending, seen = deque(), set()
         for item in tensors:
             pending.append(pool.submit(load, *item))
             if len(pending) > 2 * LOAD_THREADS:   # bounded read-ahead: host memory stays a few tensors
-                seen.add(pending.popleft().result())
-        seen.update(f.result() for f in pending)
-    missing = [".".join(map(str, p)) for p in wanted if p not in seen]
+                seen.update(pending.popleft().result())
+        for f in pending:
+            seen.update(f.result())
+    missing = [".".join(map(str, p)) for p, var in flat if isinstance(var, nnx.Param) and p not in seen]
     if missing:
         raise ModelLoadError(source, f"missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    kv_scales_loaded = any(not isinstance(variables[p], nnx.Param) for p in seen)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat)), kv_scales_loaded
 
 
-def load_gguf(path: Path, dtype, mesh=None) -> LoadedModel:
+def quantize_linears(state: nnx.State, cfg: ModelConfig, dtype, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """A float model's state (as loaded or built on the mesh) -> the FP8 model's graphdef and state: each decoder
+    linear's kernel quantized on its devices and deleted before the next, so the two models never coexist."""
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype, "fp8"))
+    flat = nnx.to_flat_state(abstract)
+    shardings = {path: var.get_value() for path, var in nnx.to_flat_state(param_shardings(abstract, mesh, cfg))}
+    floats = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
+    values = {}
+    for path, _ in flat:
+        *module, leaf = path
+        if leaf == "weight" and (scale := (*module, "weight_scale")) in shardings:
+            kernel = floats.pop((*module, "kernel"))
+            values[path], values[scale] = _quantizer(1, shardings[path], shardings[scale])(kernel)
+            kernel.delete()
+        elif leaf != "weight_scale":
+            values[path] = floats[path]
+    return graphdef, nnx.from_flat_state([(path, var.replace(values[path])) for path, var in flat])
+
+
+def load_gguf(path: Path, dtype, mesh=None, quantization: str | None = None) -> LoadedModel:
     reader = gguf.open_gguf(path)
     cfg = gguf.gguf_config(reader, path)
     tensors = ((name, w, w.shape, w.nbytes) for name, w in gguf.gguf_tensors(reader, cfg, path))
-    model = build_model(cfg, dtype, tensors, path, mesh)
+    model, kv_scales_loaded = build_model(cfg, dtype, tensors, path, mesh, quantization=quantization)
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
-    return LoadedModel(cfg, model, gguf.gguf_tokenizer(reader, path) if has_vocab else None, str(path))
+    return LoadedModel(cfg, model, gguf.gguf_tokenizer(reader, path) if has_vocab else None, str(path),
+                       quantization, kv_scales_loaded)
 
 
-SAFETENSORS_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
+SAFETENSORS_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+                      "F8_E4M3": ml_dtypes.float8_e4m3fn}
 MAX_HEADER_BYTES = 100 << 20   # the format's own limit
 READ_CHUNK, READ_THREADS = 16 << 20, 8   # a tensor's bytes are read in chunks on threads
 # The loader's small graphs (layout, finiteness, random weights) are memory-bound copies and reductions: XLA's
@@ -263,33 +385,102 @@ def _read_json(path: Path):
         raise ModelLoadError(path, f"not a readable JSON file ({e})") from e
 
 
-def load_hf(path: Path, dtype, mesh=None) -> LoadedModel:
+# compressed-tensors (llm-compressor) layouts read here: e4m3 weights stored as such ("naive": uncompressed)
+CT_FORMATS = ("float-quantized", "naive-quantized")
+CT_STRATEGIES = ("tensor", "channel", "block")
+FP8_ACTIVATION_SCHEMES = ("dynamic", "static")
+
+
+def _block_shape(value) -> tuple[int, int]:
+    if not (isinstance(value, list | tuple) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)):
+        raise ValueError(f"FP8 weight block size {value!r} is not two positive ints")
+    return tuple(value)
+
+
+def _compressed_tensors_layout(q: dict) -> Fp8Layout | None:
+    """Every config group must be FP8 e4m3 weights (symmetric, per tensor, channel or block) with FP8 or no input
+    activations; its `ignore` list needs no reading: the layers it names are float in the file, and quantized at
+    load like those of a float checkpoint."""
+    blocks = set()
+    for name, group in (q.get("config_groups") or {}).items():
+        w, a, fmt = group.get("weights") or {}, group.get("input_activations"), group.get("format", q.get("format"))
+        scheme = (w.get("type"), w.get("num_bits"), w.get("symmetric", True))
+        if (scheme != ("float", 8, True) or w.get("strategy") not in CT_STRATEGIES or fmt not in CT_FORMATS
+                or a and (a.get("type"), a.get("num_bits")) != ("float", 8) or group.get("output_activations")):
+            raise ValueError(f"compressed-tensors group {name!r} is not supported: weights {scheme[0]}{scheme[1]} per "
+                             f"{w.get('strategy')} (symmetric: {scheme[2]}), format {fmt}, input activations "
+                             f"{a and (a.get('type'), a.get('num_bits'))}; supported: float8 weights per "
+                             f"{', '.join(CT_STRATEGIES)}, formats {', '.join(CT_FORMATS)}, float8 or no activations")
+        if w["strategy"] == "block":
+            blocks.add(_block_shape(w.get("block_structure")))
+    if (kv := q.get("kv_cache_scheme")) and (kv.get("type"), kv.get("num_bits")) != ("float", 8):
+        raise ValueError(f"compressed-tensors kv_cache_scheme {kv.get('type')}{kv.get('num_bits')} is not supported "
+                         "(float8 only)")
+    if len(blocks) > 1:
+        raise ValueError(f"compressed-tensors groups with different weight blocks {sorted(blocks)}")
+    return Fp8Layout(blocks.pop() if blocks else None) if q.get("config_groups") else None
+
+
+def fp8_layout(hf: dict) -> Fp8Layout | None:
+    """A HF config's quantization_config -> None for float weights (a KV-cache-only scheme included), or how its
+    FP8 weights are stored, in the two layouts read here: compressed-tensors (llm-compressor) and transformers'
+    "fp8" (block-wise weight_scale_inv, DeepSeek's; without weight_block_size, a scale per tensor, AutoFP8's).
+    Anything else is a ValueError naming it."""
+    if (q := hf.get("quantization_config")) is None:
+        return None
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors_layout(q)
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: "
+                         "compressed-tensors, fp8)")
+    if (scheme := q.get("activation_scheme", "dynamic")) not in FP8_ACTIVATION_SCHEMES:
+        raise ValueError(f"fp8 activation_scheme {scheme!r} is not supported (supported: "
+                         f"{', '.join(FP8_ACTIVATION_SCHEMES)})")
+    block = q.get("weight_block_size")
+    return Fp8Layout(None if block is None else _block_shape(block))
+
+
+def load_hf(path: Path, dtype, mesh=None, quantization: str | None = None) -> LoadedModel:
+    """A pre-quantized checkpoint (config.json's quantization_config) loads FP8 as stored, whatever
+    `quantization` asks; a float one is quantized at load with quantization="fp8"."""
     from transformers import AutoTokenizer
     with blamed_on(path / "config.json"):
-        cfg = model_config_from_hf(_read_json(path / "config.json"))
+        hf = _read_json(path / "config.json")
+        cfg, layout = model_config_from_hf(hf), fp8_layout(hf)
     if not (files := sorted(path.glob("*.safetensors"))):
         raise ModelLoadError(path, "no *.safetensors weights found")
-    model = build_model(cfg, dtype, _safetensors(files), path, mesh, sum(f.stat().st_size for f in files))
+    quantization = "fp8" if layout else quantization
+    model, kv_scales_loaded = build_model(cfg, dtype, _safetensors(files), path, mesh,
+                                          sum(f.stat().st_size for f in files), quantization, layout)
     has_tokenizer = (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
-    return LoadedModel(cfg, model, AutoTokenizer.from_pretrained(path) if has_tokenizer else None, str(path))
+    return LoadedModel(cfg, model, AutoTokenizer.from_pretrained(path) if has_tokenizer else None, str(path),
+                       quantization, kv_scales_loaded)
 
 
-def load_converted(path: Path, dtype, mesh=None) -> LoadedModel:
+def load_converted(path: Path, dtype, mesh=None, quantization: str | None = None) -> LoadedModel:
+    """An FP8 conversion loads as saved; a float one is quantized after its restore with quantization="fp8"."""
     import orbax.checkpoint as ocp
     from transformers import AutoTokenizer
     meta = _read_json(path / CONVERTED_META)
     with blamed_on(path / CONVERTED_META):
         cfg = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
-    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
-    shardings = param_shardings(abstract, mesh or make_mesh(), cfg)
+        saved = meta.get("quantization")
+        check_quantization(saved)
+    mesh = mesh or make_mesh()
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype, saved))
+    shardings = param_shardings(abstract, mesh, cfg)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     try:   # restored shard by shard onto the mesh
         state = ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
     except Exception as e:  # orbax passes on whatever its storage layer met: missing files, bad JSON, short reads
         reason = str(e).partition("\n")[0]
         raise ModelLoadError(path / "params", f"unreadable orbax checkpoint ({type(e).__name__}: {reason})") from e
+    if quantization == "fp8" and saved is None:
+        graphdef, state = quantize_linears(state, cfg, dtype, mesh)
     tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer") if (path / "tokenizer").exists() else None
-    return LoadedModel(cfg, nnx.merge(graphdef, state), tokenizer, str(path))
+    return LoadedModel(cfg, nnx.merge(graphdef, state), tokenizer, str(path), saved or quantization,
+                       meta.get("kv_scales_loaded", False))
 
 
 @functools.partial(jax.jit, compiler_options=LOADER_XLA_OPTIONS)
@@ -308,55 +499,63 @@ def check_finite(model: LlamaForCausalLM, source: Path) -> None:
         raise ModelLoadError(source, f"tensor {name} holds NaN or Inf values (a corrupt file?)")
 
 
-def load_model(name_or_path: str | None = None, dtype=None, mesh=None) -> LoadedModel:
-    """A model by name or path, each parameter placed by `jaxserve.sharding` on the mesh (default: one device)."""
+def load_model(name_or_path: str | None = None, dtype=None, mesh=None, quantization: str | None = None
+               ) -> LoadedModel:
+    """A model by name or path, each parameter placed by `jaxserve.sharding` on the mesh (default: one device).
+    quantization: None keeps the checkpoint's own weights (FP8 for a pre-quantized one), "fp8" quantizes a float
+    one's linear layers at load."""
+    check_quantization(quantization)
     path, dtype = resolve_model_path(name_or_path), parse_dtype(dtype)
-    loaded = _load_path(path, dtype, mesh)
+    loaded = _load_path(path, dtype, mesh, quantization)
     check_finite(loaded.model, path)
     return loaded
 
 
-def _load_path(path: Path, dtype, mesh) -> LoadedModel:
+def _load_path(path: Path, dtype, mesh, quantization) -> LoadedModel:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(path, "unknown model file type (expected a .gguf file or a directory)")
-        return load_gguf(path, dtype, mesh)
+        return load_gguf(path, dtype, mesh, quantization)
     if (path / CONVERTED_META).exists():
-        return load_converted(path, dtype, mesh)
+        return load_converted(path, dtype, mesh, quantization)
     if (path / "config.json").exists():
-        return load_hf(path, dtype, mesh)
+        return load_hf(path, dtype, mesh, quantization)
     raise ModelLoadError(path, f"directory has neither config.json (HF checkpoint) nor {CONVERTED_META} (orbax)")
 
 
 def load_run(model: str | None = None, config: str | None = None, dtype=None,
-             tensor_parallel_size: int | None = None) -> tuple[LoadedModel, EngineConfig]:
+             tensor_parallel_size: int | None = None, quantization: str | None = None
+             ) -> tuple[LoadedModel, EngineConfig]:
     """--model / --config / --dtype / --tensor-parallel-size as every entry point reads them: the config's model
     unless --model names another; `model: random` builds random weights of the config's `random_model` shapes
-    (benchmarks). The model is placed on a mesh of the engine config's tensor_parallel_size devices."""
+    (benchmarks). The model is placed on a mesh of the engine config's tensor_parallel_size devices, its linear
+    layers quantized as `quantization` (else the config's) asks."""
     run = load_run_config(config) if config else RunConfig()
     name = run.model if config and model in (None, DEFAULT_MODEL) else model
     dtype = dtype or run.dtype
+    quantization = quantization or run.quantization
     engine = run.engine if tensor_parallel_size is None else replace(run.engine,
                                                                      tensor_parallel_size=tensor_parallel_size)
     enable_compilation_cache(engine.compile_cache_dir)
     mesh = make_mesh(engine.tensor_parallel_size)
     if name != "random":
-        return load_model(name, dtype, mesh), engine
+        return load_model(name, dtype, mesh, quantization), engine
     if not run.random_model:
         raise ValueError("model: 'random' needs a config with a random_model section (see configs/)")
-    return random_model(model_config_from_hf(run.random_model), parse_dtype(dtype), mesh=mesh), engine
+    return random_model(model_config_from_hf(run.random_model), parse_dtype(dtype), mesh=mesh,
+                        quantization=quantization), engine
 
 
 def load_replicas(model: str | None = None, config: str | None = None, dtype=None,
-                  tensor_parallel_size: int | None = None,
-                  data_parallel_size: int = 1) -> tuple[list[LoadedModel], EngineConfig]:
+                  tensor_parallel_size: int | None = None, data_parallel_size: int = 1,
+                  quantization: str | None = None) -> tuple[list[LoadedModel], EngineConfig]:
     """load_run, then the weights copied to each further data-parallel replica's own devices (device to device:
     the file is read once). Too few devices for data_parallel_size x tensor_parallel_size is an error before
     anything loads."""
     run = load_run_config(config) if config else RunConfig()
     tp = run.engine.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
     meshes = replica_meshes(data_parallel_size, tp)
-    first, engine = load_run(model, config, dtype, tensor_parallel_size)
+    first, engine = load_run(model, config, dtype, tensor_parallel_size, quantization)
     return [first, *(copy_to_mesh(first, mesh) for mesh in meshes[1:])], engine
 
 
@@ -377,20 +576,28 @@ def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
     ckpt.wait_until_finished()
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(dst / "tokenizer")
-    (dst / CONVERTED_META).write_text(json.dumps({"config": asdict(loaded.config), "source": loaded.source}))
+    (dst / CONVERTED_META).write_text(json.dumps({"config": asdict(loaded.config), "source": loaded.source,
+                                                  "quantization": loaded.quantization,
+                                                  "kv_scales_loaded": loaded.kv_scales_loaded}))
     return dst
 
 
-def random_model(cfg: ModelConfig, dtype, seed: int = 0, mesh=None) -> LoadedModel:
-    """Random weights (uniform with std 0.02, norms at 1) created on the devices, shard by shard: benchmark models
-    of real shapes in seconds. One small graph per distinct shape: one graph over a whole large model takes far
-    longer to compile."""
+def random_model(cfg: ModelConfig, dtype, seed: int = 0, mesh=None, quantization: str | None = None
+                 ) -> LoadedModel:
+    """Random weights (uniform with std 0.02, norms and KV scales at 1) created on the devices, shard by shard:
+    benchmark models of real shapes in seconds. One small graph per distinct shape: one graph over a whole large
+    model takes far longer to compile. With quantization="fp8", the same seed's float weights, quantized."""
+    check_quantization(quantization)
+    mesh = mesh or make_mesh()
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
-    shardings = jax.tree.leaves(param_shardings(abstract, mesh or make_mesh(), cfg))
+    shardings = jax.tree.leaves(param_shardings(abstract, mesh, cfg))
     leaves, tree = jax.tree.flatten(abstract)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    params = [_random_tensor(x.shape, jnp.dtype(x.dtype), s)(k) for k, x, s in zip(keys, leaves, shardings)]
-    return LoadedModel(cfg, nnx.merge(graphdef, jax.tree.unflatten(tree, params)), None, "random")
+    state = jax.tree.unflatten(tree, [_random_tensor(x.shape, jnp.dtype(x.dtype), s)(k)
+                                      for k, x, s in zip(keys, leaves, shardings)])
+    if quantization == "fp8":
+        graphdef, state = quantize_linears(state, cfg, dtype, mesh)
+    return LoadedModel(cfg, nnx.merge(graphdef, state), None, "random", quantization)
 
 
 @functools.cache

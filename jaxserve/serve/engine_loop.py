@@ -64,10 +64,14 @@ SUMMED_STATS = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "pref
                 "prefix_cache_hits", "preemptions", "compiled_graphs", "compiles_after_start", "engine_steps")
 
 
+# engine stats every replica shares (its model's and cache's dtypes)
+SHARED_STATS = ("weight_dtype", "kv_cache_dtype")
+
+
 def summed_stats(snapshots: list[dict]) -> dict:
     s = {key: sum(snapshot[key] for snapshot in snapshots) for key in SUMMED_STATS}
     queries, total, free = s["prefix_cache_queries"], s["kv_blocks_total"], s["kv_blocks_free"]
-    return {**s, "kv_blocks_used": total - free, "kv_usage": 1.0 - free / total,
+    return {**s, **{key: snapshots[0][key] for key in SHARED_STATS}, "kv_blocks_used": total - free, "kv_usage": 1.0 - free / total,
             "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0}
 
 
@@ -252,4 +256,5 @@ class Replica:
 
     def _stats(self) -> dict:
         s = self.engine.stats()
-        return {**{key: s[key] for key in SUMMED_STATS if key != "engine_steps"}, "engine_steps": self.steps}
+        return {**{key: s[key] for key in SUMMED_STATS + SHARED_STATS if key != "engine_steps"},
+                "engine_steps": self.steps}

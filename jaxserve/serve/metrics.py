@@ -19,7 +19,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from jaxserve.engine.llm_engine import AdmissionError
 from jaxserve.engine.sequence import RequestOutput
 from jaxserve.serve.connections import bearer_matches
-from jaxserve.serve.engine_loop import EngineFailed, Overloaded
+from jaxserve.serve.engine_loop import SHARED_STATS, EngineFailed, Overloaded
 
 # Bucket edges in seconds: TTFT spans queueing + prefill; per-token latencies span one engine step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -67,6 +67,10 @@ class EngineStatsCollector:
         for name, doc, key, is_counter in ENGINE_METRICS:
             family = CounterMetricFamily if is_counter else GaugeMetricFamily
             yield family(name, doc, value=float(stats.get(key, 0)))
+        info = GaugeMetricFamily("jaxserve_model_dtypes", "1, labelled with the dtypes the engine serves with: "
+                                 "the linear layers' weights and the KV cache.", labels=SHARED_STATS)
+        info.add_metric([str(stats.get(key, "")) for key in SHARED_STATS], 1.0)
+        yield info
 
 
 class ServerMetrics:
