@@ -193,7 +193,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-                        "/health, /metrics) on this port (0: any free port)")
+                        "/tokenize, /detokenize, /version, /health, /metrics) on this port (0: any free port)")
     p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
                    help="every call needs `Authorization: Bearer KEY`: an HTTP header, gRPC call metadata, the metrics "
                         "scrape (health checks stay open; env JAXSERVE_API_KEY keeps it out of `ps`)")

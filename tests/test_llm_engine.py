@@ -164,6 +164,7 @@ def test_tiny_model_batched_greedy_matches_hf(tiny_llm, tiny_expected):
     (dict(prompt=""), "prompt"),
     (dict(prompt=[1] * 600), "max_model_len"),
     (dict(params=dict(max_tokens=0)), "max_tokens"),
+    (dict(params=dict(max_tokens=510)), "max_tokens=510 with the prompt's 3 tokens exceeds max_model_len=512"),
     (dict(params=dict(top_p=1.5)), "top_p"),
     (dict(params=dict(temperature=-1.0)), "temperature"),
     (dict(params=dict(stop=[1, 2])), "stop"),

@@ -146,6 +146,12 @@ BAD = {   # name -> (chat, request fields, status, param)
     "cache_salt-too-long": (False, dict(cache_salt="s" * 10_000), 400, "cache_salt"),   # the engine's check
     "return_token_ids": (False, dict(return_token_ids="yes"), 400, "return_token_ids"),
     "model": (True, dict(model="gpt-4"), 404, "model"),
+    "max_tokens-past-the-context": (False, dict(max_tokens=1_000_000), 400, "max_tokens"),
+    "max_completion_tokens-past": (True, dict(max_completion_tokens=600), 400, "max_completion_tokens"),
+    "best_of": (False, dict(best_of=2), 400, "best_of"),                  # fields nothing reads: refused, not
+    "guided_json": (True, dict(guided_json={"type": "object"}), 400, "guided_json"),   # ignored
+    "structured_outputs": (False, dict(structured_outputs={"regex": "a+"}), 400, "structured_outputs"),
+    "top_logprobs-on-completions": (False, dict(top_logprobs=2), 400, "top_logprobs"),
 }
 
 
@@ -181,6 +187,29 @@ def test_api_key_health_models_metrics_and_unknown_routes(server, client):
     metrics = httpx2.get(url + "/metrics", headers={"Authorization": f"bearer {KEY}"}, timeout=10).text
     finished = re.search(r'^jaxserve_requests_total\{outcome="finished"\} (\S+)$', metrics, re.M)
     assert finished and float(finished[1]) >= 1 and "jaxserve_time_to_first_token_seconds_count" in metrics
+
+
+@pytest.mark.slow
+def test_tokenize_detokenize_version_and_model_card(server, smollm):
+    url, auth = base_url(server), {"Authorization": f"Bearer {KEY}"}
+    post = lambda path, body: httpx2.post(url + path, json=body, headers=auth, timeout=30)  # noqa: E731
+    ids = smollm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert post("/tokenize", {"prompt": PROMPT}).json() == {"count": len(ids), "max_model_len": 512, "tokens": ids}
+    chat = post("/tokenize", {"model": MODEL, "messages": MESSAGES}).json()["tokens"]
+    text = smollm.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert chat == smollm.tokenizer.encode(text, add_special_tokens=False)
+    assert post("/detokenize", {"tokens": ids}).json() == {"prompt": PROMPT}
+    for path, body, param in (("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {"text": "a"}, "text"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "a"}, "tokens")):
+        bad = post(path, body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, body, bad.text)
+    assert httpx2.post(url + "/tokenize", json={"prompt": "a"}, timeout=10).status_code == 401
+    assert httpx2.get(url + "/version", headers=auth, timeout=10).json()["version"]
+    card = httpx2.get(url + f"/v1/models/{MODEL}", headers=auth, timeout=10).json()
+    assert card["id"] == MODEL and card["max_model_len"] == 512
+    missing = httpx2.get(url + "/v1/models/gpt-4", headers=auth, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    assert server.engine_loop.stats()["serving"]
 
 
 @pytest.mark.slow

@@ -200,6 +200,10 @@ class LLMEngine:
         self.check_prompt_length(len(ids))
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.cfg.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens:,} with the prompt's {len(ids):,} tokens exceeds "
+                             f"max_model_len={self.cfg.max_model_len:,}: ask for at most "
+                             f"{self.cfg.max_model_len - len(ids):,}")
         if params.n > self.cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
         if params.stop and self.tokenizer is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import json
 import re
 import socket
@@ -47,6 +48,13 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "prese
                    "include_stop_str_in_output")
 ENGINE_FIELDS = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt", "cache_salt"}   # engine errors name first
 UNSUPPORTED = ("echo", "suffix", "logit_bias", "tools", "functions", "response_format")
+# every other field a request may set; `user` (OpenAI's end-user id) changes nothing. Any other non-null field is a
+# 400 naming it: a field silently ignored would change what the client gets without telling it
+COMMON_FIELDS = {*SAMPLING_FIELDS, "model", "max_tokens", "stream", "stream_options", "logprobs", "cache_salt",
+                 "return_token_ids", "user"}
+ENDPOINT_FIELDS = {False: COMMON_FIELDS | {"prompt"},
+                   True: COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens"}
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's for /v1/completions; chat runs up to max_model_len
 MIN_LOGPROB = -9999.0            # what -inf is sent as (vLLM's choice)
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
@@ -175,6 +183,19 @@ def num_logprobs(request: dict, chat: bool) -> int | None:
     if top is not None and not flag(request, "logprobs"):
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
     return (0 if top is None else top) if flag(request, "logprobs") else None
+
+
+def check_fields(request: dict, known: set[str]) -> None:
+    if unknown := sorted(name for name, value in request.items() if value is not None and name not in known):
+        raise APIError(400, f"{unknown[0]}: not a field this server implements", unknown[0])
+
+
+def token_list(request: dict, name: str, vocab_size: int, max_len: int) -> list[int]:
+    ids = request.get(name)
+    if not (isinstance(ids, list) and len(ids) <= max_len
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
+        raise APIError(400, f"{name} must be a list of at most {max_len:,} token ids in [0, {vocab_size})", name)
+    return ids
 
 
 def completion_prompt(request: dict) -> str | list[int]:
@@ -331,7 +352,10 @@ class OpenAIApp:
         self.token_text = functools.cache(lambda t: tok.decode([t]) if tok is not None else f"token_id:{t}")
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                  Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.scrape)]
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model),
+                  Route("/version", self.version), Route("/health", self.health), Route("/metrics", self.scrape)]
         handlers = {APIError: lambda _, e: e.response(), HTTPException: http_error,
                     ClientDisconnect: lambda *_: Response(status_code=499), Exception: internal_error}
         app = Starlette(routes=routes, exception_handlers=handlers)
@@ -376,6 +400,7 @@ class OpenAIApp:
                                     f"{self.model_name!r}", "model", "model_not_found")
             if unsupported := [name for name in UNSUPPORTED if request.get(name) and request[name] != {"type": "text"}]:
                 raise APIError(400, f"{unsupported[0]}: not supported by this server", unsupported[0])
+            check_fields(request, ENDPOINT_FIELDS[chat] | set(UNSUPPORTED))
             params = sampling_params(request, chat)
             prompt = self.chat_prompt(request) if chat else completion_prompt(request)
             stream, options = flag(request, "stream"), request.get("stream_options") or {}
@@ -416,10 +441,56 @@ class OpenAIApp:
                 yield sse(api_error(e, {}).body())
         yield "data: [DONE]\n\n"
 
-    async def models(self, request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
                 "max_model_len": self.engine_loop.engine.cfg.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model"] != self.model_name:
+            raise APIError(404, f"model {short(request.path_params['model'])} does not exist; this server serves "
+                                f"{self.model_name!r}", "model", "model_not_found")
+        return JSONResponse(self.model_card())
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": importlib.metadata.version("jaxserve")})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt, or messages through the chat template, as the engine tokenizes them."""
+        body = await read_body(request, self.max_body_bytes, self.read_timeout_s)
+        return JSONResponse(await self.engine_loop.off_engine(self.token_ids_of, body))
+
+    def token_ids_of(self, body: bytes) -> dict:
+        request = json_object(body)
+        check_fields(request, TOKENIZE_FIELDS)
+        if self.tokenizer is None:
+            raise APIError(400, "prompt: this model has no tokenizer", "prompt")
+        if "messages" in request:
+            text, special = self.chat_prompt(request), False   # the template writes the special tokens
+        elif isinstance(request.get("prompt"), str):
+            text, special = request["prompt"], flag(request, "add_special_tokens")
+        else:
+            raise APIError(400, "prompt must be a string (or give messages)", "prompt")
+        try:
+            ids = self.engine_loop.engine.tokenize(text, add_special_tokens=special)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        return {"count": len(ids), "max_model_len": self.engine_loop.engine.cfg.max_model_len, "tokens": ids}
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_body(request, self.max_body_bytes, self.read_timeout_s)
+        return JSONResponse(await self.engine_loop.off_engine(self.text_of, body))
+
+    def text_of(self, body: bytes) -> dict:
+        request = json_object(body)
+        check_fields(request, {"model", "tokens"})
+        if self.tokenizer is None:
+            raise APIError(400, "tokens: this model has no tokenizer", "tokens")
+        engine = self.engine_loop.engine
+        ids = token_list(request, "tokens", engine.loaded.config.vocab_size, engine.cfg.max_model_len)
+        return {"prompt": self.tokenizer.decode(ids)}
 
     async def health(self, request: Request) -> Response:
         failure = self.engine_loop.failure
