@@ -516,7 +516,8 @@ class VAttentionKV:
                      if cfg.num_blocks else blocks_that_fit(NUM_RANGES * g.page_size, activation_peak(), self.mesh,
                                                             cfg.memory_fraction))
         self.geometry = g = dataclasses.replace(g, num_pages=num_pages)
-        print(f"KV cache (vattention, {jnp.dtype(self.dtype).name}): {num_pages:,} pages of {g.page_size / 2**20:g} MiB in each of {NUM_RANGES} "
+        print(f"KV cache (vattention, {jnp.dtype(self.dtype).name}): {num_pages:,} pages of "
+              f"{g.page_size / 2**20:g} MiB in each of {NUM_RANGES} "
               f"ranges = {num_pages * g.page_size // g.token_bytes:,} tokens "
               f"({num_pages * NUM_RANGES * g.page_size / 2**30:.2f} GiB); {g.rows} rows of "
               f"{g.tokens_per_row:,} tokens reserved", file=sys.stderr)

@@ -158,8 +158,8 @@ class StepGraphs:
                                                  backend.blocks_per_row, backend.dtype)
         self.replicated = NamedSharding(mesh, P())
         self.manager = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
-            mc, graph_knobs(cfg), str(self.dtype), loaded.quantization, [(d.id, d.device_kind) for d in mesh.devices.flat],
-            self.kernels)), options=self.compiler_options)
+            mc, graph_knobs(cfg), str(self.dtype), loaded.quantization,
+            [(d.id, d.device_kind) for d in mesh.devices.flat], self.kernels)), options=self.compiler_options)
         self.penalty = jax.eval_shape(functools.partial(init_penalty_state, cfg.max_num_seqs, mc.vocab_size))
         self.last_tokens = jax.ShapeDtypeStruct((self.seq_buckets[-1],), jnp.int32)
         self.num_blocks: int | None = None

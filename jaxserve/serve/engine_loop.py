@@ -71,7 +71,8 @@ SHARED_STATS = ("weight_dtype", "kv_cache_dtype")
 def summed_stats(snapshots: list[dict]) -> dict:
     s = {key: sum(snapshot[key] for snapshot in snapshots) for key in SUMMED_STATS}
     queries, total, free = s["prefix_cache_queries"], s["kv_blocks_total"], s["kv_blocks_free"]
-    return {**s, **{key: snapshots[0][key] for key in SHARED_STATS}, "kv_blocks_used": total - free, "kv_usage": 1.0 - free / total,
+    return {**s, **{key: snapshots[0][key] for key in SHARED_STATS}, "kv_blocks_used": total - free,
+            "kv_usage": 1.0 - free / total,
             "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0}
 
 
