@@ -54,11 +54,13 @@ MAX_CALLS = 16
 REPS = 10
 ERR_LIMIT = 2e-2
 DECODE_SWEEP = [(b, c) for b in (8, 64, 256) for c in (512, 4096, 16384)]
-TUNE_POINTS = ((8, 4096), (64, 512), (64, 4096), (8, 16384))
+TUNE_POINTS = ((8, 4096), (64, 512), (64, 4096), (8, 16384), (256, 1024))
 TUNE_VARIANTS = {
     "decode": [{}, {"decode_num_stages": 3}, {"decode_num_stages": 2}, {"decode_kv_tile": 32},
                {"decode_kv_tile": 32, "decode_num_stages": 6}, {"decode_programs": 264},
-               {"decode_programs": 1056}, {"decode_num_warps": 2}],
+               {"decode_programs": 1056}, {"decode_num_warps": 2}, {"decode_kv_tile": 128},
+               {"split_decode_kv_tile": 64}, {"decode_kv_tile": 128, "split_decode_kv_tile": 64},
+               {"decode_kv_tile": 128, "decode_num_warps": 4}],
     "prefill": [{}, {"prefill_block_m": 64, "prefill_num_warps": 4},
                 {"prefill_block_m": 64, "prefill_num_warps": 4, "prefill_kv_tile": 128},
                 {"prefill_kv_tile": 128, "prefill_num_stages": 2}],

@@ -72,6 +72,16 @@ def device_busy_ms(fn, *args, repeats: int = 10) -> list[float] | None:
     """GPU time of each of `repeats` runs of fn(*args): the summed durations of the kernels, copies and memsets
     the device executed (CUPTI activity records through the JAX profiler), so host launch gaps do not count.
     None when the profile holds no device stream (no GPU, or no CUPTI)."""
+    events = device_events(fn, *args, repeats=repeats)
+    if not events or len(events) % repeats:
+        return None
+    per_run = len(events) // repeats   # runs are sequential: each is the next per_run records in time order
+    return [sum(d for _, d, _ in events[i * per_run:(i + 1) * per_run]) / 1e6 for i in range(repeats)]
+
+
+def device_events(fn, *args, repeats: int = 10) -> list[tuple[int, int, str]]:
+    """(start ns, duration ns, name) of every kernel, copy and memset the GPU ran in `repeats` runs of fn(*args)
+    after one warm-up, in time order (CUPTI activity records through the JAX profiler); [] without a GPU."""
     import glob
     import tempfile
     from jax.profiler import ProfileData
@@ -81,12 +91,30 @@ def device_busy_ms(fn, *args, repeats: int = 10) -> list[float] | None:
             for _ in range(repeats):
                 jax.block_until_ready(fn(*args))
         space = ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
-        events = sorted((e.start_ns, e.duration_ns) for plane in space.planes if plane.name.startswith("/device:GPU")
-                        for line in plane.lines if line.name.startswith("Stream") for e in line.events)
-    if not events or len(events) % repeats:
-        return None
-    per_run = len(events) // repeats   # runs are sequential: each is the next per_run records in time order
-    return [sum(d for _, d in events[i * per_run:(i + 1) * per_run]) / 1e6 for i in range(repeats)]
+        return sorted((e.start_ns, e.duration_ns, e.name) for plane in space.planes
+                      if plane.name.startswith("/device:GPU") for line in plane.lines
+                      if line.name.startswith("Stream") for e in line.events)
+
+
+def kernel_profile(fn, *args, repeats: int = 10, top: int = 10) -> list[tuple[str, float, int]]:
+    """The `top` device operations of one run of fn(*args) by summed time: (name, ms per run, launches per run),
+    after rows named in <>: the run's span (first start to last end, its idle time in the name) and its 3
+    longest idle gaps, each named by the operation before it."""
+    events = device_events(fn, *args, repeats=repeats)
+    if not events:
+        return []
+    per_run = len(events) // repeats
+    run = events[-per_run:]
+    gaps = sorted(((b[0] - a[0] - a[1]) / 1e6, a[2]) for a, b in zip(run, run[1:]))[::-1]
+    span = ((run[-1][0] + run[-1][1] - run[0][0]) / 1e6, sum(g for g, _ in gaps if g > 0))
+    totals: dict[str, list] = {}
+    for _, duration, name in events:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += duration / 1e6 / repeats
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(f"<span, {span[1]:.3f} ms idle>", span[0], 1), *((f"<gap after {name}>", ms, 1) for ms, name in gaps[:3]),
+            *((name, ms, count // repeats) for name, (ms, count) in ranked)]
 
 
 def copy_bandwidth_gbps(nbytes: int | None = None) -> float:

@@ -3,8 +3,11 @@ scales) against the bf16 linear it replaces, on Llama-3-8B's layer shapes, at de
 and the bare e4m3 GEMM with an f32 or a bf16 result (what the scaling epilogue costs).
 
   python benchmarks/fp8_gemm.py                 # GPU (sm_89+)
+  python benchmarks/fp8_gemm.py --layers 4      # the linear layers of 4 decoder layers, as a step runs them
 Rows: bench "fp8_gemm", impl bf16 | fp8_linear | fp8_gemm_f32 | fp8_gemm_bf16, params {tokens, in, out},
-ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json.
+ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json. With --layers: bench "fp8_layers", impl
+"<weights>/<XLA options>", params {tokens, layers}, ms per layer, gbps of weight bytes, and the step's costliest
+GPU kernels printed.
 """
 from __future__ import annotations
 
@@ -17,9 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import time_ms, write_rows  # noqa: E402
+from benchmarks.common import kernel_profile, time_ms, write_rows  # noqa: E402
 
+from jaxserve.config import load_run_config, model_config_from_hf  # noqa: E402
+from jaxserve.models import fp8  # noqa: E402
 from jaxserve.models.fp8 import FP8, Fp8Linear  # noqa: E402
+from jaxserve.models.llama import MLP, Attention  # noqa: E402
 
 SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))   # q and o, k and v, gate and up, down
 TOKENS = (16, 256, 4096)
@@ -43,12 +49,85 @@ def cases(tokens: int, k: int, n: int):
             ("fp8_gemm_f32", gemm(jnp.float32), (xq, wq)), ("fp8_gemm_bf16", gemm(jnp.bfloat16), (xq, wq)))
 
 
+# XLA options a step graph may be compiled with: its dot merger concatenates the weights of dots that share an
+# operand (q, k, v; gate, up) below a size threshold, and Triton GEMM fusions compete with cuBLAS below 64 rows
+XLA_OPTIONS = {"default": {}, "no_merge": {"xla_gpu_dot_merger_threshold_mb": 0},
+               "no_triton": {"xla_gpu_enable_triton_gemm": False},
+               "no_merge_no_triton": {"xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False}}
+# (weights, XLA options, FP8 path: W8A16 below this many rows else W8A8, q/k/v and gate/up fused into one weight)
+LAYER_CASES = (("bf16", "default", 0, False), ("bf16", "no_merge_no_triton", 0, False),
+               ("fp8", "no_merge_no_triton", 0, False), ("fp8", "no_merge_no_triton", 0, True),
+               ("fp8", "no_merge", 4096, False), ("fp8", "no_merge", 4096, True),
+               ("fp8", "no_merge_no_triton", 4096, False))
+
+
+def layer_stack(quantization, layers: int, fused: bool):
+    """(fn(state, x, positions), state): the linear layers of `layers` Llama-3-8B decoder layers (q, k, v and o
+    projections, gate, up and down; attention itself left out), q/k/v and gate/up as one weight each if fused."""
+    cfg = model_config_from_hf(load_run_config("configs/llama3-8b-random.yaml").random_model)
+    rngs = nnx.Rngs(0)
+    if fused:
+        h, qkv, i = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.intermediate_size
+        stack = nnx.List([nnx.List([Fp8Linear(h, qkv, use_bias=False, dtype=jnp.bfloat16, rngs=rngs),
+                                    Fp8Linear(h, h, use_bias=False, dtype=jnp.bfloat16, rngs=rngs),
+                                    Fp8Linear(h, 2 * i, use_bias=False, dtype=jnp.bfloat16, rngs=rngs),
+                                    Fp8Linear(i, h, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)])
+                          for _ in range(layers)])
+    else:
+        stack = nnx.List([nnx.List([Attention(cfg, jnp.bfloat16, rngs, quantization),
+                                    MLP(cfg, jnp.bfloat16, rngs, quantization)]) for _ in range(layers)])
+    graphdef, state = nnx.split(stack)
+
+    def run(state, x, positions):
+        for layer in nnx.merge(graphdef, state):
+            if fused:
+                qkv, o, gate_up, down = layer
+                q, kv = jnp.split(qkv(x), [cfg.hidden_size], axis=-1)
+                x = x + o(q) + kv.mean().astype(x.dtype)
+                gate, up = jnp.split(gate_up(x), 2, axis=-1)
+                x = x + down(jax.nn.silu(gate) * up)
+            else:
+                attn, mlp = layer
+                q, k, v = attn.project(x, positions)
+                x = x + attn.o_proj(q.reshape(x.shape[0], -1)) + (k.mean() + v.mean()).astype(x.dtype)
+                x = x + mlp(x)
+        return x
+    return run, state
+
+
+def bench_layers(layers: int) -> list[dict]:
+    rows = []
+    for tokens in (16, 64, 256):
+        x = jax.random.normal(jax.random.key(1), (tokens, 4096), jnp.bfloat16)
+        positions = jnp.arange(tokens, dtype=jnp.int32)
+        for weights, option, w8a16_rows, fused in LAYER_CASES:
+            fp8.W8A16_MAX_ROWS = w8a16_rows   # read when the layers trace, below
+            run, state = layer_stack(None if weights == "bf16" else weights, layers, fused)
+            fn = jax.jit(run, compiler_options=XLA_OPTIONS[option])
+            ms = time_ms(fn, state, x, positions) / layers
+            kernels = [k for k in kernel_profile(fn, state, x, positions, top=1000) if not k[0].startswith("<")]
+            busy_ms = sum(k_ms for _, k_ms, _ in kernels) / layers
+            nbytes = sum(a.nbytes for a in jax.tree.leaves(state)) / layers
+            impl = f"{weights}{'/w8a16' if weights == 'fp8' and w8a16_rows else ''}{'/fused' if fused else ''}/{option}"
+            rows.append({"bench": "fp8_layers", "impl": impl, "params": {"tokens": tokens, "layers": layers},
+                         "ms": ms, "device_ms": busy_ms, "launches": sum(c for *_, c in kernels) / layers,
+                         "gbps": nbytes / busy_ms / 1e6 if busy_ms else None})
+            print(f"T={tokens:4d} {impl:36s} {ms * 1e3:7.1f} us/layer, GPU {busy_ms * 1e3:7.1f} us "
+                  f"({rows[-1]['launches']:.0f} kernels, {rows[-1]['gbps'] or 0:5.0f} GB/s)", flush=True)
+            if tokens == 16:
+                for name, k_ms, count in kernels[:6]:
+                    print(f"    {k_ms * 1e3 / layers:8.1f} us/layer x{count:3d} {name[:110]}", flush=True)
+            del state
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--layers", type=int, default=0, help="time the linear layers of this many decoder layers")
     args = ap.parse_args(argv)
-    rows = []
-    for tokens in TOKENS:
+    rows = bench_layers(args.layers) if args.layers else []
+    for tokens in () if args.layers else TOKENS:
         for k, n in SHAPES:
             for impl, fn, fn_args in cases(tokens, k, n):
                 ms = time_ms(fn, *fn_args)

@@ -16,6 +16,9 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention-soak   # #20: the server soaked under vattention
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-collectives|scale-70b   # #19 on nvidia-h200-x2
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tests   # the FP8 paths' tests on the GPU
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-layers  # a step's linear layers by XLA options, profiled
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tune    # decode attention's tuning over an FP8 cache
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8         # bf16 beside FP8: batch 1, 256 x 512/128
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode  # bf16 beside FP8: 256 x 128/1024, capacity
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-anchor  # 1,000 x 1,000/1,000 in FP8 (TensorRT-LLM's)
@@ -113,6 +116,15 @@ case $1 in
   fp8-tests)
     run 540 python -m pytest -q -p no:cacheprovider tests/test_fp8_weights.py tests/test_fp8_kv.py \
       tests/test_custom_calls.py tests/test_ragged_paged_attention.py -m "not slow" ;;
+  fp8-layers)
+    run 540 python benchmarks/fp8_gemm.py --layers 4 --out "$OUT/fp8_layers_gpu.json" ;;
+  fp8-tune)
+    run 300 python benchmarks/attention.py --tune --kv-dtype fp8 --out "$OUT/attention_tune_fp8.json" ;;
+  fp8-profile)
+    for q in "" "--quantization fp8" "--kv-cache-dtype fp8" "--quantization fp8 --kv-cache-dtype fp8"; do
+      run 130 python benchmarks/sweep.py --config $CONFIG $q --token-buckets 16 256 --seq-buckets 16 256 \
+        --contexts 640 --kinds decode --warmup 2 --repeats 5 --profile 12 --out "$OUT/fp8_sweep_gpu.json"
+    done ;;
   fp8)   # bf16, FP8 weights, FP8 weights + KV: the same workloads in one call
     B1="--num-prompts 1 --input-len 128 --output-len 512"
     for q in "" "--quantization fp8"; do run 100 python benchmarks/offline.py --config $CONFIG $B1 $q \

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.common import Bytes, copy_bandwidth_gbps, matmul_tflops, time_ms, write_rows  # noqa: E402
+from benchmarks.common import (Bytes, copy_bandwidth_gbps, kernel_profile, matmul_tflops, time_ms,  # noqa: E402
+                               write_rows)
 from jaxserve.cache.kv_cache import kv_bytes_per_block, kv_cache_dtype, num_blocks_for_memory  # noqa: E402
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig  # noqa: E402
@@ -180,9 +181,10 @@ def check_sweep_args(cfg: EngineConfig, token_buckets, seq_buckets, contexts, ki
 
 
 def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None, contexts=None, kinds=KINDS,
-              warmup: int = 3, repeats: int = 10, seed: int = 0) -> list[dict]:
+              warmup: int = 3, repeats: int = 10, seed: int = 0, profile: int = 0) -> list[dict]:
     """Rows `bench: "sweep"`, one per (bucket, context, kind) that fits; one compile per bucket.
-    Buckets default to the config's ladders, contexts to max_model_len / 8, / 2 and max_model_len."""
+    Buckets default to the config's ladders, contexts to max_model_len / 8, / 2 and max_model_len. profile > 0
+    prints each case's `profile` costliest GPU kernels."""
     token_ladder, seq_ladder = bucket_ladders(cfg)
     token_buckets, seq_buckets = tuple(token_buckets or token_ladder), tuple(seq_buckets or seq_ladder)
     contexts = tuple(contexts or sorted({max(1, cfg.max_model_len // 8), cfg.max_model_len // 2, cfg.max_model_len}))
@@ -201,6 +203,8 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
         inp.model, inp.sampler = jax.device_put((inp.model, inp.sampler))
         ms = time_step(runner, inp, warmup, repeats)
         rows.append(sweep_row(runner, case, ms, compiled[inp.model.key], ceilings, Bytes.of(loaded, cfg)))
+        for name, kernel_ms, count in kernel_profile(runner.run, inp, top=profile) if profile else ():
+            print(f"    {kernel_ms:8.3f} ms x{count:4d} {name[:100]}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -371,6 +375,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print each case's N costliest GPU kernels")
     defaults = Traffic()
     for name in ("prompt_median", "output_median", "load", "num_steps"):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=type(getattr(defaults, name)),
@@ -389,7 +394,8 @@ def cmd_sweep(args) -> None:
     if args.kv_cache_dtype:
         cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
     rows = run_sweep(loaded, cfg, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets,
-                     contexts=args.contexts, kinds=args.kinds, warmup=args.warmup, repeats=args.repeats, seed=args.seed)
+                     contexts=args.contexts, kinds=args.kinds, warmup=args.warmup, repeats=args.repeats, seed=args.seed,
+                     profile=args.profile)
     if not rows:
         raise ValueError("no bucket holds any case: decode needs num_seqs <= num_tokens")
     traffic = Traffic(prompt_median=args.prompt_median, output_median=args.output_median, load=args.load,

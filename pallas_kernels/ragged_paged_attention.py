@@ -42,9 +42,10 @@ is block b * num_layers + l, so a row's blocks are num_layers apart (`Geometry.b
 addressing differs (`BlockTable` / `SlotRows`, the kernels' `blocks`); the launches are the paged ones.
 
 FP8 caches (float8_e4m3fn, same layout, a byte per element) are read as they are: the caller folds the K scale into
-q and the V scale into the output, so the Triton kernels load e4m3 tiles and convert them to q's dtype (exact:
-bf16, f16 and f32 hold every e4m3 value) before the dots, which run as they do over a cache of q's dtype. Triton
-converts e4m3 on sm_89+ only; "auto" takes the reference below that. The Mosaic prefill does not read them.
+q and the V scale into the output, so the Triton kernels load e4m3 tiles and convert them exactly to the dots'
+dtype: float16 under a bf16 or f16 q (e4m3 -> f16 is one instruction per pair on sm_89+; -> bf16 takes several
+and bounds the loop; q, clipped to f16's range, loses none of bf16's 8 mantissa bits), float32 under an f32 q.
+Triton converts e4m3 on sm_89+ only; "auto" takes the reference below that. The Mosaic prefill does not read them.
 """
 import dataclasses
 import functools
@@ -88,10 +89,14 @@ class Tuning:
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
 
 
-# float32 tiles are twice the bytes: halve them to stay inside shared memory. Chosen by q's dtype, the one the dots
-# run in: an fp8 cache's tiles are converted to it, so float32 q over an fp8 cache takes these too.
+# float32 tiles are twice the bytes: halve them to stay inside shared memory. Chosen by the dots' dtype: an fp8
+# cache's tiles are converted to it, so float32 q over an fp8 cache takes these too.
 F32_TUNING = Tuning(decode_kv_tile=32, decode_num_warps=4, decode_num_stages=3, prefill_kv_tile=32,
                     prefill_num_stages=2)
+# An fp8 cache under a 16-bit q: a tile is half the bytes, so decode keeps more of them in flight
+# (benchmarks/attention.py --tune --kv-dtype fp8 on H100).
+FP8_TUNING = Tuning(decode_kv_tile=32, decode_num_stages=6)
+F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +243,7 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
         return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, tables, num_seqs,
                                                 **dataclasses.asdict(scores))
     check_pallas_inputs(q, k_cache, interpret)
-    tuning = make_tuning(q.dtype, tuning)
+    tuning = make_tuning(q.dtype, tuning, k_cache.dtype)
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
     addressing = dict(blocks_per_row=blocks_per_row, block_stride=block_stride)
     if decode_only:
@@ -289,16 +294,32 @@ def min_capability(cache_dtype) -> float:
     return FP8_MIN_CAPABILITY if fp8 else PALLAS_MIN_CAPABILITY
 
 
-def make_tuning(dtype, overrides: dict) -> Tuning:
+def make_tuning(dtype, overrides: dict, cache_dtype=None) -> Tuning:
     fields = [f.name for f in dataclasses.fields(Tuning)]
     unknown = set(overrides) - set(fields)
     if unknown:
         raise ValueError(f"unknown tuning fields {sorted(unknown)}; valid: {fields}")
-    tuning = dataclasses.replace(F32_TUNING if jnp.dtype(dtype).itemsize == 4 else Tuning(), **overrides)
+    compute = dot_dtype(dtype, cache_dtype)
+    base = F32_TUNING if compute.itemsize == 4 else FP8_TUNING if compute != jnp.dtype(dtype) else Tuning()
+    tuning = dataclasses.replace(base, **overrides)
     for name in ("decode_kv_tile", "split_decode_kv_tile", "prefill_block_m", "prefill_kv_tile"):
         if getattr(tuning, name) < 16 or not is_power_of_2(getattr(tuning, name)):
             raise ValueError(f"tuning {name}={getattr(tuning, name)} must be a power of two >= 16")
     return tuning
+
+
+def dot_dtype(q_dtype, cache_dtype=None) -> jnp.dtype:
+    """The dtype the kernels' dots take: q's, or float16 for a 16-bit q over an fp8 cache (see the module doc)."""
+    fp8 = cache_dtype is not None and jnp.dtype(cache_dtype) == FP8_CACHE
+    return jnp.dtype(jnp.float16 if fp8 and jnp.dtype(q_dtype).itemsize == 2 else q_dtype)
+
+
+def load_q(q_ref, rows, ok, cache_dtype) -> jax.Array:
+    """q's rows as the dots take them (dot_dtype), clipped to float16's range when converted to it."""
+    q = load_tile_rows(q_ref, rows, ok)
+    compute = dot_dtype(q.dtype, cache_dtype)
+    # clipped in f32: bf16 rounds F16_MAX up to 65536, which float16 holds as inf
+    return q if compute == q.dtype else jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(compute)
 
 
 def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row, num_seqs, sm_scale,
@@ -505,7 +526,7 @@ def attend_block(cu_ref, kv_lens_ref, q_ref, o_ref, cache: PagedKV, num_seqs, kv
     token, head = t0 + r // geo.group_pad, r % geo.group_pad
     row_ok = active & (token < q_len) & (head < geo.group)
     q_row = (q_start + token) * geo.num_q_heads + kv_head * geo.group + head
-    q = load_tile_rows(q_ref, q_row, row_ok)
+    q = load_q(q_ref, q_row, row_ok, cache.k.dtype)
     oldest = kv_len - q_len + t0
     newest = kv_len - q_len + jnp.minimum(t0 + block_q, q_len) - 1
     t_hi = pl.cdiv(jnp.where(active, jnp.maximum(newest + 1, 0), 0), tile)
@@ -567,7 +588,7 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v
     r = jnp.arange(rows)
     head = kv_head * geo.group + r
     row_ok = active & (r < geo.group)
-    q = load_tile_rows(q_ref, seq * geo.num_q_heads + head, row_ok)  # decode i is token i
+    q = load_q(q_ref, seq * geo.num_q_heads + head, row_ok, k_ref.dtype)  # decode i is token i
     first = 0 if scores.sliding_window is None else jnp.maximum(kv_len - scores.sliding_window, 0)
     t_lo, t_hi = first // tile, pl.cdiv(kv_len, tile)
     per_split = pl.cdiv(t_hi - t_lo, splits)
@@ -601,7 +622,7 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_re
     kv_len = jnp.where(active, kv_lens_ref[jnp.minimum(seq, geo.max_seqs - 1)], 0)
     r = jnp.arange(rows)
     head = kv_head * geo.group + r
-    q = load_tile_rows(q_ref, jnp.minimum(seq, geo.num_tokens - 1) * geo.num_q_heads + head, r < geo.group)
+    q = load_q(q_ref, jnp.minimum(seq, geo.num_tokens - 1) * geo.num_q_heads + head, r < geo.group, k_ref.dtype)
     first = 0 if scores.sliding_window is None else jnp.maximum(kv_len - scores.sliding_window, 0)
     t0 = first // tile + split  # this program's tiles: t0, t0 + splits, ...
     cache = PagedKV(geo.addressing(blocks_ref), k_ref, v_ref)
@@ -694,7 +715,7 @@ def attend_tile(t, carry, *, masked, q, q_pos, seq_blocks, kv_len, kv_head, cach
     page = cache.blocks.block(seq_blocks, col, masked, live, geo, num_pages)
     kv_row = (page * geo.block_size + key % geo.block_size) * geo.num_kv_heads + kv_head
     mask = live if masked is True else None
-    # An fp8 cache's tiles become q's dtype (exactly) as they load: the dots see what a cache of q's dtype gives.
+    # An fp8 cache's tiles become the dots' dtype (q's, see load_q) exactly as they load
     s = logits(q, load_tile_rows(cache.k, kv_row, mask).astype(q.dtype), scores)
     if masked:
         s = jnp.where(visible(key, q_pos, scores.sliding_window), s, -jnp.inf)

@@ -19,6 +19,7 @@ from jaxserve.cache import kv_cache
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache
 from jaxserve.engine.step_graphs import PEAK, TRITON_GEMM_MAX_ROWS, GraphKey, StepGraphs
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
+from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.loader import random_model
 
 from helpers import KNOBS, TINY, mixed_requests   # tests/multihost_worker.py and tp_worker.py import them from here
@@ -226,8 +227,9 @@ def test_a_step_traces_its_layers_once(monkeypatch):
 
 
 def test_each_graph_compiles_with_its_keys_xla_options():
-    """The manager hands XLA the options its caller gives for each key; the runner's policy: on GPU, graphs of more
-    rows than TRITON_GEMM_MAX_ROWS (model, prompt logprobs, the peak stand-in) take cuBLAS GEMMs; nothing on CPU."""
+    """The manager hands XLA the options its caller gives for each key; the runner's policy: on GPU, graphs of the
+    model's weights (model, prompt logprobs, the peak stand-in) merge no dots and take cuBLAS GEMMs when FP8 or of
+    more rows than TRITON_GEMM_MAX_ROWS (FP8 weights: W8A16_MAX_ROWS); nothing on CPU."""
     seen = {}
 
     class Spy:
@@ -244,14 +246,17 @@ def test_each_graph_compiles_with_its_keys_xla_options():
     assert seen == {keys[0]: None, keys[1]: {"xla_cpu_enable_fast_math": False}}
     assert m.executables[keys[1]](jnp.ones(4096)).tolist() == [3.0] * 4096
 
-    def policy(platform):
+    def policy(platform, quantization=None):
         device = types.SimpleNamespace(platform=platform)
-        graphs = types.SimpleNamespace(token_buckets=(16, 64, 4096), mesh=types.SimpleNamespace(
-            devices=np.array([device])))
+        graphs = types.SimpleNamespace(token_buckets=(16, 64, 4096), quantization=quantization,
+                                       mesh=types.SimpleNamespace(devices=np.array([device])))
         return lambda key: StepGraphs.compiler_options(graphs, key)
-    gpu, cpu, cublas = policy("gpu"), policy("cpu"), {"xla_gpu_enable_triton_gemm": False}
-    assert gpu(GraphKey("model", (TRITON_GEMM_MAX_ROWS * 2, 64, False), 99)) == gpu(GraphKey("prompt", (4096,))) \
-        == gpu(PEAK) == cublas
-    assert gpu(GraphKey("model", (TRITON_GEMM_MAX_ROWS, 64, True), 99)) == gpu(GraphKey("sampler", (256, "filter", 0)))\
-        == {}
+    gpu, cpu, fp8 = policy("gpu"), policy("cpu"), policy("gpu", "fp8")
+    unmerged = {"xla_gpu_dot_merger_threshold_mb": 0}
+    cublas = unmerged | {"xla_gpu_enable_triton_gemm": False}
+    small, large = GraphKey("model", (TRITON_GEMM_MAX_ROWS, 64, True), 99), GraphKey("model", (128, 64, False), 99)
+    assert gpu(large) == gpu(GraphKey("prompt", (4096,))) == gpu(PEAK) == cublas
+    assert gpu(small) == unmerged and gpu(GraphKey("sampler", (256, "filter", 0))) == {}
+    decode = GraphKey("model", (W8A16_MAX_ROWS, W8A16_MAX_ROWS, True), 99)
+    assert fp8(small) == fp8(large) == fp8(PEAK) == cublas and fp8(decode) == unmerged
     assert cpu(GraphKey("model", (4096, 256, False), 99)) == cpu(PEAK) == {}

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.fp8 import FP8, Fp8Linear, quantize_rows, quantize_weight
+from jaxserve.models.fp8 import FP8, W8A16_MAX_ROWS, Fp8Linear, quantize_rows, quantize_weight
 from jaxserve.models.loader import load_model, load_run, random_model, save_converted
 from jaxserve.sharding import make_mesh, param_spec
 
@@ -71,9 +71,12 @@ def fp8_linear(rng, k: int, n: int, dtype=jnp.float32) -> tuple[Fp8Linear, np.nd
 
 
 def dequantized(layer: Fp8Linear, x) -> tuple[np.ndarray, np.ndarray]:
-    """(activations, weight) as the FP8 GEMM sees them, dequantized in f64."""
-    xq, x_scale = quantize_rows(jnp.asarray(x))
+    """(activations, weight) as the GEMM sees them, dequantized in f64: the activations through e4m3 (W8A8) in
+    steps of more than W8A16_MAX_ROWS rows, as they are below."""
     w = np.asarray(layer.weight[...], np.float64) * np.asarray(layer.weight_scale[...], np.float64)[:, None]
+    if len(x) <= W8A16_MAX_ROWS:
+        return np.asarray(x, np.float64), w
+    xq, x_scale = quantize_rows(jnp.asarray(x))
     return np.asarray(xq, np.float64) * np.asarray(x_scale, np.float64), w
 
 
@@ -85,30 +88,33 @@ def test_activations_quantize_per_row_each_amax_to_e4m3_max():
     assert (amax[x.any(axis=1)] == E4M3_MAX).all() and amax[4] == 0 and np.isfinite(np.asarray(scale)).all()
 
 
-def test_fp8_linear_matches_the_dequantized_reference():
+@pytest.mark.parametrize("rows", [W8A16_MAX_ROWS, W8A16_MAX_ROWS + 1], ids=["w8a16", "w8a8"])
+def test_fp8_linear_matches_the_dequantized_reference(rows):
     """The same e4m3 operands and scales in f64: only f32 rounding and the summation order differ, within the
     classical bound of K additions and the scales' few products ((K + 4) u sum |x w|)."""
     rng = np.random.default_rng()
     layer, _, b = fp8_linear(rng, 256, 96)
-    x = activations(rng, 17, 256)
+    x = activations(rng, rows, 256)
     out = np.asarray(layer(jnp.asarray(x)))
     xd, wd = dequantized(layer, x)
     bound = (256 + 4) * F32_EPS * (np.abs(xd) @ np.abs(wd).T + np.abs(b))
     assert np.isfinite(out).all() and (np.abs(out - (xd @ wd.T + b)) <= bound).all()
-    np.testing.assert_array_equal(out[17 // 2], b)   # the zero row: exactly the bias
+    np.testing.assert_array_equal(out[rows // 2], b)   # the zero row: exactly the bias
 
 
-def test_fp8_linear_is_within_e4m3_error_of_the_float_linear():
+@pytest.mark.parametrize("rows", [W8A16_MAX_ROWS, W8A16_MAX_ROWS + 1], ids=["w8a16", "w8a8"])
+def test_fp8_linear_is_within_e4m3_error_of_the_float_linear(rows):
     """Against x w^T + b in f64: each operand element off by at most 2^-4 of itself (normals) or 2^-10 of its
-    tensor's scale (subnormals), so each output by at most the sum of those errors' products."""
+    tensor's scale (subnormals), so each output by at most the sum of those errors' products. W8A16 steps leave
+    the activations exact."""
     rng = np.random.default_rng()
     layer, w, b = fp8_linear(rng, 256, 96)
-    x = activations(rng, 17, 256).astype(np.float64)
+    x = activations(rng, rows, 256).astype(np.float64)
     out = np.asarray(layer(jnp.asarray(x, jnp.float32)))
     x_scale = np.abs(x).max(axis=1, keepdims=True) / E4M3_MAX
     w_scale = np.asarray(layer.weight_scale[...], np.float64)[:, None]
-    ex, ew = np.maximum(E4M3_REL * np.abs(x), E4M3_SUBNORMAL * x_scale), np.maximum(E4M3_REL * np.abs(w),
-                                                                                   E4M3_SUBNORMAL * w_scale)
+    ex = np.maximum(E4M3_REL * np.abs(x), E4M3_SUBNORMAL * x_scale) * (rows > W8A16_MAX_ROWS)
+    ew = np.maximum(E4M3_REL * np.abs(w), E4M3_SUBNORMAL * w_scale)
     bound = np.abs(x) @ ew.T + ex @ np.abs(w).T + ex @ ew.T + 1e-4 * (np.abs(x) @ np.abs(w).T + np.abs(b))
     assert np.isfinite(out).all() and (np.abs(out - (x @ w.T + b)) <= bound).all()
 
@@ -448,16 +454,31 @@ def test_llama3_8b_layers_compile_to_fp8_gemms_on_the_weights_as_stored(fp8_gpu)
     assert not float_arrays & weight_shapes(cfg), float_arrays & weight_shapes(cfg)
 
 
-def test_fp8_gemm_matches_the_dequantized_reference_on_gpu(fp8_gpu):
-    """Each of Llama-3-8B's linear shapes in bf16 against f64 from the same e4m3 operands. The bf16 output rounds
-    within 2^-9 of itself; the FP8 tensor cores accumulate with fewer mantissa bits than f32 (cuBLASLt's fast
-    accumulation, XLA's default): an H100 measured up to 8e-4 of sum |x w| over K = 4096 and 14336."""
+def test_llama3_8b_decode_steps_read_the_e4m3_weights_inside_their_gemms(fp8_gpu):
+    """A step of W8A16_MAX_ROWS rows, compiled with the engine's options for it, converts each weight inside a
+    GEMM fusion: no float array of a weight's shape is made between the entry computation's kernels."""
+    cfg = LLAMA3_8B_LAYERS
+    loaded = random_model(cfg, jnp.bfloat16, quantization="fp8")
+    fn = nnx.jit(lambda m, ids: m(ids, jnp.arange(ids.shape[0]))[0])
+    hlo = fn.lower(loaded.model, jnp.zeros(W8A16_MAX_ROWS, jnp.int32)).compile(
+        {"xla_gpu_dot_merger_threshold_mb": 0}).as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    float_arrays = {(int(a), int(b)) for a, b in re.findall(r"\b(?:bf16|f16|f32)\[(\d+),(\d+)\]", entry)}
+    assert "f8e4m3fn[" in entry and not float_arrays & weight_shapes(cfg), float_arrays & weight_shapes(cfg)
+
+
+@pytest.mark.parametrize("rows", [W8A16_MAX_ROWS, PREFILL_TOKENS], ids=["w8a16", "w8a8"])
+def test_fp8_gemm_matches_the_dequantized_reference_on_gpu(fp8_gpu, rows):
+    """Each of Llama-3-8B's linear shapes in bf16 against f64 from the same operands (W8A8: both e4m3; W8A16:
+    bf16 activations). The bf16 output rounds within 2^-9 of itself; the FP8 tensor cores accumulate with fewer
+    mantissa bits than f32 (cuBLASLt's fast accumulation, XLA's default): an H100 measured up to 8e-4 of
+    sum |x w| over K = 4096 and 14336."""
     rng = np.random.default_rng()
     cfg = LLAMA3_8B_LAYERS
     for k, n in {(cfg.hidden_size, cfg.num_heads * cfg.head_dim), (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
                  (cfg.hidden_size, cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)}:
         layer, _, _ = fp8_linear(rng, k, n, jnp.bfloat16)
-        x = jnp.asarray(rng.standard_normal((PREFILL_TOKENS, k)), jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
         out = np.asarray(nnx.jit(lambda m, x: m(x))(layer, x), np.float64)
         xd, wd = dequantized(layer, x)
         ref = xd @ wd.T + np.asarray(layer.bias[...], np.float64)

@@ -8,6 +8,7 @@ as NaN. Padding rows must come out exactly zero.
 FP8 caches (float8_e4m3fn, NaN where unwritten too) are checked against the reference over the same cache: e4m3
 values are exact in q's dtype and the reference reads the same ones, so q's dtype sets every tolerance.
 """
+import dataclasses
 import importlib
 
 import jax.numpy as jnp
@@ -114,20 +115,34 @@ def test_one_launch_decode(dtype, cache, options, max_splits):
     (jnp.float16, True, [1] * 6, [1, 17, 40, 64, 99, 250]),
 ])
 def test_fp8_cache_reads_as_its_values(dtype, decode_only, q_lens, kv_lens):
-    """The kernels over an fp8 cache give exactly what they give over the same e4m3 values stored in q's dtype:
-    each tile converts exactly, then the same dots run on the same values. Both take the Triton prefill ("auto"
-    would give q's dtype the Mosaic one on Hopper: other dots, other roundings)."""
+    """The kernels over an fp8 cache give what they give over the same e4m3 values stored in the dots' dtype (f16
+    under a 16-bit q), q in that dtype, the same tuning: each tile converts exactly, then the same dots run on the
+    same values. A bf16 q's output then differs by its last rounding at most (f32 -> f16 -> bf16 may round twice).
+    Both take the Triton prefill ("auto" would give q's dtype the Mosaic one on Hopper: other dots, other
+    roundings)."""
     shape = {**GEOMETRY, "num_tokens": 16, "max_blocks": 16} if decode_only else GEOMETRY
     fp8 = cached_as(make_batch(np.random.default_rng(12), q_lens, kv_lens, **shape, dtype=dtype), FP8)
+    compute = KERNELS.dot_dtype(dtype, FP8)
+    tuning = dataclasses.asdict(KERNELS.make_tuning(dtype, INTERPRET_TUNING, FP8))
     outs = []
-    for batch in (fp8, cached_as(fp8, dtype)):
+    for batch in (fp8, dataclasses.replace(cached_as(fp8, compute), q=fp8.q.astype(compute))):
         poison_allocator(batch)
         outs.append(ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
-                                           decode_only=decode_only, prefill_backend="triton", **INTERPRET_TUNING))
-    # finite live rows and zero padding first (equality alone passes NaN == NaN); float16 keeps more mantissa than
-    # bfloat16, so bfloat16's tolerance covers it
+                                           decode_only=decode_only, prefill_backend="triton", **tuning))
+    # finite live rows and zero padding first (equality alone passes NaN == NaN)
     check_close(outs[0], ragged_paged_attention_reference(*fp8.args(), sm_scale=0.125), fp8, jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(outs[0].astype(jnp.float32)), np.asarray(outs[1].astype(jnp.float32)))
+    got, same = (np.asarray(o.astype(dtype).astype(jnp.float32)) for o in outs)
+    np.testing.assert_allclose(got, same, rtol=0 if compute == dtype else 2.0 ** -7, atol=0)
+
+
+def test_fp8_cache_clips_q_to_float16():
+    """A bf16 q beyond float16's range (65504) over an fp8 cache runs its dots in f16 clipped, not as inf (inf - inf
+    in the softmax would be NaN)."""
+    batch = cached_as(make_batch(np.random.default_rng(14), *MIXES["mixed"], **GEOMETRY, dtype=jnp.bfloat16), FP8)
+    batch = dataclasses.replace(batch, q=batch.q * 1e6)
+    out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
+                                 prefill_backend="triton", **INTERPRET_TUNING)
+    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
 
 
 def test_fp8_cache_below_sm89(monkeypatch):

@@ -30,6 +30,7 @@ from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slot
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
+from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.loader import LoadedModel
 
 MIN_TOKEN_BUCKET = 16
@@ -38,7 +39,7 @@ MIN_RESET_WIDTH = 64   # penalty resets pad prompt + output tokens to a power of
 PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, not [T, V] (5 GB at 4K x 128K)
 # GPU graphs of more rows than this take cuBLAS GEMMs, not XLA's autotuned Triton ones: cuBLAS starts faster and
 # runs big steps as fast or faster, but small GEMMs (batch-1 decode) are faster with Triton.
-TRITON_GEMM_MAX_ROWS = 64
+TRITON_GEMM_MAX_ROWS = 64   # bf16 weights; FP8 ones: see compiler_options
 CACHE_BOUND = ("model", "copy")   # kinds of graph that take the cache, so depend on its size
 
 
@@ -149,7 +150,7 @@ class StepGraphs:
         mc = self.model_config = loaded.config
         self.cfg, self.mesh, self.backend = cfg, mesh, backend
         graphdef, self.params = nnx.split(loaded.model)
-        self.dtype = loaded.dtype
+        self.dtype, self.quantization = loaded.dtype, loaded.quantization
         self.eos_token_ids = loaded.eos_token_ids
         self.ladders = self.token_buckets, self.seq_buckets = bucket_ladders(cfg)
         self.reset_widths = pow2_ladder(MIN_RESET_WIDTH, cfg.max_model_len, factor=4)
@@ -247,10 +248,17 @@ class StepGraphs:
         return self.manager.get(key, functools.partial(self.lower, key))
 
     def compiler_options(self, key: GraphKey) -> dict:
-        """XLA's options for the graph of key: see TRITON_GEMM_MAX_ROWS (model and prompt-logprob graphs' rows)."""
-        rows = self.token_buckets[-1] if key == PEAK else key.dims[0] if key.kind in ("model", "prompt") else 0
-        on_gpu = self.mesh.devices.flat[0].platform != "cpu"
-        return {"xla_gpu_enable_triton_gemm": False} if on_gpu and rows > TRITON_GEMM_MAX_ROWS else {}
+        """XLA's options for the graph of key. On GPU, graphs that run the model's weights (model, prompt logprobs,
+        the peak stand-in) never merge dots: XLA's dot merger concatenates the weights of dots sharing an operand
+        (q, k and v; gate and up) into a new array on every step, weight traffic a memory-bound step pays twice.
+        They take cuBLAS GEMMs over Triton's above TRITON_GEMM_MAX_ROWS rows, or with FP8 weights above
+        W8A16_MAX_ROWS: cuBLASLt's FP8 GEMMs beat Triton's at every row count, and the W8A16 GEMMs below need
+        Triton to fuse the weight's conversion."""
+        if self.mesh.devices.flat[0].platform == "cpu" or (key != PEAK and key.kind not in ("model", "prompt")):
+            return {}
+        rows = self.token_buckets[-1] if key == PEAK else key.dims[0]
+        cublas = rows > (W8A16_MAX_ROWS if self.quantization == "fp8" else TRITON_GEMM_MAX_ROWS)
+        return {"xla_gpu_dot_merger_threshold_mb": 0} | ({"xla_gpu_enable_triton_gemm": False} if cublas else {})
 
     # ---- start-up ----------------------------------------------------------------------------------
     def activation_peak(self) -> int:

@@ -1,7 +1,7 @@
-"""FP8 linear layers (W8A8): weights in float8 e4m3 with a scale per output channel, activations quantized per
-token at run time, one FP8 GEMM with an f32 result. On sm_89+ GPUs XLA lowers the dot of two e4m3 operands to
-cuBLASLt's FP8 GEMM (custom call `__cublas$lt$matmul$f8`): half the weight bytes of bf16 and twice its
-tensor-core rate."""
+"""FP8 linear layers: weights in float8 e4m3 with a scale per output channel. Steps of many rows run W8A8:
+activations quantized per token at run time, one FP8 GEMM with an f32 result; on sm_89+ GPUs XLA lowers the dot of
+two e4m3 operands to cuBLASLt's FP8 GEMM (custom call `__cublas$lt$matmul$f8`): half the weight bytes of bf16 and
+twice its tensor-core rate. Decode steps run W8A16 (W8A16_MAX_ROWS)."""
 from __future__ import annotations
 
 import jax
@@ -12,6 +12,10 @@ from flax import nnx
 from jaxserve.cache.kv_cache import FP8_MAX
 
 FP8 = jnp.float8_e4m3fn
+# Steps of at most this many rows (decode) read the e4m3 weight into a bf16 GEMM (W8A16): XLA fuses the conversion
+# into a Triton GEMM's operand loads, so the weight is read once, as e4m3. Such steps are bound by weight reads,
+# and quantizing their activations costs kernels and accuracy. Larger steps run W8A8 on the FP8 tensor cores.
+W8A16_MAX_ROWS = 16
 # The smallest normal f32: an all-zero row (padding tokens, a pruned channel) gets a finite scale and quantizes to
 # zeros, and no other row's scale (its amax / FP8_MAX) is this small
 MIN_SCALE = float(np.finfo(np.float32).tiny)
@@ -54,8 +58,19 @@ class Fp8Linear(nnx.Module):
 
     def __call__(self, x):
         """x [..., in] -> [..., out] in x's dtype."""
-        xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        # both operands e4m3, never upcast: that is what XLA turns into the FP8 GEMM
-        y = jax.lax.dot_general(xq, self.weight[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        y = (y * x_scale * self.weight_scale[...]).astype(x.dtype).reshape(*x.shape[:-1], -1)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self.w8a16(x2) if x2.shape[0] <= W8A16_MAX_ROWS else self.w8a8(x2)
+        y = y.astype(x.dtype).reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias[...]
+
+    def w8a8(self, x):
+        """x [N, in] -> f32 [N, out]: both operands e4m3, never upcast (XLA turns that into the FP8 GEMM)."""
+        xq, x_scale = quantize_rows(x)
+        y = jax.lax.dot_general(xq, self.weight[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return y * x_scale * self.weight_scale[...]
+
+    def w8a16(self, x):
+        """x [N, in] -> f32 [N, out]: the weight converted to x's dtype inside the GEMM."""
+        w = self.weight[...].astype(x.dtype)
+        y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return y * self.weight_scale[...]

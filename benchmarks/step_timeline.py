@@ -1,0 +1,99 @@
+"""Where an engine step's time goes, host against device, in steady decode: N prompts x input_len tokens, then
+`--steps` decode steps timed half by half (the engine's async loop: launch step N+1, then finish step N).
+
+  python benchmarks/step_timeline.py --config configs/llama3-8b-random.yaml --quantization fp8 \
+      --set kv_cache_dtype=fp8
+
+Prints the median per step of: schedule (scheduler), prepare (runner: block tables, inputs to the device), enqueue
+(the compiled graphs' calls), wait (the host blocked on the previous step's samples: the device is the
+bottleneck when it is large) and finish (samples -> sequences, outputs). The period is what TPOT sees.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.offline import override  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.config import QUANTIZATIONS  # noqa: E402
+from jaxserve.engine.llm_engine import Launched  # noqa: E402
+from jaxserve.models.loader import load_run  # noqa: E402
+
+PHASES = ("schedule", "prepare", "enqueue", "wait", "finish", "period")
+
+
+def timed_steps(engine, steps: int) -> dict[str, list[float]]:
+    """ms of each phase of `steps` async engine steps."""
+    times = {p: [] for p in PHASES}
+    runner, inflight, engine._inflight = engine.runner, engine._inflight, None
+    prepare, run = runner.prepare_inputs, runner.run
+    clock = {}
+
+    def timed(name, fn):
+        def call(*args):
+            start = time.perf_counter()
+            result = fn(*args)
+            clock[name] = time.perf_counter() - start
+            return result
+        return call
+    runner.prepare_inputs, runner.run = timed("prepare", prepare), timed("enqueue", run)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            output = engine.scheduler.schedule()
+            t1 = time.perf_counter()
+            launched = engine.runner.execute(output)
+            t2 = time.perf_counter()
+            if inflight is not None:
+                jax.block_until_ready(inflight.out)
+            t3 = time.perf_counter()
+            engine.complete_step(inflight)
+            t4 = time.perf_counter()
+            inflight = None if launched is None else Launched(output.rows, launched)
+            for name, ms in (("schedule", t1 - t0), ("prepare", clock.get("prepare", 0.0)),
+                             ("enqueue", clock.get("enqueue", 0.0)), ("wait", t3 - t2), ("finish", t4 - t3),
+                             ("period", t4 - t0)):
+                times[name].append(ms * 1e3)
+    finally:
+        runner.prepare_inputs, runner.run, engine._inflight = prepare, run, inflight
+    return times
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None)
+    ap.add_argument("--set", nargs="+", default=[], metavar="KNOB=VALUE")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args(argv)
+    loaded, cfg = load_run(None, args.config, quantization=args.quantization)
+    llm = LLM(loaded, config=override(cfg, args.set))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, loaded.config.vocab_size, args.input_len).tolist() for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4, ignore_eos=True)
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(p, params)
+    while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()   # prefill every prompt first: the timed steps are decodes of all of them
+    times = timed_steps(engine, args.steps)
+    print(" ".join(f"{p} {np.median(times[p]):.2f} ms" for p in PHASES), flush=True)
+    periods = []
+    for _ in range(args.steps):   # the engine's own loop, for comparison with the period above
+        start = time.perf_counter()
+        engine.step()
+        periods.append((time.perf_counter() - start) * 1e3)
+    print(f"engine.step {np.median(periods):.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
