@@ -2,8 +2,8 @@
 (--request-rate, `inf`: all at once) under a cap on requests in flight (--max-concurrency); each point of the
 sweep (rate x concurrency) reports throughput and TTFT / TPOT / ITL / end-to-end latency p50 / p99.
 
---protocol grpc http runs each point once per protocol, back to back, against the same server (started with
---http-port too): the HTTP pass streams the same requests through the OpenAI API (/v1/completions, server-sent
+--protocol grpc http runs each point once per protocol, back to back, against the same server (which serves
+both): the HTTP pass streams the same requests through the OpenAI API (/v1/completions, server-sent
 events, with vLLM's extra fields ignore_eos, cache_salt and return_token_ids, so that each chunk's time is split
 over the tokens it carries as a gRPC message's is; the closing usage chunk must count them). Rows carry
 `protocol`; an HTTP row also `vs_grpc_pct`, its relative difference from the gRPC row of its point (throughput,
@@ -536,13 +536,12 @@ def print_row(row: dict) -> None:
 
 
 # ---- the server ---------------------------------------------------------------------------------------
-def start_server(args, log: pathlib.Path, max_waiting: int, http: bool) -> tuple[subprocess.Popen, dict[str, str]]:
-    """The server and its ready line's endpoints: {"grpc": host:port, "http": its /v1 URL if http}."""
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics",
+def start_server(args, log: pathlib.Path, max_waiting: int) -> tuple[subprocess.Popen, dict[str, str]]:
+    """The server and its ready line's endpoints: {"grpc": host:port, "http": its /v1 URL}."""
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--grpc-port", "0", "--no-metrics",
            "--max-waiting", str(max_waiting), *shlex.split(args.server_args)]
     cmd += ["--config", args.config] if args.config else []
     cmd += ["--model", args.model] if args.model else []
-    cmd += ["--http-port", "0"] if http else []
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=SERVER_ENV)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -565,13 +564,13 @@ def stop_server(proc: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def endpoints(args, max_waiting: int, http: bool = False) -> Iterator[tuple[dict[str, str], subprocess.Popen | None]]:
     """({"grpc": --target, "http": --http-target}, None) for --target; else a server started for the block (its
-    output in --server-log or a temporary file; with an HTTP port if http) and stopped after it, with its process."""
+    output in --server-log or a temporary file) and stopped after it, with its process."""
     if args.target:
         yield {"grpc": args.target, **({"http": args.http_target} if http else {})}, None
         return
     with tempfile.TemporaryDirectory() as tmp:
         proc, ready = start_server(args, pathlib.Path(args.server_log or pathlib.Path(tmp) / "server.log"),
-                                   max_waiting, http)
+                                   max_waiting)
         try:
             yield ready, proc
         finally:

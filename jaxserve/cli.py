@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
+import importlib.metadata
 import json
+import logging
 import os
 import sys
 from dataclasses import replace
@@ -24,23 +27,44 @@ from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_replicas, load_run, save_converted
 from jaxserve.serve import connections, server
 from jaxserve.serve.connections import ConnectionLimits
+from jaxserve.serve.engine_loop import THROUGHPUT_INTERVAL_S
 
 ENGINE_FLAGS = engine_flags()   # the knobs declared flag=True in config.EngineConfig
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written, and every option's default after its help, an option without help text included
+    (argparse shows a default only beside help text)."""
+
+    def _format_action(self, action):
+        if action.help is None and action.option_strings:
+            action = copy.copy(action)
+            action.help = self._get_help_string(action).lstrip()
+        return super()._format_action(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """Subparsers are made of their parser's class: so every subcommand's help shows its defaults."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"formatter_class": HelpFormatter, **kwargs})
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"embedded model name ({DEFAULT_MODEL}), GGUF file, HF checkpoint or converted directory")
-    p.add_argument("--dtype", choices=["f32", "bf16"], default=None, help="default: f32 on CPU, bf16 on GPU")
+    p.add_argument("--model", default=None,
+                   help="embedded model name, GGUF file, HF checkpoint or converted directory (None: --config's "
+                        f"model, else the embedded {DEFAULT_MODEL})")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default=None, help="None: f32 on CPU, bf16 on GPU")
     p.add_argument("--config", default=None, help="YAML engine config (see configs/)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help="devices the model is split over (overrides --config; default 1)")
+                   help="devices the model is split over (overrides --config; None: --config's, else 1)")
     p.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                    help="fp8: the linear layers' weights in float8 e4m3 with per-channel scales, quantized at load "
                         "(overrides --config; a pre-quantized FP8 checkpoint needs no flag)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="fp8: the KV cache in float8 e4m3 with a scale per layer and kv head, twice the tokens "
-                        "(overrides --config; default auto: the model's dtype)")
+                        "(overrides --config; None: --config's, else auto: the model's dtype)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -120,31 +144,54 @@ def served_engine_config(args) -> EngineConfig:
     return replace(load_run_config(args.config).engine if args.config else EngineConfig(), **knobs)
 
 
-def load_served_replicas(args, cfg: EngineConfig) -> tuple[list[LoadedModel], str]:
-    """The model of --model / --config (whose `model: random` builds random weights) on each data-parallel
-    replica's devices (cfg's tensor_parallel_size each), and its served name."""
-    replicas, _ = load_replicas(args.model, args.config, args.dtype, cfg.tensor_parallel_size,
-                                args.data_parallel_size, quantization=args.quantization)
-    return replicas, replicas[0].source if args.config else args.model
+def served_model(args) -> str | None:
+    """serve's MODEL or --model, which name the same thing (None: neither)."""
+    if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
+        raise ValueError(f"MODEL {args.model_arg} and --model {args.model}: name the model once")
+    return args.model if args.model_arg is None else args.model_arg
+
+
+def load_served_replicas(args, model: str | None, cfg: EngineConfig) -> tuple[list[LoadedModel], str]:
+    """The model (else --config's, whose `model: random` builds random weights; else the embedded one) on each
+    data-parallel replica's devices (cfg's tensor_parallel_size each), and its served name."""
+    replicas, _ = load_replicas(model, args.config, args.dtype, cfg.tensor_parallel_size, args.data_parallel_size,
+                                quantization=args.quantization)
+    return replicas, replicas[0].source if args.config else model or DEFAULT_MODEL
+
+
+def api_key(args) -> str | None:
+    """--api-key, else JAXSERVE_API_KEY (not the flag's default: --help prints defaults)."""
+    return os.environ.get("JAXSERVE_API_KEY") if args.api_key is None else args.api_key
 
 
 def serve_options(args) -> server.ServeOptions:
-    return server.ServeOptions(host=args.host, port=args.port,
-                               metrics_port=None if args.no_metrics else args.metrics_port,
+    return server.ServeOptions(host=args.host, http_port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
+                               metrics_port=args.metrics_port, http_metrics=not args.no_metrics,
                                max_waiting=args.max_waiting, grace_period_s=args.grace_period,
                                max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                scheduling_policy=args.scheduling_policy, reflection=not args.no_reflection,
-                               http_port=args.http_port, api_key=args.api_key,
+                               api_key=api_key(args),
                                allowed_origins=tuple(o for o in args.allowed_origins.split(",") if o),
                                http_limits=ConnectionLimits(args.http_max_connections, args.http_read_timeout,
                                                             args.http_write_timeout))
+
+
+def configure_logging(level: str) -> None:
+    """jaxserve's loggers (a line per finished request, the throughput lines) to stderr from `level` up."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
+    logger = logging.getLogger("jaxserve")
+    logger.setLevel(level.upper())
+    logger.addHandler(handler)
+    logger.propagate = False   # a library's root handler would print each line twice
 
 
 def cmd_serve(args) -> None:
     """Every flag, the config, the TLS files and the ports are checked before the model loads (minutes on a
     large model); once every engine failed (each data-parallel replica's), the server exits 1, so a supervisor
     restarts it. Multi-host: process 0 serves, the others run the steps it publishes (engine/distributed.py)."""
-    opts, cfg = serve_options(args), served_engine_config(args)
+    configure_logging(args.log_level)
+    opts, cfg, model = serve_options(args), served_engine_config(args), served_model(args)
     cluster = distributed.cluster_from(args.coordinator_address, args.num_processes, args.process_id)
     if cluster is not None and args.data_parallel_size != 1:
         raise ValueError("--data-parallel-size: a multi-host engine is one replica; run a server per cluster and "
@@ -154,7 +201,7 @@ def cmd_serve(args) -> None:
         opts.check_bindable()
     prepare_process(cfg)
     distributed.initialize(cluster, cfg.tensor_parallel_size)   # before anything touches a device
-    replicas, name = load_served_replicas(args, cfg)
+    replicas, name = load_served_replicas(args, model, cfg)
     if cluster is not None and not cluster.is_leader:   # the leader checks cfg in LLMEngine: so must a worker
         check_config(cfg, replicas[0].config.max_position_embeddings)
         follow_leader(cluster, start_device(replicas[0], cfg)[1])
@@ -177,29 +224,36 @@ def cmd_client(args) -> None:
     root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     try:
         asyncio.run(print_completion(f"{args.host}:{args.port}", args.prompt, sampling_params(args),
-                                     root_certificates=root, api_key=args.api_key, timeout=args.timeout))
+                                     root_certificates=root, api_key=api_key(args), timeout=args.timeout))
     except grpc.aio.AioRpcError as e:
         raise SystemExit(f"jaxserve client: error: {e.code().name}: {e.details()}") from None
 
 
 def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve the model over gRPC (health, reflection, Prometheus metrics) and, with "
-                                     "--http-port, an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve the model: an OpenAI-compatible HTTP API with Prometheus /metrics on "
+                                     "--port, and gRPC (health, reflection) on --grpc-port")
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model names it")
     add_model_args(p)
-    p.add_argument("--host", default=server.DEFAULT_HOST, help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=server.DEFAULT_PORT, help="gRPC port (0: any free port)")
-    p.add_argument("--metrics-port", type=int, default=server.DEFAULT_METRICS_PORT,
-                   help="Prometheus port (0: any free)")
-    p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
-    p.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-                        "/tokenize, /detokenize, /version, /health, /metrics) on this port (0: any free port)")
-    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+    p.add_argument("--host", default=server.DEFAULT_HOST, help="address to bind (127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=server.DEFAULT_PORT,
+                   help="the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                        "/detokenize, /version, /health) and Prometheus /metrics, always served (0: any free port)")
+    grpc_flags = p.add_mutually_exclusive_group()
+    grpc_flags.add_argument("--grpc-port", type=int, default=server.DEFAULT_GRPC_PORT,
+                            help="the gRPC API, with health and reflection (0: any free port)")
+    grpc_flags.add_argument("--no-grpc", action="store_true", help="no gRPC server: HTTP only")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve Prometheus /metrics on a port of its own (0: any free port)")
+    p.add_argument("--no-metrics", action="store_true", help="no /metrics on --port (--metrics-port still serves it)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="of jaxserve's log on stderr; info: a line per finished request, and the throughput every "
+                        f"{THROUGHPUT_INTERVAL_S:g} s while requests run")
+    p.add_argument("--api-key", default=None,
                    help="every call needs `Authorization: Bearer KEY`: an HTTP header, gRPC call metadata, the metrics "
-                        "scrape (health checks stay open; env JAXSERVE_API_KEY keeps it out of `ps`)")
+                        "scrape (health checks stay open; None: env JAXSERVE_API_KEY, which keeps it out of `ps`)")
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated browser origins (https://host[:port], or *) the HTTP API answers, with CORS; "
-                        "requests from any other origin get 403 (default: none, so no web page can drive the server)")
+                        "requests from any other origin get 403 (empty: none, so no web page can drive the server)")
     p.add_argument("--http-max-connections", type=int, default=connections.DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections; more are answered 503 and closed")
     p.add_argument("--http-read-timeout", type=float, default=connections.DEFAULT_READ_TIMEOUT_S,
@@ -211,8 +265,10 @@ def add_serve_parser(sub) -> None:
                    help="requests without a first token before new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--grace-period", type=float, default=server.DEFAULT_GRACE_PERIOD_S,
                    help="seconds in-flight calls get to finish on SIGTERM")
-    p.add_argument("--max-message-bytes", type=int, default=server.DEFAULT_MAX_MESSAGE_BYTES)
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS)")
+    p.add_argument("--max-message-bytes", type=int, default=server.DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest request: a gRPC message, an HTTP body")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: gRPC over TLS; HTTP "
+                                                    "stays plain)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--scheduling-policy", choices=server.SCHEDULING_POLICIES, default="fcfs",
                    help="priority: requests' priority field orders the queue (fcfs refuses a nonzero priority)")
@@ -235,10 +291,9 @@ def add_serve_parser(sub) -> None:
 def add_client_parser(sub) -> None:
     p = sub.add_parser("client", help="stream a completion from a running `jaxserve serve`")
     p.add_argument("--host", default=server.DEFAULT_HOST)
-    p.add_argument("--port", type=int, default=server.DEFAULT_PORT)
+    p.add_argument("--port", type=int, default=server.DEFAULT_GRPC_PORT, help="the server's --grpc-port")
     p.add_argument("--tls-ca", default=None, help="PEM root certificate: connect with TLS")
-    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-                   help="the server's --api-key (env JAXSERVE_API_KEY)")
+    p.add_argument("--api-key", default=None, help="the server's --api-key (None: env JAXSERVE_API_KEY)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     add_sampling_args(p)
     p.add_argument("prompt", metavar="PROMPT")
@@ -253,13 +308,14 @@ def add_bench_parser(sub, with_commands: bool) -> None:
     from benchmarks import sweep
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)   # sweep.invocation looks for it
     p = bench_sub.add_parser("sweep", help="compile and time the jitted step of every bucket; weigh the bucket ladder",
-                             description=sweep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                             description=sweep.__doc__)
     sweep.add_args(p)
     p.set_defaults(func=sweep.cmd_sweep)
 
 
 def build_parser(with_bench_commands: bool = False) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving on JAX/XLA")
+    parser = Parser(prog="jaxserve", description="LLM serving on JAX/XLA")
+    parser.add_argument("--version", action="version", version=importlib.metadata.version("jaxserve"))
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer prompts (each a user message, through the model's chat "
                                           "template when it has one; --raw: complete the text)")

@@ -238,7 +238,7 @@ def in_process(engine: LLMEngine, **opts):
     call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
 
     async def start():
-        server = Server([engine], ServeOptions(port=0, metrics_port=None, http_port=0, grace_period_s=1.0, **opts),
+        server = Server([engine], ServeOptions(grpc_port=0, http_port=0, grace_period_s=1.0, **opts),
                         MODEL)
         await server.start()
         return server

@@ -1,7 +1,10 @@
-"""The command line as a user meets it: JSON output, orbax round trip, one clear line for every bad model;
-and what it imports: no benchmarks unless `bench` runs, no cycle with the serving modules."""
+"""The command line as a user meets it: JSON output, orbax round trip, one clear line for every bad model, every
+default in --help, --version; and what it imports: no benchmarks unless `bench` runs, no cycle with the serving
+modules."""
 import ast
+import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.cli import build_parser
 
 from helpers import jaxserve
 
@@ -154,3 +158,40 @@ def test_bench_subcommands_parse_on_demand():
     top, sweep = jaxserve("--help", timeout=120), jaxserve("bench", "sweep", "--help", timeout=120)
     assert top.returncode == 0 and "bench" in top.stdout, top.stderr
     assert sweep.returncode == 0 and "--token-buckets" in sweep.stdout, sweep.stderr
+
+
+def option_help(capsys, *command: str) -> dict[str, str]:
+    """`jaxserve COMMAND --help`'s options: each one's first flag -> its entry, unwrapped."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([*command, "--help"])
+    assert exit_.value.code == 0
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out.split("\noptions:\n", 1)[1])
+    return {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries}
+
+
+@pytest.mark.parametrize("command, defaults", [
+    (["serve"], {"--port": "8000", "--grpc-port": "50051", "--log-level": "info", "--metrics-port": "None",
+                 "--no-grpc": "False", "--http-read-timeout": "30.0", "--max-message-bytes": "16777216"}),
+    (["generate"], {"--max-tokens": "64", "--temperature": "0.0"}),   # options without help text
+    (["chat"], {"--max-tokens": "256"}),
+    (["client"], {"--port": "50051"}),
+    (["convert"], {"--dtype": "None"}),
+])
+def test_help_shows_every_options_default(capsys, command, defaults):
+    options = option_help(capsys, *command)
+    assert {flag: entry for flag, entry in options.items() if flag != "-h" and "(default: " not in entry} == {}
+    assert {flag: options[flag].rpartition("(default: ")[2][:-1] for flag in defaults} == defaults
+
+
+def test_version_prints_the_package_version():
+    run = jaxserve("--version", timeout=120)
+    assert run.returncode == 0 and run.stdout == importlib.metadata.version("jaxserve") + "\n", run.stderr
+
+
+def test_serve_takes_the_model_as_its_positional_argument(tmp_path):
+    """MODEL means what --model does: a missing file is named in the one error line, before anything loads."""
+    path = tmp_path / "nope.gguf"
+    run = jaxserve("serve", str(path), "--port", "0", "--grpc-port", "0", timeout=120)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("jaxserve serve: error:")]
+    assert run.returncode == 2 and len(lines) == 1 and str(path) in lines[0] and "no such file" in lines[0], \
+        run.stderr

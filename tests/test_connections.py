@@ -197,7 +197,7 @@ def test_check_bindable_takes_a_port_in_time_wait():
         accepted.close()   # the server side closes first: its end enters TIME-WAIT
         client.recv(1)
         client.close()
-    ServeOptions(port=port, metrics_port=None).check_bindable()
+    ServeOptions(grpc_port=port, http_port=0).check_bindable()
 
 
 FD_SCRIPT = textwrap.dedent("""

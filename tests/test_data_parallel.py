@@ -102,11 +102,11 @@ async def wait_idle(server: Server) -> dict:
 
 
 async def scenario(engines: list[LLMEngine], recorder: Recorder) -> dict:
-    server = Server(engines, ServeOptions(port=0, metrics_port=None, http_port=0, grace_period_s=1.0), "tiny")
+    server = Server(engines, ServeOptions(grpc_port=0, http_port=0, grace_period_s=1.0), "tiny")
     await server.start()
     base = f"http://127.0.0.1:{server.http_port}"
     try:
-        async with Client(f"127.0.0.1:{server.port}") as c:
+        async with Client(f"127.0.0.1:{server.grpc_port}") as c:
             out = await served_by_both(c, base, recorder)
             out["stats"] = await wait_idle(server)
             out["aborted"] = list(recorder.aborted)   # the aborts ran before the engines went idle
@@ -248,7 +248,8 @@ def test_more_replicas_than_devices_is_an_error_naming_both_sizes():
 
 @pytest.mark.slow
 def test_serve_refuses_too_many_replicas_in_one_line_before_loading():
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics", "--data-parallel-size", "2"]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--grpc-port", "0", "--no-metrics",
+           "--data-parallel-size", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
                          env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
     lines = out.stderr.strip().splitlines()

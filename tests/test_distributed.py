@@ -117,8 +117,8 @@ def serve_cluster(tmp_path: Path, *flags: str) -> tuple[list[subprocess.Popen], 
                                       "engine": {**engine, "tensor_parallel_size": 2}}))
     port, logs = free_port(), [tmp_path / "leader.log", tmp_path / "worker.log"]
     procs = [start([sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", "0",
-                    "--no-metrics", "--no-precompile", *flags, "--coordinator-address", f"127.0.0.1:{port}",
-                    "--num-processes", "2", "--process-id", str(i)], logs[i]) for i in (0, 1)]
+                    "--grpc-port", "0", "--no-metrics", "--no-precompile", *flags, "--coordinator-address",
+                    f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], logs[i]) for i in (0, 1)]
     return procs, logs
 
 
@@ -205,8 +205,9 @@ def test_cluster_flags_fall_back_to_the_environment_and_are_checked():
      "random value in every process"),
 ], ids=["process-id", "data-parallel", "no-secret"])
 def test_bad_cluster_flags_are_one_line_errors_before_anything_starts(flags, match):
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics", "--coordinator-address",
-           f"127.0.0.1:{free_port()}", "--num-processes", "2", *flags]   # the last --coordinator-address counts
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--grpc-port", "0", "--no-metrics",
+           "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2",
+           *flags]   # the last --coordinator-address counts
     env = {k: v for k, v in ENV.items() if k != "JAXSERVE_CLUSTER_SECRET"}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
     lines = out.stderr.strip().splitlines()
@@ -219,7 +220,7 @@ def test_a_mesh_short_of_the_cluster_is_refused_in_every_process(tmp_path):
     """--tensor-parallel-size must count every device of every process (one engine over all of them): with the
     default 1, each process says so and exits, none waits for the other forever."""
     port, logs = free_port(), [tmp_path / "leader.log", tmp_path / "worker.log"]
-    procs = [start([sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics",
+    procs = [start([sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--grpc-port", "0", "--no-metrics",
                     "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
                    logs[i]) for i in (0, 1)]
     assert finish(procs) == [2, 2]

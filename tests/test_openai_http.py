@@ -1,17 +1,14 @@
 """The OpenAI-compatible HTTP front end through the official `openai` client (and httpx2, which it is built on):
 one in-process server per module (embedded SmolLM2, small engine, lazy compile) on loopback, checked against the
 offline API; a second one over a stuck, then failing, engine step for the refusal statuses; a third over a tiny
-random model without a tokenizer (the benchmarks' kind), served token ids."""
+random model without a tokenizer (the benchmarks' kind), served token ids; a fourth like it for the log lines."""
 import json
-import os
+import logging
 import random
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx2
 import jax.numpy as jnp
@@ -21,12 +18,12 @@ import pytest
 from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from jaxserve.engine.llm_engine import NeverFits, QueueFull
 from jaxserve.models.loader import random_model
+from jaxserve.serve import engine_loop
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 from jaxserve.serve.openai_http import ENGINE_FIELDS, UNSUPPORTED, api_error
 
 from helpers import MODEL, SERVER_KNOBS, TINY_NO_EOS, base_url, in_process, wait_idle
 
-REPO = Path(__file__).resolve().parents[1]
 KEY = "test-key"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -339,19 +336,6 @@ def test_admission_errors_map_to_statuses():
     assert (api_error(Overloaded("x"), {}).status, api_error(EngineFailed("x"), {}).status) == (429, 503)
 
 
-@pytest.mark.slow
-def test_serve_refuses_a_busy_http_port_before_loading_the_model():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics", "--http-port",
-               str(busy.getsockname()[1])]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
-                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 2 and re.fullmatch(r"jaxserve serve: error: --http-port \d+ on --host 127.0.0.1: "
-                                                r"cannot bind .*", out.stderr.strip()), out.stderr
-
-
 # ---- a model without a tokenizer (random weights: what the GPU serving benchmarks run) ----------------------
 IDS = list(range(3, 40))
 TOKEN_IDS = dict(ignore_eos=True, return_token_ids=True)
@@ -403,3 +387,31 @@ def test_cache_salt_is_a_prefix_cache_namespace(bare):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt})
         return wait_idle(server)["prefix_cache_hits"] - before
     assert (hits("a"), hits("a") > 0, hits("b"), hits("b") > 0) == (0, True, 0, True)
+
+
+def throughput_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Avg prompt throughput")]
+
+
+@pytest.mark.slow
+def test_the_log_has_a_line_per_finished_request_and_throughput_only_while_busy(monkeypatch, caplog):
+    monkeypatch.setattr(engine_loop, "THROUGHPUT_INTERVAL_S", 0.2)
+    caplog.set_level(logging.INFO, logger="jaxserve")
+    engine = LLMEngine(random_model(TINY_NO_EOS, jnp.float32), EngineConfig(precompile=False, **SERVER_KNOBS))
+    with in_process(engine) as server, \
+            openai.OpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        time.sleep(1.0)
+        idle = throughput_lines(caplog)
+        list(c.completions.create(model=MODEL, prompt=IDS, max_tokens=9, stream=True, extra_body={"ignore_eos": True}))
+        wait_idle(server)
+        time.sleep(1.0)
+        busy = throughput_lines(caplog)
+        time.sleep(1.0)
+        after = throughput_lines(caplog)
+    assert idle == [] and busy == after   # nothing while nothing runs
+    rates = [re.fullmatch(r"Avg prompt throughput: (\S+) tokens/s, Avg generation throughput: (\S+) tokens/s, "
+                          r"Running: (\d+) reqs, Waiting: (\d+) reqs, KV cache usage: (\S+)%", line) for line in busy]
+    assert all(rates) and any(float(r[1]) > 0 for r in rates) and any(float(r[2]) > 0 for r in rates)
+    [access] = [r.getMessage() for r in caplog.records if r.name == "jaxserve.serve.metrics"]
+    assert re.fullmatch(rf"request \d+ finished: prompt_tokens={len(IDS)} output_tokens=9 ttft=\d+\.\d+s "
+                        r"duration=\d+\.\d+s finish_reason=length", access), access

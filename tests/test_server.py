@@ -1,9 +1,11 @@
 """`jaxserve serve` end to end (jaxserve/serve/server.py, grpc_api.py): one real server subprocess on loopback
-(embedded SmolLM2, small engine, lazy compile) driven through the Python client and the CLI; in-process servers over
-a fresh engine for TLS, the message-size limit and an injected engine failure. The SIGTERM test stops the shared
-server: it stays last."""
+(embedded SmolLM2 named as the positional MODEL, small engine, lazy compile) driven through the Python client, HTTP
+and the CLI, its log read for the access lines; a second one over a tiny random model for --no-grpc and
+--log-level; in-process servers over a fresh engine for TLS, the message-size limit and an injected engine failure.
+The SIGTERM test stops the shared server: it stays last."""
 import asyncio
 import contextlib
+import json
 import os
 import random
 import re
@@ -20,16 +22,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from jaxserve.client import Client
+from jaxserve.models.loader import embedded_model_path
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve.server import SERVICE_NAME, ServeOptions, Server, serve_until_signal, stop_then_force
 
-from helpers import SERVER_KNOBS, free_port
+from helpers import SERVER_KNOBS, TINY_HF_KWARGS, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_WAITING = 48
@@ -40,44 +44,59 @@ SHARED = "You are a helpful assistant. Answer in one short sentence, and be prec
 PROMPTS = [(SHARED if i % 2 else "") + f"Question {i}: what is {i} plus {i * 7 % 13}, and why?" for i in range(32)]
 SAMPLED = [SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=10) for i in range(32)]
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)   # never finishes during a test
+MODEL_PATH = str(embedded_model_path("smollm2-135m-instruct"))   # the shared server's MODEL, and so its name
+KNOB_FLAGS = [a for k, v in SERVER_KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
 
 
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen
     log: Path
-    target: str = ""
-    metrics_url: str = ""
+    ready: dict[str, str] = field(default_factory=dict)   # the ready line's endpoints: grpc, http (its /v1 URL)
 
     def wait_ready(self) -> str:
+        """The gRPC target ("" without gRPC), once the server is ready."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self.target:
-            match = re.search(r"ready grpc=(\S+) metrics=(\S+)", self.log.read_text())
+        while not self.ready:
+            match = re.search(r"jaxserve serve: ready (.*)\n", self.log.read_text())
             if match:
-                self.target, self.metrics_url = match.groups()
+                self.ready = dict(part.split("=", 1) for part in match[1].split())
             elif self.proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"server did not start:\n{self.log.read_text()[-3000:]}")
             else:
                 time.sleep(0.2)
-        return self.target
+        return self.ready.get("grpc", "")
+
+    @property
+    def target(self) -> str:
+        return self.ready["grpc"]
+
+    @property
+    def http_url(self) -> str:
+        return self.ready["http"].removesuffix("/v1")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(GRACE_S + 30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start_server(log: Path, *flags: str) -> ServerProcess:
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--no-precompile", *KNOB_FLAGS, *flags]
+    with open(log, "w") as out:
+        return ServerProcess(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                              env={**os.environ, "JAX_PLATFORMS": "cpu"}), log)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    flags = [a for k, v in SERVER_KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--metrics-port", "0", "--no-precompile",
-           "--max-waiting", str(MAX_WAITING), "--grace-period", str(GRACE_S), *flags]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    yield ServerProcess(proc, log)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(GRACE_S + 30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    process = start_server(tmp_path_factory.mktemp("serve") / "server.log", MODEL_PATH, "--port", "0",
+                           "--grpc-port", "0", "--max-waiting", str(MAX_WAITING), "--grace-period", str(GRACE_S))
+    yield process
+    process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +364,7 @@ def test_prometheus_metrics(server):
         return await c.server_stats()
 
     stats = run(scenario, server.wait_ready())
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    text = urllib.request.urlopen(server.http_url + "/metrics", timeout=10).read().decode()   # HTTP's, on --port
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]  # noqa: E731
@@ -359,6 +378,47 @@ def test_prometheus_metrics(server):
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_hit_rate",
                   "preemptions_total", "serving"):
         assert f"jaxserve_{gauge}" in {name for name, _ in samples}
+
+
+@pytest.mark.slow
+def test_http_on_port_answers_models_and_metrics(server):
+    """--port serves the OpenAI API under the positional MODEL's name, and Prometheus /metrics beside it."""
+    server.wait_ready()
+    with urllib.request.urlopen(server.http_url + "/v1/models", timeout=10) as response:
+        assert [m["id"] for m in json.load(response)["data"]] == [MODEL_PATH]
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=10) as response:
+        assert response.headers.get_content_type() == "text/plain" and b"\njaxserve_serving 1.0\n" in response.read()
+
+
+def post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def access_lines(log: str, prompt_tokens: int, output_tokens: int, request_id: str = r"\d+") -> list[tuple[str, str]]:
+    """(ttft, duration) of the access-log lines of finished requests with these counts."""
+    return re.findall(rf"^INFO .* jaxserve\.serve\.metrics: request {request_id} finished: prompt_tokens="
+                      rf"{prompt_tokens} output_tokens={output_tokens} ttft=(\d+\.\d+)s duration=(\d+\.\d+)s "
+                      r"finish_reason=length$", log, re.M)
+
+
+@pytest.mark.slow
+def test_a_finished_request_is_one_access_log_line(server):
+    """At the default --log-level info, over gRPC and HTTP alike: request id, prompt and output tokens, TTFT,
+    duration and finish reason."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+    async def scenario(c: Client):
+        return await c.complete(PROMPTS[7], params)
+
+    done = run(scenario, server.wait_ready())
+    prompt = list(range(3, 26))
+    served = post_json(server.http_url + "/v1/completions", {"prompt": prompt, "max_tokens": 3, "ignore_eos": True})
+    log = server.log.read_text()
+    [(ttft, duration)] = access_lines(log, done.usage.prompt_tokens, 5, done.request_id)
+    assert 0 < float(ttft) <= float(duration)
+    assert served["usage"]["completion_tokens"] == 3 and len(access_lines(log, len(prompt), 3)) == 1
 
 
 @pytest.mark.slow
@@ -382,18 +442,23 @@ def test_cli_client_streams_the_offline_text(server, reference):
 
 @pytest.mark.parametrize("flags, match", [
     (["--port", "BUSY"], r"--port \d+ on --host 127.0.0.1: cannot bind"),
+    (["--grpc-port", "BUSY"], r"--grpc-port \d+ on --host 127.0.0.1: cannot bind"),
+    (["--metrics-port", "BUSY"], r"--metrics-port \d+ on --host 127.0.0.1: cannot bind"),
+    (["--port", "50051", "--grpc-port", "50051"], "--grpc-port 50051: the same port as --port"),
+    (["one.gguf", "--model", "other.gguf"], "MODEL one.gguf and --model other.gguf"),
     (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"], "--tls-key /nonexistent"),
     (["--host", "192.0.2.1"], "--port 0 on --host 192.0.2.1: cannot bind"),   # TEST-NET: never this machine's
     (["--max-num-seqs", "0"], "max_num_seqs must be a positive int"),
     (["--config", "/nonexistent.yaml"], "cannot read"),
-], ids=["port-in-use", "tls-file", "host", "engine-knob", "config"])
+], ids=["port-in-use", "grpc-port-in-use", "metrics-port-in-use", "same-port", "model-twice", "tls-file", "host",
+        "engine-knob", "config"])
 @pytest.mark.slow
 def test_serve_refuses_bad_flags_in_one_line_before_loading_the_model(flags, match):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         flags = [str(busy.getsockname()[1]) if f == "BUSY" else f for f in flags]
-        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-metrics", *flags]
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--grpc-port", "0", *flags]
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 2, out.stderr
@@ -402,12 +467,41 @@ def test_serve_refuses_bad_flags_in_one_line_before_loading_the_model(flags, mat
     assert "loading weights" not in out.stderr
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports a process listens on (Linux: its sockets' inodes in /proc/net/tcp and tcp6)."""
+    links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    inodes = {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+    rows = [line.split() for table in ("tcp", "tcp6")
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]]
+    return {int(row[1].rpartition(":")[2], 16) for row in rows if row[3] == "0A" and row[9] in inodes}   # 0A: LISTEN
+
+
+@pytest.mark.slow
+def test_no_grpc_serves_http_alone_and_log_level_warning_drops_the_access_lines(tmp_path):
+    config = tmp_path / "tiny.yaml"   # random weights: a fast start
+    config.write_text(yaml.safe_dump({"model": "random", "dtype": "f32",
+                                      "random_model": {"architectures": ["LlamaForCausalLM"], **TINY_HF_KWARGS}}))
+    quiet = start_server(tmp_path / "quiet.log", "--config", str(config), "--port", "0", "--no-grpc",
+                         "--log-level", "warning")
+    try:
+        assert quiet.wait_ready() == "" and set(quiet.ready) == {"http"}
+        assert listening_ports(quiet.proc.pid) == {int(quiet.http_url.rpartition(":")[2])}
+        served = post_json(quiet.http_url + "/v1/completions", {"prompt": list(range(3, 12)), "max_tokens": 3,
+                                                                 "ignore_eos": True})
+        assert served["usage"]["completion_tokens"] == 3
+    finally:
+        quiet.stop()
+    log = quiet.log.read_text()
+    assert quiet.proc.returncode == 0 and "jaxserve serve: stopped" in log
+    assert "finished: prompt_tokens=" not in log and not re.search(r"^INFO .* jaxserve\.", log, re.M), log
+
+
 # ---- in-process servers over a fresh engine (no compile needed: nothing here runs a step) ----------------
 @contextlib.asynccontextmanager
 async def in_process(smollm, engine_knobs=None, **opts):
     knobs = {**SERVER_KNOBS, **(engine_knobs or {})}
     server = Server([LLMEngine(smollm, EngineConfig(precompile=False, **knobs))],
-                    ServeOptions(**{"port": 0, "metrics_port": None, "grace_period_s": 1.0, **opts}), "smollm2")
+                    ServeOptions(**{"http_port": 0, "grpc_port": 0, "grace_period_s": 1.0, **opts}), "smollm2")
     await server.start()
     try:
         yield server
@@ -425,7 +519,7 @@ def test_tls_and_message_size_limit(smollm, tmp_path):
 
     async def scenario():
         async with in_process(smollm, tls_cert=str(cert), tls_key=str(key), max_message_bytes=4096) as server:
-            target = f"127.0.0.1:{server.port}"
+            target = f"127.0.0.1:{server.grpc_port}"
             async with Client(target, root_certificates=cert.read_bytes()) as c:
                 ids = await c.tokenize("Hello over TLS")
                 with pytest.raises(grpc.aio.AioRpcError) as too_big:
@@ -445,7 +539,7 @@ def test_tls_and_message_size_limit(smollm, tmp_path):
 def test_api_key_guards_every_grpc_service_but_health_and_the_metrics_port(smollm):
     async def scenario():
         async with in_process(smollm, api_key="k3y", metrics_port=0) as server:
-            target, metrics = f"127.0.0.1:{server.port}", f"http://127.0.0.1:{server.metrics_port}/metrics"
+            target, metrics = f"127.0.0.1:{server.grpc_port}", f"http://127.0.0.1:{server.metrics_port}/metrics"
             async with Client(target) as anonymous, Client(target, api_key="wrong") as wrong, \
                     Client(target, api_key="k3y") as keyed:
                 refused = [await error_code(anonymous.tokenize("Hi")), await error_code(wrong.model_info())]
@@ -492,7 +586,7 @@ def test_engine_failure_is_unavailable_and_not_serving(smollm):
             def broken_step():
                 raise RuntimeError("injected device failure")
             server.engine_loop.engine.step = broken_step
-            async with Client(f"127.0.0.1:{server.port}") as c:
+            async with Client(f"127.0.0.1:{server.grpc_port}") as c:
                 healthy = await c.health()
                 errors = []
                 for call in (c.complete("Hello", SamplingParams(max_tokens=4)),   # hits the failing step
@@ -516,7 +610,7 @@ def test_an_engine_failure_ends_serving_with_exit_code_1(smollm):
         engine, port = LLMEngine(smollm, EngineConfig(precompile=False, **SERVER_KNOBS)), free_port()
         engine.step = lambda: (_ for _ in ()).throw(RuntimeError("injected device failure"))
         serving = asyncio.create_task(serve_until_signal(
-            [engine], ServeOptions(port=port, metrics_port=None, grace_period_s=1.0), "smollm2"))
+            [engine], ServeOptions(http_port=0, grpc_port=port, grace_period_s=1.0), "smollm2"))
         async with Client(f"127.0.0.1:{port}") as c:
             await asyncio.wait_for(c.channel.channel_ready(), 30)
             with pytest.raises(grpc.aio.AioRpcError):
@@ -547,7 +641,7 @@ def test_refusals_get_their_status_and_nothing_reaches_the_engine_thread(smollm)
             tokenize = server.servicer.engine.tokenize
             server.servicer.engine.tokenize = lambda *a: threads.append(threading.current_thread().name) or \
                 tokenize(*a)
-            target, codes = f"127.0.0.1:{server.port}", {}
+            target, codes = f"127.0.0.1:{server.grpc_port}", {}
             async with Client(target) as c:
                 for name, call in (
                         ("never fits", c.complete(list(range(1, 300)), SamplingParams(max_tokens=200))),
@@ -583,7 +677,7 @@ def list_services(target: str) -> set[str]:
 def test_reflection_can_be_turned_off(smollm):
     async def scenario():
         async with in_process(smollm, reflection=False) as server:
-            return await asyncio.to_thread(list_services, f"127.0.0.1:{server.port}")
+            return await asyncio.to_thread(list_services, f"127.0.0.1:{server.grpc_port}")
 
     with pytest.raises(grpc.RpcError) as err:
         asyncio.run(scenario())
@@ -616,19 +710,14 @@ def test_sigterm_drains_the_in_flight_stream_and_exits_zero(server):
 
 @pytest.mark.slow
 def test_a_restart_on_the_drained_ports_starts_at_once(server, tmp_path):
-    """The drain left the drained stream's connection in TIME-WAIT on the gRPC and metrics ports: a supervisor's
-    immediate restart must bind them (the servers set SO_REUSEADDR, and so must the pre-check)."""
+    """The drain left the drained stream's connection in TIME-WAIT on the gRPC port (and the scrapes' on the HTTP
+    one): a supervisor's immediate restart must bind them (the servers set SO_REUSEADDR, and so must the
+    pre-check)."""
     assert server.proc.poll() is not None   # after the SIGTERM test
-    port, metrics_port = server.target.rpartition(":")[2], server.metrics_url.split(":")[2].split("/")[0]
-    flags = [a for k, v in SERVER_KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", port, "--metrics-port", metrics_port,
-           "--no-precompile", *flags]
-    log = tmp_path / "restart.log"
-    with open(log, "w") as out:
-        restarted = ServerProcess(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                                   env={**os.environ, "JAX_PLATFORMS": "cpu"}), log)
+    restarted = start_server(tmp_path / "restart.log", "--port", server.http_url.rpartition(":")[2],
+                             "--grpc-port", server.target.rpartition(":")[2])
     try:
-        assert restarted.wait_ready() == server.target
+        assert restarted.wait_ready() == server.target and restarted.http_url == server.http_url
     finally:
         restarted.proc.send_signal(signal.SIGTERM)
         assert restarted.proc.wait(GRACE_S + 30) == 0

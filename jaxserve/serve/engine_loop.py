@@ -9,15 +9,18 @@ chat-templates and tokenizes requests, so neither an engine nor the event loop e
 Handlers never touch an engine: they enqueue commands and await their request's asyncio queue. Outputs are
 cumulative, so a handler that falls behind sends only the newest (as a delta). A handler that ends before its
 request finished (client cancel or disconnect, expired deadline, shutdown) aborts it; the abort runs before the
-next step, so the request's blocks are free within one step.
+next step, so the request's blocks are free within one step. Every THROUGHPUT_INTERVAL_S with activity, a log line
+gives the interval's throughput, as vLLM's does.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +31,9 @@ from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sequence import RequestOutput
 
 STOP = None   # the command that ends the engine thread
+THROUGHPUT_INTERVAL_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class EngineFailed(Exception):
@@ -57,6 +63,7 @@ class Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or the exception ending it
     started: bool = False     # has an output: no longer counts against max_waiting
     finished: bool = False
+    num_tokens: int = 0       # output tokens, all choices together, as of the latest output
 
 
 # engine stats that add up over replicas; the ratios are computed from the sums
@@ -87,8 +94,10 @@ class EngineLoop:
         self.streams: dict[str, Stream] = {}
         self.num_pending = 0
         self.failure: EngineFailed | None = None   # once no replica is left
+        self.prompt_tokens = self.generation_tokens = 0   # of the outputs so far, for the throughput line
         self._ids = itertools.count()
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
+        self.throughput_log: asyncio.Task | None = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -99,8 +108,10 @@ class EngineLoop:
         self.loop = asyncio.get_running_loop()
         for replica in self.replicas:
             replica.thread.start()
+        self.throughput_log = asyncio.create_task(self.log_throughput())
 
     async def stop(self) -> None:
+        self.throughput_log.cancel()
         for replica in self.replicas:
             replica.commands.put(STOP)
         await asyncio.gather(*(asyncio.to_thread(replica.thread.join) for replica in self.replicas))
@@ -166,6 +177,21 @@ class EngineLoop:
         return {**summed_stats([r.snapshot for r in live or self.replicas]), "pending": self.num_pending,
                 "serving": self.failure is None, "replicas_serving": len(live)}
 
+    async def log_throughput(self) -> None:
+        """Every THROUGHPUT_INTERVAL_S in which requests ran, waited or got tokens: the requests running and waiting,
+        the interval's prompt and generation tokens/s (a prompt counts once its first token is out) and the KV cache
+        usage. Nothing while idle."""
+        since, counted = time.monotonic(), (0, 0)
+        while True:
+            await asyncio.sleep(THROUGHPUT_INTERVAL_S)
+            now, counts, stats = time.monotonic(), (self.prompt_tokens, self.generation_tokens), self.stats()
+            if counts != counted or stats["running"] or stats["waiting"]:
+                log.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
+                         (counts[0] - counted[0]) / (now - since), (counts[1] - counted[1]) / (now - since),
+                         stats["running"], stats["waiting"], 100 * stats["kv_usage"])
+            since, counted = now, counts
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self.streams.get(out.request_id)
@@ -174,7 +200,10 @@ class EngineLoop:
             if not stream.started:
                 stream.started = True
                 self.num_pending -= 1
-            stream.finished = out.finished
+                self.prompt_tokens += len(out.prompt_token_ids)
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            self.generation_tokens += num_tokens - stream.num_tokens
+            stream.num_tokens, stream.finished = num_tokens, out.finished
             stream.queue.put_nowait(out)
 
     def _deliver_error(self, request_id: str, error: Exception) -> None:

@@ -1,9 +1,10 @@
 """Prometheus metrics of `jaxserve serve` (both front ends, one registry): per-request latency histograms and
 outcomes, and engine gauges read at scrape time from the engine loop's latest stats snapshot (so scraping never
-touches an engine), summed over data-parallel replicas. Served on --metrics-port, and at /metrics of the HTTP
-front end."""
+touches an engine), summed over data-parallel replicas. Served at /metrics of the HTTP front end, and on
+--metrics-port when asked. A request the engine served ends with an access-log line (RequestTimer.end)."""
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -20,6 +21,8 @@ from jaxserve.engine.llm_engine import AdmissionError
 from jaxserve.engine.sequence import RequestOutput
 from jaxserve.serve.connections import bearer_matches
 from jaxserve.serve.engine_loop import SHARED_STATS, EngineFailed, Overloaded
+
+log = logging.getLogger(__name__)
 
 # Bucket edges in seconds: TTFT spans queueing + prefill; per-token latencies span one engine step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -163,10 +166,19 @@ class RequestTimer:
         m.requests.labels(result).inc()
         if out is None:
             return
-        m.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        output_tokens, duration = sum(len(c.token_ids) for c in out.outputs), time.perf_counter() - self.start
+        m.generation_tokens.inc(output_tokens)
+        self.log_access(out, result, output_tokens, duration)
         if result != "finished":
             return
         m.prompt_tokens.inc(len(out.prompt_token_ids))
-        m.e2e.observe(time.perf_counter() - self.start)
+        m.e2e.observe(duration)
         if self.num_tokens > 1:
             m.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
+
+    def log_access(self, out: RequestOutput, result: str, output_tokens: int, duration: float) -> None:
+        """The request's access-log line; a choice that did not finish shows how the request ended instead."""
+        ttft = "-" if self.first is None else f"{self.first - self.start:.3f}s"
+        log.info("request %s %s: prompt_tokens=%d output_tokens=%d ttft=%s duration=%.3fs finish_reason=%s",
+                 out.request_id, result, len(out.prompt_token_ids), output_tokens, ttft, duration,
+                 ",".join(c.finish_reason or result for c in out.outputs))

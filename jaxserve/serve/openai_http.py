@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP front end of `jaxserve serve --http-port`: /v1/completions and /v1/chat/completions
-(server-sent events when streaming, ending with `data: [DONE]`), /v1/models, /health and /metrics. A Starlette app
-served by uvicorn in the gRPC server's event loop, over the same engine loop. A request body is parsed,
-chat-templated and tokenized on the engine loop's tokenizer thread; its cumulative RequestOutputs become an OpenAI
-response, or chunks of per-choice deltas. A client that disconnects aborts its request at once. Errors are
-OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+"""The OpenAI-compatible HTTP front end of `jaxserve serve` (on --port): /v1/completions and /v1/chat/completions
+(server-sent events when streaming, ending with `data: [DONE]`), /v1/models, /health and /metrics (unless the server
+turns it off). A Starlette app served by uvicorn in the server's event loop (beside gRPC's), over the engine loop.
+A request body is parsed, chat-templated and tokenized on the engine loop's tokenizer thread; its cumulative
+RequestOutputs become an OpenAI response, or chunks of per-choice deltas. A client that disconnects aborts its
+request at once. Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 
 vLLM's extra request fields are taken too: the SamplingParams ones below, `cache_salt` (a prefix-cache namespace)
 and `return_token_ids` (each choice, or chunk's choice, carries its new `token_ids`). A model without a tokenizer
@@ -345,7 +345,8 @@ class OpenAIApp:
     """The routes over one engine loop; `app` is the ASGI application."""
 
     def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, api_key: str | None,
-                 max_body_bytes: int, read_timeout_s: float, allowed_origins: tuple[str, ...] = ()):
+                 max_body_bytes: int, read_timeout_s: float, allowed_origins: tuple[str, ...] = (),
+                 serve_metrics: bool = True):
         self.engine_loop, self.metrics, self.model_name = engine_loop, metrics, model_name
         self.max_body_bytes, self.read_timeout_s, self.created = max_body_bytes, read_timeout_s, int(time.time())
         self.tokenizer = tok = engine_loop.engine.tokenizer
@@ -355,7 +356,8 @@ class OpenAIApp:
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model),
-                  Route("/version", self.version), Route("/health", self.health), Route("/metrics", self.scrape)]
+                  Route("/version", self.version), Route("/health", self.health),
+                  *([Route("/metrics", self.scrape)] if serve_metrics else [])]
         handlers = {APIError: lambda _, e: e.response(), HTTPException: http_error,
                     ClientDisconnect: lambda *_: Response(status_code=499), Exception: internal_error}
         app = Starlette(routes=routes, exception_handlers=handlers)

@@ -1,8 +1,8 @@
 """`jaxserve serve`: its options, and the server that runs the engine loop (engine_loop.py: one LLMEngine, or one per
-data-parallel replica, each on its thread, and a tokenizer thread) under two APIs in one event loop: gRPC
-(grpc_api.py, on a grpc.aio server with health and reflection) and, with --http-port, OpenAI-compatible HTTP
-(openai_http.py); plus Prometheus metrics, and the signals that drain it. Once every engine failed, health turns
-NOT_SERVING (HTTP /health 503) and the process exits 1."""
+data-parallel replica, each on its thread, and a tokenizer thread) under two APIs in one event loop: OpenAI-compatible
+HTTP (openai_http.py, with Prometheus /metrics) and, unless turned off, gRPC (grpc_api.py, on a grpc.aio server with
+health and reflection); a standalone metrics port when asked, and the signals that drain it. Once every engine
+failed, health turns NOT_SERVING (HTTP /health 503) and the process exits 1."""
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +25,8 @@ from jaxserve.serve.metrics import ServerMetrics
 from jaxserve.serve.openai_http import HttpServer, OpenAIApp
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 50051
-DEFAULT_METRICS_PORT = 9400
+DEFAULT_PORT = 8000           # HTTP, vLLM's
+DEFAULT_GRPC_PORT = 50051
 DEFAULT_MAX_WAITING = 512             # requests without a first token before RESOURCE_EXHAUSTED
 DEFAULT_GRACE_PERIOD_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a 128k-token prompt as int64 ids is ~1 MiB
@@ -36,8 +36,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 @dataclass(slots=True)
 class ServeOptions:
     host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT                            # 0: any free port
-    metrics_port: int | None = DEFAULT_METRICS_PORT     # 0: any free port; None: no metrics endpoint
+    http_port: int = DEFAULT_PORT                       # the OpenAI-compatible HTTP server, always on; 0: any free
+    grpc_port: int | None = DEFAULT_GRPC_PORT           # 0: any free port; None: no gRPC server
+    metrics_port: int | None = None                     # a standalone Prometheus server, besides the HTTP /metrics
+    http_metrics: bool = True                           # /metrics on the HTTP server
     max_waiting: int = DEFAULT_MAX_WAITING
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -45,16 +47,19 @@ class ServeOptions:
     tls_key: str | None = None
     scheduling_policy: str = "fcfs"                     # "priority": requests' priority orders the queue
     reflection: bool = True
-    http_port: int | None = None                        # the OpenAI-compatible HTTP server; 0: any free port
     api_key: str | None = None                          # required as `Authorization: Bearer` (gRPC, HTTP, metrics)
     allowed_origins: tuple[str, ...] = ()               # browser origins the HTTP server serves (CORS); "*": any
     http_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self):
-        for name in ("port", "metrics_port", "http_port"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < 65536:
-                raise ValueError(f"{name} must be in [0, 65536), got {value}")
+        taken = {}
+        for flag, port in self.ports():
+            if not 0 <= port < 65536:
+                raise ValueError(f"{flag} must be in [0, 65536), got {port}")
+            if port in taken:
+                raise ValueError(f"{flag} {port}: the same port as {taken[port]}")
+            if port:   # 0 picks a free port for each server
+                taken[port] = flag
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.grace_period_s < 0:
@@ -63,6 +68,8 @@ class ServeOptions:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key: give both or neither")
+        if self.tls_cert is not None and self.grpc_port is None:
+            raise ValueError("tls_cert: TLS serves gRPC only, and there is no gRPC server")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.api_key is not None and not self.api_key.strip():
@@ -85,12 +92,14 @@ class ServeOptions:
             pems.append(data)
         return pems[0], pems[1]
 
+    def ports(self) -> list[tuple[str, int]]:
+        """(flag, port) of each server to start."""
+        ports = (("--port", self.http_port), ("--grpc-port", self.grpc_port), ("--metrics-port", self.metrics_port))
+        return [(flag, port) for flag, port in ports if port is not None]
+
     def check_bindable(self) -> None:
         """Before the model loads: the host resolves and the ports are free (a ValueError naming which)."""
-        ports = (("--port", self.port), ("--metrics-port", self.metrics_port), ("--http-port", self.http_port))
-        for flag, port in ports:
-            if port is None:
-                continue
+        for flag, port in self.ports():
             try:
                 family = socket.getaddrinfo(self.host, port, type=socket.SOCK_STREAM)[0][0]
                 with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -106,8 +115,9 @@ def address(host: str, port: int) -> str:
 
 
 class Server:
-    """The gRPC server, health and reflection services, metrics endpoint, OpenAI HTTP server (with --http-port)
-    and engine threads of one engine, or of each data-parallel replica's (a list of engines of one model)."""
+    """The OpenAI HTTP server, the gRPC server with its health and reflection services (unless opts.grpc_port is None),
+    the standalone metrics endpoint (with opts.metrics_port) and the engine threads of one engine, or of each
+    data-parallel replica's (a list of engines of one model)."""
 
     def __init__(self, engines: list[LLMEngine], opts: ServeOptions, model_name: str):
         self.opts = opts
@@ -115,33 +125,36 @@ class Server:
         self.engine_loop = EngineLoop(engines, opts.max_waiting, self._on_engine_failure)
         self.metrics = ServerMetrics(self.engine_loop.stats)
         self.servicer = JaxServeServicer(self.engine_loop, self.metrics, model_name, opts.scheduling_policy)
-        self.http = None if opts.http_port is None else HttpServer(
+        self.http = HttpServer(
             OpenAIApp(self.engine_loop, self.metrics, model_name, opts.api_key, opts.max_message_bytes,
-                      opts.http_limits.read_timeout_s, opts.allowed_origins).app,
+                      opts.http_limits.read_timeout_s, opts.allowed_origins, opts.http_metrics).app,
             opts.host, opts.http_port, opts.grace_period_s, opts.http_limits)
         self.grpc: grpc.aio.Server | None = None
-        self.port = self.metrics_port = self.http_port = None
+        self.grpc_port = self.metrics_port = self.http_port = None   # as bound
         self.failed = asyncio.Event()   # the engine failed: the process should exit non-zero
 
     async def start(self) -> None:
+        opts = self.opts
+        if opts.grpc_port is not None:
+            self.grpc_port = self._bind_grpc()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.engine_loop.start()
+        if self.grpc is not None:
+            await self.grpc.start()
+        if opts.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(opts.host, opts.metrics_port, opts.api_key)
+        self.http_port = await self.http.start()
+
+    def _bind_grpc(self) -> int:
+        """The gRPC server with its services, bound (TLS with opts' files); its port."""
         opts = self.opts
         self.grpc = grpc_server(self.servicer, opts.api_key, opts.max_message_bytes)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if opts.reflection:
             reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                                 self.grpc)
-        self.port = self._bind(address(opts.host, opts.port))
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self.engine_loop.start()
-        await self.grpc.start()
-        if opts.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(opts.host, opts.metrics_port, opts.api_key)
-        if self.http is not None:
-            self.http_port = await self.http.start()
-
-    def _bind(self, addr: str) -> int:
-        tls = self.opts.read_tls()
+        addr, tls = address(opts.host, opts.grpc_port), opts.read_tls()
         if tls is None:
             return self.grpc.add_insecure_port(addr)
         return self.grpc.add_secure_port(addr, grpc.ssl_server_credentials([tls]))
@@ -150,7 +163,8 @@ class Server:
         """Drain: health NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period
         (the rest are cancelled, which aborts their requests), then stop the engine threads."""
         await self.health.enter_graceful_shutdown()
-        await asyncio.gather(self.grpc.stop(self.opts.grace_period_s), *([self.http.stop()] if self.http else []))
+        grpc_stop = [] if self.grpc is None else [self.grpc.stop(self.opts.grace_period_s)]
+        await asyncio.gather(self.http.stop(), *grpc_stop)
         await self.engine_loop.stop()
         self.metrics.shutdown()
 
@@ -169,9 +183,10 @@ async def serve_until_signal(engines: list[LLMEngine], opts: ServeOptions, model
     stop, loop = asyncio.Event(), asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_then_force, stop)
+    grpc_api = f" grpc={address(opts.host, server.grpc_port)}" if server.grpc_port else ""
     metrics = f" metrics=http://{address(opts.host, server.metrics_port)}/metrics" if server.metrics_port else ""
-    http = f" http=http://{address(opts.host, server.http_port)}/v1" if server.http_port else ""
-    print(f"jaxserve serve: ready grpc={address(opts.host, server.port)}{metrics}{http}", file=sys.stderr, flush=True)
+    print(f"jaxserve serve: ready{grpc_api} http=http://{address(opts.host, server.http_port)}/v1{metrics}",
+          file=sys.stderr, flush=True)
     await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
     if server.failed.is_set():
