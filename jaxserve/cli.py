@@ -24,7 +24,7 @@ from jaxserve.engine.llm_engine import LLMEngine, check_config, start_device
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_replicas, load_run, save_converted
+from jaxserve.models.loader import DEFAULT_MODEL, EMBEDDED_MODELS, load_model, load_replicas, load_run, save_converted
 from jaxserve.serve import connections, server
 from jaxserve.serve.connections import ConnectionLimits
 from jaxserve.serve.engine_loop import THROUGHPUT_INTERVAL_S
@@ -151,12 +151,15 @@ def served_model(args) -> str | None:
     return args.model if args.model_arg is None else args.model_arg
 
 
-def load_served_replicas(args, model: str | None, cfg: EngineConfig) -> tuple[list[LoadedModel], str]:
-    """The model (else --config's, whose `model: random` builds random weights; else the embedded one) on each
-    data-parallel replica's devices (cfg's tensor_parallel_size each), and its served name."""
-    replicas, _ = load_replicas(model, args.config, args.dtype, cfg.tensor_parallel_size, args.data_parallel_size,
-                                quantization=args.quantization)
-    return replicas, replicas[0].source if args.config else model or DEFAULT_MODEL
+def model_id(model: str | None, config: str | None) -> str:
+    """The model's served name unless --served-model-name gives one: an embedded model's name, a checkpoint's file
+    stem or directory name, the config's file stem for random weights."""
+    name = load_run_config(config).model if config and model in (None, DEFAULT_MODEL) else model or DEFAULT_MODEL
+    if name in EMBEDDED_MODELS:
+        return name
+    path = Path(config if name == "random" else name)
+    return path.stem if path.is_file() else path.name
+
 
 
 def api_key(args) -> str | None:
@@ -201,14 +204,17 @@ def cmd_serve(args) -> None:
         opts.check_bindable()
     prepare_process(cfg)
     distributed.initialize(cluster, cfg.tensor_parallel_size)   # before anything touches a device
-    replicas, name = load_served_replicas(args, model, cfg)
+    names = tuple(args.served_model_name or (model_id(model, args.config),))
+    # the model (else --config's, whose `model: random` builds random weights) on each data-parallel replica
+    replicas, _ = load_replicas(model, args.config, args.dtype, cfg.tensor_parallel_size, args.data_parallel_size,
+                                quantization=args.quantization)
     if cluster is not None and not cluster.is_leader:   # the leader checks cfg in LLMEngine: so must a worker
         check_config(cfg, replicas[0].config.max_position_embeddings)
         follow_leader(cluster, start_device(replicas[0], cfg)[1])
         return
     engines = [LLMEngine(loaded, cfg) for loaded in replicas]
     with distributed.leading(cluster, engines[0].runner):
-        code = server.serve(opts, engines, name)
+        code = server.serve(opts, engines, names)
     if code:
         raise SystemExit(code)
 
@@ -234,6 +240,9 @@ def add_serve_parser(sub) -> None:
                                      "--port, and gRPC (health, reflection) on --grpc-port")
     p.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model names it")
     add_model_args(p)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may give the model, responses giving the first (None: an embedded "
+                        "model's name, a checkpoint's file stem or directory name, a random model's config stem)")
     p.add_argument("--host", default=server.DEFAULT_HOST, help="address to bind (127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=server.DEFAULT_PORT,
                    help="the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "

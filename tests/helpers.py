@@ -218,7 +218,7 @@ def jaxserve(*args, timeout=600, without_torch=False):
 
 
 # ---- servers --------------------------------------------------------------------------------------------------------
-MODEL = "smollm2-135m-instruct"
+MODEL, MODEL_ALIAS = "smollm2-135m-instruct", "smollm2"   # the in-process server's served names
 IDLE_TIMEOUT_S = 60
 
 
@@ -239,7 +239,7 @@ def in_process(engine: LLMEngine, **opts):
 
     async def start():
         server = Server([engine], ServeOptions(grpc_port=0, http_port=0, grace_period_s=1.0, **opts),
-                        MODEL)
+                        (MODEL, MODEL_ALIAS))
         await server.start()
         return server
 

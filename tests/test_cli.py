@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.cli import build_parser
+from jaxserve.cli import build_parser, model_id
 
 from helpers import jaxserve
 
@@ -195,3 +195,19 @@ def test_serve_takes_the_model_as_its_positional_argument(tmp_path):
     lines = [line for line in run.stderr.splitlines() if line.startswith("jaxserve serve: error:")]
     assert run.returncode == 2 and len(lines) == 1 and str(path) in lines[0] and "no such file" in lines[0], \
         run.stderr
+
+
+def test_served_model_id_is_stable_whatever_loads_it(tmp_path):
+    """The served name without --served-model-name: an embedded model's name (also through a config that names
+    it), a checkpoint's file stem or directory name, a random model's config stem; never a path."""
+    gguf_file, checkpoint = tmp_path / "Tiny-Llama.Q8_0.gguf", tmp_path / "Llama-3-8B-Instruct"
+    gguf_file.write_bytes(b"")
+    checkpoint.mkdir()
+    random_config = tmp_path / "llama3-8b-random.yaml"
+    random_config.write_text("model: random\n")
+    assert model_id(None, None) == model_id("smollm2-135m-instruct", None) == "smollm2-135m-instruct"
+    assert model_id(None, "configs/smollm2-135m-instruct.yaml") == "smollm2-135m-instruct"
+    assert model_id(str(gguf_file), None) == "Tiny-Llama.Q8_0"
+    assert model_id(str(checkpoint), None) == model_id(f"{checkpoint}/", None) == "Llama-3-8B-Instruct"
+    assert model_id(None, str(random_config)) == "llama3-8b-random"
+    assert model_id(str(checkpoint), str(random_config)) == "Llama-3-8B-Instruct"   # MODEL over the config's

@@ -102,7 +102,7 @@ async def wait_idle(server: Server) -> dict:
 
 
 async def scenario(engines: list[LLMEngine], recorder: Recorder) -> dict:
-    server = Server(engines, ServeOptions(grpc_port=0, http_port=0, grace_period_s=1.0), "tiny")
+    server = Server(engines, ServeOptions(grpc_port=0, http_port=0, grace_period_s=1.0), ("tiny",))
     await server.start()
     base = f"http://127.0.0.1:{server.http_port}"
     try:

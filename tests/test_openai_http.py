@@ -22,7 +22,7 @@ from jaxserve.serve import engine_loop
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 from jaxserve.serve.openai_http import ENGINE_FIELDS, UNSUPPORTED, api_error
 
-from helpers import MODEL, SERVER_KNOBS, TINY_NO_EOS, base_url, in_process, wait_idle
+from helpers import MODEL, MODEL_ALIAS, SERVER_KNOBS, TINY_NO_EOS, base_url, in_process, wait_idle
 
 KEY = "test-key"
 PROMPT = "The capital of France is"
@@ -175,11 +175,11 @@ def test_api_key_health_models_metrics_and_unknown_routes(server, client):
             wrong.models.list()
     assert err.value.body["code"] == "invalid_api_key"
     assert httpx2.post(url + "/v1/completions", json={"prompt": PROMPT}, timeout=10).status_code == 401
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL, MODEL_ALIAS]   # every served name
     assert httpx2.get(url + "/health", timeout=10).status_code == 200        # probes need no key
     unknown = httpx2.get(url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
-    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert client.completions.create(model=MODEL_ALIAS, prompt=PROMPT, max_tokens=2).model == MODEL   # the first
     assert httpx2.get(url + "/metrics", timeout=10).status_code == 401          # the key guards metrics too
     metrics = httpx2.get(url + "/metrics", headers={"Authorization": f"bearer {KEY}"}, timeout=10).text
     finished = re.search(r'^jaxserve_requests_total\{outcome="finished"\} (\S+)$', metrics, re.M)
@@ -204,8 +204,10 @@ def test_tokenize_detokenize_version_and_model_card(server, smollm):
     assert httpx2.get(url + "/version", headers=auth, timeout=10).json()["version"]
     card = httpx2.get(url + f"/v1/models/{MODEL}", headers=auth, timeout=10).json()
     assert card["id"] == MODEL and card["max_model_len"] == 512
+    assert httpx2.get(url + f"/v1/models/{MODEL_ALIAS}", headers=auth, timeout=10).json()["id"] == MODEL_ALIAS
     missing = httpx2.get(url + "/v1/models/gpt-4", headers=auth, timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    assert f"{MODEL!r} or {MODEL_ALIAS!r}" in missing.json()["error"]["message"]
     assert server.engine_loop.stats()["serving"]
 
 

@@ -44,7 +44,7 @@ SHARED = "You are a helpful assistant. Answer in one short sentence, and be prec
 PROMPTS = [(SHARED if i % 2 else "") + f"Question {i}: what is {i} plus {i * 7 % 13}, and why?" for i in range(32)]
 SAMPLED = [SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=10) for i in range(32)]
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)   # never finishes during a test
-MODEL_PATH = str(embedded_model_path("smollm2-135m-instruct"))   # the shared server's MODEL, and so its name
+MODEL_PATH = embedded_model_path("smollm2-135m-instruct")   # the shared server's MODEL: its file stem names it
 KNOB_FLAGS = [a for k, v in SERVER_KNOBS.items() for a in ("--" + k.replace("_", "-"), str(v))]
 
 
@@ -382,10 +382,11 @@ def test_prometheus_metrics(server):
 
 @pytest.mark.slow
 def test_http_on_port_answers_models_and_metrics(server):
-    """--port serves the OpenAI API under the positional MODEL's name, and Prometheus /metrics beside it."""
+    """--port serves the OpenAI API under the positional MODEL's name (a GGUF file: its stem), and Prometheus
+    /metrics beside it."""
     server.wait_ready()
     with urllib.request.urlopen(server.http_url + "/v1/models", timeout=10) as response:
-        assert [m["id"] for m in json.load(response)["data"]] == [MODEL_PATH]
+        assert [m["id"] for m in json.load(response)["data"]] == [MODEL_PATH.stem]
     with urllib.request.urlopen(server.http_url + "/metrics", timeout=10) as response:
         assert response.headers.get_content_type() == "text/plain" and b"\njaxserve_serving 1.0\n" in response.read()
 
@@ -477,18 +478,20 @@ def listening_ports(pid: int) -> set[int]:
 
 
 @pytest.mark.slow
-def test_no_grpc_serves_http_alone_and_log_level_warning_drops_the_access_lines(tmp_path):
+def test_no_grpc_serves_http_alone_under_its_served_names_and_log_level_warning_drops_the_access_lines(tmp_path):
     config = tmp_path / "tiny.yaml"   # random weights: a fast start
     config.write_text(yaml.safe_dump({"model": "random", "dtype": "f32",
                                       "random_model": {"architectures": ["LlamaForCausalLM"], **TINY_HF_KWARGS}}))
     quiet = start_server(tmp_path / "quiet.log", "--config", str(config), "--port", "0", "--no-grpc",
-                         "--log-level", "warning")
+                         "--log-level", "warning", "--served-model-name", "tiny-a", "tiny-b")
     try:
         assert quiet.wait_ready() == "" and set(quiet.ready) == {"http"}
         assert listening_ports(quiet.proc.pid) == {int(quiet.http_url.rpartition(":")[2])}
-        served = post_json(quiet.http_url + "/v1/completions", {"prompt": list(range(3, 12)), "max_tokens": 3,
-                                                                 "ignore_eos": True})
-        assert served["usage"]["completion_tokens"] == 3
+        with urllib.request.urlopen(quiet.http_url + "/v1/models", timeout=10) as response:
+            assert [m["id"] for m in json.load(response)["data"]] == ["tiny-a", "tiny-b"]
+        served = post_json(quiet.http_url + "/v1/completions", {"model": "tiny-b", "prompt": list(range(3, 12)),
+                                                                 "max_tokens": 3, "ignore_eos": True})
+        assert served["usage"]["completion_tokens"] == 3 and served["model"] == "tiny-a"
     finally:
         quiet.stop()
     log = quiet.log.read_text()
@@ -501,7 +504,7 @@ def test_no_grpc_serves_http_alone_and_log_level_warning_drops_the_access_lines(
 async def in_process(smollm, engine_knobs=None, **opts):
     knobs = {**SERVER_KNOBS, **(engine_knobs or {})}
     server = Server([LLMEngine(smollm, EngineConfig(precompile=False, **knobs))],
-                    ServeOptions(**{"http_port": 0, "grpc_port": 0, "grace_period_s": 1.0, **opts}), "smollm2")
+                    ServeOptions(**{"http_port": 0, "grpc_port": 0, "grace_period_s": 1.0, **opts}), ("smollm2",))
     await server.start()
     try:
         yield server
@@ -610,7 +613,7 @@ def test_an_engine_failure_ends_serving_with_exit_code_1(smollm):
         engine, port = LLMEngine(smollm, EngineConfig(precompile=False, **SERVER_KNOBS)), free_port()
         engine.step = lambda: (_ for _ in ()).throw(RuntimeError("injected device failure"))
         serving = asyncio.create_task(serve_until_signal(
-            [engine], ServeOptions(http_port=0, grpc_port=port, grace_period_s=1.0), "smollm2"))
+            [engine], ServeOptions(http_port=0, grpc_port=port, grace_period_s=1.0), ("smollm2",)))
         async with Client(f"127.0.0.1:{port}") as c:
             await asyncio.wait_for(c.channel.channel_ready(), 30)
             with pytest.raises(grpc.aio.AioRpcError):

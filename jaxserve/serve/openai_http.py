@@ -344,10 +344,12 @@ async def disconnected(request: Request) -> None:
 class OpenAIApp:
     """The routes over one engine loop; `app` is the ASGI application."""
 
-    def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, api_key: str | None,
+    def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_names: tuple[str, ...],
+                 api_key: str | None,
                  max_body_bytes: int, read_timeout_s: float, allowed_origins: tuple[str, ...] = (),
                  serve_metrics: bool = True):
-        self.engine_loop, self.metrics, self.model_name = engine_loop, metrics, model_name
+        self.engine_loop, self.metrics, self.model_names = engine_loop, metrics, model_names
+        self.model_name = model_names[0]   # the one responses give
         self.max_body_bytes, self.read_timeout_s, self.created = max_body_bytes, read_timeout_s, int(time.time())
         self.tokenizer = tok = engine_loop.engine.tokenizer
         self.token_text = functools.cache(lambda t: tok.decode([t]) if tok is not None else f"token_id:{t}")
@@ -397,9 +399,8 @@ class OpenAIApp:
         request = json_object(body)
         renames = field_renames(request, chat)
         try:
-            if request.get("model") not in (None, self.model_name):
-                raise APIError(404, f"model {short(request['model'])} does not exist; this server serves "
-                                    f"{self.model_name!r}", "model", "model_not_found")
+            if request.get("model") not in (None, *self.model_names):
+                raise self.no_such_model(request["model"])
             if unsupported := [name for name in UNSUPPORTED if request.get(name) and request[name] != {"type": "text"}]:
                 raise APIError(400, f"{unsupported[0]}: not supported by this server", unsupported[0])
             check_fields(request, ENDPOINT_FIELDS[chat] | set(UNSUPPORTED))
@@ -443,18 +444,22 @@ class OpenAIApp:
                 yield sse(api_error(e, {}).body())
         yield "data: [DONE]\n\n"
 
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
+    def no_such_model(self, name) -> APIError:
+        served = " or ".join(map(repr, self.model_names))
+        return APIError(404, f"model {short(name)} does not exist; this server serves {served}", "model",
+                        "model_not_found")
+
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
                 "max_model_len": self.engine_loop.engine.cfg.max_model_len}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self.model_card()]})
+        return JSONResponse({"object": "list", "data": [self.model_card(name) for name in self.model_names]})
 
     async def model(self, request: Request) -> Response:
-        if request.path_params["model"] != self.model_name:
-            raise APIError(404, f"model {short(request.path_params['model'])} does not exist; this server serves "
-                                f"{self.model_name!r}", "model", "model_not_found")
-        return JSONResponse(self.model_card())
+        if request.path_params["model"] not in self.model_names:
+            raise self.no_such_model(request.path_params["model"])
+        return JSONResponse(self.model_card(request.path_params["model"]))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": importlib.metadata.version("jaxserve")})

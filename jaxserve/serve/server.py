@@ -119,14 +119,15 @@ class Server:
     the standalone metrics endpoint (with opts.metrics_port) and the engine threads of one engine, or of each
     data-parallel replica's (a list of engines of one model)."""
 
-    def __init__(self, engines: list[LLMEngine], opts: ServeOptions, model_name: str):
+    def __init__(self, engines: list[LLMEngine], opts: ServeOptions, model_names: tuple[str, ...]):
+        """model_names: the names requests may give the model; responses and model info give the first."""
         self.opts = opts
         self.health = health.aio.HealthServicer()
         self.engine_loop = EngineLoop(engines, opts.max_waiting, self._on_engine_failure)
         self.metrics = ServerMetrics(self.engine_loop.stats)
-        self.servicer = JaxServeServicer(self.engine_loop, self.metrics, model_name, opts.scheduling_policy)
+        self.servicer = JaxServeServicer(self.engine_loop, self.metrics, model_names[0], opts.scheduling_policy)
         self.http = HttpServer(
-            OpenAIApp(self.engine_loop, self.metrics, model_name, opts.api_key, opts.max_message_bytes,
+            OpenAIApp(self.engine_loop, self.metrics, model_names, opts.api_key, opts.max_message_bytes,
                       opts.http_limits.read_timeout_s, opts.allowed_origins, opts.http_metrics).app,
             opts.host, opts.http_port, opts.grace_period_s, opts.http_limits)
         self.grpc: grpc.aio.Server | None = None
@@ -175,10 +176,10 @@ class Server:
         self.failed.set()
 
 
-async def serve_until_signal(engines: list[LLMEngine], opts: ServeOptions, model_name: str) -> int:
+async def serve_until_signal(engines: list[LLMEngine], opts: ServeOptions, model_names: tuple[str, ...]) -> int:
     """Serve until SIGTERM/SIGINT (a second one exits at once) or every engine failed; the exit code."""
     raise_fd_limit()
-    server = Server(engines, opts, model_name)
+    server = Server(engines, opts, model_names)
     await server.start()
     stop, loop = asyncio.Event(), asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -205,6 +206,6 @@ def stop_then_force(stop: asyncio.Event) -> None:
     stop.set()
 
 
-def serve(opts: ServeOptions, engines: list[LLMEngine], model_name: str) -> int:
+def serve(opts: ServeOptions, engines: list[LLMEngine], model_names: tuple[str, ...]) -> int:
     """Serve until SIGTERM or SIGINT, then drain; 1 if every engine failed."""
-    return asyncio.run(serve_until_signal(engines, opts, model_name))
+    return asyncio.run(serve_until_signal(engines, opts, model_names))
