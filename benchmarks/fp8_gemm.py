@@ -1,5 +1,5 @@
-"""The FP8 linear layer (jaxserve.models.fp8.Fp8Linear: per-token activation quantization, the e4m3 GEMM, the
-scales) against the bf16 linear it replaces, on Llama-3-8B's layer shapes, at decode and prefill token counts;
+"""The FP8 linear layer (jaxserve.models.fp8.Fp8Linear: W8A16 up to fp8.W8A16_MAX_ROWS rows, else per-token
+activation quantization, the e4m3 GEMM and the scales) against the bf16 linear it replaces, on Llama-3-8B's layer shapes, at decode and prefill token counts;
 and the bare e4m3 GEMM with an f32 or a bf16 result (what the scaling epilogue costs).
 
   python benchmarks/fp8_gemm.py                 # GPU (sm_89+)
@@ -52,7 +52,6 @@ def cases(tokens: int, k: int, n: int):
 # XLA options a step graph may be compiled with: its dot merger concatenates the weights of dots that share an
 # operand (q, k, v; gate, up) below a size threshold, and Triton GEMM fusions compete with cuBLAS below 64 rows
 XLA_OPTIONS = {"default": {}, "no_merge": {"xla_gpu_dot_merger_threshold_mb": 0},
-               "no_triton": {"xla_gpu_enable_triton_gemm": False},
                "no_merge_no_triton": {"xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False}}
 # (weights, XLA options, FP8 path: W8A16 below this many rows else W8A8, q/k/v and gate/up fused into one weight)
 LAYER_CASES = (("bf16", "default", 0, False), ("bf16", "no_merge_no_triton", 0, False),
