@@ -5,6 +5,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh offline     # default vs tuned config, greedy vs sampled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1      # batch-1 decode, mosaic prefill, start-up
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh http        # HTTP beside gRPC, cold/warm start-up, mosaic prefill
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh grpc        # gRPC beside HTTP at saturation, 1 and 4 clients
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh load        # checkpoint streaming, sampler filters
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh coldstart   # start-up and offline rows by XLA flags, loading
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh attention   # the kernel sweep with every peer
@@ -28,7 +29,7 @@ OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
 TUNED="seq_buckets=[256] token_buckets=[256,512,1024,2048,3072,4096]"   # the throughput-only ladder
 SAMPLED="--temperature 0.8 --top-p 0.95 --top-k 50"
-LOG=$OUT/gpu_session_${1:?engine, offline, batch1, http, load, coldstart, attention, serve, tests, sweep, vattention*, scale* or fp8*}.log
+LOG=$OUT/gpu_session_${1:?engine, offline, batch1, grpc, http, load, coldstart, attention, serve, tests, sweep, vattention*, scale* or fp8*}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -51,6 +52,12 @@ case $1 in
       --out "$OUT/offline_batch1_gpu.json"
     run 150 python benchmarks/offline.py --config $CONFIG --set prefill_attention=mosaic \
       --out "$OUT/offline_configs_gpu.json" ;;
+  grpc)   # gRPC beside HTTP at saturation, one client process and four; the server's threads' CPU
+    for procs in 1 4; do
+      run 260 python benchmarks/serve_load.py --config $CONFIG --num-prompts 256 --input-len 512 --output-len 128 \
+        --max-concurrency 256 --request-rate inf --protocol grpc http --client-processes $procs \
+        --out "$OUT/serve_grpc_gpu.json"
+    done ;;
   http)
     run 260 python benchmarks/serve_load.py --config $CONFIG --num-prompts 256 --input-len 512 --output-len 128 \
       --max-concurrency 256 --request-rate 32 inf --protocol grpc http --out "$OUT/serve_http_gpu.json"

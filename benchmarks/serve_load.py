@@ -61,6 +61,7 @@ import functools
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import pathlib
 import re
@@ -73,6 +74,7 @@ import time
 import urllib.parse
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 SERVER_ENV = dict(os.environ)
@@ -99,6 +101,7 @@ DEFAULT_MAX_WAITING = 512
 INVALID_MAX_TOKENS = 8
 KEEP_ALIVE_S = 4.0                # reuse an idle HTTP connection only this long: uvicorn closes them after 5 s
 PROTOCOL_COLORS = {"grpc": "tab:blue", "http": "tab:purple"}
+CLIENT_START_S = 0.5              # client processes get the point's requests this long before its first is due
 
 
 @dataclass(slots=True)
@@ -371,32 +374,79 @@ class Transport:
     request: Callable[[BenchRequest, str | None], object]
     invalid: Callable[[dict, list[int]], object]
     stream: Callable[[object], AsyncIterator[tuple[int, bool]]]
+    ready: dict[str, str]   # the server's endpoints, for client processes to connect to
 
 
-def grpc_transport(client: Client) -> Transport:
+def grpc_transport(client: Client, ready: dict[str, str]) -> Transport:
     def invalid(options: dict, ids: list[int]) -> pb.GenerateRequest:
         sampling = pb.SamplingOptions(**{"max_tokens": INVALID_MAX_TOKENS, **options})
         return pb.GenerateRequest(prompt_token_ids=ids, sampling=sampling)
-    return Transport("grpc", BenchRequest.message, invalid, functools.partial(grpc_stream, client))
+    return Transport("grpc", BenchRequest.message, invalid, functools.partial(grpc_stream, client), ready)
 
 
-def http_transport(http: HttpClient) -> Transport:
+def http_transport(http: HttpClient, ready: dict[str, str]) -> Transport:
     invalid = lambda options, ids: http_body({"prompt": ids, "max_tokens": INVALID_MAX_TOKENS, **options})  # noqa: E731
-    return Transport("http", BenchRequest.body, invalid, functools.partial(http_stream, http))
+    return Transport("http", BenchRequest.body, invalid, functools.partial(http_stream, http), ready)
 
 
-async def run_point(stream: Callable[[object], AsyncIterator], messages: list, rate: float, concurrency: int,
-                    seed: int):
-    """Send every request (Poisson arrivals at `rate`, at most `concurrency` in flight); wall seconds, results."""
-    gaps = np.random.default_rng(seed).exponential(1 / rate, len(messages)) if math.isfinite(rate) else \
-        np.zeros(len(messages))
-    limit = asyncio.Semaphore(concurrency)
-    start, tasks = time.perf_counter(), []
-    for message, gap in zip(messages, gaps):
+def arrival_offsets(count: int, rate: float, seed: int) -> np.ndarray:
+    """Seconds from the point's start at which each request is sent: Poisson arrivals at `rate`; inf: all at once."""
+    gaps = np.random.default_rng(seed).exponential(1 / rate, count) if math.isfinite(rate) else np.zeros(count)
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+
+
+async def run_share(stream: Callable[[object], AsyncIterator], messages: list, offsets: np.ndarray,
+                    concurrency: int, start: float) -> tuple[list[RequestResult], float, float]:
+    """Send messages at start + offsets (time.monotonic), at most `concurrency` in flight; the results, the time
+    the last ended and the CPU seconds this process spent meanwhile."""
+    limit, tasks, cpu = asyncio.Semaphore(concurrency), [], time.process_time()
+    for message, offset in zip(messages, offsets):
+        await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
         tasks.append(asyncio.create_task(send_stream(stream(message), limit)))
-        await asyncio.sleep(gap)
     results = await asyncio.gather(*tasks)
-    return time.perf_counter() - start, results
+    return results, time.monotonic(), time.process_time() - cpu
+
+
+def run_share_process(protocol: str, ready: dict[str, str], messages: list, offsets: np.ndarray,
+                      concurrency: int, start: float) -> tuple[list[RequestResult], float, float]:
+    """run_share in a client process of its own, over its own connections."""
+    async def run():
+        if protocol == "grpc":
+            async with Client(ready["grpc"]) as client:
+                return await run_share(functools.partial(grpc_stream, client), messages, offsets, concurrency, start)
+        http = HttpClient(ready["http"])
+        try:
+            return await run_share(functools.partial(http_stream, http), messages, offsets, concurrency, start)
+        finally:
+            await http.aclose()
+    return asyncio.run(run())
+
+
+@dataclass(slots=True)
+class PointRun:
+    wall: float
+    results: list[RequestResult]
+    client_cpu_pct: float   # the busiest client process's CPU time over the wall time: near 100 = client-bound
+
+
+async def run_point(transport: Transport, messages: list, rate: float, concurrency: int, seed: int,
+                    pool: ProcessPoolExecutor | None, processes: int) -> PointRun:
+    """Every request sent; with a pool, request i goes through client process i mod P (its arrival time and a
+    1/P share of the concurrency kept), so that no single client process's per-message cost caps the point."""
+    offsets, processes = arrival_offsets(len(messages), rate, seed), min(processes, concurrency, len(messages))
+    if processes == 1:
+        start = time.monotonic()
+        results, end, cpu = await run_share(transport.stream, messages, offsets, concurrency, start)
+        return PointRun(end - start, results, 100 * cpu / (end - start))
+    start, loop = time.monotonic() + CLIENT_START_S, asyncio.get_running_loop()
+    shares = await asyncio.gather(*[loop.run_in_executor(
+        pool, run_share_process, transport.name, transport.ready, messages[i::processes], offsets[i::processes],
+        concurrency // processes + (i < concurrency % processes), start) for i in range(processes)])
+    results = [None] * len(messages)
+    for i, (share, _, _) in enumerate(shares):
+        results[i::processes] = share
+    return PointRun(max(end for _, end, _ in shares) - start, results,
+                    max(100 * cpu / (end - start) for _, end, cpu in shares))
 
 
 def invalid_kinds(count: int, info: pb.ModelInfoResponse) -> list[tuple[dict, list[int]]]:
@@ -438,7 +488,9 @@ def summarize(params: dict, wall: float, results: list[RequestResult], requests:
             **percentiles("tpot", [r.tpot for r in ok if r.output_tokens > 1]),
             **percentiles("itl", [x for r in ok for x in r.itl]), **percentiles("e2e", [r.e2e for r in ok]),
             "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
-            "preemptions": after.preemptions - before.preemptions}
+            "preemptions": after.preemptions - before.preemptions, "engine_steps": (steps := after.engine_steps
+                                                                                  - before.engine_steps),
+            "step_ms": wall * 1e3 / steps if steps else math.nan}
 
 
 def invalid_summary(results: list[RequestResult]) -> dict:
@@ -461,41 +513,70 @@ def point_params(args, num_prompts: int, rate: float, concurrency: int, invalid_
     return {"dataset": args.dataset, "num_prompts": num_prompts, "input_len": args.input_len,
             "output_len": args.output_len, "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
             "request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": concurrency, "model": model,
-            "protocol": protocol, **({"invalid_frac": invalid_frac} if invalid_frac else {}),
+            "protocol": protocol, "client_processes": args.client_processes,
+            **({"invalid_frac": invalid_frac} if invalid_frac else {}),
             **({"server_args": args.server_args} if args.server_args and not args.target else {})}
 
 
 async def measure_point(transport: Transport, client: Client, args, requests: list[BenchRequest],
-                        info: pb.ModelInfoResponse, point: tuple[float, int, float], model: str) -> dict:
+                        info: pb.ModelInfoResponse, point: tuple[float, int, float], model: str,
+                        pool: ProcessPoolExecutor | None, server_pid: int | None) -> dict:
     """One row: the valid requests with round(n * f / (1 - f)) invalid ones among them (f of all requests)."""
     rate, concurrency, invalid_frac = point
     invalid = [transport.invalid(*kind) for kind in
                invalid_kinds(round(len(requests) * invalid_frac / (1 - invalid_frac)), info)]
     salt = cache_salt(invalid_frac, transport.name)
     messages, is_invalid = interleave([transport.request(r, salt) for r in requests], invalid)
-    before = await client.server_stats()
-    wall, results = await run_point(transport.stream, messages, rate, concurrency, args.seed)
-    row = summarize(point_params(args, len(requests), *point, model, transport.name), wall,
-                    [r for r, bad in zip(results, is_invalid) if not bad], requests, before,
+    before, threads_before = await client.server_stats(), thread_cpu_s(server_pid)
+    run = await run_point(transport, messages, rate, concurrency, args.seed, pool, args.client_processes)
+    row = summarize(point_params(args, len(requests), *point, model, transport.name), run.wall,
+                    [r for r, bad in zip(run.results, is_invalid) if not bad], requests, before,
                     await client.server_stats())
-    return row | (invalid_summary([r for r, bad in zip(results, is_invalid) if bad]) if invalid_frac else {})
+    row |= {"client_cpu_pct": run.client_cpu_pct,
+            **({"server_cpu_pct": server_cpu_pct(threads_before, thread_cpu_s(server_pid), run.wall)}
+               if server_pid else {})}
+    return row | (invalid_summary([r for r, bad in zip(run.results, is_invalid) if bad]) if invalid_frac else {})
 
 
-async def warm_up(transport: Transport, args, requests: list[BenchRequest], salt: str | None) -> None:
+def thread_cpu_s(pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process pid, by "<name>:<tid>" ("main" for the event loop's
+    thread); {} without a pid."""
+    if pid is None:
+        return {}
+    seconds = {}
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
+            seconds[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def server_cpu_pct(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """The server's busiest threads over a point: CPU percent of the wall time, the five busiest, by thread."""
+    pct = {name: 100 * (s - before.get(name, 0.0)) / wall for name, s in after.items()}
+    return dict(sorted(pct.items(), key=lambda kv: -kv[1])[:5])
+
+
+async def warm_up(transport: Transport, args, requests: list[BenchRequest], salt: str | None,
+                  pool: ProcessPoolExecutor | None) -> None:
     """First transfers and connections, the allocator, any bucket the server compiles lazily; and the cache
     namespace, as a point leaves it for the next. Run just before the namespace's first point, so that no other
     pass comes between to evict it (passes of other namespaces would, unevenly)."""
-    await run_point(transport.stream, [transport.request(r, salt) for r in requests[:args.warmup_prompts]],
-                    math.inf, max(args.max_concurrency), args.seed)
+    await run_point(transport, [transport.request(r, salt) for r in requests[:args.warmup_prompts]],
+                    math.inf, max(args.max_concurrency), args.seed, pool, args.client_processes)
 
 
-async def sweep(args, ready: dict[str, str]) -> tuple[list[dict], str]:
+async def sweep(args, ready: dict[str, str], server_pid: int | None) -> tuple[list[dict], str]:
     """Every point, once per protocol back to back; the rows and the server's device."""
     async with Client(ready["grpc"]) as client, contextlib.AsyncExitStack() as stack:
         http = HttpClient(ready["http"]) if "http" in args.protocol else None
         if http:
             stack.push_async_callback(http.aclose)
-        transports = [grpc_transport(client) if name == "grpc" else http_transport(http) for name in args.protocol]
+        pool = stack.enter_context(ProcessPoolExecutor(args.client_processes, multiprocessing.get_context("spawn"))) \
+            if args.client_processes > 1 else None   # spawn: a forked child would share this process's gRPC state
+        transports = [grpc_transport(client, ready) if name == "grpc" else http_transport(http, ready)
+                      for name in args.protocol]
         requests = await build_requests(args, client)
         info = await client.model_info()
         model = pathlib.Path(args.config).stem if args.config else info.model
@@ -504,8 +585,9 @@ async def sweep(args, ready: dict[str, str]) -> tuple[list[dict], str]:
             for transport in transports:
                 if (salt := cache_salt(point[2], transport.name)) not in warmed:
                     warmed.add(salt)
-                    await warm_up(transport, args, requests, salt)
-                rows.append(await measure_point(transport, client, args, requests, info, point, model))
+                    await warm_up(transport, args, requests, salt, pool)
+                rows.append(await measure_point(transport, client, args, requests, info, point, model, pool,
+                                                server_pid))
             compare_protocols(rows[-len(transports):])
             for row in rows[-len(transports):]:
                 print_row(row)
@@ -533,6 +615,10 @@ def print_row(row: dict) -> None:
           f"tok/s {row['req_s']:6.2f} req/s | TTFT p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms | "
           f"TPOT p50 {row['tpot_p50_ms']:7.1f} p99 {row['tpot_p99_ms']:7.1f} ms | ITL p50 {row['itl_p50_ms']:7.1f} "
           f"p99 {row['itl_p99_ms']:7.1f} ms | failed {row['failed']}{wrong}{invalid}{vs}", flush=True)
+    server = " ".join(f"{name} {pct:.0f}%" for name, pct in row.get("server_cpu_pct", {}).items())
+    print(f"     {row['engine_steps']} engine steps, {row['step_ms']:.1f} ms each | client CPU {row['client_cpu_pct']:.0f}% "
+          f"(busiest of {row['params']['client_processes']} processes)"
+          + (f" | server threads: {server}" if server else ""), flush=True)
 
 
 # ---- the server ---------------------------------------------------------------------------------------
@@ -636,6 +722,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="each point runs once per protocol, against the same server")
     p.add_argument("--http-target", default=None,
                    help="with --target and --protocol http: the running server's OpenAI API, http://host:port/v1")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="client processes sharing each point's requests (each with its own connections)")
     p.add_argument("--warmup-prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/serve_<backend>.json)")
@@ -647,6 +735,8 @@ def check_args(args) -> None:
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be >= 1")
+    if args.client_processes < 1:
+        raise ValueError("client_processes must be >= 1")
     if min(args.max_concurrency) < 1 or min(args.request_rate) <= 0:
         raise ValueError("max_concurrency must be >= 1 and request_rate > 0")
     if not all(0 <= f < 1 for f in args.invalid_frac):
@@ -658,8 +748,8 @@ def check_args(args) -> None:
 
 def cmd_serve_load(args, command: str) -> None:
     check_args(args)
-    with endpoints(args, max(DEFAULT_MAX_WAITING, args.num_prompts), "http" in args.protocol) as (ready, _):
-        rows, device = asyncio.run(sweep(args, ready))
+    with endpoints(args, max(DEFAULT_MAX_WAITING, args.num_prompts), "http" in args.protocol) as (ready, proc):
+        rows, device = asyncio.run(sweep(args, ready, proc.pid if proc else None))
     # Only now touch this process's device: on a GPU machine the server had it to itself.
     out = pathlib.Path(args.out or ROOT / f"benchmarks/results/serve_{jax.default_backend()}.json")
     write_rows(out, rows, command)

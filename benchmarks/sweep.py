@@ -6,8 +6,9 @@ batches with real context, and weigh the token-bucket ladder against simulated t
       --seq-buckets 8 32 --contexts 128 512 --warmup 2 --repeats 5                   # CPU, a few minutes
   python benchmarks/sweep.py ...                                                     # the same, no console script
 
-Per bucket and case (kind "decode": num_seqs sequences of 1 token at `context`, padded to num_tokens; "mixed":
-decodes at `context` for up to half the tokens plus one prefill chunk filling the rest), rows `bench: "sweep"`
+Per bucket and case (kind "decode": num_seqs sequences of 1 token at `context`, num_tokens = num_seqs as the engine
+pads them; "mixed": decodes at `context` for up to half the tokens plus one prefill chunk filling the rest), rows
+`bench: "sweep"`
 hold compile_s (trace + lower + compile, once per bucket: the context only changes values), the median step ms,
 tok_s (real tokens), the bytes and FLOPs the real work needs at least, and roofline_frac = max(bytes / copy
 bandwidth, FLOPs / matmul rate) / ms, both ceilings measured in the same run. Rows `bench: "ladder"` replay the
@@ -35,7 +36,7 @@ from benchmarks.common import (Bytes, copy_bandwidth_gbps, kernel_profile, matmu
 from jaxserve.cache.kv_cache import kv_bytes_per_block, kv_cache_dtype, num_blocks_for_memory  # noqa: E402
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig  # noqa: E402
-from jaxserve.engine.llm_engine import start_device  # noqa: E402
+from jaxserve.engine.llm_engine import fit_to_model, start_device  # noqa: E402
 from jaxserve.engine.runner import ModelRunner  # noqa: E402
 from jaxserve.engine.step_graphs import bucket_ladders  # noqa: E402
 from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -192,7 +193,9 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
     rng = np.random.default_rng(seed)
     weights = jnp.float8_e4m3fn if loaded.quantization == "fp8" else jnp.bfloat16
     ceilings = copy_bandwidth_gbps(), matmul_tflops(weights)   # before the cache takes the free memory
-    cases = [SweepCase(t, s, c, k) for t in token_buckets for s in seq_buckets for c in contexts for k in kinds]
+    # a decode step pads its tokens only to its seq bucket (step_graphs.step_shape): the engine runs no other
+    cases = [SweepCase(s if k == "decode" else t, s, c, k) for t in token_buckets for s in seq_buckets
+             for c in contexts for k in kinds if k != "decode" or t == token_buckets[0]]
     runner = sweep_runner(loaded, cfg, cases)
     rows, compiled = [], {}   # model graph key -> compile stats: one compile per graph the engine runs
     for case in cases:
@@ -368,6 +371,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                    help="fp8: the linear layers' weights in FP8 (overrides the config)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help="overrides the config")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="overrides the config (None: the config's, else the model's context length)")
     p.add_argument("--token-buckets", type=int, nargs="+", default=None, help="default: the config's ladder")
     p.add_argument("--seq-buckets", type=int, nargs="+", default=None, help="default: the config's ladder")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="default: max_model_len / 8, / 2, x 1")
@@ -391,8 +396,9 @@ def invocation(args) -> str:
 
 def cmd_sweep(args) -> None:
     loaded, cfg = load_run(None, args.config, quantization=args.quantization)
-    if args.kv_cache_dtype:
-        cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
+    overrides = {"kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len}
+    cfg = fit_to_model(dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None}),
+                       loaded.config.max_position_embeddings)
     rows = run_sweep(loaded, cfg, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets,
                      contexts=args.contexts, kinds=args.kinds, warmup=args.warmup, repeats=args.repeats, seed=args.seed,
                      profile=args.profile)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import importlib.metadata
 import json
 import logging
 import os
@@ -13,14 +12,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
-
+import jaxserve
 from jaxserve.cache.vattention import leave_gpu_memory_to_the_page_pool
-from jaxserve.client import print_completion
-from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, engine_flags, load_run_config
+from jaxserve.client import ClientError, grpc_reply, http_reply, print_reply
+from jaxserve.config import (GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, engine_flags,
+                             load_run_config)
 from jaxserve.engine import distributed
 from jaxserve.engine.llm import LLM, has_chat_template
-from jaxserve.engine.llm_engine import LLMEngine, check_config, start_device
+from jaxserve.engine.llm_engine import LLMEngine, start_device
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.errors import ModelLoadError
@@ -53,8 +52,9 @@ class Parser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="embedded model name, GGUF file, HF checkpoint or converted directory (None: --config's "
-                        f"model, else the embedded {DEFAULT_MODEL})")
+                   help="embedded model name, GGUF file, HF checkpoint or converted directory, or a Hugging Face "
+                        "repo id (ORG/NAME) in the local Hugging Face cache, downloaded there first unless "
+                        f"HF_HUB_OFFLINE=1 (None: --config's model, else the embedded {DEFAULT_MODEL})")
     p.add_argument("--dtype", choices=["f32", "bf16"], default=None, help="None: f32 on CPU, bf16 on GPU")
     p.add_argument("--config", default=None, help="YAML engine config (see configs/)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -65,19 +65,33 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="fp8: the KV cache in float8 e4m3 with a scale per layer and kv head, twice the tokens "
                         "(overrides --config; None: --config's, else auto: the model's dtype)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt and output, in tokens (overrides --config; None: --config's, else "
+                        "the model's context length, capped to what the KV cache holds per sequence)")
+    p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default=None,
+                   help="what sampling a request leaves unset takes: auto, the model's generation config (HF "
+                        "generation_config.json, GGUF general.sampling.*), else vLLM's defaults; vllm: vLLM's "
+                        "(overrides --config; None: --config's, else auto)")
+
+
+MODEL_DEFAULT = "None: the model's default (its generation config, else vLLM's)"
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None, help=f"0: greedy ({MODEL_DEFAULT})")
+    p.add_argument("--top-p", type=float, default=None, help=MODEL_DEFAULT)
+    p.add_argument("--top-k", type=int, default=None, help=f"0 or -1: off ({MODEL_DEFAULT})")
+    p.add_argument("--min-p", type=float, default=None, help=MODEL_DEFAULT)
+    p.add_argument("--repetition-penalty", type=float, default=None, help=MODEL_DEFAULT)
     p.add_argument("--seed", type=int, default=None)
 
 
 def sampling_params(args) -> SamplingParams:
+    """The flags given; the rest are left unset, for the serving model's defaults."""
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed)
 
 
 def prepare_process(cfg: EngineConfig) -> None:
@@ -91,26 +105,55 @@ def make_llm(args, **engine_kwargs) -> LLM:
         prepare_process(load_run_config(args.config).engine)
     loaded, engine = load_run(args.model, args.config, args.dtype, args.tensor_parallel_size,
                               quantization=args.quantization)
-    if args.kv_cache_dtype:
-        engine_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    overrides = {"kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len,
+                 "generation_config": args.generation_config}
+    engine_kwargs |= {k: v for k, v in overrides.items() if v is not None}
     return LLM(loaded, config=engine, **engine_kwargs)
 
 
 def cmd_generate(args) -> None:
     """Each prompt as the user's message of a chat when the model has a chat template (an instruct model answers
-    it, rather than continuing the text), unless --raw."""
+    it, rather than continuing the text), unless --raw. On a terminal (without --json) each answer streams as it is
+    generated, the prompts one after another; otherwise they run as one batch. A stop at the token limit is said on
+    stderr (--json: each object's finish_reason), so stdout stays the answers alone."""
     params = sampling_params(args)
     llm = make_llm(args, precompile=False)   # one-shot use: compile only the buckets it needs
-    if args.raw or not has_chat_template(llm.get_tokenizer()):
-        outputs = llm.generate(args.prompts, params)
-    else:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    chat = not args.raw and has_chat_template(llm.get_tokenizer())
+    prompts = [[{"role": "user", "content": p}] for p in args.prompts] if chat else args.prompts
+    if sys.stdout.isatty() and not args.json:
+        for text, prompt in zip(args.prompts, prompts):   # laid out as below: the answer under its heading
+            if len(prompts) > 1:
+                print(f"### {text}", flush=True)
+            stream_reply(llm, llm.apply_chat_template(prompt) if chat else prompt, params)
+            if len(prompts) > 1:
+                print(flush=True)
+        return
+    outputs = llm.chat(prompts, params) if chat else llm.generate(prompts, params)
     for prompt, out in zip(args.prompts, outputs):
         c = out.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": prompt, "token_ids": c.token_ids, "text": c.text}), flush=True)
+            print(json.dumps({"prompt": prompt, "token_ids": c.token_ids, "text": c.text,
+                              "finish_reason": c.finish_reason}), flush=True)
         else:
             print(c.text if len(args.prompts) == 1 else f"### {prompt}\n{c.text}\n", flush=True)
+            mark_length_stop(c.finish_reason, params)
+
+
+def stream_reply(llm: LLM, prompt: str | list[int], params: SamplingParams) -> str:
+    """One reply printed as it is generated, then a newline; a stop at the token limit marked on stderr."""
+    reply, finish_reason = "", None
+    for delta in llm.stream(prompt, params):
+        reply += delta.text
+        finish_reason = delta.finish_reason or finish_reason
+        print(delta.text, end="", flush=True)
+    print(flush=True)
+    mark_length_stop(finish_reason, params)
+    return reply
+
+
+def mark_length_stop(finish_reason: str | None, params: SamplingParams) -> None:
+    if finish_reason == "length":
+        print(f"[stopped: --max-tokens {params.max_tokens} reached]", file=sys.stderr, flush=True)
 
 
 def cmd_chat(args) -> None:
@@ -122,12 +165,7 @@ def cmd_chat(args) -> None:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line.strip()})
-        reply = ""
-        for delta in llm.stream(llm.apply_chat_template(messages), params):
-            reply += delta.text
-            print(delta.text, end="", flush=True)
-        print(flush=True)
-        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "assistant", "content": stream_reply(llm, llm.apply_chat_template(messages), params)})
 
 
 def cmd_convert(args) -> None:
@@ -137,8 +175,8 @@ def cmd_convert(args) -> None:
 
 def served_engine_config(args) -> EngineConfig:
     """--config's engine section (or the defaults) with the engine flags on top, checked whole."""
-    knobs = {k: getattr(args, k) for k in ENGINE_FLAGS + ("tensor_parallel_size", "kv_cache_dtype")
-             if getattr(args, k) is not None}
+    model_knobs = ("tensor_parallel_size", "kv_cache_dtype", "max_model_len", "generation_config")
+    knobs = {k: getattr(args, k) for k in ENGINE_FLAGS + model_knobs if getattr(args, k) is not None}
     if args.no_precompile:
         knobs["precompile"] = False
     return replace(load_run_config(args.config).engine if args.config else EngineConfig(), **knobs)
@@ -153,7 +191,7 @@ def served_model(args) -> str | None:
 
 def model_id(model: str | None, config: str | None) -> str:
     """The model's served name unless --served-model-name gives one: an embedded model's name, a checkpoint's file
-    stem or directory name, the config's file stem for random weights."""
+    stem or directory name, a Hugging Face repo id's NAME, the config's file stem for random weights."""
     name = load_run_config(config).model if config and model in (None, DEFAULT_MODEL) else model or DEFAULT_MODEL
     if name in EMBEDDED_MODELS:
         return name
@@ -208,8 +246,7 @@ def cmd_serve(args) -> None:
     # the model (else --config's, whose `model: random` builds random weights) on each data-parallel replica
     replicas, _ = load_replicas(model, args.config, args.dtype, cfg.tensor_parallel_size, args.data_parallel_size,
                                 quantization=args.quantization)
-    if cluster is not None and not cluster.is_leader:   # the leader checks cfg in LLMEngine: so must a worker
-        check_config(cfg, replicas[0].config.max_position_embeddings)
+    if cluster is not None and not cluster.is_leader:
         follow_leader(cluster, start_device(replicas[0], cfg)[1])
         return
     engines = [LLMEngine(loaded, cfg) for loaded in replicas]
@@ -227,12 +264,36 @@ def follow_leader(cluster: distributed.Cluster, runner: ModelRunner) -> None:
 
 
 def cmd_client(args) -> None:
-    root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    """PROMPT (after --system) as a user message unless --raw: the server applies the model's chat template, and a
+    model without one refuses it (the error says so, and --raw asks for a plain completion)."""
+    prompt = args.prompt if args.raw else [*([{"role": "system", "content": args.system}] if args.system else []),
+                                           {"role": "user", "content": args.prompt}]
+    if args.url:
+        reply = http_reply(http_base_url(args.url), prompt, sampling_params(args), api_key=api_key(args),
+                           timeout=args.timeout)
+    else:
+        reply = grpc_reply(f"{args.host}:{args.port}", prompt, sampling_params(args),
+                           root_certificates=read_tls_ca(args.tls_ca), api_key=api_key(args), timeout=args.timeout)
     try:
-        asyncio.run(print_completion(f"{args.host}:{args.port}", args.prompt, sampling_params(args),
-                                     root_certificates=root, api_key=api_key(args), timeout=args.timeout))
-    except grpc.aio.AioRpcError as e:
-        raise SystemExit(f"jaxserve client: error: {e.code().name}: {e.details()}") from None
+        asyncio.run(print_reply(reply))
+    except ClientError as e:
+        hint = " (--raw sends PROMPT as a plain completion)" if not args.raw and "chat template" in str(e) else ""
+        raise SystemExit(f"jaxserve client: error: {e}{hint}") from None
+
+
+def http_base_url(url: str) -> str:
+    """--url as the openai package's base URL: /v1 added unless given."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--url {url}: give the server's HTTP address, http://HOST:PORT (its --port)")
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def read_tls_ca(path: str | None) -> bytes | None:
+    try:
+        return None if path is None else Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"--tls-ca {path}: {e.strerror}") from None
 
 
 def add_serve_parser(sub) -> None:
@@ -298,12 +359,21 @@ def add_serve_parser(sub) -> None:
 
 
 def add_client_parser(sub) -> None:
-    p = sub.add_parser("client", help="stream a completion from a running `jaxserve serve`")
-    p.add_argument("--host", default=server.DEFAULT_HOST)
-    p.add_argument("--port", type=int, default=server.DEFAULT_GRPC_PORT, help="the server's --grpc-port")
-    p.add_argument("--tls-ca", default=None, help="PEM root certificate: connect with TLS")
+    p = sub.add_parser("client", help="stream a reply from a running `jaxserve serve`: PROMPT as a user message "
+                                      "through the model's chat template (--raw: a plain completion), over gRPC on "
+                                      "--host/--port, or HTTP with --url")
+    transport = p.add_mutually_exclusive_group()
+    transport.add_argument("--url", default=None,
+                           help="the server's OpenAI-compatible HTTP API, http://HOST:PORT (its --port; /v1 "
+                                "optional), through the openai package (None: gRPC on --host and --port)")
+    transport.add_argument("--tls-ca", default=None, help="gRPC: PEM root certificate: connect with TLS")
+    p.add_argument("--host", default=server.DEFAULT_HOST, help="gRPC: the server's address")
+    p.add_argument("--port", type=int, default=server.DEFAULT_GRPC_PORT, help="gRPC: the server's --grpc-port")
     p.add_argument("--api-key", default=None, help="the server's --api-key (None: env JAXSERVE_API_KEY)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--raw", action="store_true", help="send PROMPT as a plain completion, no chat template")
+    mode.add_argument("--system", default=None, help="system message before PROMPT")
     add_sampling_args(p)
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(func=cmd_client)
@@ -324,14 +394,17 @@ def add_bench_parser(sub, with_commands: bool) -> None:
 
 def build_parser(with_bench_commands: bool = False) -> argparse.ArgumentParser:
     parser = Parser(prog="jaxserve", description="LLM serving on JAX/XLA")
-    parser.add_argument("--version", action="version", version=importlib.metadata.version("jaxserve"))
+    parser.add_argument("--version", action="version", version=jaxserve.__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer prompts (each a user message, through the model's chat "
-                                          "template when it has one; --raw: complete the text)")
+                                          "template when it has one; --raw: complete the text), streamed on a "
+                                          "terminal; a stop at --max-tokens is said on stderr")
     add_model_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--raw", action="store_true", help="plain completion of the prompt text, no chat template")
-    gen.add_argument("--json", action="store_true", help='one JSON object per prompt: {"prompt","token_ids","text"}')
+    gen.add_argument("--json", action="store_true",
+                     help='one JSON object per prompt: {"prompt","token_ids","text","finish_reason"} (finish_reason '
+                          '"length": stopped at --max-tokens; "stop": the model ended it)')
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat through the model's chat template")

@@ -1,5 +1,7 @@
-"""The Python client of `jaxserve serve`: an asyncio gRPC Client over one channel, and print_completion behind
-`jaxserve client`. (The HTTP API takes any OpenAI client.)
+"""The Python client of `jaxserve serve`: an asyncio gRPC Client over one channel; and what `jaxserve client` runs:
+a reply's text pieces as they arrive over gRPC (grpc_reply) or the OpenAI-compatible HTTP API through the `openai`
+package (http_reply), printed by print_reply. A prompt is text, token ids, or a conversation ([{"role", "content"},
+...]) that the server turns into the prompt through the model's chat template.
 
     from jaxserve import SamplingParams
     from jaxserve.client import Client
@@ -7,6 +9,7 @@
     async with Client("127.0.0.1:50051") as client:
         async for response in client.generate("Once upon a time", SamplingParams(max_tokens=32)):
             print(response.outputs[0].text, end="")
+        answer = await client.complete([{"role": "user", "content": "Name three colours."}])
 """
 from __future__ import annotations
 
@@ -20,24 +23,40 @@ from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serve.jaxserve_pb2 import GenerateResponse, ModelInfoResponse, ServerStatsResponse
 
-__all__ = ["Client", "sampling_options", "generate_request", "print_completion", "DEFAULT_TARGET",
-           "GenerateResponse", "ModelInfoResponse", "ServerStatsResponse"]
+__all__ = ["Client", "ClientError", "Prompt", "sampling_options", "generate_request", "grpc_reply", "http_reply",
+           "print_reply", "DEFAULT_TARGET", "GenerateResponse", "ModelInfoResponse", "ServerStatsResponse"]
 
+Prompt = str | list[int] | list[dict]   # text, token ids, or a conversation for the model's chat template
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 
 
-def sampling_options(params: SamplingParams) -> pb.SamplingOptions:
-    """Every field of params that is not None (the server rebuilds the same SamplingParams)."""
+def sampling_fields(params: SamplingParams) -> dict:
+    """Every field of params that is set: not None, not left to the server's model (`unset`). The server rebuilds
+    the same SamplingParams."""
     values = {f.name: getattr(params, f.name) for f in pb.SamplingOptions.DESCRIPTOR.fields}
-    return pb.SamplingOptions(**{k: v for k, v in values.items() if v is not None})
+    return {k: v for k, v in values.items() if v is not None and k not in params.unset}
 
 
-def generate_request(prompt: str | list[int], params: SamplingParams | None, priority: int,
+def sampling_options(params: SamplingParams) -> pb.SamplingOptions:
+    return pb.SamplingOptions(**sampling_fields(params))
+
+
+def is_conversation(prompt: Prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def generate_request(prompt: Prompt, params: SamplingParams | None, priority: int,
                      cache_salt: str | None) -> pb.GenerateRequest:
-    text, ids = (prompt, []) if isinstance(prompt, str) else ("", list(prompt))
-    return pb.GenerateRequest(prompt=text, prompt_token_ids=ids, sampling=sampling_options(params or SamplingParams()),
-                              priority=priority, cache_salt=cache_salt)
+    request = pb.GenerateRequest(sampling=sampling_options(params or SamplingParams()), priority=priority,
+                                 cache_salt=cache_salt)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif is_conversation(prompt):
+        request.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        request.prompt_token_ids.extend(prompt)
+    return request
 
 
 class Client:
@@ -66,7 +85,7 @@ class Client:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, priority: int = 0,
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
                        cache_salt: str | None = None, timeout: float | None = None
                        ) -> AsyncIterator[GenerateResponse]:
         """Stream text/token deltas; leaving the loop early cancels the request on the server."""
@@ -78,7 +97,7 @@ class Client:
         finally:
             call.cancel()
 
-    async def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *, priority: int = 0,
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
                        cache_salt: str | None = None, timeout: float | None = None) -> GenerateResponse:
         return await self.stub.Complete(generate_request(prompt, params, priority, cache_salt), timeout=timeout,
                                         metadata=self.metadata)
@@ -104,11 +123,59 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-async def print_completion(target: str, prompt: str, params: SamplingParams, *, root_certificates: bytes | None = None,
-                           api_key: str | None = None, timeout: float | None = None) -> None:
-    """Stream one completion's text to stdout as it arrives (`jaxserve client`)."""
+class ClientError(Exception):
+    """A reply that failed, in one line: the server's refusal, or no server at the address."""
+
+
+async def grpc_reply(target: str, prompt: Prompt, params: SamplingParams, *, root_certificates: bytes | None = None,
+                     api_key: str | None = None, timeout: float | None = None) -> AsyncIterator[str]:
+    """The reply's text pieces over gRPC as they arrive."""
     async with Client(target, root_certificates=root_certificates, api_key=api_key) as client:
-        async for response in client.generate(prompt, params, timeout=timeout):
-            for chunk in response.outputs:
-                print(chunk.text, end="", flush=True)
+        try:
+            async for response in client.generate(prompt, params, timeout=timeout):
+                for chunk in response.outputs:
+                    yield chunk.text
+        except grpc.aio.AioRpcError as e:
+            # UNAVAILABLE on a connected channel is the server's own (its engine failed)
+            if e.code() == grpc.StatusCode.UNAVAILABLE and client.channel.get_state() != grpc.ChannelConnectivity.READY:
+                tls = " over TLS" if root_certificates else ""
+                raise ClientError(f"cannot connect to {target} (gRPC{tls}): is `jaxserve serve` running there? Give "
+                                  "its --host and --port (its --grpc-port), or --url http://HOST:PORT for its HTTP "
+                                  "API") from None
+            raise ClientError(f"{e.code().name}: {e.details()}") from None
+
+
+async def http_reply(url: str, prompt: Prompt, params: SamplingParams, *, api_key: str | None = None,
+                     timeout: float | None = None) -> AsyncIterator[str]:
+    """The reply's text pieces from the OpenAI-compatible HTTP API at url (its /v1 base URL) as they arrive: a
+    conversation through /v1/chat/completions, text or token ids through /v1/completions, as the server's first
+    model. The sampling fields travel by their SamplingParams names, which jaxserve (like vLLM) takes."""
+    import openai   # only HTTP needs it: it costs every other command most of a second
+    chat, body = is_conversation(prompt), sampling_fields(params)
+    try:
+        async with openai.AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0,
+                                      timeout=timeout) as client:
+            model = (await client.models.list()).data[0].id
+            if chat:
+                stream = await client.chat.completions.create(model=model, messages=prompt, stream=True,
+                                                              extra_body=body)
+            else:
+                stream = await client.completions.create(model=model, prompt=prompt, stream=True, extra_body=body)
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    yield (choice.delta.content or "") if chat else choice.text
+    except openai.APITimeoutError:
+        raise ClientError(f"{url}: no reply within the timeout ({timeout} s)") from None
+    except openai.APIConnectionError:
+        raise ClientError(f"cannot connect to {url}: is `jaxserve serve` running there (its --port)?") from None
+    except openai.APIError as e:   # a status, or an error event in the stream: the server's message
+        message = e.body.get("message", e.message) if isinstance(e.body, dict) else e.message
+        status = f"HTTP {e.status_code}: " if isinstance(e, openai.APIStatusError) else ""
+        raise ClientError(status + message) from None
+
+
+async def print_reply(pieces: AsyncIterator[str]) -> None:
+    """Each text piece to stdout as it arrives, then a newline (`jaxserve client`)."""
+    async for text in pieces:
+        print(text, end="", flush=True)
     print(flush=True)

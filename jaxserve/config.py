@@ -128,6 +128,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")   # cache/kv_cache.py: auto keeps the model's 
 QUANTIZATIONS = (None, "fp8")   # models/fp8.py: weights of the linear layers in e4m3, per output channel scales
 KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py
 VATTENTION_KERNELS = ("contiguous", "identity")   # models/attention.py: slots, or identity block tables
+GENERATION_CONFIGS = ("auto", "vllm")   # requests' sampling defaults: the model's generation_config, or vLLM's
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +159,7 @@ BLOCK_COUNT = Check(lambda v: v is None or (_is_int(v) and v >= 2),
 FRACTION_UP_TO_1 = Check(lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "must be in (0, 1]")
 FRACTION_BELOW_1 = Check(lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "must be in [0, 1)")
 
-GROUPS = ("scheduler", "cache", "compilation", "parallel", "admission", "vattention")
+GROUPS = ("scheduler", "cache", "compilation", "parallel", "admission", "sampling", "vattention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +187,9 @@ class EngineConfig:
     """Knobs of the engine; defaults suit the embedded model on CPU. See configs/*.yaml (flat under `engine:`).
     Checked whole at construction: a bad knob is a ValueError naming it. Each field declares its KnobSpec."""
     # Scheduler: what one step holds, and how its token budget is split
-    max_model_len: int = knob(2048, group="scheduler", flag=True, check=POSITIVE_INT)
+    # None: the model's context length (the block tables' width), capped to what the KV cache holds per sequence
+    # (llm_engine.fit_to_kv_pool). Every command's --max-model-len (cli.add_model_args)
+    max_model_len: int | None = knob(None, group="scheduler", check=OPTIONAL_POSITIVE_INT)
     max_num_seqs: int = knob(32, group="scheduler", flag=True, check=POSITIVE_INT)
     max_num_batched_tokens: int = knob(256, group="scheduler", flag=True, check=POSITIVE_INT)
     # prefill gets max(min_prefill_chunk, budget - decode tokens)
@@ -232,6 +235,10 @@ class EngineConfig:
                                            check=OPTIONAL_POSITIVE_INT)
     max_queued_tokens: int | None = knob(None, group="admission", graphs=False, flag=True,
                                          check=OPTIONAL_POSITIVE_INT)
+
+    # Sampling: what a request leaves unset takes "auto": the model's generation_config (HF generation_config.json,
+    # GGUF general.sampling.*), else vLLM's defaults; "vllm": vLLM's always
+    generation_config: str = knob("auto", group="sampling", graphs=False, check=one_of(GENERATION_CONFIGS))
 
     # vAttention: read only with kv_backend: vattention
     # 0 maps the whole page pool at start, spread over the slots (eager allocation: no maps in the steps until a

@@ -1,8 +1,9 @@
 """The command line as a user meets it: JSON output, orbax round trip, one clear line for every bad model, every
-default in --help, --version; and what it imports: no benchmarks unless `bench` runs, no cycle with the serving
-modules."""
+default in --help, --version, generate streaming to a terminal and marking a length stop; and what it imports: no
+benchmarks unless `bench` runs, no cycle with the serving modules."""
 import ast
 import importlib.metadata
+import io
 import json
 import re
 import subprocess
@@ -13,12 +14,13 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
+import jaxserve as jaxserve_package
+from jaxserve import LLM, SamplingParams, cli
 from jaxserve.cli import build_parser, model_id
 
 from helpers import jaxserve
 
-pytestmark = pytest.mark.slow   # every test runs the CLI or an interpreter in a subprocess
+pytestmark = pytest.mark.slow   # every test runs the CLI, an interpreter in a subprocess, or the embedded model
 
 PROMPT = "The capital of France is"
 SERVE_DIR = Path(__file__).resolve().parents[1] / "jaxserve" / "serve"
@@ -33,7 +35,7 @@ def test_generate_answers_through_the_chat_template_quietly(offline):
     """An instruct model answers each prompt as a user message (as LLM.chat does), and stderr holds only jaxserve's
     own progress lines, even without torch."""
     prompts = ["What is the capital of France?", "Hi"]
-    run = jaxserve("generate", "--json", "--max-tokens", "12", *prompts, without_torch=True)
+    run = jaxserve("generate", "--json", "--max-tokens", "12", "--temperature", "0", *prompts, without_torch=True)
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     expected = offline.chat([[{"role": "user", "content": p}] for p in prompts],
@@ -47,7 +49,7 @@ def test_generate_answers_through_the_chat_template_quietly(offline):
 
 
 def test_generate_raw_matches_the_python_api(offline):
-    run = jaxserve("generate", "--raw", "--json", "--max-tokens", "8", PROMPT, "Hi")
+    run = jaxserve("generate", "--raw", "--json", "--max-tokens", "8", "--temperature", "0", PROMPT, "Hi")
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     expected = offline.generate([PROMPT, "Hi"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
@@ -58,8 +60,8 @@ def test_generate_raw_matches_the_python_api(offline):
 
 
 def test_generate_serves_fp8_weights_and_cache_as_the_python_api_does():
-    run = jaxserve("generate", "--raw", "--json", "--max-tokens", "8", "--quantization", "fp8", "--kv-cache-dtype",
-                   "fp8", PROMPT)
+    run = jaxserve("generate", "--raw", "--json", "--max-tokens", "8", "--temperature", "0", "--quantization", "fp8",
+                   "--kv-cache-dtype", "fp8", PROMPT)
     assert run.returncode == 0, run.stderr
     llm = LLM(quantization="fp8", kv_cache_dtype="fp8", precompile=False)
     assert llm.engine.stats()["weight_dtype"] == llm.engine.stats()["kv_cache_dtype"] == "float8_e4m3fn"
@@ -172,7 +174,7 @@ def option_help(capsys, *command: str) -> dict[str, str]:
 @pytest.mark.parametrize("command, defaults", [
     (["serve"], {"--port": "8000", "--grpc-port": "50051", "--log-level": "info", "--metrics-port": "None",
                  "--no-grpc": "False", "--http-read-timeout": "30.0", "--max-message-bytes": "16777216"}),
-    (["generate"], {"--max-tokens": "64", "--temperature": "0.0"}),   # options without help text
+    (["generate"], {"--max-tokens": "64", "--temperature": "None", "--generation-config": "None"}),
     (["chat"], {"--max-tokens": "256"}),
     (["client"], {"--port": "50051"}),
     (["convert"], {"--dtype": "None"}),
@@ -186,6 +188,16 @@ def test_help_shows_every_options_default(capsys, command, defaults):
 def test_version_prints_the_package_version():
     run = jaxserve("--version", timeout=120)
     assert run.returncode == 0 and run.stdout == importlib.metadata.version("jaxserve") + "\n", run.stderr
+
+
+def test_version_needs_no_installed_metadata(monkeypatch, capsys):
+    """A source tree on PYTHONPATH (the GPU machines run it so) has no jaxserve distribution."""
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == jaxserve_package.__version__ + "\n"
 
 
 def test_serve_takes_the_model_as_its_positional_argument(tmp_path):
@@ -211,3 +223,68 @@ def test_served_model_id_is_stable_whatever_loads_it(tmp_path):
     assert model_id(str(checkpoint), None) == model_id(f"{checkpoint}/", None) == "Llama-3-8B-Instruct"
     assert model_id(None, str(random_config)) == "llama3-8b-random"
     assert model_id(str(checkpoint), str(random_config)) == "Llama-3-8B-Instruct"   # MODEL over the config's
+
+
+# ---- generate's output on a terminal and in a pipe (in this process, over the module's LLM) ----------------
+class Console(io.StringIO):
+    """stdout or stderr, a terminal or not, recording each write as (its name, the text) in a shared list."""
+
+    def __init__(self, name: str, writes: list[tuple[str, str]], terminal: bool):
+        super().__init__()
+        self.name, self.writes, self.terminal = name, writes, terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+    def write(self, text: str) -> int:
+        self.writes.append((self.name, text))
+        return super().write(text)
+
+
+def generate_here(monkeypatch, llm: LLM, *args: str, terminal: bool) -> list[tuple[str, str]]:
+    """`jaxserve generate ARGS` over llm in this process: every write to stdout and stderr, in order."""
+    writes = []
+    monkeypatch.setattr(cli, "make_llm", lambda *_, **__: llm)
+    monkeypatch.setattr(sys, "stdout", Console("stdout", writes, terminal))
+    monkeypatch.setattr(sys, "stderr", Console("stderr", writes, terminal))
+    assert cli.main(["generate", *args]) == 0
+    return writes
+
+
+def written(writes: list[tuple[str, str]], stream: str) -> str:
+    return "".join(text for name, text in writes if name == stream)
+
+
+@pytest.mark.parametrize("max_tokens, reason", [(4, "length"), (48, "stop")])
+def test_generate_streams_to_a_terminal_and_marks_a_length_stop(monkeypatch, offline, max_tokens, reason):
+    question = "What is the capital of France?"
+    want = offline.chat([{"role": "user", "content": question}], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                        use_tqdm=False)[0].outputs[0]
+    writes = generate_here(monkeypatch, offline, "--max-tokens", str(max_tokens), "--temperature", "0", question,
+                           terminal=True)
+    assert want.finish_reason == reason
+    assert written(writes, "stdout") == want.text + "\n"
+    assert len([text for name, text in writes if name == "stdout" and text.strip()]) >= 4   # token by token
+    mark = f"[stopped: --max-tokens {max_tokens} reached]\n"
+    assert written(writes, "stderr") == (mark if reason == "length" else "")
+    if reason == "length":   # after the text
+        assert writes.index(("stderr", mark.strip())) > max(i for i, (name, _) in enumerate(writes) if name == "stdout")
+
+
+def test_generate_streams_several_prompts_as_it_prints_them_to_a_pipe(monkeypatch, offline):
+    """On a terminal each answer streams under its heading, laid out as in a pipe; a pipe's stdout is the answers
+    alone, the length stop said on stderr; --json gives each finish_reason."""
+    prompts = ["What is the capital of France?", "Name three colours."]   # the first ends by itself, the second not
+    args = ("--max-tokens", "12", "--temperature", "0", *prompts)
+    piped, streamed = generate_here(monkeypatch, offline, *args, terminal=False), \
+        generate_here(monkeypatch, offline, *args, terminal=True)
+    rows = [json.loads(line) for line in written(generate_here(monkeypatch, offline, "--json", *args, terminal=False),
+                                                 "stdout").splitlines()]
+    want = offline.chat([[{"role": "user", "content": p}] for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    assert [(r["text"], r["finish_reason"]) for r in rows] == [(w.outputs[0].text, w.outputs[0].finish_reason)
+                                                               for w in want]
+    assert [r["finish_reason"] for r in rows] == ["stop", "length"]
+    assert written(piped, "stdout") == "".join(f"### {p}\n{r['text']}\n\n" for p, r in zip(prompts, rows))
+    assert written(streamed, "stdout") == written(piped, "stdout")
+    assert written(piped, "stderr") == written(streamed, "stderr") == "[stopped: --max-tokens 12 reached]\n"

@@ -260,3 +260,13 @@ def test_each_graph_compiles_with_its_keys_xla_options():
     decode = GraphKey("model", (W8A16_MAX_ROWS, W8A16_MAX_ROWS, True), 99)
     assert fp8(small) == fp8(large) == fp8(PEAK) == cublas and fp8(decode) == unmerged
     assert cpu(GraphKey("model", (4096, 256, False), 99)) == cpu(PEAK) == {}
+
+
+def test_a_warm_start_reads_the_activation_peak_it_measured(sized_start, tmp_path):
+    """The peak a start measured is kept beside the compile cache: the next start of the same graphs sizes the
+    cache from it without compiling (or loading) the peak's graphs."""
+    _, seen = sized_start(precompile=False, compile_cache_dir=str(tmp_path))
+    peak = seen["peak"]
+    warm, _ = sized_start(precompile=False, compile_cache_dir=str(tmp_path))
+    assert seen["peak"] == peak > 0 and sorted(seen["compiled"]) == sorted(PEAK_KEYS)
+    assert "peak" not in warm.engine.stats()["compile_timings"]["kinds"]

@@ -12,7 +12,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 # Not in the executable cache's fingerprint: no compiled graph reads these, or (num_blocks) the graphs that do carry
 # it in their keys. A change to one must leave the fingerprint as it is.
 HOST_ONLY = {"compile_cache_dir", "precompile", "max_queued_requests", "max_queued_tokens", "watermark",
-             "memory_fraction", "min_prefill_chunk", "vattention_lookahead_tokens", "num_blocks"}
+             "memory_fraction", "min_prefill_chunk", "vattention_lookahead_tokens", "num_blocks", "generation_config"}
 # A value other than the default that passes every check, per knob (with DEFAULT_OK's other knobs).
 OTHER_VALUE = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, min_prefill_chunk=64,
                    async_scheduling=False, seed=7, block_size=32, num_blocks=64, memory_fraction=0.5,
@@ -20,7 +20,8 @@ OTHER_VALUE = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=5
                    token_buckets=(16, 256),
                    seq_buckets=(8, 32), decode_attention="cuda", prefill_attention="mosaic",
                    compile_cache_dir="/tmp/elsewhere", precompile=False, tensor_parallel_size=2,
-                   max_queued_requests=5, max_queued_tokens=1000, vattention_lookahead_tokens=64,
+                   max_queued_requests=5, max_queued_tokens=1000, generation_config="vllm",
+                   vattention_lookahead_tokens=64,
                    vattention_kernels="identity")
 # What OTHER_VALUE's kv_backend needs from the other knobs to pass the checks between knobs.
 NEEDS = dict(kv_backend=dict(enable_prefix_caching=False))
@@ -60,8 +61,8 @@ def test_a_knob_changes_graph_knobs_iff_graphs_depend_on_it(name):
 def test_every_cli_flag_is_an_int_knob():
     flags = engine_flags()
     assert cli.ENGINE_FLAGS == flags
-    assert set(flags) == {"max_num_seqs", "max_model_len", "max_num_batched_tokens", "min_prefill_chunk",
-                          "num_blocks", "max_queued_requests", "max_queued_tokens"}
+    assert set(flags) == {"max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk",
+                          "num_blocks", "max_queued_requests", "max_queued_tokens"}   # --max-model-len: every command
     for name in flags:   # cli.py registers each as `--kebab-name`, type=int
         assert name in KNOBS
         default = getattr(EngineConfig(), name)
@@ -74,7 +75,8 @@ def test_every_cli_flag_is_an_int_knob():
 
 
 @pytest.mark.parametrize("name, bad, rule", [
-    ("max_model_len", 0, "must be a positive int"), ("max_queued_requests", 0, "must be a positive int or null"),
+    ("max_model_len", 0, "must be a positive int or null"),
+    ("max_queued_requests", 0, "must be a positive int or null"),
     ("precompile", "yes", "must be true or false"), ("seed", 1.5, "must be an int"),
     ("num_blocks", 1, r"must be an int >= 2 \(block 0 is the null block\) or null"),
     ("memory_fraction", 0, r"must be in \(0, 1\]"), ("watermark", 1, r"must be in \[0, 1\)"),
@@ -102,3 +104,13 @@ def test_the_cli_passes_quantization_and_the_kv_cache_dtype():
 def test_each_shipped_config_loads(path):
     run = load_run_config(path)
     assert isinstance(run.engine, EngineConfig)
+
+
+def test_serve_takes_max_model_len_over_the_config(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("engine:\n  max_model_len: 200\n")
+    parse = cli.build_parser().parse_args
+    assert cli.served_engine_config(parse(["serve", "--config", str(config), "--max-model-len", "300"])
+                                    ).max_model_len == 300
+    assert cli.served_engine_config(parse(["serve", "--config", str(config)])).max_model_len == 200
+    assert cli.served_engine_config(parse(["serve"])).max_model_len is None   # the model's, decided at start

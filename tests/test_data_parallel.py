@@ -34,10 +34,11 @@ from jaxserve.serve.server import ServeOptions, Server  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 ENGINE = {**KNOBS, "token_buckets": list(KNOBS["token_buckets"]), "seq_buckets": list(KNOBS["seq_buckets"]),
-          "num_blocks": 64}
+          "num_blocks": 80, "max_model_len": 512}
 PROMPTS = token_prompts(5, 17, 33, 9, 40, 12)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
-LONG = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)   # outlives its part of the test
+# outlives its part of the test, a lazy compile on the other replica included
+LONG = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
 
 
 # ---- the child: two replicas on two CPU devices -------------------------------------------------------------

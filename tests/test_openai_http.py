@@ -90,8 +90,8 @@ def test_streamed_chunks_concatenate_to_the_full_text_with_usage_last(client, ch
 
 @pytest.mark.slow
 def test_n_seed_and_stop_match_offline_per_choice(client, offline):
-    params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, stop=["."])
-    kwargs = dict(model=MODEL, prompt=PROMPT, n=3, temperature=0.9, seed=7, max_tokens=12, stop=["."])
+    params = SamplingParams(n=3, temperature=0.9, top_p=1.0, seed=7, max_tokens=12, stop=["."])
+    kwargs = dict(model=MODEL, prompt=PROMPT, n=3, temperature=0.9, top_p=1.0, seed=7, max_tokens=12, stop=["."])
     full = client.completions.create(**kwargs)
     streamed = {}
     for chunk in client.completions.create(**kwargs, stream=True):
@@ -102,6 +102,15 @@ def test_n_seed_and_stop_match_offline_per_choice(client, offline):
     assert [(c.text, c.finish_reason) for c in full.choices] == want
     assert [streamed[i] for i in range(3)] == want
     assert len(set(want)) > 1 and any(reason == "stop" for _, reason in want)
+
+
+@pytest.mark.slow
+def test_a_list_of_text_prompts_is_answered_as_the_offline_batch(client, offline):
+    prompts = [PROMPT, "Hi", "def fib(n):"]
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    want = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert [(c.index, c.text) for c in got.choices] == [(i, w.outputs[0].text) for i, w in enumerate(want)]
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
 
 
 @pytest.mark.slow
@@ -136,9 +145,9 @@ BAD = {   # name -> (chat, request fields, status, param)
     "messages": (True, dict(messages=[]), 400, "messages"),
     "prompt-empty": (False, dict(prompt=""), 400, "prompt"),
     "prompt-too-long": (False, dict(prompt=[1] * 600), 400, "prompt"),
-    "prompt-batch": (False, dict(prompt=["a", "b"]), 400, "prompt"),
+    "prompt-batch-item-too-long": (False, dict(prompt=["a", [1] * 600]), 400, "prompt"),
+    "prompt-batch-item-empty": (False, dict(prompt=["a", ""]), 400, "prompt"),
     "stop": (False, dict(stop=[""]), 400, "stop"),
-    "unsupported": (False, dict(echo=True), 400, "echo"),
     "cache_salt": (False, dict(cache_salt=7), 400, "cache_salt"),
     "cache_salt-too-long": (False, dict(cache_salt="s" * 10_000), 400, "cache_salt"),   # the engine's check
     "return_token_ids": (False, dict(return_token_ids="yes"), 400, "return_token_ids"),
@@ -146,8 +155,21 @@ BAD = {   # name -> (chat, request fields, status, param)
     "max_tokens-past-the-context": (False, dict(max_tokens=1_000_000), 400, "max_tokens"),
     "max_completion_tokens-past": (True, dict(max_completion_tokens=600), 400, "max_completion_tokens"),
     "best_of": (False, dict(best_of=2), 400, "best_of"),                  # fields nothing reads: refused, not
-    "guided_json": (True, dict(guided_json={"type": "object"}), 400, "guided_json"),   # ignored
+    "best_of-with-n": (False, dict(n=2, best_of=2), 400, "best_of"),      # ignored
+    "guided_json": (True, dict(guided_json={"type": "object"}), 400, "guided_json"),
+    "guided_regex": (False, dict(guided_regex="a+"), 400, "guided_regex"),
+    "guided_choice": (True, dict(guided_choice=["yes", "no"]), 400, "guided_choice"),
+    "guided_grammar": (False, dict(guided_grammar="root ::= 'a'"), 400, "guided_grammar"),
     "structured_outputs": (False, dict(structured_outputs={"regex": "a+"}), 400, "structured_outputs"),
+    "response_format": (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+                        "response_format"),
+    "tools": (True, dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    "tool_choice": (True, dict(tool_choice="auto"), 400, "tool_choice"),
+    "parallel_tool_calls": (True, dict(parallel_tool_calls=True), 400, "parallel_tool_calls"),
+    "logit_bias": (False, dict(logit_bias={"5": 10}), 400, "logit_bias"),
+    "echo": (False, dict(echo=True), 400, "echo"),
+    "suffix": (False, dict(suffix="!"), 400, "suffix"),
+    "prompt_logprobs": (False, dict(prompt_logprobs=1), 400, "prompt_logprobs"),
     "top_logprobs-on-completions": (False, dict(top_logprobs=2), 400, "top_logprobs"),
 }
 
@@ -220,12 +242,16 @@ def test_connections_send_at_once(server, client):
     assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+@pytest.mark.parametrize("stream, batch", [(True, False), (False, False), (True, True), (False, True)],
+                         ids=["stream", "non-stream", "stream-batch", "non-stream-batch"])
 @pytest.mark.slow
-def test_a_disconnected_client_frees_its_slot_and_blocks_at_once(server, stream):
+def test_a_disconnected_client_frees_its_slot_and_blocks_at_once(server, stream, batch):
     before = wait_idle(server)
-    headers, body = {"Authorization": f"Bearer {KEY}"}, {"model": MODEL, **LONG, "stream": stream}
-    with httpx2.Client(base_url=base_url(server), headers=headers, timeout=httpx2.Timeout(60, read=3)) as http:
+    prompt = [LONG["prompt"], "Count to two thousand:"] if batch else LONG["prompt"]
+    headers, body = {"Authorization": f"Bearer {KEY}"}, {"model": MODEL, **LONG, "prompt": prompt, "stream": stream}
+    # non-stream: the client gives up after 3 s; stream: the first chunk may wait for a graph to compile
+    with httpx2.Client(base_url=base_url(server), headers=headers,
+                       timeout=httpx2.Timeout(60, read=60 if stream else 3)) as http:
         if stream:
             with http.stream("POST", "/v1/completions", json=body) as response:
                 first = next(line for line in response.iter_lines() if line)
@@ -367,6 +393,60 @@ def test_token_id_prompts_without_a_tokenizer_stream_and_count_tokens(bare):
     assert all(ch.text == "" for c in chunks[:-1] for ch in c.choices)
     assert [t for c in chunks[:-1] for ch in c.choices for t in ch.token_ids] == choice.token_ids   # greedy
     assert chunks[-1].usage.completion_tokens == 9 and chunks[-2].choices[0].finish_reason == "length"
+
+
+BATCH = [IDS, IDS[:10], IDS[5:30]]
+BATCH_FIELDS = dict(model=MODEL, prompt=BATCH, n=2, max_tokens=5, temperature=1.0, seed=5, logprobs=1,
+                    extra_body=TOKEN_IDS)
+
+
+@pytest.mark.slow
+def test_a_list_of_prompts_is_a_choice_per_prompt_and_sample_indexed_as_openai_does(bare):
+    """Choice i * n + j is prompt i's sample j, each what the prompt alone gets; usage sums the prompts."""
+    _, client = bare
+    full = client.completions.create(**BATCH_FIELDS)
+    alone = [c for p in BATCH for c in client.completions.create(**{**BATCH_FIELDS, "prompt": p}).choices]
+    assert [c.index for c in full.choices] == list(range(6))
+    assert [c.token_ids for c in full.choices] == [c.token_ids for c in alone]
+    assert [lp for c in full.choices for lp in c.logprobs.token_logprobs] == \
+           pytest.approx([lp for c in alone for lp in c.logprobs.token_logprobs], abs=1e-4)   # batched: other shapes
+    # each choice its own (samples differ in tokens, prompts in context): no two indices are interchangeable
+    assert len({tuple(round(lp, 3) for lp in c.logprobs.token_logprobs) for c in full.choices}) == 6
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (sum(map(len, BATCH)), 6 * 5)
+
+
+@pytest.mark.slow
+def test_a_streamed_list_of_prompts_carries_each_choices_index(bare):
+    _, client = bare
+    full = client.completions.create(**BATCH_FIELDS)
+    chunks = list(client.completions.create(**BATCH_FIELDS, stream=True, stream_options={"include_usage": True}))
+    streamed: dict[int, list[int]] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        streamed.setdefault(choice.index, []).extend(choice.token_ids)
+    assert [streamed[c.index] for c in full.choices] == [c.token_ids for c in full.choices]
+    assert {c.index: c.finish_reason for ch in chunks[:-1] for c in ch.choices if c.finish_reason} == \
+           {c.index: c.finish_reason for c in full.choices}
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+@pytest.mark.slow
+def test_one_refused_prompt_refuses_the_list_naming_it(bare):
+    server, client = bare
+    before = wait_idle(server)
+    too_long = error_of(client.completions.create, model=MODEL, prompt=[IDS, [5] * 600, IDS], max_tokens=4)
+    assert (too_long.status_code, too_long.body["param"]) == (400, "prompt")
+    assert too_long.body["message"].startswith("prompt[1] has 600 tokens"), too_long.body
+    assert wait_idle(server)["engine_steps"] == before["engine_steps"]   # nothing of it ran
+    no_room = error_of(client.completions.create, model=MODEL, prompt=[IDS, [5] * 500], max_tokens=20)
+    assert (no_room.status_code, no_room.body["param"]) == (400, "max_tokens")
+    assert no_room.body["message"].startswith("prompt[1]: max_tokens=20 with the prompt's 500 tokens"), no_room.body
+    after = wait_idle(server)
+    assert (after["running"], after["waiting"], after["pending"], after["kv_blocks_used"]) == (0, 0, 0, 0)
+    too_many = error_of(client.completions.create, model=MODEL, prompt=[IDS] * (server.engine_loop.max_waiting + 1))
+    assert (too_many.status_code, too_many.body["param"], "--max-waiting" in too_many.body["message"]) == \
+           (400, "prompt", True)
+    assert client.completions.create(model=MODEL, prompt=[IDS, IDS], max_tokens=2).usage.completion_tokens == 4
 
 
 @pytest.mark.slow

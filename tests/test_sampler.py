@@ -135,7 +135,7 @@ def kept_mass(row, cutoff, kth):
     return w[x >= cutoff].sum() / w.sum()
 
 
-@pytest.mark.parametrize("pivots", [1, 2, 7, 31])
+@pytest.mark.parametrize("pivots", [1, 2, 3, 7, 31])
 @pytest.mark.parametrize("seed", range(3))
 def test_filter_matches_sort_reference(seed, pivots):
     """Exactly the sort's cut, but where the two cuts' kept mass lies within 1e-5 of top_p (float32 sums in
@@ -367,3 +367,14 @@ def test_cheapest_mode_gives_the_full_samplers_tokens(params, mode):
     np.testing.assert_array_equal(cheap_state.output_counts, full_state.output_counts)
     if any(p.repetition_penalty != 1.0 for p in params):  # the penalty case would break under "greedy"
         assert not np.array_equal(sample_jit(*args, mode="greedy")[0].tokens, full.tokens)
+
+
+def test_the_filter_takes_the_pivots_of_the_platform(monkeypatch):
+    """The top-k / top-p search cuts CPU_SEARCH_PIVOTS times a pass on a CPU (its passes are bound by arithmetic),
+    the GPU-tuned SEARCH_PIVOTS elsewhere."""
+    import jaxserve.engine.sampler as sampler
+    seen = []
+    monkeypatch.setattr(sampler, "filter_top_k_top_p", lambda x, top_k, top_p, *, pivots: seen.append(pivots) or x)
+    t = make_sampling_tensors([SamplingParams(temperature=1.0, top_p=0.9)], [0], [0], num_rows=1)
+    sampler.sample_random(jnp.zeros((1, 16)), t, jnp.ones(1, bool), top_k_top_p=True)
+    assert seen == [sampler.CPU_SEARCH_PIVOTS if jax.default_backend() == "cpu" else sampler.SEARCH_PIVOTS]

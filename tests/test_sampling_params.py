@@ -38,8 +38,8 @@ def test_edges_accepted():
     ("prompt_logprobs", MAX_LOGPROBS + 1), ("seed", 2**63), ("stop", ""), ("stop", ["ok", ""]), ("stop", [1]),
     ("stop", 5), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 3),
     ("stop_token_ids", [True]), ("seed", 1.5), ("seed", "7"), ("temperature", "hot"), ("n", 2.0), ("n", True),
-    ("top_k", None), ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
-    ("max_tokens", 4.0), ("top_p", None),
+    ("top_k", 1.5), ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
+    ("max_tokens", 4.0), ("top_p", "high"), ("min_p", True), ("repetition_penalty", "1"),
 ])
 def test_bad_value_names_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -50,3 +50,17 @@ def test_min_tokens_above_max_tokens():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
     assert SamplingParams(max_tokens=None, min_tokens=10_000).min_tokens == 10_000
+
+
+def test_unset_fields_read_as_vllms_and_take_a_models_defaults():
+    unset = SamplingParams(top_k=5, max_tokens=None)
+    assert unset.unset == {"temperature", "top_p", "min_p", "repetition_penalty"}
+    assert (unset.temperature, unset.top_p, unset.min_p, unset.repetition_penalty) == (1.0, 1.0, 0.0, 1.0)
+    model = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1, "max_tokens": 100}
+    got = unset.with_defaults(model, room=60)
+    assert (got.temperature, got.top_p, got.top_k, got.min_p, got.repetition_penalty) == (0.2, 0.9, 5, 0.0, 1.1)
+    assert got.max_tokens == 60   # the model's bound, within what the prompt leaves
+    assert unset.with_defaults(model, room=500).max_tokens == 100
+    assert unset.with_defaults({}, room=60) is unset
+    explicit = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=7)
+    assert explicit.unset == frozenset() and explicit.with_defaults(model, room=60) is explicit

@@ -260,6 +260,8 @@ BAD_INPUTS = {
     "n": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(n=0)), "n must"),
     "n>max_num_seqs": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(n=17)), "n=17"),
     "max_tokens": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(max_tokens=0)), "max_tokens"),
+    "max_tokens-past-the-context": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(max_tokens=600)),
+                                    "max_tokens=600 with the prompt's"),
     "min_tokens": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(min_tokens=5, max_tokens=2)),
                    "min_tokens"),
     "logprobs": (pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(logprobs=21)), "logprobs"),
@@ -432,7 +434,7 @@ def test_reflection_lists_the_services(server):
 def test_cli_client_streams_the_offline_text(server, reference):
     host, port = server.wait_ready().rsplit(":", 1)
     s = SAMPLED[0]
-    cmd = [sys.executable, "-m", "jaxserve.cli", "client", "--host", host, "--port", port, "--max-tokens",
+    cmd = [sys.executable, "-m", "jaxserve.cli", "client", "--raw", "--host", host, "--port", port, "--max-tokens",
            str(s.max_tokens), "--temperature", str(s.temperature), "--top-p", str(s.top_p), "--seed", str(s.seed),
            PROMPTS[0]]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,

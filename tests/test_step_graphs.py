@@ -1,13 +1,16 @@
 """The step graphs' keys: the graphs compiled before serving are the key function over every size a step can have,
 so no step the scheduler forms meets a graph that was not compiled (pure functions: no model, no compile)."""
+import dataclasses
+
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.step_graphs import bucket_ladders, step_shape, step_sizes
 
 
-def compiled_shapes(cfg: EngineConfig, has_decode_kernel: bool) -> set:
-    ladders = bucket_ladders(cfg)
+def compiled_shapes(cfg: EngineConfig, has_decode_kernel: bool, cpu: bool = False) -> set:
+    ladders = bucket_ladders(cfg, cpu)
     return {step_shape(*size, ladders, has_decode_kernel) for size in step_sizes(cfg, ladders)}
 
 
@@ -25,12 +28,12 @@ def configs(draw) -> EngineConfig:
 
 
 @settings(max_examples=300, deadline=None)
-@given(configs(), st.data(), st.booleans())
-def test_every_step_the_scheduler_can_form_has_a_compiled_graph(cfg, data, has_decode_kernel):
+@given(configs(), st.data(), st.booleans(), st.booleans())
+def test_every_step_the_scheduler_can_form_has_a_compiled_graph(cfg, data, has_decode_kernel, cpu):
     """A step has 1..max_num_seqs rows and 0..max_num_batched_tokens tokens (n > 1 children are rows without
     tokens); it is decode-only when every row has one token."""
-    compiled = compiled_shapes(cfg, has_decode_kernel)
-    ladders = bucket_ladders(cfg)
+    compiled = compiled_shapes(cfg, has_decode_kernel, cpu)
+    ladders = bucket_ladders(cfg, cpu)
     for _ in range(20):
         rows = data.draw(st.integers(1, cfg.max_num_seqs))
         decode = data.draw(st.booleans())
@@ -48,3 +51,16 @@ def test_decode_steps_of_a_seq_bucket_spanning_token_buckets_are_compiled():
     assert {(16, 64, True), (64, 64, True), (256, 256, True), (16, 64, False)} <= compiled
     ladders = bucket_ladders(cfg)
     assert all(step_shape(n, n, True, ladders, True) in compiled for n in range(1, 257))
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_one_streams_decode_multiplies_one_row_on_a_cpu(cpu):
+    """A CPU multiplies every padded row by the weights: there one stream decodes in a graph of one token and one
+    row. Elsewhere the default seq ladder keeps its smallest bucket; decode steps still pad their tokens only to
+    their seq bucket, never to a larger token bucket."""
+    cfg = EngineConfig()
+    ladders = bucket_ladders(cfg, cpu)
+    assert (ladders[1][0] == 1) == cpu
+    assert step_shape(1, 1, True, ladders, has_decode_kernel=not cpu) == ((1, 1, False) if cpu else (8, 8, True))
+    assert step_shape(5, 1, False, ladders, has_decode_kernel=not cpu)[:2] == (16, ladders[1][0])
+    assert bucket_ladders(dataclasses.replace(cfg, seq_buckets=(4, 32)), cpu)[1] == (4, 32)   # a config's own ladder

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, default_max_tokens
 from jaxserve.engine.sequence import RequestOutput
 from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxserve.sharding import make_mesh
@@ -39,7 +39,8 @@ class LLM:
     a directory written by `jaxserve convert`. quantization="fp8": the linear layers' weights in FP8 (a
     pre-quantized checkpoint is FP8 by itself). Engine knobs (EngineConfig fields, kv_cache_dtype="fp8" among
     them) pass as keyword arguments; a model loaded here is placed on tensor_parallel_size devices (a LoadedModel
-    must already be on them)."""
+    must already be on them). Sampling fields a request leaves unset take the model's generation config (its
+    temperature, top_p, ...; generation_config="vllm": vLLM's defaults)."""
 
     def __init__(self, model: str | LoadedModel | None = DEFAULT_MODEL, dtype: str | None = None,
                  config: EngineConfig | None = None, quantization: str | None = None, **engine_kwargs):
@@ -65,8 +66,13 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, sp or self.get_default_sampling_params()) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate, chat and stream use when given none (vLLM's name): the model's generation config over
+        vLLM's defaults; its max_new_tokens, when it has one, bounds the output (else 16 tokens)."""
+        return SamplingParams(max_tokens=default_max_tokens(self.engine.sampling_defaults, DEFAULT_MAX_TOKENS))
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -80,7 +86,7 @@ class LLM:
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield text deltas of one request as they are generated (stop strings held back safely)."""
-        rid = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        rid = self.engine.add_request(prompt, sampling_params or self.get_default_sampling_params())
         sent: dict[int, tuple[int, int]] = {}
         try:
             while True:

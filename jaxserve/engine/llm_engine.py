@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
@@ -73,11 +73,32 @@ class Launched:
     out: tuple   # (SamplerOutput, PromptLogprobs | None) as device arrays
 
 
-def check_config(cfg: EngineConfig, max_position_embeddings: int) -> None:
-    """What the config alone cannot check (EngineConfig checks itself): the model's limits."""
+def fit_to_model(cfg: EngineConfig, max_position_embeddings: int) -> EngineConfig:
+    """cfg with max_model_len decided by the model (what EngineConfig cannot check alone): the model's context
+    length when none is given; a given one past it is an error."""
+    if cfg.max_model_len is None:
+        return replace(cfg, max_model_len=max_position_embeddings)
     if cfg.max_model_len > max_position_embeddings:
         raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings="
-                         f"{max_position_embeddings}")
+                         f"{max_position_embeddings}: lower max_model_len (--max-model-len)")
+    return cfg
+
+
+def fit_to_kv_pool(cfg: EngineConfig, kv: KVManager, given: bool) -> EngineConfig:
+    """The model's max_model_len capped to what the KV cache holds for one sequence, said in one line (the block
+    tables keep the model's width: the pool is sized after the graphs). A given one stays (the line says so):
+    requests past the pool are refused one by one (NeverFits)."""
+    held, block_size = kv.max_tokens_per_seq, kv.block_size
+    if held >= cfg.max_model_len:
+        return cfg
+    pool = f"the KV cache holds {held:,} tokens per sequence ({held // block_size:,} blocks of {block_size})"
+    if given:
+        print(f"max_model_len {cfg.max_model_len:,} (given): {pool}, so longer requests are refused; more blocks "
+              "(num_blocks, memory_fraction) or a lower max_model_len match them", file=sys.stderr)
+        return cfg
+    print(f"max_model_len {cfg.max_model_len:,} (the model's) capped to {held:,}: {pool}; more blocks (num_blocks, "
+          "memory_fraction) raise it", file=sys.stderr)
+    return replace(cfg, max_model_len=held)
 
 
 def tensor_parallel_mesh(loaded: LoadedModel, cfg: EngineConfig) -> Mesh:
@@ -94,12 +115,24 @@ def weight_dtype(loaded: LoadedModel) -> str:
     return "float8_e4m3fn" if loaded.quantization == "fp8" else loaded.dtype.name
 
 
+def sampling_defaults(loaded: LoadedModel, cfg: EngineConfig) -> dict:
+    """What requests take for the sampling fields they leave unset (SamplingParams.with_defaults): the model's
+    recommended values under generation_config "auto", said in one line at start; none ("vllm": vLLM's)."""
+    if cfg.generation_config == "vllm" or not loaded.sampling_defaults:
+        return {}
+    shown = ", ".join(f"{name}={value}" for name, value in loaded.sampling_defaults.items())
+    print(f"default sampling parameters from the model's generation config: {shown} (a request's own values "
+          "override them; --generation-config vllm leaves vLLM's)", file=sys.stderr)
+    return loaded.sampling_defaults
+
+
 def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, ModelRunner, KVManager]:
     """The device side's start-up, in its one order: the KV backend's layout (the kernels address it) -> the step
     graphs -> the cache's size (from the activation peak when memory sizes it) -> the graphs bound to that size
     (every key final) -> precompile (before the cache takes the memory: compiling, autotuning, needs room) -> the
     cache allocated and the runner over it -> the host block manager. A multi-host worker runs it too: sizing is
-    a collective."""
+    a collective. max_model_len: the model's unless cfg gives one (fit_to_model), in graphs.cfg."""
+    cfg = fit_to_model(cfg, loaded.config.max_position_embeddings)
     mesh = tensor_parallel_mesh(loaded, cfg)
     kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, loaded.dtype)
     if is_quantized_kv(kv_dtype) and not loaded.kv_scales_loaded:
@@ -118,12 +151,13 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None):
-        self.cfg = cfg = cfg or EngineConfig()
-        check_config(cfg, loaded.config.max_position_embeddings)
-        enable_compilation_cache(cfg.compile_cache_dir)
+        given = cfg or EngineConfig()
+        enable_compilation_cache(given.compile_cache_dir)
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.graphs, self.runner, self.kv = start_device(loaded, cfg)
+        self.sampling_defaults = sampling_defaults(loaded, given)
+        self.graphs, self.runner, self.kv = start_device(loaded, given)
+        self.cfg = cfg = fit_to_kv_pool(self.graphs.cfg, self.kv, given=given.max_model_len is not None)
         self.scheduler = Scheduler(cfg, self.kv)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
@@ -136,11 +170,12 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None) -> str:
         """Queue a request; bad input raises ValueError naming the field (AdmissionError: well-formed but not
         admitted) and changes nothing. `prompt_token_ids`: the text prompt already tokenized (servers tokenize
-        off the engine's thread)."""
+        off the engine's thread). The sampling fields params leave unset take sampling_defaults."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt(prompt, prompt_token_ids)
+        params = params.with_defaults(self.sampling_defaults, self.cfg.max_model_len - len(ids))
         self._check_request(ids, params)
         check_cache_salt(cache_salt)
         if not isinstance(priority, int) or isinstance(priority, bool) or not -INT32_MAX - 1 <= priority <= INT32_MAX:

@@ -128,7 +128,9 @@ class ModelRunner:
         token_ids = np.array([t for r in rows for t in r.seq.token_ids[r.start:r.start + r.count]], np.int32)
         slots = np.array([self.slot_of[r.seq.seq_id] for r in rows], np.int32)
         prompt = any(r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
-        tokens, seqs, decode_only = self.graphs.model_key(len(token_ids), len(rows), all(c == 1 for c in counts)).dims
+        # prompt logprobs' graphs exist for token buckets only: their steps never pad tokens to a seq bucket
+        decode_only = all(c == 1 for c in counts) and not prompt
+        tokens, seqs, decode_only = self.graphs.model_key(len(token_ids), len(rows), decode_only).dims
         return self.graphs.step_inputs(
             num_tokens=tokens, num_seqs=seqs, decode_only=decode_only, **self.kv_addressing(slots),
             starts=[r.start for r in rows], counts=counts, token_ids=np.where(token_ids == PENDING, 0, token_ids),

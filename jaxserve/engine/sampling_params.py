@@ -1,7 +1,8 @@
 """Per-request generation parameters, named and validated like vLLM's `SamplingParams`."""
+from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -20,34 +21,62 @@ INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logp
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 OPTIONAL_FIELDS = ("max_tokens", "logprobs", "prompt_logprobs", "seed")
+# The fields a model's generation_config sets for the requests that leave them unset (None), and vLLM's values,
+# which they take where it sets none. Its max_new_tokens is its "max_tokens": the bound of a request whose max_tokens
+# is None (vLLM's `--generation-config auto`).
+VLLM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+DEFAULT_MAX_TOKENS = 16   # vLLM's
 
 
 @dataclass(slots=True)
 class SamplingParams:
+    """temperature, top_p, top_k, min_p and repetition_penalty left None take the serving model's defaults (its
+    generation_config; the engine applies them, `with_defaults`), else vLLM's. They read back as vLLM's at once, so
+    a SamplingParams is whole without a model; `unset` names them. (dataclasses.replace builds anew: a field it
+    copies counts as set.)"""
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 or -1: off
+    min_p: float | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     stop: str | list[str] | None = None  # normalised to a list
     stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False
-    max_tokens: int | None = 16  # None: up to the model's max length
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: up to the model's max length
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    unset: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        self.unset = frozenset(name for name in VLLM_DEFAULTS if getattr(self, name) is None)
+        for name in self.unset:
+            setattr(self, name, VLLM_DEFAULTS[name])
         check_types(self)
         self.stop = normalise_stop(self.stop)
         self.stop_token_ids = normalise_stop_token_ids(self.stop_token_ids)
         check_ranges(self)
+
+    def with_defaults(self, defaults: dict, room: int) -> SamplingParams:
+        """These params with a model's defaults (VLLM_DEFAULTS' fields, max_tokens) in their unset fields; its
+        max_tokens bounds a max_tokens of None, to at most `room` (what the prompt leaves of max_model_len: a default
+        the request never asked for must not make it too long)."""
+        changes = {name: defaults[name] for name in self.unset if name in defaults}
+        if self.max_tokens is None and "max_tokens" in defaults:
+            changes["max_tokens"] = max(1, min(defaults["max_tokens"], room))
+        return replace(self, **changes) if changes else self
+
+
+def default_max_tokens(model_defaults: dict, otherwise: int | None) -> int | None:
+    """A request's max_tokens when it gives none: None where the model has a max_new_tokens (the engine bounds it by
+    that and by the room the prompt leaves, `with_defaults`), else the surface's own default."""
+    return None if "max_tokens" in model_defaults else otherwise
 
 
 def check_types(p: SamplingParams) -> None:

@@ -9,10 +9,13 @@ made from its key alone (`lower`). Graphs that take the cache carry its size in 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -63,19 +66,21 @@ def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
     return next(b for b in ladder if b >= n)
 
 
-def bucket_ladders(cfg: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The (token, seq) bucket ladders of an engine config."""
+def bucket_ladders(cfg: EngineConfig, cpu: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (token, seq) bucket ladders of an engine config. On a CPU the default seq ladder starts with one row: a
+    CPU multiplies every padded row by the weights, so one stream would decode MIN_SEQ_BUCKET rows."""
+    seqs = pow2_ladder(min(MIN_SEQ_BUCKET, cfg.max_num_seqs), cfg.max_num_seqs)
     return (cfg.token_buckets or pow2_ladder(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens),
-            cfg.seq_buckets or pow2_ladder(min(MIN_SEQ_BUCKET, cfg.max_num_seqs), cfg.max_num_seqs))
+            cfg.seq_buckets or (1,) * (cpu and seqs[0] > 1) + seqs)
 
 
 def step_shape(num_tokens: int, num_rows: int, decode_only: bool, ladders: tuple, has_decode_kernel: bool
                ) -> tuple[int, int, bool]:
     """The (token bucket, seq bucket, decode-only) a step pads to: a row without tokens (an n > 1 child) still
-    takes a token's place; decode-only (one token per row) runs the decode kernel's graph where there is one."""
-    tokens, seqs = ladders
-    return (bucket_for(max(num_tokens, num_rows, 1), tokens), bucket_for(num_rows, seqs),
-            decode_only and has_decode_kernel)
+    takes a token's place; decode-only (one token per row) pads its tokens to the seq bucket where that is
+    smaller, and runs the decode kernel's graph where there is one."""
+    tokens, seqs = bucket_for(max(num_tokens, num_rows, 1), ladders[0]), bucket_for(num_rows, ladders[1])
+    return min(tokens, seqs) if decode_only else tokens, seqs, decode_only and has_decode_kernel
 
 
 def step_sizes(cfg: EngineConfig, ladders: tuple) -> Iterator[tuple[int, int, bool]]:
@@ -96,10 +101,16 @@ class PromptLogprobs:
     top_logprobs: jax.Array
 
 
-def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, graphdef, kernels: AttentionKernels, mesh: Mesh,
+def merge(model_def: tuple, params: list):
+    """The model from its static definition (nnx graphdef, its state's treedef) and its weights, a flat list."""
+    graphdef, state_def = model_def
+    return nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
+
+
+def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, model_def, kernels: AttentionKernels, mesh: Mesh,
               fence: bool = False):
     """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H])."""
-    model = nnx.merge(graphdef, params)
+    model = merge(model_def, params)
     # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
     token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
     hidden, kv_cache = model(token_ids, inp.positions, kv_cache, PagedAttention(inp.attn, kernels, mesh))
@@ -116,10 +127,10 @@ def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_t
     return penalty, out, jnp.zeros(num_last_tokens, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
 
 
-def run_prompt_logprobs(params, hidden, next_prompt_ids, *, graphdef) -> PromptLogprobs:
+def run_prompt_logprobs(params, hidden, next_prompt_ids, *, model_def) -> PromptLogprobs:
     """All-position logprobs (run only for steps that serve a prompt_logprobs request), PROMPT_LOGPROBS_ROWS
     tokens at a time."""
-    model, rows = nnx.merge(graphdef, params), math.gcd(len(hidden), PROMPT_LOGPROBS_ROWS)
+    model, rows = merge(model_def, params), math.gcd(len(hidden), PROMPT_LOGPROBS_ROWS)
 
     def chunk(args):
         h, nxt = args
@@ -149,37 +160,43 @@ class StepGraphs:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig, mesh: Mesh, backend: KVBackend):
         mc = self.model_config = loaded.config
         self.cfg, self.mesh, self.backend = cfg, mesh, backend
-        graphdef, self.params = nnx.split(loaded.model)
+        graphdef, state = nnx.split(loaded.model)
+        # the weights as a flat list: a call flattens it in C++, an nnx State by a Python callback per weight (~1 ms)
+        self.params, state_def = jax.tree.flatten(state)
         self.dtype, self.quantization = loaded.dtype, loaded.quantization
         self.eos_token_ids = loaded.eos_token_ids
-        self.ladders = self.token_buckets, self.seq_buckets = bucket_ladders(cfg)
+        cpu = mesh.devices.flat[0].platform == "cpu"
+        self.ladders = self.token_buckets, self.seq_buckets = bucket_ladders(cfg, cpu)
         self.reset_widths = pow2_ladder(MIN_RESET_WIDTH, cfg.max_model_len, factor=4)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim,
                                                  backend.blocks_per_row, backend.dtype)
         self.replicated = NamedSharding(mesh, P())
-        self.manager = CompilationManager(ExecutableCache(cfg.compile_cache_dir, fingerprint(
-            mc, graph_knobs(cfg), str(self.dtype), loaded.quantization,
-            [(d.id, d.device_kind) for d in mesh.devices.flat], self.kernels)), options=self.compiler_options)
+        graphs_fingerprint = fingerprint(mc, graph_knobs(cfg), str(self.dtype), loaded.quantization,
+                                         [(d.id, d.device_kind) for d in mesh.devices.flat], self.kernels)
+        self.manager = CompilationManager(ExecutableCache(cfg.compile_cache_dir, graphs_fingerprint),
+                                          options=self.compiler_options)
+        self.peak_file = cfg.compile_cache_dir and (Path(cfg.compile_cache_dir).expanduser() / "activation_peak" /
+                                                    hashlib.sha256(graphs_fingerprint.encode()).hexdigest()[:40])
         self.penalty = jax.eval_shape(functools.partial(init_penalty_state, cfg.max_num_seqs, mc.vocab_size))
         self.last_tokens = jax.ShapeDtypeStruct((self.seq_buckets[-1],), jnp.int32)
         self.num_blocks: int | None = None
         self.cache_shape: KVCache | None = None
         if backend.fence:
             vmm.register_fence()
-        self._jit(graphdef)
+        self._jit((graphdef, state_def))
 
-    def _jit(self, graphdef) -> None:
+    def _jit(self, model_def: tuple) -> None:
         rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
         sharding = self.backend.cache_sharding
         cache = jax.tree.map(lambda _: sharding, self.backend.cache_structs(1))
-        self.model = jax.jit(functools.partial(run_model, graphdef=graphdef, kernels=self.kernels, mesh=self.mesh,
+        self.model = jax.jit(functools.partial(run_model, model_def=model_def, kernels=self.kernels, mesh=self.mesh,
                                                fence=self.backend.fence),
                              in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep, rep),
                              donate_argnums=1)
         self.sampler = jax.jit(functools.partial(run_sampler, num_last_tokens=self.seq_buckets[-1]),
                                in_shardings=rep, out_shardings=rep, donate_argnums=1)
-        self.prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, graphdef=graphdef),
+        self.prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, model_def=model_def),
                                        in_shardings=(params, rep, rep), out_shardings=rep)
         self.reset = jax.jit(reset_slots, in_shardings=rep, out_shardings=rep, donate_argnums=0)
 
@@ -263,9 +280,23 @@ class StepGraphs:
     # ---- start-up ----------------------------------------------------------------------------------
     def activation_peak(self) -> int:
         """XLA's temp memory of the largest step's model, sampler and prompt-logprob graphs (summed: safe whichever
-        runs), reserved before the KV cache takes what is left. The model's graph on a stand-in cache is only
-        looked at; the others are kept, and (precompile) every graph that does not take the cache compiles beside
-        them."""
+        runs), reserved before the KV cache takes what is left. Measured once per fingerprint and kept beside the
+        compile cache: a warm start then neither traces nor loads those graphs (~1 s of a CPU start)."""
+        if self.peak_file and self.peak_file.exists():
+            peak = int(self.peak_file.read_text())
+        else:
+            peak = self.measure_activation_peak()
+            if self.peak_file:
+                self.peak_file.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.peak_file.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(str(peak))
+                tmp.replace(self.peak_file)   # atomic: a concurrent start reads a whole file or none
+        print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
+        return peak
+
+    def measure_activation_peak(self) -> int:
+        """The model's graph on a stand-in cache is only looked at; the others are kept, and (precompile) every
+        graph that does not take the cache compiles beside them."""
         with self.manager.timed("peak_s"):
             kept = [GraphKey("sampler", (self.seq_buckets[-1], "filter", MAX_LOGPROBS)),
                     GraphKey("prompt", (self.token_buckets[-1],))]
@@ -274,9 +305,7 @@ class StepGraphs:
             if self.cfg.precompile:
                 self.manager.submit({key: functools.partial(self.lower, key) for key in self.cache_free_keys()})
             executables = self.manager.wait([PEAK, *kept]).values()
-            peak = sum(getattr(e.memory_analysis(), "temp_size_in_bytes", 0) for e in executables)
-        print(f"activation peak of the largest step: {peak / 2**20:.1f} MiB", file=sys.stderr)
-        return peak
+            return sum(getattr(e.memory_analysis(), "temp_size_in_bytes", 0) for e in executables)
 
     def bind_cache(self, num_blocks: int) -> None:
         """The cache's size, from here on in the keys of the graphs that take it."""

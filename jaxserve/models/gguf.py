@@ -1,7 +1,7 @@
-"""GGUF files: config, tokenizer and chat template from the metadata; tensors read (memory-mapped) and
-dequantized by the `gguf` package, the llama.cpp project's own reader, so every type it dequantizes loads:
-F32, F16, BF16, Q4_0..Q8_0, the K-quants Q2_K..Q6_K that Q4_K_M-style files mix, IQ*, TQ*, MXFP4. Tensors are
-renamed to HF names, so one weight mapping serves both formats."""
+"""GGUF files: config, tokenizer, chat template and recommended sampling from the metadata; tensors read
+(memory-mapped) and dequantized by the `gguf` package, the llama.cpp project's own reader, so every type it
+dequantizes loads: F32, F16, BF16, Q4_0..Q8_0, the K-quants Q2_K..Q6_K that Q4_K_M-style files mix, IQ*, TQ*,
+MXFP4. Tensors are renamed to HF names, so one weight mapping serves both formats."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,6 +23,10 @@ TENSOR_NAMES = {  # GGUF per-layer suffix -> HF name
 }
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
+# llama.cpp's recommended-sampling keys (newer converters copy them from generation_config.json) -> SamplingParams
+SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                 "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
 def open_gguf(path: Path):
@@ -64,6 +68,14 @@ def gguf_config(reader, path: Path) -> ModelConfig:
             sliding_window=p("attention.sliding_window"), attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),))
+
+
+def gguf_sampling(reader) -> dict:
+    """The file's recommended sampling under SamplingParams' names; a float32 value as its shortest decimal (0.9,
+    not 0.8999999761581421), as the model's publisher wrote it."""
+    values = {name: _field(reader, key) for key, name in SAMPLING_KEYS.items()}
+    return {name: float(str(np.float32(v))) if isinstance(v, float) else v for name, v in values.items()
+            if v is not None}
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -51,11 +51,25 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * y.astype(x.dtype)
 
 
+class Linear(nnx.Linear):
+    """nnx.Linear, but one row on a lone CPU device (a stream's decode) multiplies the two halves of the contraction
+    as one batched dot and adds them: XLA CPU runs that ~30% faster than its matrix-vector product. Not under a
+    device mesh, where the halves could cut across the kernel's shards."""
+
+    def __call__(self, x):
+        if x.shape[0] != 1 or self.in_features % 2 or jax.default_backend() != "cpu" or jax.device_count() > 1:
+            return super().__call__(x)
+        halves = self.kernel[...].reshape(2, self.in_features // 2, self.out_features)
+        y = jax.lax.dot_general(x.reshape(2, 1, -1), halves, (((2,), (1,)), ((0,), (0,))),
+                                preferred_element_type=jnp.float32).sum(0).astype(self.dtype)
+        return y if self.bias is None else y + self.bias[...]
+
+
 def _linear(cfg_in, cfg_out, dtype, rngs, bias=False, quantization=None):
-    """nnx.Linear in the model dtype, or with quantization="fp8" an Fp8Linear (models/fp8.py)."""
+    """Linear in the model dtype, or with quantization="fp8" an Fp8Linear (models/fp8.py)."""
     if quantization == "fp8":
         return Fp8Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, rngs=rngs)
-    return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class KVScale(nnx.Variable):
@@ -141,8 +155,10 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, hidden):
         """hidden [N, H] -> f32 logits [N, V]."""
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        if self.lm_head is None:   # E [V, H] . hidden: XLA CPU streams E's rows (its hidden @ E.T is ~10x slower)
+            embedding = self.embed_tokens.embedding[...]
+            return jax.lax.dot_general(embedding, hidden.astype(embedding.dtype), (((1,), (1,)), ((), ()))
+                                       ).T.astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
 
 

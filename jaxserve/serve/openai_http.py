@@ -2,8 +2,11 @@
 (server-sent events when streaming, ending with `data: [DONE]`), /v1/models, /health and /metrics (unless the server
 turns it off). A Starlette app served by uvicorn in the server's event loop (beside gRPC's), over the engine loop.
 A request body is parsed, chat-templated and tokenized on the engine loop's tokenizer thread; its cumulative
-RequestOutputs become an OpenAI response, or chunks of per-choice deltas. A client that disconnects aborts its
-request at once. Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+RequestOutputs become an OpenAI response, or chunks of per-choice deltas. A list of prompts on /v1/completions is
+one engine request per prompt, batched in the engine and answered together (choice i * n + j: prompt i's output
+j); one refused prompt refuses them all. A client that disconnects aborts its requests at once. Errors are
+OpenAI-shaped: {"error": {"message", "type", "param", "code"}}. Sampling fields a request leaves out (or null) take
+the model's defaults (its generation config; the engine applies them).
 
 vLLM's extra request fields are taken too: the SamplingParams ones below, `cache_salt` (a prefix-cache namespace)
 and `return_token_ids` (each choice, or chunk's choice, carries its new `token_ids`). A model without a tokenizer
@@ -14,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.metadata
 import json
 import re
 import socket
@@ -33,9 +35,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import jaxserve
 from jaxserve.engine.llm import apply_chat_template
 from jaxserve.engine.llm_engine import AdmissionError, NeverFits
-from jaxserve.engine.sampling_params import SamplingParams, short
+from jaxserve.engine.sampling_params import SamplingParams, default_max_tokens, short
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
 from jaxserve.serve.connections import (SEND_BUFFER_BYTES, ConnectionLimits, bearer_matches, guarded_protocol,
                                         quiet_accept_failures)
@@ -97,7 +100,8 @@ def api_error(error: Exception, renames: dict[str, str]) -> APIError:
 # ---- requests ---------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Parsed:
-    submission: Submission
+    submissions: list[Submission]   # one per prompt
+    batch: bool               # `prompt` was a list of prompts: errors name prompt[i]
     chat: bool
     stream: bool
     include_usage: bool
@@ -165,11 +169,12 @@ def field_renames(request: dict, chat: bool) -> dict[str, str]:
     return {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
 
 
-def sampling_params(request: dict, chat: bool) -> SamplingParams:
+def sampling_params(request: dict, chat: bool, model_defaults: dict) -> SamplingParams:
+    """The request's fields; those it leaves out or null are left unset, for the model's defaults."""
     kwargs = {name: request[name] for name in SAMPLING_FIELDS if request.get(name) is not None}
     max_tokens = request.get("max_completion_tokens") if chat else None
     max_tokens = request.get("max_tokens") if max_tokens is None else max_tokens
-    default = None if chat else DEFAULT_COMPLETION_TOKENS
+    default = None if chat else default_max_tokens(model_defaults, DEFAULT_COMPLETION_TOKENS)
     return SamplingParams(**kwargs, max_tokens=default if max_tokens is None else max_tokens,
                           logprobs=num_logprobs(request, chat))
 
@@ -198,14 +203,23 @@ def token_list(request: dict, name: str, vocab_size: int, max_len: int) -> list[
     return ids
 
 
-def completion_prompt(request: dict) -> str | list[int]:
-    """The prompt, text or token ids (anything else the engine refuses, naming it)."""
+def completion_prompts(request: dict) -> tuple[list, bool]:
+    """The prompts, each text or token ids, and whether `prompt` was a list of them (a batch); a string or a list of
+    token ids is one prompt (anything else the engine refuses, naming it)."""
     prompt = request.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return prompt[0]   # the batch form, holding one prompt
-    if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
-        raise APIError(400, "prompt: one prompt per request (a batch of prompts is not supported)", "prompt")
-    return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt, True
+    return [prompt], False
+
+
+def refusal(error: Exception, renames: dict[str, str], prompt_index: int | None) -> APIError:
+    """api_error, its message naming the prompt of a batch it is about: "prompt[2] has 600 tokens; ...",
+    "prompt[2]: max_tokens=480 ..." (`param` stays the field the error is about)."""
+    e = api_error(error, renames)
+    if prompt_index is None:
+        return e
+    message, named = re.subn(r"^prompt\b", f"prompt[{prompt_index}]", str(e))
+    return APIError(e.status, message if named else f"prompt[{prompt_index}]: {e}", e.param, e.code)
 
 
 def chat_message(message) -> dict:
@@ -221,45 +235,53 @@ def chat_message(message) -> dict:
 
 
 # ---- responses ------------------------------------------------------------------------------------------
-def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+def usage(outs: list[RequestOutput]) -> dict:
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class Reply:
-    """One request's response: whole, or chunks of per-choice deltas of its cumulative outputs."""
+    """One request's response: whole, or chunks of per-choice deltas of its prompts' cumulative outputs. Prompt i's
+    output j is choice i * n + j, as OpenAI and vLLM number a batch's choices."""
 
     def __init__(self, parsed: Parsed, model: str, token_text: Callable[[int], str]):
         self.chat, self.include_usage, self.token_text = parsed.chat, parsed.include_usage, token_text
         self.token_ids = parsed.token_ids
-        self.num_top = parsed.submission.params.logprobs
+        params = parsed.submissions[0].params   # the prompts share them
+        self.n, self.num_top = params.n, params.logprobs
         self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                      "model": model}
         self.sent: dict[int, tuple[int, int, bool]] = {}   # choice -> characters, tokens, finish reason sent
 
-    def full(self, out: RequestOutput) -> dict:
-        choices = [self.choice(c) for c in sorted(out.outputs, key=lambda c: c.index)]
-        return {**self.header(chunk=False), "choices": choices, "usage": usage(out)}
+    def full(self, outs: list[RequestOutput]) -> dict:
+        choices = [self.choice(i * self.n + c.index, c) for i, out in enumerate(outs)
+                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        return {**self.header(chunk=False), "choices": choices, "usage": usage(outs)}
 
-    def chunks(self, out: RequestOutput) -> Iterator[dict]:
-        """A chunk per choice that changed since the last call (OpenAI sends one choice per chunk)."""
+    def chunks(self, prompt_index: int, out: RequestOutput) -> Iterator[dict]:
+        """A chunk per choice of the prompt's that changed since the last call (OpenAI sends one choice per
+        chunk)."""
         for c in out.outputs:
-            seen = c.index in self.sent
-            chars, tokens, done = self.sent.get(c.index, (0, 0, False))
+            index = prompt_index * self.n + c.index
+            seen = index in self.sent
+            chars, tokens, done = self.sent.get(index, (0, 0, False))
             if seen and len(c.text) == chars and len(c.token_ids) == tokens and (done or c.finish_reason is None):
                 continue
-            self.sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
-            yield {**self.header(chunk=True), "choices": [self.choice(c, chars, tokens, first=not seen)]}
+            self.sent[index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+            yield {**self.header(chunk=True), "choices": [self.choice(index, c, chars, tokens, first=not seen)]}
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        return {**self.header(chunk=True), "choices": [], "usage": usage(out)}
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict:
+        return {**self.header(chunk=True), "choices": [], "usage": usage(outs)}
 
     def header(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {**self.head, "object": kind, **({"usage": None} if chunk and self.include_usage else {})}
 
-    def choice(self, c: CompletionOutput, chars: int | None = None, tokens: int = 0, first: bool = False) -> dict:
-        """The whole output (chars None), or what follows `chars` characters and `tokens` tokens as a delta."""
+    def choice(self, index: int, c: CompletionOutput, chars: int | None = None, tokens: int = 0,
+               first: bool = False) -> dict:
+        """Choice `index`: the whole output (chars None), or what follows `chars` characters and `tokens` tokens as
+        a delta."""
         text, ids = c.text[chars or 0:], c.token_ids[tokens:]
         logprobs = None if c.logprobs is None else self.logprobs(ids, c.logprobs[tokens:len(c.token_ids)])
         if not self.chat:
@@ -268,7 +290,7 @@ class Reply:
             body = {"message": {"role": "assistant", "content": text}}
         else:
             body = {"delta": {"role": "assistant", "content": text} if first else {"content": text} if text else {}}
-        return {"index": c.index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 **({"token_ids": ids} if self.token_ids else {})}
 
     def logprobs(self, ids: list[int], per_token: list[dict[int, float]]) -> dict:
@@ -299,6 +321,52 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+class Batch:
+    """A request's prompts, each its own engine request (so they batch in the engine), read together: `latest`
+    holds each one's newest cumulative output. A refusal of any one refuses the request; aclose aborts every
+    prompt still running (a refusal, a client gone, the end)."""
+
+    def __init__(self, engine_loop: EngineLoop, parsed: Parsed, metrics: ServerMetrics):
+        self.streams = [engine_loop.generate(s, RequestTimer(metrics)) for s in parsed.submissions]
+        self.latest: list[RequestOutput | None] = [None] * len(self.streams)
+        self.reads: dict[asyncio.Future, int] = {}   # the pending read of each running prompt -> its index
+        self.renames, self.batch = parsed.renames, parsed.batch
+
+    async def next(self) -> int | None:
+        """The index of a prompt with a newer output (now in `latest`), lowest first; None once every one finished.
+        A refusal raises as an APIError (naming the prompt of a batch)."""
+        reading = set(self.reads.values())
+        for i, stream in enumerate(self.streams):
+            if i not in reading and not (self.latest[i] is not None and self.latest[i].finished):
+                self.reads[asyncio.ensure_future(anext(stream))] = i
+        if not self.reads:
+            return None
+        done, _ = await asyncio.wait(self.reads, return_when=asyncio.FIRST_COMPLETED)
+        read = min(done, key=self.reads.get)
+        i = self.reads.pop(read)
+        try:
+            self.latest[i] = read.result()
+        except REFUSALS as e:
+            raise refusal(e, self.renames, i if self.batch else None) from None
+        return i
+
+    async def started(self) -> None:
+        """Until every prompt has an output: each refusal comes before any, so it still gets an HTTP status."""
+        while any(out is None for out in self.latest):
+            await self.next()
+
+    async def finished(self) -> None:
+        while await self.next() is not None:
+            pass
+
+    async def aclose(self) -> None:
+        for read in self.reads:
+            read.cancel()
+        await asyncio.gather(*self.reads, return_exceptions=True)
+        for stream in self.streams:
+            await stream.aclose()
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -378,21 +446,20 @@ class OpenAIApp:
         return await unless_disconnected(request, self.respond(body, True))
 
     async def respond(self, body: bytes, chat: bool) -> Response:
-        timer, parsed = RequestTimer(self.metrics), None
         try:
             parsed = await self.engine_loop.off_engine(self.parse, body, chat)
-            outputs = self.engine_loop.generate(parsed.submission, timer)
-            out = await anext(outputs)   # a refusal gets an HTTP status only before the response starts
-            reply = Reply(parsed, self.model_name, self.token_text)
-            if parsed.stream:
-                return EventStream(self.events(reply, out, outputs))
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
-                    pass
-            return JSONResponse(reply.full(out))
-        except REFUSALS as e:
-            timer.end(e)
-            raise api_error(e, parsed.renames if parsed else {}) from None
+        except ValueError as e:
+            RequestTimer(self.metrics).end(e)
+            raise api_error(e, {}) from None
+        batch, reply = Batch(self.engine_loop, parsed, self.metrics), Reply(parsed, self.model_name, self.token_text)
+        async with contextlib.AsyncExitStack() as closing:
+            closing.push_async_callback(batch.aclose)
+            await batch.started()   # a refusal gets an HTTP status only before the response starts
+            if not parsed.stream:
+                await batch.finished()
+                return JSONResponse(reply.full(batch.latest))
+            closing.pop_all()   # the event stream closes it
+        return EventStream(self.events(reply, batch))
 
     def parse(self, body: bytes, chat: bool) -> Parsed:
         """On the tokenizer thread: the request body checked, converted, chat-templated and tokenized."""
@@ -404,17 +471,33 @@ class OpenAIApp:
             if unsupported := [name for name in UNSUPPORTED if request.get(name) and request[name] != {"type": "text"}]:
                 raise APIError(400, f"{unsupported[0]}: not supported by this server", unsupported[0])
             check_fields(request, ENDPOINT_FIELDS[chat] | set(UNSUPPORTED))
-            params = sampling_params(request, chat)
-            prompt = self.chat_prompt(request) if chat else completion_prompt(request)
+            params = sampling_params(request, chat, self.engine_loop.engine.sampling_defaults)
+            prompts, batch = ([self.chat_prompt(request)], False) if chat else completion_prompts(request)
             stream, options = flag(request, "stream"), request.get("stream_options") or {}
             if not isinstance(options, dict):
                 raise APIError(400, f"stream_options must be an object, got {short(options)}", "stream_options")
-            submission = Submission(prompt, self.engine_loop.prompt_ids(prompt), params,
-                                    cache_salt=optional_str(request, "cache_salt"))
-            return Parsed(submission, chat, stream, stream and flag(options, "include_usage"),
+            submissions = self.submissions(prompts, params, optional_str(request, "cache_salt"), batch, renames)
+            return Parsed(submissions, batch, chat, stream, stream and flag(options, "include_usage"),
                           flag(request, "return_token_ids"), renames)
         except ValueError as e:
             raise api_error(e, renames) from None
+
+    def submissions(self, prompts: list, params: SamplingParams, cache_salt: str | None, batch: bool,
+                    renames: dict[str, str]) -> list[Submission]:
+        """Each prompt tokenized, as the engine takes it; one too long is refused here, before any of them runs."""
+        if len(prompts) > (most := self.engine_loop.max_waiting):   # more could never be admitted together
+            raise APIError(400, f"prompt: at most {most:,} prompts per request (--max-waiting), got {len(prompts):,}",
+                           "prompt")
+        submissions = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = self.engine_loop.prompt_ids(prompt)
+                if isinstance(counted := prompt if ids is None else ids, list):
+                    self.engine_loop.engine.check_prompt_length(len(counted))
+                submissions.append(Submission(prompt, ids, params, cache_salt=cache_salt))
+            except ValueError as e:
+                raise refusal(e, renames, i if batch else None) from None
+        return submissions
 
     def chat_prompt(self, request: dict) -> str:
         messages = request.get("messages")
@@ -428,20 +511,21 @@ class OpenAIApp:
         except TemplateError as e:   # the template's own checks, e.g. roles that must alternate
             raise APIError(400, f"messages: {e}", "messages") from None
 
-    async def events(self, reply: Reply, out: RequestOutput, outputs) -> AsyncIterator[str]:
-        """The stream's events; a refusal or failure after the response started is an error event."""
-        async with contextlib.aclosing(outputs):
+    async def events(self, reply: Reply, batch: Batch) -> AsyncIterator[str]:
+        """The stream's events, each prompt's first outputs in order, then as they come; a refusal or failure after
+        the response started is an error event."""
+        async with contextlib.aclosing(batch):
             try:
-                while True:
-                    for chunk in reply.chunks(out):
+                for i, out in enumerate(batch.latest):
+                    for chunk in reply.chunks(i, out):
                         yield sse(chunk)
-                    if out.finished:
-                        break
-                    out = await anext(outputs)
+                while (i := await batch.next()) is not None:
+                    for chunk in reply.chunks(i, batch.latest[i]):
+                        yield sse(chunk)
                 if reply.include_usage:
-                    yield sse(reply.usage_chunk(out))
-            except REFUSALS as e:
-                yield sse(api_error(e, {}).body())
+                    yield sse(reply.usage_chunk(batch.latest))
+            except APIError as e:
+                yield sse(e.body())
         yield "data: [DONE]\n\n"
 
     def no_such_model(self, name) -> APIError:
@@ -462,7 +546,7 @@ class OpenAIApp:
         return JSONResponse(self.model_card(request.path_params["model"]))
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": importlib.metadata.version("jaxserve")})
+        return JSONResponse({"version": jaxserve.__version__})
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt, or messages through the chat template, as the engine tokenizes them."""
