@@ -206,7 +206,25 @@ def measure(args, engine, prompt_ids: list[int], batch: list[list[int]]) -> tupl
     return runs, batch_s, {"copy_gbps": best[0], "read_gbps": best[1]}
 
 
-def main(argv=None):
+def decode_rows(args, loaded, engine, prompt_ids: list[int], runs: dict, batch_s: list[float], ceilings: dict):
+    """The rows of the streams (the ceilings and rooflines on jaxserve's) and of the batched runs."""
+    weight_bytes = weight_read_bytes(loaded.config, Bytes.of(loaded, engine.cfg))
+    roofline = {"copy": ceilings["copy_gbps"] * 1e9 / weight_bytes, "read": ceilings["read_gbps"] * 1e9 / weight_bytes}
+    params = {"prompt_tokens": len(prompt_ids), "output_len": args.output_len, "threads": cores(),
+              "dtype": str(loaded.dtype), "model": DEFAULT_MODEL, "repeats": args.repeats}
+    # llama.cpp reads Q4_1 blocks, not the f32 weights the roofline counts
+    rows = [stream_row(name, params, rs, runs["jaxserve"][0][0], {} if name == "llama.cpp" else roofline)
+            for name, rs in runs.items()]
+    rows[0] |= ceilings | {"weight_bytes": weight_bytes, "copy_roofline_tok_s": roofline["copy"],
+                           "read_roofline_tok_s": roofline["read"]}
+    wall = float(np.median(batch_s))
+    return rows + [{"bench": "cpu_decode_batched", "impl": "jaxserve", "ms": wall * 1e3,
+                    "params": {"num_prompts": args.batch_prompts, "input_len": args.batch_input_len,
+                               "output_len": args.batch_output_len, "threads": cores(), "model": DEFAULT_MODEL},
+                    "tok_s": args.batch_prompts * args.batch_output_len / wall, "wall_runs_s": batch_s}]
+
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--output-len", type=int, default=128)
@@ -219,7 +237,11 @@ def main(argv=None):
     ap.add_argument("--no-first-generate", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/cpu_decode.json")
     ap.add_argument("--serve-transformers", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.serve_transformers:
         return serve_transformers()
     command = "python benchmarks/cpu_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -231,21 +253,7 @@ def main(argv=None):
              for _ in range(args.batch_prompts)]
     jaxserve_stream(engine, prompt_ids, 8)   # warm-up: first transfers, allocator, each graph's first run
     jaxserve_batch(engine, batch, args.batch_output_len)
-    runs, batch_s, ceilings = measure(args, engine, prompt_ids, batch)
-    weight_bytes = weight_read_bytes(loaded.config, Bytes.of(loaded, engine.cfg))
-    roofline = {"copy": ceilings["copy_gbps"] * 1e9 / weight_bytes, "read": ceilings["read_gbps"] * 1e9 / weight_bytes}
-    params = {"prompt_tokens": len(prompt_ids), "output_len": args.output_len, "threads": cores(),
-              "dtype": str(loaded.dtype), "model": DEFAULT_MODEL, "repeats": args.repeats}
-    # llama.cpp reads Q4_1 blocks, not the f32 weights the roofline counts
-    rows = [stream_row(name, params, rs, runs["jaxserve"][0][0], {} if name == "llama.cpp" else roofline)
-            for name, rs in runs.items()]
-    rows[0] |= ceilings | {"weight_bytes": weight_bytes, "copy_roofline_tok_s": roofline["copy"],
-                           "read_roofline_tok_s": roofline["read"]}
-    wall = float(np.median(batch_s))
-    rows.append({"bench": "cpu_decode_batched", "impl": "jaxserve", "ms": wall * 1e3,
-                 "params": {"num_prompts": args.batch_prompts, "input_len": args.batch_input_len,
-                            "output_len": args.batch_output_len, "threads": cores(), "model": DEFAULT_MODEL},
-                 "tok_s": args.batch_prompts * args.batch_output_len / wall, "wall_runs_s": batch_s})
+    rows = decode_rows(args, loaded, engine, prompt_ids, *measure(args, engine, prompt_ids, batch))
     if not args.no_first_generate:
         del llm, engine   # the fresh processes get this one's memory
         starts = [first_generate_s(args.prompt, 16) for _ in range(2)]
