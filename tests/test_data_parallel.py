@@ -133,9 +133,14 @@ async def served_by_both(c: Client, base: str, recorder: Recorder) -> dict:
     out = {"grpc_tokens": [list(r.outputs[0].token_ids) for r in replies],
            "http_tokens": body["choices"][0]["token_ids"],
            "batch_replicas": [recorder.added[str(i)] for i in range(len(PROMPTS) + 1)]}
-    streams = await asyncio.gather(opened(c, [5, 6, 7], LONG), opened(c, [8, 9, 10], LONG))
-    for stream in streams:   # cancels the call: the abort must reach the replica serving it
-        await stream.aclose()
+    first = await opened(c, [5, 6, 7], LONG)
+    second = c.generate([8, 9, 10], LONG)
+    second_opened = asyncio.create_task(anext(second))
+    while "8" not in recorder.added:   # routed while the first is open; the first cancelled while it runs
+        await asyncio.sleep(0.001)
+    await first.aclose()   # cancels the call: the abort must reach the replica serving it
+    await second_opened
+    await second.aclose()
     return {**out, "long_replicas": [recorder.added["7"], recorder.added["8"]]}
 
 
