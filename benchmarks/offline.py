@@ -113,8 +113,8 @@ def run_transformers_cb(cfg, prompts, output_len):
     return wall, sum(len(o.generated_tokens) for o in out.values())
 
 
-def make_prompts(cfg, args):
-    rng = np.random.default_rng(0)
+def make_prompts(cfg, args, seed: int = 0):
+    rng = np.random.default_rng(seed)
     return [rng.integers(0, min(cfg.vocab_size, 128000), args.input_len).tolist() for _ in range(args.num_prompts)]
 
 

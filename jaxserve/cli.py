@@ -21,12 +21,13 @@ from jaxserve.engine import distributed
 from jaxserve.engine.llm import LLM, has_chat_template
 from jaxserve.engine.llm_engine import LLMEngine, start_device
 from jaxserve.engine.runner import ModelRunner
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.loader import DEFAULT_MODEL, EMBEDDED_MODELS, load_model, load_replicas, load_run, save_converted
 from jaxserve.serve import connections, server
 from jaxserve.serve.connections import ConnectionLimits
 from jaxserve.serve.engine_loop import THROUGHPUT_INTERVAL_S
+from jaxserve.serve.tool_calls import TOOL_PARSERS
 
 ENGINE_FLAGS = engine_flags()   # the knobs declared flag=True in config.EngineConfig
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -85,13 +86,24 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=None, help=MODEL_DEFAULT)
     p.add_argument("--repetition-penalty", type=float, default=None, help=MODEL_DEFAULT)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="a JSON schema the answer follows (structured outputs)")
 
 
 def sampling_params(args) -> SamplingParams:
     """The flags given; the rest are left unset, for the serving model's defaults."""
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed)
+                          seed=args.seed, structured_outputs=json_schema_file(args.json_schema))
+
+
+def json_schema_file(path: str | None) -> StructuredOutputsParams | None:
+    try:
+        return None if path is None else StructuredOutputsParams(json=Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--json-schema {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise ValueError(f"--json-schema {path}: {e}") from None
 
 
 def prepare_process(cfg: EngineConfig) -> None:
@@ -213,6 +225,7 @@ def serve_options(args) -> server.ServeOptions:
                                scheduling_policy=args.scheduling_policy, reflection=not args.no_reflection,
                                api_key=api_key(args),
                                allowed_origins=tuple(o for o in args.allowed_origins.split(",") if o),
+                               tool_call_parser=args.tool_call_parser,
                                http_limits=ConnectionLimits(args.http_max_connections, args.http_read_timeout,
                                                             args.http_write_timeout))
 
@@ -324,6 +337,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated browser origins (https://host[:port], or *) the HTTP API answers, with CORS; "
                         "requests from any other origin get 403 (empty: none, so no web page can drive the server)")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                   help="how tool_choice auto reads the model's tool calls: hermes (<tool_call> blocks: Hermes, Qwen) "
+                        "or llama3_json (Llama 3.x JSON calls); None: the one the chat template tells, if any (else "
+                        "only tool_choice required or a named function is served)")
     p.add_argument("--http-max-connections", type=int, default=connections.DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections; more are answered 503 and closed")
     p.add_argument("--http-read-timeout", type=float, default=connections.DEFAULT_READ_TIMEOUT_S,

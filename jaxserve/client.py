@@ -13,12 +13,13 @@ package (http_reply), printed by print_reply. A prompt is text, token ids, or a 
 """
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serve.jaxserve_pb2 import GenerateResponse, ModelInfoResponse, ServerStatsResponse
@@ -29,17 +30,34 @@ __all__ = ["Client", "ClientError", "Prompt", "sampling_options", "generate_requ
 Prompt = str | list[int] | list[dict]   # text, token ids, or a conversation for the model's chat template
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+CONSTRAINT_OPTIONS = pb.SamplingOptions.DESCRIPTOR.oneofs_by_name["structured_outputs"]
 
 
 def sampling_fields(params: SamplingParams) -> dict:
-    """Every field of params that is set: not None, not left to the server's model (`unset`). The server rebuilds
-    the same SamplingParams."""
-    values = {f.name: getattr(params, f.name) for f in pb.SamplingOptions.DESCRIPTOR.fields}
+    """Every field of params that is set: not None, not left to the server's model (`unset`); structured_outputs
+    as vLLM's object of its one field. The server rebuilds the same SamplingParams."""
+    values = {f.name: getattr(params, f.name) for f in pb.SamplingOptions.DESCRIPTOR.fields
+              if f.containing_oneof is not CONSTRAINT_OPTIONS}
+    if (spec := params.structured_outputs) is not None:
+        values["structured_outputs"] = {spec.key[0]: getattr(spec, spec.key[0])}
     return {k: v for k, v in values.items() if v is not None and k not in params.unset}
 
 
 def sampling_options(params: SamplingParams) -> pb.SamplingOptions:
-    return pb.SamplingOptions(**sampling_fields(params))
+    fields = sampling_fields(params)
+    fields.pop("structured_outputs", None)
+    return pb.SamplingOptions(**fields, **constraint_option(params.structured_outputs))
+
+
+def constraint_option(spec: StructuredOutputsParams | None) -> dict:
+    """SamplingOptions' structured_outputs field for a constraint: a JSON schema as JSON text, choices as a
+    ChoiceList."""
+    if spec is None:
+        return {}
+    kind = spec.key[0]
+    if kind == "json":
+        return {"json_schema": json.dumps(spec.json)}
+    return {"choice": pb.ChoiceList(choices=spec.choice)} if kind == "choice" else {kind: getattr(spec, kind)}
 
 
 def is_conversation(prompt: Prompt) -> bool:

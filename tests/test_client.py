@@ -156,7 +156,10 @@ def test_no_server_is_one_line_naming_the_address(capsys, transport):
 @pytest.mark.parametrize("flags, message", [
     (["--url", "host:8000"], "--url host:8000: give the server's HTTP address, http://HOST:PORT (its --port)"),
     (["--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: No such file or directory"),
-], ids=["url-without-scheme", "missing-ca"])
+    (["--json-schema", "/nonexistent/s.json"], "--json-schema /nonexistent/s.json: No such file or directory"),
+    (["--json-schema", "/dev/null"], "--json-schema /dev/null: structured_outputs.json: not valid JSON "
+                                     "(Expecting value: line 1 column 1 (char 0))"),
+], ids=["url-without-scheme", "missing-ca", "missing-schema", "schema-not-json"])
 def test_bad_flags_are_one_line(capsys, flags, message):
     code, out, err = client_cli(capsys, *flags, "Hi")
     assert (code, out, err) == (2, "", f"jaxserve client: error: {message}\n")

@@ -160,12 +160,21 @@ BAD = {   # name -> (chat, request fields, status, param)
     "guided_regex": (False, dict(guided_regex="a+"), 400, "guided_regex"),
     "guided_choice": (True, dict(guided_choice=["yes", "no"]), 400, "guided_choice"),
     "guided_grammar": (False, dict(guided_grammar="root ::= 'a'"), 400, "guided_grammar"),
-    "structured_outputs": (False, dict(structured_outputs={"regex": "a+"}), 400, "structured_outputs"),
+    "guided_decoding_backend": (True, dict(guided_decoding_backend="xgrammar"), 400, "guided_decoding_backend"),
+    "structured_outputs": (False, dict(structured_outputs={"regex": "a["}), 400, "structured_outputs.regex"),
+    "structured_outputs-two": (False, dict(structured_outputs={"regex": "a", "choice": ["b"]}), 400,
+                               "structured_outputs"),
     "response_format": (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
-                        "response_format"),
-    "tools": (True, dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+                        "response_format.json_schema.schema"),
+    "response_format-type": (False, dict(response_format={"type": "xml"}), 400, "response_format"),
+    "tools": (True, dict(tools={"name": "f"}), 400, "tools"),
+    "tools-auto-without-a-parser": (True, dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+                                    "tool_choice"),   # SmolLM2's chat template tells no tool-call parser
     "tool_choice": (True, dict(tool_choice="auto"), 400, "tool_choice"),
-    "parallel_tool_calls": (True, dict(parallel_tool_calls=True), 400, "parallel_tool_calls"),
+    "parallel_tool_calls": (True, dict(parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
+    "tools-on-completions": (False, dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    "functions": (True, dict(functions=[{"name": "f"}]), 400, "functions"),
+    "function_call": (True, dict(function_call="auto"), 400, "function_call"),
     "logit_bias": (False, dict(logit_bias={"5": 10}), 400, "logit_bias"),
     "echo": (False, dict(echo=True), 400, "echo"),
     "suffix": (False, dict(suffix="!"), 400, "suffix"),
@@ -186,6 +195,10 @@ def test_bad_input_is_an_openai_error_naming_the_field(client, server, case):
                extra_body={k: v for k, v in request.items() if k not in ("model", "messages", "prompt")})
     assert err.value.status_code == status
     assert err.value.body["param"] == param and err.value.body["type"] and err.value.body["message"], err.value.body
+    if param.startswith(("structured_outputs", "response_format", "guided_")):   # paths named as the request has them
+        assert err.value.body["message"].startswith(param), err.value.body
+    if param.startswith("guided_"):   # vLLM's removed fields: the message names what replaced them
+        assert "structured_outputs" in err.value.body["message"], err.value.body
     assert server.engine_loop.stats()["serving"]
 
 
@@ -308,7 +321,9 @@ def error_of(create, **kwargs) -> openai.APIStatusError:
 
 
 FUZZ_FIELDS = sorted({*ENGINE_FIELDS, *UNSUPPORTED, "model", "messages", "max_completion_tokens", "top_logprobs",
-                      "stream", "stream_options", "return_token_ids", "user", "priority", "prompt_logprobs"})
+                      "stream", "stream_options", "return_token_ids", "user", "priority", "prompt_logprobs",
+                      "response_format", "guided_json", "tools", "tool_choice", "parallel_tool_calls", "functions",
+                      "function_call"})
 FUZZ_REQUESTS = 150   # per endpoint
 
 

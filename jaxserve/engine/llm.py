@@ -27,11 +27,14 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(tokenizer.chat_template)
 
 
-def apply_chat_template(tokenizer, conversation, add_generation_prompt: bool = True) -> str:
-    """A conversation ([{"role", "content"}, ...]) as the prompt text of the model's chat template."""
+def apply_chat_template(tokenizer, conversation, add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> str:
+    """A conversation ([{"role", "content"}, ...]) as the prompt text of the model's chat template; `tools`: the
+    functions the template shows the model (OpenAI's tool objects)."""
     if not has_chat_template(tokenizer):
         raise ValueError("messages: this model has no chat template")
-    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 class LLM:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -17,10 +18,11 @@ from jaxserve.cache.kv_cache import is_quantized_kv, kv_cache_dtype
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.runner import ModelRunner
-from jaxserve.engine.sampling_params import INT32_MAX, SamplingParams, check_text, short
+from jaxserve.engine.runner import ModelRunner, Unsampled
+from jaxserve.engine.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams, check_text, short
 from jaxserve.engine.scheduler import Scheduler, StepRow
 from jaxserve.engine.step_graphs import StepGraphs
+from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, next_seq_id,
                                       stable_seed)
 from jaxserve.models.kv_calibration import calibrate_kv_scales, calibration_ids
@@ -70,7 +72,8 @@ class Request:
 @dataclass(slots=True)
 class Launched:
     rows: list[StepRow]
-    out: tuple   # (SamplerOutput, PromptLogprobs | None) as device arrays
+    out: tuple | Unsampled   # (SamplerOutput, PromptLogprobs | None) as device arrays; Unsampled: constrained
+    mask: Future | None = None   # Unsampled: its token bitmask, being filled on the mask thread
 
 
 def fit_to_model(cfg: EngineConfig, max_position_embeddings: int) -> EngineConfig:
@@ -159,9 +162,11 @@ class LLMEngine:
         self.graphs, self.runner, self.kv = start_device(loaded, given)
         self.cfg = cfg = fit_to_kv_pool(self.graphs.cfg, self.kv, given=given.max_model_len is not None)
         self.scheduler = Scheduler(cfg, self.kv)
+        self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-mask")   # llguidance frees the GIL
         self.graphs.start_serving()
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -184,6 +189,7 @@ class LLMEngine:
         check_text("request_id", request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        matcher = self._matcher(params)
         req = Request(request_id, text, ids, params)
         seed = params.seed if params.seed is not None else stable_seed(self.cfg.seed, request_id)
         seq_id = next_seq_id()
@@ -192,7 +198,7 @@ class LLMEngine:
         seq = Sequence(seq_id, request_id, 0, list(ids), len(ids), params, seed, priority,
                        cache_salt=cache_salt, num_forks_pending=params.n - 1,
                        prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
-        seq.detokenizer = self._detokenizer(ids, params)
+        seq.detokenizer, seq.matcher = self._detokenizer(ids, params), matcher
         req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -222,6 +228,18 @@ class LLMEngine:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured-outputs constraint into the engine's cache (ValueError if invalid); thread-safe:
+        servers call it off the engine's thread, so that add_request finds it compiled."""
+        self.structured.compile(spec)
+
+    def _matcher(self, params: SamplingParams):
+        if params.structured_outputs is None:
+            return None
+        if self.runner.on_launch is not None:
+            raise ValueError("structured_outputs: not served by a multi-host engine")
+        return self.structured.matcher(params.structured_outputs)
 
     def check_prompt_length(self, num_tokens: int) -> None:
         if num_tokens >= self.cfg.max_model_len:
@@ -292,29 +310,36 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch step N+1, then finish step N while the device runs N+1 (async scheduling: the host work of
-        a step hides behind the device's); synchronous: launch and finish the same step."""
-        launched = self.launch_step()
+        a step hides behind the device's); synchronous: launch and finish the same step. Under structured outputs
+        N+1's token bitmask is filled on the mask thread once N's tokens are in its matchers, while N's outputs and
+        N+2's schedule are made; N+1's sampler launches just before N+2's model."""
         if not self.cfg.async_scheduling:
-            return self.complete_step(launched)
-        done, self._inflight = self._inflight, launched
+            return self.complete_step(self.launch_step())
+        done = self._inflight
+        self._inflight = self.launch_step(before=done)
         return self.complete_step(done)
 
-    def launch_step(self) -> Launched | None:
+    def launch_step(self, before: Launched | None = None) -> Launched | None:
         """Schedule the next step and launch it: its device outputs, not yet on the host (the first half of
-        `step`, public so that a profiler can time each half)."""
+        `step`, public so that a profiler can time each half). `before`: a launched step whose sampler (if it
+        waits for its mask) must run first."""
         output = self.scheduler.schedule()
         for child in output.forks:
             req = self.requests[child.request_id]
-            child.detokenizer = self._detokenizer(req.prompt_token_ids, req.params)
+            child.detokenizer, child.matcher = self._detokenizer(req.prompt_token_ids, req.params), \
+                self._matcher(req.params)
             req.seqs.append(child)
-        out = self.runner.execute(output)
+        out = self.runner.execute(output, ready=lambda: self._sample_constrained(before))
         return None if out is None else Launched(output.rows, out)
 
     def complete_step(self, launched: Launched | None) -> list[RequestOutput]:
         """Bring a step's samples to the host (the step's one device->host sync) and act on them."""
         if launched is None:
             return []
+        self._sample_constrained(launched)
         out, prompt_lp = jax.tree.map(np.asarray, launched.out)
+        grammars_go_on = self._advance_grammars(launched.rows, out.tokens)
+        self._fill_mask(self._inflight)   # async: the next step's, now that this step's tokens are in the matchers
         touched: dict[str, Request] = {}
         now, flat = time.monotonic(), 0
         for i, row in enumerate(launched.rows):
@@ -331,8 +356,38 @@ class LLMEngine:
                                                       out.top_logprobs[i, :seq.params.logprobs])}
                 seq.logprobs.append({token: float(out.logprob[i]), **top})
             self._check_stop(seq, token, pos + 1)
+            if not grammars_go_on.get(i, True) and not seq.finished:
+                self._finish(seq, "stop")
             touched[seq.request_id] = self.requests[seq.request_id]
         return [self._request_output(r) for r in touched.values()]
+
+    def _sample_constrained(self, launched: Launched | None) -> None:
+        """A constrained step's sampler, once every token before it is on the host: its rows' matchers fill the
+        token bitmask (a no-op for a sampled step)."""
+        if launched is None or not isinstance(launched.out, Unsampled):
+            return
+        self._fill_mask(launched)
+        launched.out = self.runner.sample(launched.out, launched.mask.result())
+
+    def _fill_mask(self, launched: Launched | None) -> None:
+        """Start filling a constrained step's token bitmask on the mask thread (once)."""
+        if launched is not None and isinstance(launched.out, Unsampled) and launched.mask is None:
+            matchers = [row.seq.matcher if row.samples else None for row in launched.rows]
+            launched.mask = self._mask_thread.submit(self.structured.fill, matchers, launched.out.num_rows)
+
+    def _advance_grammars(self, rows: list[StepRow], tokens: np.ndarray) -> dict[int, bool]:
+        """The matchers of the step's constrained rows take their sampled tokens (in parallel); per such row, False
+        where its sequence must end there: the grammar is complete and takes no more tokens (a stop), or it cannot go
+        on (the token was outside the mask: min_tokens left no allowed token)."""
+        constrained = [i for i, row in enumerate(rows) if row.samples and row.seq.matcher is not None
+                       and not row.seq.finished]
+        taken = self.structured.advance([(rows[i].seq.matcher, int(tokens[i])) for i in constrained])
+        for i, ok in zip(constrained, taken):
+            if not ok:
+                print(f"jaxserve: request {rows[i].seq.request_id}: token {int(tokens[i])} breaks its "
+                      f"structured_outputs grammar ({rows[i].seq.matcher.get_error()}); stopping it",
+                      file=sys.stderr, flush=True)
+        return {i: ok and not rows[i].seq.matcher.is_stopped() for i, ok in zip(constrained, taken)}
 
     def _record_prompt_logprobs(self, seq: Sequence, lp, flat: int, start: int, count: int) -> None:
         """Input token at position p predicts prompt token p + 1: its logprob and the top-k there."""

@@ -17,8 +17,20 @@ from jaxserve.engine.sampler import SamplerOutput, init_penalty_state, mode_for
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
 from jaxserve.engine.sequence import PENDING, Sequence
-from jaxserve.engine.step_graphs import PromptLogprobs, StepGraphs, kv_addressing
-from jaxserve.engine.step_inputs import StepInputs, pad
+from jaxserve.engine.step_graphs import GraphKey, PromptLogprobs, StepGraphs, kv_addressing
+from jaxserve.engine.step_inputs import SamplerInputs, StepInputs, pad
+
+
+@dataclass(slots=True)
+class Unsampled:
+    """A constrained step launched up to its sampler: the model's logits, waiting for the token bitmask."""
+    logits: jax.Array
+    inputs: SamplerInputs
+    prompt: PromptLogprobs | None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.inputs.slot_ids)
 
 
 @dataclass(slots=True)
@@ -59,16 +71,27 @@ class ModelRunner:
         """Where the KV of the sequences in these device slots lies (step_graphs.kv_addressing)."""
         return kv_addressing(self.block_table.table[slots], self.graphs.kernels.blocks_per_row)
 
-    def run(self, inp: StepInputs) -> tuple[SamplerOutput, PromptLogprobs | None]:
-        """One step on ready inputs through the compiled graphs: device arrays, no sync."""
+    def run(self, inp: StepInputs) -> tuple[SamplerOutput, PromptLogprobs | None] | Unsampled:
+        """One step on ready inputs through the compiled graphs: device arrays, no sync. A constrained step stops
+        before its sampler (Unsampled), which `sample` runs once the host has its token bitmask."""
         model, sampler, *prompt = map(self.graphs.get, self.graphs.keys_of(inp))
         self.kv_cache, logits, hidden = model(self.params, self.kv_cache, self.last_tokens, inp.model)
+        prompt_out = prompt[0](self.params, hidden, inp.next_prompt_ids) if prompt else None
+        if inp.sampler.constrained:
+            return Unsampled(logits, inp.sampler, prompt_out)
         self.penalty, out, self.last_tokens = sampler(logits, self.penalty, inp.sampler)
-        return out, prompt[0](self.params, hidden, inp.next_prompt_ids) if prompt else None
+        return out, prompt_out
 
-    def execute(self, out: SchedulerOutput):
+    def sample(self, step: Unsampled, token_bitmask: np.ndarray) -> tuple[SamplerOutput, PromptLogprobs | None]:
+        """The sampler of a constrained step, under its token bitmask [S, ceil(V / 32)]."""
+        step.inputs.token_bitmask = token_bitmask
+        sampler = self.graphs.get(GraphKey("sampler", step.inputs.key))
+        self.penalty, out, self.last_tokens = sampler(step.logits, self.penalty, step.inputs)
+        return out, step.prompt
+
+    def execute(self, out: SchedulerOutput, ready: Callable[[], None] | None = None):
         """Apply the step's slot, block-table and cache changes and launch it: device outputs (None without
-        rows), no sync."""
+        rows), no sync. `ready` runs once the host work is done, before any device work is launched."""
         for seq_id in out.preempted + out.finished:
             self._release(seq_id)
         for seq in out.placed:
@@ -81,6 +104,8 @@ class ModelRunner:
             self.prev_rows = {row.seq.seq_id: i for i, row in enumerate(out.rows) if row.samples}
         if self.on_launch is not None and not step.empty:
             self.on_launch(step)
+        if ready is not None:
+            ready()
         return self.launch(step)
 
     def launch(self, step: DeviceStep):
@@ -130,6 +155,7 @@ class ModelRunner:
         prompt = any(r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
         # prompt logprobs' graphs exist for token buckets only: their steps never pad tokens to a seq bucket
         decode_only = all(c == 1 for c in counts) and not prompt
+        constrained = any(r.samples and r.seq.params.structured_outputs is not None for r in rows)
         tokens, seqs, decode_only = self.graphs.model_key(len(token_ids), len(rows), decode_only).dims
         return self.graphs.step_inputs(
             num_tokens=tokens, num_seqs=seqs, decode_only=decode_only, **self.kv_addressing(slots),
@@ -139,7 +165,8 @@ class ModelRunner:
             logits_from=[r.logits_from for r in rows], prev_index=self._prev_index(rows, counts, token_ids),
             next_prompt_ids=next_prompt_ids(rows, len(token_ids)) if prompt else None,
             num_logprobs=MAX_LOGPROBS if any(r.seq.params.logprobs for r in rows) else 0,
-            sampler_mode=mode_for([r.seq.params for r in rows if r.samples], self.graphs.model_config.vocab_size))
+            sampler_mode=mode_for([r.seq.params for r in rows if r.samples], self.graphs.model_config.vocab_size,
+                                  constrained), constrained=constrained)
 
     def _prev_index(self, rows: list[StepRow], counts: list[int], token_ids: np.ndarray) -> np.ndarray:
         """Per input token, the row of the previous step that sampled it while it is still on the device."""

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config import SAMPLER_MODES
 from jaxserve.engine.sampling_params import GREEDY_TEMPERATURE, MAX_STOP_TOKEN_IDS, SamplingParams
 
 # Width of `suppress_ids`, fixed so that no request's stop ids compile a new graph: the EOS ids (a few per model)
@@ -96,9 +97,10 @@ def reset_slots(state: PenaltyState, slots: jax.Array, prompt_ids: jax.Array,
     return PenaltyState(prompt_mask, counts)
 
 
-def mode_for(params: Sequence[SamplingParams], vocab_size: int) -> str:
+def mode_for(params: Sequence[SamplingParams], vocab_size: int, constrained: bool = False) -> str:
     """The cheapest static variant (config.SAMPLER_MODES: "greedy" argmax only; "sample" + penalties,
-    temperature, min-p, Gumbel noise; "filter" + top-k / top-p) that serves every request sampling in this step."""
+    temperature, min-p, Gumbel noise; "filter" + top-k / top-p) that serves every request sampling in this step,
+    among `sampler_modes(constrained)`."""
     def needs_filter(p):
         return 0 < p.top_k < vocab_size or p.top_p < 1.0
 
@@ -106,15 +108,25 @@ def mode_for(params: Sequence[SamplingParams], vocab_size: int) -> str:
     if any(map(needs_filter, random)):
         return "filter"
     penalties = any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params)
-    return "sample" if random or penalties else "greedy"
+    mode = "sample" if random or penalties else "greedy"
+    return mode if mode in sampler_modes(constrained) else "filter"
+
+
+def sampler_modes(constrained: bool) -> tuple[str, ...]:
+    """The variants compiled: steps with structured outputs run "greedy" or "filter" (fewer graphs to compile)."""
+    return ("greedy", "filter") if constrained else SAMPLER_MODES
 
 
 def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array, sample_mask: jax.Array,
-           *, num_logprobs: int = 0, mode: str = "filter") -> tuple[SamplerOutput, PenaltyState]:
+           *, num_logprobs: int = 0, mode: str = "filter", token_bitmask: jax.Array | None = None,
+           ) -> tuple[SamplerOutput, PenaltyState]:
     """Sample one token per row of logits [S, V]; count it in the row's slot where sample_mask [S] holds.
-    `mode` (static) must cover every row's parameters (`mode_for`); "filter" covers all."""
+    `mode` (static) must cover every row's parameters (`mode_for`); "filter" covers all. token_bitmask
+    [S, ceil(V / 32)] (structured outputs): only the tokens whose bit is set may be sampled."""
     logits = logits.astype(jnp.float32)
     penalised = logits if mode == "greedy" else apply_penalties(logits, t, state, slot_ids)
+    if token_bitmask is not None:
+        penalised = jnp.where(allowed_tokens(token_bitmask, logits.shape[1]), penalised, NEG_INF)
     penalised = suppress(penalised, t.suppress_ids)
     if mode == "greedy":
         tokens = argmax(penalised)
@@ -123,6 +135,12 @@ def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids:
         tokens = sample_random(penalised, t, random_rows, top_k_top_p=mode == "filter")
     counts = state.output_counts.at[slot_ids, tokens].add(sample_mask.astype(jnp.int32))
     return raw_logprobs(logits, tokens, num_logprobs), PenaltyState(state.prompt_mask, counts)
+
+
+def allowed_tokens(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """bool [S, V] from a bitmask [S, W] of int32 words (token t: bit t % 32 of word t // 32)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size] != 0
 
 
 def argmax(logits: jax.Array) -> jax.Array:

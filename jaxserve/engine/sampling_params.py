@@ -1,6 +1,8 @@
-"""Per-request generation parameters, named and validated like vLLM's `SamplingParams`."""
+"""Per-request generation parameters, named and validated like vLLM's `SamplingParams` (and its
+`StructuredOutputsParams`)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +28,73 @@ OPTIONAL_FIELDS = ("max_tokens", "logprobs", "prompt_logprobs", "seed")
 # is None (vLLM's `--generation-config auto`).
 VLLM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 DEFAULT_MAX_TOKENS = 16   # vLLM's
+# A schema, regex or grammar is compiled on the host per distinct text: bounded like any other request field.
+MAX_STRUCTURED_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Exactly one constraint on the output (vLLM's fields): `json` a JSON schema (a dict, or its JSON text),
+    `json_object` any JSON object, `regex` a regular expression the whole output matches, `choice` one of these
+    strings, `grammar` a context-free grammar (Lark syntax, or GBNF: rules written with ::=)."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [k for k in STRUCTURED_KINDS if (self.json_object is not False if k == "json_object"
+                                                 else getattr(self, k) is not None)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {short(self.json_object)}")
+        if self.json is not None:
+            self.json = parse_schema(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {short(value)}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or len(self.choice) > MAX_CHOICES \
+                    or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty strings, "
+                                 f"got {short(self.choice)}")
+            self.choice = list(self.choice)
+        kind, text = self.key
+        if len(text) > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"structured_outputs.{kind}: {len(text):,} characters; at most {MAX_STRUCTURED_CHARS:,}")
+        check_text(f"structured_outputs.{kind}", text)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, its text, canonical): what a compiled grammar is cached by."""
+        if self.json is not None:
+            return "json", json.dumps(self.json, separators=(",", ":"))   # key order is output order
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+
+def parse_schema(schema) -> dict:
+    """A JSON schema given as an object or as JSON text; a ValueError naming the field otherwise."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"structured_outputs.json: {len(schema):,} characters; at most "
+                             f"{MAX_STRUCTURED_CHARS:,}")
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {short(schema)}")
+    return schema
 
 
 @dataclass(slots=True)
@@ -52,6 +121,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     unset: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -61,6 +131,9 @@ class SamplingParams:
         check_types(self)
         self.stop = normalise_stop(self.stop)
         self.stop_token_ids = normalise_stop_token_ids(self.stop_token_ids)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         check_ranges(self)
 
     def with_defaults(self, defaults: dict, room: int) -> SamplingParams:

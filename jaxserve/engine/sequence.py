@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detokenizer: object | None = None
+    matcher: object | None = None  # structured outputs: its grammar matcher, advanced on each sampled token
     first_token_time: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt position (vLLM's shape)
 

@@ -27,9 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from custom_calls import vmm
 from jaxserve.cache.kv_backend import KVBackend
 from jaxserve.cache.kv_cache import KVCache, copy_blocks, copy_bucket
-from jaxserve.config import SAMPLER_MODES, EngineConfig, graph_knobs
+from jaxserve.config import EngineConfig, graph_knobs
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache, fingerprint
-from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slots, sample
+from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slots, sample, sampler_modes
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
@@ -123,7 +123,7 @@ def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, model_def, ker
 def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_tokens: int):
     """The sampler graph: (penalty, SamplerOutput, this step's samples padded to num_last_tokens)."""
     out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
-                          num_logprobs=inp.num_logprobs, mode=inp.mode)
+                          num_logprobs=inp.num_logprobs, mode=inp.mode, token_bitmask=inp.token_bitmask)
     return penalty, out, jnp.zeros(num_last_tokens, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
 
 
@@ -229,8 +229,8 @@ class StepGraphs:
 
     def cache_free_keys(self) -> list[GraphKey]:
         prompts = [GraphKey("prompt", (t,)) for t in reversed(self.token_buckets)]
-        samplers = [GraphKey("sampler", (s, mode, n)) for s in reversed(self.seq_buckets) for mode in SAMPLER_MODES
-                    for n in (0, MAX_LOGPROBS)]
+        samplers = [GraphKey("sampler", (s, mode, n, constrained)) for s in reversed(self.seq_buckets)
+                    for constrained in (False, True) for mode in sampler_modes(constrained) for n in (0, MAX_LOGPROBS)]
         return prompts + samplers + [self.reset_key(s, w) for s in self.seq_buckets for w in self.reset_widths]
 
     # ---- graphs ------------------------------------------------------------------------------------
@@ -244,9 +244,11 @@ class StepGraphs:
                 stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
                 inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1]).model
                 return self.model.lower(self.params, stand_in, self.last_tokens, inp)
-            case GraphKey("sampler", (s, mode, num_logprobs)):
+            case GraphKey("sampler", (s, mode, num_logprobs, constrained)):
                 inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
-                                       num_logprobs=num_logprobs).sampler
+                                       num_logprobs=num_logprobs, constrained=constrained).sampler
+                if constrained:
+                    inp.token_bitmask = jax.ShapeDtypeStruct((s, -(-self.model_config.vocab_size // 32)), jnp.int32)
                 logits = jax.ShapeDtypeStruct((s, self.model_config.vocab_size), jnp.float32)
                 return self.sampler.lower(logits, self.penalty, inp)
             case GraphKey("prompt", (t,)):
@@ -298,7 +300,7 @@ class StepGraphs:
         """The model's graph on a stand-in cache is only looked at; the others are kept, and (precompile) every
         graph that does not take the cache compiles beside them."""
         with self.manager.timed("peak_s"):
-            kept = [GraphKey("sampler", (self.seq_buckets[-1], "filter", MAX_LOGPROBS)),
+            kept = [GraphKey("sampler", (self.seq_buckets[-1], "filter", MAX_LOGPROBS, True)),
                     GraphKey("prompt", (self.token_buckets[-1],))]
             self.manager.submit({PEAK: functools.partial(self.lower, PEAK)}, peek=True)
             self.manager.submit({key: functools.partial(self.lower, key) for key in kept})

@@ -2,7 +2,7 @@
 builder that makes them: for the runner's steps, its compile-time dummies and the bucket sweep alike.
 
 A step runs up to three compiled graphs, each keyed by its own few static values: the model (T, S, decode-only),
-the sampler (S, sampler mode, logprobs) and, for prompt logprobs only, the all-position logprobs (T). The model
+the sampler (S, sampler mode, logprobs, constrained) and, for prompt logprobs only, the all-position logprobs (T). The model
 graph never depends on how requests sample, so sampling options never multiply the expensive graphs."""
 from __future__ import annotations
 
@@ -43,10 +43,12 @@ class SamplerInputs:
     sample_mask: jax.Array      # [S]
     num_logprobs: int = static(0)       # top-k logprobs returned per row (0 or MAX_LOGPROBS)
     mode: str = static("filter")        # config.SAMPLER_MODES
+    constrained: bool = static(False)   # rows under structured outputs: token_bitmask is given before it runs
+    token_bitmask: jax.Array | None = None   # [S, ceil(V / 32)] int32, structured_outputs.StructuredOutputs.fill
 
     @property
     def key(self) -> tuple:
-        return len(self.slot_ids), self.mode, self.num_logprobs
+        return len(self.slot_ids), self.mode, self.num_logprobs, self.constrained
 
 
 @dataclass(slots=True)
@@ -64,7 +66,7 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                       num_generated: Sequence[int] = (), eos_token_ids: Sequence[int] = (),
                       logits_from: Sequence[int] | None = None, prev_index: np.ndarray | None = None,
                       next_prompt_ids: np.ndarray | None = None, decode_only: bool = False, num_logprobs: int = 0,
-                      sampler_mode: str = "filter") -> StepInputs:
+                      sampler_mode: str = "filter", constrained: bool = False) -> StepInputs:
     """Host (numpy) inputs of one step over n real rows (decodes first), padded to the buckets.
 
     Per row: `starts` (first position computed), `counts` (tokens computed), where its KV lies — `block_tables`
@@ -93,7 +95,7 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                         pad(prev_index if prev_index is not None else [], num_tokens, fill=-1))
     sampling = make_sampling_tensors(params, seeds, num_generated, num_rows=num_seqs, eos_token_ids=eos_token_ids)
     sampler = SamplerInputs(sampling, pad(slots, num_seqs, fill=scratch_slot),
-                            pad(sample_mask, num_seqs, dtype=bool), num_logprobs, sampler_mode)
+                            pad(sample_mask, num_seqs, dtype=bool), num_logprobs, sampler_mode, constrained)
     prompt = None if next_prompt_ids is None else pad(next_prompt_ids, num_tokens, fill=-1)
     return StepInputs(model, sampler, prompt)
 

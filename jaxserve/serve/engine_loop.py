@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.engine.sequence import RequestOutput
 
 STOP = None   # the command that ends the engine thread
@@ -120,6 +120,12 @@ class EngineLoop:
     async def off_engine(self, fn, *args):
         """fn(*args) on the tokenizer thread: request conversion, chat templates, (de)tokenization."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """A request's constraint compiled into every replica's engine (a ValueError naming the field if invalid),
+        on the tokenizer thread: no engine thread stalls on compiling one, whichever replica the request goes to."""
+        for replica in self.replicas:
+            replica.engine.compile_grammar(spec)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int] | None:
         """A text prompt's token ids (None for token ids); on the tokenizer thread, inside a front end's conversion."""

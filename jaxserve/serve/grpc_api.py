@@ -2,12 +2,14 @@
 OpenAI-compatible HTTP one (openai_http.py). A request is converted, checked, chat-templated (its messages, if
 any) and tokenized on the engine loop's tokenizer thread; its cumulative RequestOutputs become one response
 (Complete) or a stream of per-completion deltas (Generate). A cancelled call aborts its request at once. Refusals
-and failures map to status codes (GRPC_CODES), an undecodable request to INVALID_ARGUMENT, and with an api key every
+and failures map to status codes (GRPC_CODES), an undecodable request to INVALID_ARGUMENT (as does an invalid
+structured-outputs constraint, compiled on the tokenizer thread too, naming its field), and with an api key every
 call but the health service's needs `authorization: Bearer <key>`. `grpc_server` makes the grpc.aio server with the
 service on it."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,7 +20,8 @@ from jinja2 import TemplateError
 
 from jaxserve.engine.llm import apply_chat_template
 from jaxserve.engine.llm_engine import AdmissionError, LLMEngine
-from jaxserve.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, default_max_tokens
+from jaxserve.engine.sampling_params import (DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutputsParams,
+                                             default_max_tokens)
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
@@ -28,6 +31,9 @@ from jaxserve.serve.metrics import RequestTimer, ServerMetrics
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 STATS_FIELDS = frozenset(pb.ServerStatsResponse.DESCRIPTOR.fields_by_name)   # of the engine loop's stats
+# SamplingOptions' structured_outputs -> StructuredOutputsParams' field
+STRUCTURED_OPTIONS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                      "grammar": "grammar"}
 
 # error -> status of the call; the first that matches
 GRPC_CODES = ((AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED), (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -95,6 +101,9 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         """On the tokenizer thread: the request converted, checked and tokenized."""
         prompt = request_prompt(request, self.engine)
         params = sampling_params(request.sampling, self.engine.sampling_defaults)
+        if params.structured_outputs is not None:   # here, so that the engine's thread never compiles one
+            with proto_names():
+                self.engine_loop.compile_grammar(params.structured_outputs)
         if request.priority and self.scheduling_policy == "fcfs":
             raise ValueError("priority: this server serves first come, first served (start it with "
                              "--scheduling-policy priority to honour priorities)")
@@ -202,9 +211,27 @@ def sampling_params(options: pb.SamplingOptions, model_defaults: dict) -> Sampli
     """Set fields only; the rest take SamplingParams' defaults, the model's where it has them (temperature, top_p,
     top_k, min_p, repetition_penalty: the engine applies them; max_tokens: its max_new_tokens). SamplingParams
     validates (ValueError)."""
-    kwargs = {f.name: v if isinstance(v, (bool, int, float, str)) else list(v) for f, v in options.ListFields()}
+    kwargs = {f.name: v if isinstance(v, (bool, int, float, str)) else list(v) for f, v in options.ListFields()
+              if f.name not in STRUCTURED_OPTIONS}
     kwargs.setdefault("max_tokens", default_max_tokens(model_defaults, DEFAULT_MAX_TOKENS))
-    return SamplingParams(**kwargs)
+    return SamplingParams(**kwargs, structured_outputs=structured_outputs(options))
+
+
+def structured_outputs(options: pb.SamplingOptions) -> StructuredOutputsParams | None:
+    if (kind := options.WhichOneof("structured_outputs")) is None:
+        return None
+    value = list(options.choice.choices) if kind == "choice" else getattr(options, kind)
+    with proto_names():
+        return StructuredOutputsParams(**{STRUCTURED_OPTIONS[kind]: value})
+
+
+@contextlib.contextmanager
+def proto_names():
+    """A ValueError naming a structured_outputs field as SamplingOptions does: its `json` is json_schema."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(re.sub(r"^structured_outputs\.json\b", "structured_outputs.json_schema", str(e))) from None
 
 
 def request_prompt(request: pb.GenerateRequest, engine: LLMEngine) -> str | list[int]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djaxserve/serve/jaxserve.proto\x12\x0bjaxserve.v1\"\xdf\x05\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\r \x01(\x03H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x03H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x03H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd1\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.jaxserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x03\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x12*\n\x08messages\x18\x06 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessageB\r\n\x0b_cache_salt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"X\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"\xc2\x01\n\x0f\x43ompletionChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.jaxserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x03H\x00\x42\r\n\x0bstop_reason\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x04\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.jaxserve.v1.CompletionChunk\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.jaxserve.v1.TokenLogprobs\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xd6\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\x04\x12\x12\n\nnum_layers\x18\x07 \x01(\x04\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x04\x12\x11\n\tnum_heads\x18\t \x01(\x04\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\x04\x12\x10\n\x08head_dim\x18\x0b \x01(\x04\x12\x15\n\reos_token_ids\x18\x0c \x03(\x03\x12\x15\n\rhas_tokenizer\x18\r \x01(\x08\x12\x12\n\nblock_size\x18\x0e \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x0f \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x10 \x01(\x04\"\x14\n\x12ServerStatsRequest\"\x9c\x03\n\x13ServerStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\x04\x12\x0f\n\x07waiting\x18\x02 \x01(\x04\x12\x0f\n\x07pending\x18\x03 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x04\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x04\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\n \x01(\x01\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x04\x12\x17\n\x0f\x63ompiled_graphs\x18\x0c \x01(\x04\x12\x14\n\x0c\x65ngine_steps\x18\r \x01(\x04\x12\x0f\n\x07serving\x18\x0e \x01(\x08\x12\x1c\n\x14\x63ompiles_after_start\x18\x0f \x01(\x04\x12\x14\n\x0cweight_dtype\x18\x10 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x11 \x01(\t2\xd4\x03\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxserve.v1.DetokenizeRequest\x1a\x1f.jaxserve.v1.DetokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxserve.v1.ModelInfoRequest\x1a\x1e.jaxserve.v1.ModelInfoResponse\x12P\n\x0bServerStats\x12\x1f.jaxserve.v1.ServerStatsRequest\x1a .jaxserve.v1.ServerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djaxserve/serve/jaxserve.proto\x12\x0bjaxserve.v1\"\xf2\x06\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\x17\n\nmax_tokens\x18\r \x01(\x03H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x03H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x03H\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x03H\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0f\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x10\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x17.jaxserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x42\x14\n\x12structured_outputsB\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd1\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.jaxserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x03\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x12*\n\x08messages\x18\x06 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessageB\r\n\x0b_cache_salt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"X\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"\xc2\x01\n\x0f\x43ompletionChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.jaxserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x03H\x00\x42\r\n\x0bstop_reason\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x04\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.jaxserve.v1.CompletionChunk\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.jaxserve.v1.TokenLogprobs\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xd6\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\x04\x12\x12\n\nnum_layers\x18\x07 \x01(\x04\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x04\x12\x11\n\tnum_heads\x18\t \x01(\x04\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\x04\x12\x10\n\x08head_dim\x18\x0b \x01(\x04\x12\x15\n\reos_token_ids\x18\x0c \x03(\x03\x12\x15\n\rhas_tokenizer\x18\r \x01(\x08\x12\x12\n\nblock_size\x18\x0e \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x0f \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x10 \x01(\x04\"\x14\n\x12ServerStatsRequest\"\x9c\x03\n\x13ServerStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\x04\x12\x0f\n\x07waiting\x18\x02 \x01(\x04\x12\x0f\n\x07pending\x18\x03 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x04\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x04\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\n \x01(\x01\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x04\x12\x17\n\x0f\x63ompiled_graphs\x18\x0c \x01(\x04\x12\x14\n\x0c\x65ngine_steps\x18\r \x01(\x04\x12\x0f\n\x07serving\x18\x0e \x01(\x08\x12\x1c\n\x14\x63ompiles_after_start\x18\x0f \x01(\x04\x12\x14\n\x0cweight_dtype\x18\x10 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x11 \x01(\t2\xd4\x03\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxserve.v1.DetokenizeRequest\x1a\x1f.jaxserve.v1.DetokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxserve.v1.ModelInfoRequest\x1a\x1e.jaxserve.v1.ModelInfoResponse\x12P\n\x0bServerStats\x12\x1f.jaxserve.v1.ServerStatsRequest\x1a .jaxserve.v1.ServerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxserve.serve.jaxserve_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS']._serialized_start=47
-  _globals['_SAMPLINGOPTIONS']._serialized_end=782
-  _globals['_CHATMESSAGE']._serialized_start=784
-  _globals['_CHATMESSAGE']._serialized_end=828
-  _globals['_GENERATEREQUEST']._serialized_start=831
-  _globals['_GENERATEREQUEST']._serialized_end=1040
-  _globals['_TOPLOGPROB']._serialized_start=1042
-  _globals['_TOPLOGPROB']._serialized_end=1089
-  _globals['_TOKENLOGPROBS']._serialized_start=1091
-  _globals['_TOKENLOGPROBS']._serialized_end=1179
-  _globals['_COMPLETIONCHUNK']._serialized_start=1182
-  _globals['_COMPLETIONCHUNK']._serialized_end=1376
-  _globals['_USAGE']._serialized_start=1378
-  _globals['_USAGE']._serialized_end=1435
-  _globals['_GENERATERESPONSE']._serialized_start=1438
-  _globals['_GENERATERESPONSE']._serialized_end=1629
-  _globals['_TOKENIZEREQUEST']._serialized_start=1631
-  _globals['_TOKENIZEREQUEST']._serialized_end=1690
-  _globals['_TOKENIZERESPONSE']._serialized_start=1692
-  _globals['_TOKENIZERESPONSE']._serialized_end=1729
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1731
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1798
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1800
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1834
-  _globals['_MODELINFOREQUEST']._serialized_start=1836
-  _globals['_MODELINFOREQUEST']._serialized_end=1854
-  _globals['_MODELINFORESPONSE']._serialized_start=1857
-  _globals['_MODELINFORESPONSE']._serialized_end=2199
-  _globals['_SERVERSTATSREQUEST']._serialized_start=2201
-  _globals['_SERVERSTATSREQUEST']._serialized_end=2221
-  _globals['_SERVERSTATSRESPONSE']._serialized_start=2224
-  _globals['_SERVERSTATSRESPONSE']._serialized_end=2636
-  _globals['_JAXSERVE']._serialized_start=2639
-  _globals['_JAXSERVE']._serialized_end=3107
+  _globals['_SAMPLINGOPTIONS']._serialized_end=929
+  _globals['_CHOICELIST']._serialized_start=931
+  _globals['_CHOICELIST']._serialized_end=960
+  _globals['_CHATMESSAGE']._serialized_start=962
+  _globals['_CHATMESSAGE']._serialized_end=1006
+  _globals['_GENERATEREQUEST']._serialized_start=1009
+  _globals['_GENERATEREQUEST']._serialized_end=1218
+  _globals['_TOPLOGPROB']._serialized_start=1220
+  _globals['_TOPLOGPROB']._serialized_end=1267
+  _globals['_TOKENLOGPROBS']._serialized_start=1269
+  _globals['_TOKENLOGPROBS']._serialized_end=1357
+  _globals['_COMPLETIONCHUNK']._serialized_start=1360
+  _globals['_COMPLETIONCHUNK']._serialized_end=1554
+  _globals['_USAGE']._serialized_start=1556
+  _globals['_USAGE']._serialized_end=1613
+  _globals['_GENERATERESPONSE']._serialized_start=1616
+  _globals['_GENERATERESPONSE']._serialized_end=1807
+  _globals['_TOKENIZEREQUEST']._serialized_start=1809
+  _globals['_TOKENIZEREQUEST']._serialized_end=1868
+  _globals['_TOKENIZERESPONSE']._serialized_start=1870
+  _globals['_TOKENIZERESPONSE']._serialized_end=1907
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1909
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1976
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1978
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2012
+  _globals['_MODELINFOREQUEST']._serialized_start=2014
+  _globals['_MODELINFOREQUEST']._serialized_end=2032
+  _globals['_MODELINFORESPONSE']._serialized_start=2035
+  _globals['_MODELINFORESPONSE']._serialized_end=2377
+  _globals['_SERVERSTATSREQUEST']._serialized_start=2379
+  _globals['_SERVERSTATSREQUEST']._serialized_end=2399
+  _globals['_SERVERSTATSRESPONSE']._serialized_start=2402
+  _globals['_SERVERSTATSRESPONSE']._serialized_end=2814
+  _globals['_JAXSERVE']._serialized_start=2817
+  _globals['_JAXSERVE']._serialized_end=3285
 # @@protoc_insertion_point(module_scope)

@@ -9,9 +9,15 @@ OpenAI-shaped: {"error": {"message", "type", "param", "code"}}. Sampling fields 
 the model's defaults (its generation config; the engine applies them).
 
 vLLM's extra request fields are taken too: the SamplingParams ones below, `cache_salt` (a prefix-cache namespace)
-and `return_token_ids` (each choice, or chunk's choice, carries its new `token_ids`). A model without a tokenizer
-(random benchmark weights) serves token-id prompts (`prompt` as a list of ints) with empty `text`; chat and text
-prompts get a 400."""
+and `return_token_ids` (each choice, or chunk's choice, carries its new `token_ids`). Structured outputs, as vLLM
+serves them: OpenAI's `response_format` (text, json_object, json_schema) or vLLM's `structured_outputs` (one of
+json, json_object, regex, choice, grammar), compiled on the tokenizer thread; errors name the field as the request
+spelled it (response_format.json_schema.schema, structured_outputs.regex). Tool calling (tool_calls.py), as vLLM
+serves it: the tools shown to the chat template; tool_choice "required" or a named function constrains the output to
+an array of calls, "auto" reads the model's own calls back with the server's parser (--tool-call-parser, else the one
+its chat template tells); the calls come back as message.tool_calls, or streamed as delta.tool_calls, one parser per
+choice. A model without a tokenizer (random benchmark weights) serves token-id prompts (`prompt` as a list of ints)
+with empty `text`; chat and text prompts get a 400."""
 from __future__ import annotations
 
 import asyncio
@@ -38,26 +44,44 @@ from starlette.routing import Route
 import jaxserve
 from jaxserve.engine.llm import apply_chat_template
 from jaxserve.engine.llm_engine import AdmissionError, NeverFits
-from jaxserve.engine.sampling_params import SamplingParams, default_max_tokens, short
+from jaxserve.engine.sampling_params import (STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams,
+                                             default_max_tokens, short)
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
 from jaxserve.serve.connections import (SEND_BUFFER_BYTES, ConnectionLimits, bearer_matches, guarded_protocol,
                                         quiet_accept_failures)
 from jaxserve.serve.engine_loop import REFUSALS, EngineLoop, Overloaded, Submission
 from jaxserve.serve.metrics import RequestTimer, ServerMetrics
+from jaxserve.serve.tool_calls import (ToolCallStream, ToolRequest, chat_messages, check_tools, constraint_schema,
+                                       finish_reason, parse_tool_calls, template_parser)
 
 # request fields (OpenAI's, and vLLM's extensions) that are SamplingParams fields of the same name and meaning
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
                    "include_stop_str_in_output")
-ENGINE_FIELDS = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt", "cache_salt"}   # engine errors name first
-UNSUPPORTED = ("echo", "suffix", "logit_bias", "tools", "functions", "response_format")
+ENGINE_FIELDS = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt", "cache_salt",   # engine errors name first
+                 "structured_outputs"}
+UNSUPPORTED = ("echo", "suffix", "logit_bias")
+# OpenAI's deprecated function calling, which tools replaced
+LEGACY_TOOL_FIELDS = ("functions", "function_call")
+# vLLM's guided decoding fields, which its structured_outputs replaced
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                 "guided_whitespace_pattern")
 # every other field a request may set; `user` (OpenAI's end-user id) changes nothing. Any other non-null field is a
 # 400 naming it: a field silently ignored would change what the client gets without telling it
 COMMON_FIELDS = {*SAMPLING_FIELDS, "model", "max_tokens", "stream", "stream_options", "logprobs", "cache_salt",
-                 "return_token_ids", "user"}
+                 "return_token_ids", "user", "response_format", "structured_outputs"}
 ENDPOINT_FIELDS = {False: COMMON_FIELDS | {"prompt"},
-                   True: COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}}
+                   True: COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                          "parallel_tool_calls"}}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens"}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}   # OpenAI's response_format.json_schema
+# the engine's names of the constraint's fields -> response_format's, for a constraint given there
+RESPONSE_FORMAT_RENAMES = {"structured_outputs": "response_format",
+                           "structured_outputs.json": "response_format.json_schema.schema"}
+# ... and for a forced tool call's, which the tools' parameters make
+TOOL_CONSTRAINT_RENAMES = {"structured_outputs": "tools", "structured_outputs.json": "tools"}
+FIELD_PATH = re.compile(r"[a-z_]*(?:\[\d+\]|\.[a-z_]+)*")   # tools[2].function.name
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's for /v1/completions; chat runs up to max_model_len
 MIN_LOGPROB = -9999.0            # what -inf is sent as (vLLM's choice)
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
@@ -93,8 +117,11 @@ def api_error(error: Exception, renames: dict[str, str]) -> APIError:
         status, code = 400, None
     else:
         status, code = (429, "server_overloaded") if isinstance(error, Overloaded) else (503, "engine_failed")
-    name = re.match(r"[a-z_]*", message)[0]
-    return APIError(status, message, renames.get(name, name) if name in ENGINE_FIELDS else None, code)
+    name = re.match(r"[a-z_]*(?:\.[a-z_]+)*", message)[0]   # a field, or a path into one: structured_outputs.regex
+    if "." in name and name in renames:   # a path the request spells otherwise is renamed in the message too
+        message = renames[name] + message[len(name):]
+    param = renames.get(name, name) if name.partition(".")[0] in ENGINE_FIELDS else None
+    return APIError(status, message, param, code)
 
 
 # ---- requests ---------------------------------------------------------------------------------------------
@@ -107,6 +134,8 @@ class Parsed:
     include_usage: bool
     token_ids: bool           # return_token_ids: choices carry their token ids
     renames: dict[str, str]   # engine field name -> this request's
+    tools: ToolRequest | None = None   # tool calls are read out of the outputs (chat with tools, tool_choice not none)
+    tool_parser: str | None = None     # how, under tool_choice auto
 
 
 def json_object(body: bytes) -> dict:
@@ -148,35 +177,97 @@ def valid_text(text: str) -> bool:
     return True
 
 
-def flag(mapping: dict, name: str) -> bool:
+def flag(mapping: dict, name: str, within: str = "") -> bool:
     value = mapping.get(name)
     if value is not None and not isinstance(value, bool):
-        raise APIError(400, f"{name} must be a bool, got {short(value)}", name)
+        raise APIError(400, f"{within}{name} must be a bool, got {short(value)}", within + name)
     return bool(value)
 
 
-def optional_str(mapping: dict, name: str) -> str | None:
+def optional_str(mapping: dict, name: str, within: str = "") -> str | None:
     value = mapping.get(name)
     if value is not None and not isinstance(value, str):
-        raise APIError(400, f"{name} must be a string, got {short(value)}", name)
+        raise APIError(400, f"{within}{name} must be a string, got {short(value)}", within + name)
     return value
 
 
+def field_error(error: ValueError) -> APIError:
+    """A ValueError whose message starts with the path of the field it is about ("messages[3].tool_call_id: ..."),
+    as a 400 naming that path."""
+    return APIError(400, str(error), FIELD_PATH.match(str(error))[0] or None)
+
+
 def field_renames(request: dict, chat: bool) -> dict[str, str]:
+    constraint = RESPONSE_FORMAT_RENAMES if request.get("structured_outputs") is None else {}
     if not chat:
-        return {}
+        return constraint
+    if request.get("tool_choice") not in (None, "none", "auto"):   # a forced call: the constraint is the tools'
+        constraint = TOOL_CONSTRAINT_RENAMES
     max_tokens = "max_completion_tokens" if request.get("max_completion_tokens") is not None else "max_tokens"
-    return {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
+    return {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens, **constraint}
 
 
-def sampling_params(request: dict, chat: bool, model_defaults: dict) -> SamplingParams:
+def sampling_params(request: dict, chat: bool, model_defaults: dict,
+                    tools: ToolRequest | None = None) -> SamplingParams:
     """The request's fields; those it leaves out or null are left unset, for the model's defaults."""
     kwargs = {name: request[name] for name in SAMPLING_FIELDS if request.get(name) is not None}
     max_tokens = request.get("max_completion_tokens") if chat else None
     max_tokens = request.get("max_tokens") if max_tokens is None else max_tokens
     default = None if chat else default_max_tokens(model_defaults, DEFAULT_COMPLETION_TOKENS)
     return SamplingParams(**kwargs, max_tokens=default if max_tokens is None else max_tokens,
-                          logprobs=num_logprobs(request, chat))
+                          logprobs=num_logprobs(request, chat), structured_outputs=output_constraint(request, tools))
+
+
+def output_constraint(request: dict, tools: ToolRequest | None) -> StructuredOutputsParams | None:
+    """What the output keeps to: under a forced tool call the array of calls (vLLM's way), else the request's
+    structured outputs; not both."""
+    given, calls = structured_outputs(request), None if tools is None else constraint_schema(tools)
+    if calls is None:
+        return given
+    if given is not None:
+        other = "response_format" if request.get("structured_outputs") is None else "structured_outputs"
+        raise APIError(400, f"tool_choice and {other}: tool_choice 'required' or a function constrains the output to "
+                            "tool calls; give one of them", "tool_choice")
+    return StructuredOutputsParams(json=calls)
+
+
+def structured_outputs(request: dict) -> StructuredOutputsParams | None:
+    """The request's constraint: vLLM's structured_outputs, or OpenAI's response_format (not both)."""
+    response_format, given = request.get("response_format"), request.get("structured_outputs")
+    if given is None:
+        return None if response_format is None else response_format_constraint(response_format)
+    if response_format is not None and response_format != {"type": "text"}:
+        raise APIError(400, "response_format and structured_outputs: give one of them", "response_format")
+    if not isinstance(given, dict):
+        raise APIError(400, f"structured_outputs must be an object with one of {', '.join(STRUCTURED_KINDS)}, got "
+                            f"{short(given)}", "structured_outputs")
+    check_fields(given, set(STRUCTURED_KINDS), within="structured_outputs.")
+    return StructuredOutputsParams(**{kind: value for kind, value in given.items() if value is not None})
+
+
+def response_format_constraint(response_format) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text (none), json_object, or json_schema {name, schema, description, strict}.
+    `name` is required, as vLLM and OpenAI have it; `strict` changes nothing: an output always follows its schema."""
+    if not isinstance(response_format, dict) or response_format.get("type") not in RESPONSE_FORMATS:
+        raise APIError(400, f"response_format must be {{\"type\": one of {', '.join(RESPONSE_FORMATS)}}}, got "
+                            f"{short(response_format)}", "response_format")
+    check_fields(response_format, {"type", "json_schema"}, within="response_format.")
+    kind, spec, name = response_format["type"], response_format.get("json_schema"), "response_format.json_schema"
+    if kind != "json_schema":
+        if spec is not None:
+            raise APIError(400, f"{name}: given with type {kind!r}; its type is 'json_schema'", name)
+        return None if kind == "text" else StructuredOutputsParams(json_object=True)
+    if not isinstance(spec, dict):
+        raise APIError(400, f"{name} must be an object {{name, schema}}, got {short(spec)}", name)
+    check_fields(spec, JSON_SCHEMA_FIELDS, within=f"{name}.")
+    if not isinstance(spec.get("name"), str):
+        raise APIError(400, f"{name}.name must be a string, got {short(spec.get('name'))}", f"{name}.name")
+    optional_str(spec, "description", within=f"{name}.")
+    flag(spec, "strict", within=f"{name}.")
+    if not isinstance(spec.get("schema"), dict):
+        raise APIError(400, f"{name}.schema must be a JSON schema (an object), got {short(spec.get('schema'))}",
+                       f"{name}.schema")
+    return StructuredOutputsParams(json=spec["schema"])
 
 
 def num_logprobs(request: dict, chat: bool) -> int | None:
@@ -190,9 +281,10 @@ def num_logprobs(request: dict, chat: bool) -> int | None:
     return (0 if top is None else top) if flag(request, "logprobs") else None
 
 
-def check_fields(request: dict, known: set[str]) -> None:
+def check_fields(request: dict, known: set[str], within: str = "") -> None:
+    """Every non-null field known; `within`: the path of a nested object's fields."""
     if unknown := sorted(name for name, value in request.items() if value is not None and name not in known):
-        raise APIError(400, f"{unknown[0]}: not a field this server implements", unknown[0])
+        raise APIError(400, f"{within}{unknown[0]}: not a field this server implements", within + unknown[0])
 
 
 def token_list(request: dict, name: str, vocab_size: int, max_len: int) -> list[int]:
@@ -222,18 +314,6 @@ def refusal(error: Exception, renames: dict[str, str], prompt_index: int | None)
     return APIError(e.status, message if named else f"prompt[{prompt_index}]: {e}", e.param, e.code)
 
 
-def chat_message(message) -> dict:
-    """{role, content} with the content as text (a list of text parts joined)."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise APIError(400, f"messages: each must be an object with a string role, got {short(message)}", "messages")
-    content = message.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        content = "".join(str(p.get("text", "")) for p in content)
-    if content is not None and not isinstance(content, str):
-        raise APIError(400, f"messages: content must be a string or text parts, got {short(content)}", "messages")
-    return {"role": message["role"], "content": content or ""}
-
-
 # ---- responses ------------------------------------------------------------------------------------------
 def usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(out.prompt_token_ids) for out in outs)
@@ -247,7 +327,8 @@ class Reply:
 
     def __init__(self, parsed: Parsed, model: str, token_text: Callable[[int], str]):
         self.chat, self.include_usage, self.token_text = parsed.chat, parsed.include_usage, token_text
-        self.token_ids = parsed.token_ids
+        self.token_ids, self.tools, self.tool_parser = parsed.token_ids, parsed.tools, parsed.tool_parser
+        self.tool_streams: dict[int, ToolCallStream] = {}   # choice -> the calls streamed so far
         params = parsed.submissions[0].params   # the prompts share them
         self.n, self.num_top = params.n, params.logprobs
         self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
@@ -255,12 +336,12 @@ class Reply:
         self.sent: dict[int, tuple[int, int, bool]] = {}   # choice -> characters, tokens, finish reason sent
 
     def full(self, outs: list[RequestOutput]) -> dict:
-        choices = [self.choice(i * self.n + c.index, c) for i, out in enumerate(outs)
+        choices = [self.whole_choice(i * self.n + c.index, c) for i, out in enumerate(outs)
                    for c in sorted(out.outputs, key=lambda c: c.index)]
         return {**self.header(chunk=False), "choices": choices, "usage": usage(outs)}
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> Iterator[dict]:
-        """A chunk per choice of the prompt's that changed since the last call (OpenAI sends one choice per
+        """The chunks of each choice of the prompt's that changed since the last call (OpenAI sends one choice per
         chunk)."""
         for c in out.outputs:
             index = prompt_index * self.n + c.index
@@ -269,7 +350,8 @@ class Reply:
             if seen and len(c.text) == chars and len(c.token_ids) == tokens and (done or c.finish_reason is None):
                 continue
             self.sent[index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
-            yield {**self.header(chunk=True), "choices": [self.choice(index, c, chars, tokens, first=not seen)]}
+            for choice in self.delta_choices(index, c, chars, tokens, first=not seen):
+                yield {**self.header(chunk=True), "choices": [choice]}
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict:
         return {**self.header(chunk=True), "choices": [], "usage": usage(outs)}
@@ -278,19 +360,51 @@ class Reply:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {**self.head, "object": kind, **({"usage": None} if chunk and self.include_usage else {})}
 
-    def choice(self, index: int, c: CompletionOutput, chars: int | None = None, tokens: int = 0,
-               first: bool = False) -> dict:
-        """Choice `index`: the whole output (chars None), or what follows `chars` characters and `tokens` tokens as
-        a delta."""
-        text, ids = c.text[chars or 0:], c.token_ids[tokens:]
-        logprobs = None if c.logprobs is None else self.logprobs(ids, c.logprobs[tokens:len(c.token_ids)])
+    def whole_choice(self, index: int, c: CompletionOutput) -> dict:
         if not self.chat:
-            body = {"text": text}
-        elif chars is None:
-            body = {"message": {"role": "assistant", "content": text}}
+            return self.choice(index, c, {"text": c.text}, c.finish_reason)
+        if self.tools is None:
+            return self.choice(index, c, {"message": {"role": "assistant", "content": c.text}}, c.finish_reason)
+        content, calls = parse_tool_calls(c.text, self.tools, self.tool_parser)
+        message = {"role": "assistant", "content": content if content or not calls else None,
+                   **({"tool_calls": [call.message() for call in calls]} if calls else {})}
+        return self.choice(index, c, {"message": message}, finish_reason(c.finish_reason, calls))
+
+    def delta_choices(self, index: int, c: CompletionOutput, chars: int, tokens: int, first: bool) -> list[dict]:
+        """Choice `index`'s chunks of what follows `chars` characters and `tokens` tokens: a delta each (a tool call
+        takes two: its name, then its arguments), the new tokens' logprobs and ids on the first, the finish reason
+        on the last."""
+        text, reason = c.text[chars:], c.finish_reason
+        if not self.chat:
+            bodies = [{"text": text}]
         else:
-            body = {"delta": {"role": "assistant", "content": text} if first else {"content": text} if text else {}}
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
+            if self.tools is None:
+                deltas = [{"content": text}] if text or first else [{}]
+            else:
+                deltas, reason = self.tool_deltas(index, c)
+                if not (deltas or first or reason or self.token_ids or c.logprobs is not None):
+                    return []   # a call still being written, and nothing else to send
+                deltas = deltas or [{}]
+            if first:
+                deltas[0] = {"role": "assistant", **deltas[0]}
+            bodies = [{"delta": delta} for delta in deltas]
+        return [self.choice(index, c, body, reason if i == len(bodies) - 1 else None, tokens if i == 0 else None)
+                for i, body in enumerate(bodies)]
+
+    def tool_deltas(self, index: int, c: CompletionOutput) -> tuple[list[dict], str | None]:
+        """The deltas of the content and calls decided since the choice's last output, and its finish reason."""
+        stream = self.tool_streams.setdefault(index, ToolCallStream(self.tools, self.tool_parser))
+        deltas = stream.update(c.text) + (stream.finish() if c.finish_reason is not None else [])
+        return deltas, finish_reason(c.finish_reason, stream.calls)
+
+    def choice(self, index: int, c: CompletionOutput, body: dict, reason: str | None, tokens: int | None = 0) -> dict:
+        """Choice `index` with `body` (its text, message or delta), and its tokens from `tokens` on (None: none)."""
+        if tokens is None:
+            ids, logprobs = [], None
+        else:
+            ids = c.token_ids[tokens:]
+            logprobs = None if c.logprobs is None else self.logprobs(ids, c.logprobs[tokens:len(c.token_ids)])
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason,
                 **({"token_ids": ids} if self.token_ids else {})}
 
     def logprobs(self, ids: list[int], per_token: list[dict[int, float]]) -> dict:
@@ -415,12 +529,14 @@ class OpenAIApp:
     def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_names: tuple[str, ...],
                  api_key: str | None,
                  max_body_bytes: int, read_timeout_s: float, allowed_origins: tuple[str, ...] = (),
-                 serve_metrics: bool = True):
+                 serve_metrics: bool = True, tool_call_parser: str | None = None):
+        """tool_call_parser: how tool_choice auto reads calls (None: as the chat template tells, if it does)."""
         self.engine_loop, self.metrics, self.model_names = engine_loop, metrics, model_names
         self.model_name = model_names[0]   # the one responses give
         self.max_body_bytes, self.read_timeout_s, self.created = max_body_bytes, read_timeout_s, int(time.time())
         self.tokenizer = tok = engine_loop.engine.tokenizer
         self.token_text = functools.cache(lambda t: tok.decode([t]) if tok is not None else f"token_id:{t}")
+        self.tool_parser = tool_call_parser or template_parser(None if tok is None else tok.chat_template)
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -468,17 +584,27 @@ class OpenAIApp:
         try:
             if request.get("model") not in (None, *self.model_names):
                 raise self.no_such_model(request["model"])
-            if unsupported := [name for name in UNSUPPORTED if request.get(name) and request[name] != {"type": "text"}]:
+            if unsupported := [name for name in UNSUPPORTED if request.get(name)]:
                 raise APIError(400, f"{unsupported[0]}: not supported by this server", unsupported[0])
+            if guided := [name for name in GUIDED_FIELDS if request.get(name) is not None]:
+                raise APIError(400, f"{guided[0]}: vLLM's removed guided decoding field; give structured_outputs "
+                                    "(or response_format) instead", guided[0])
+            if legacy := [name for name in LEGACY_TOOL_FIELDS if request.get(name) is not None]:
+                raise APIError(400, f"{legacy[0]}: OpenAI's deprecated function calling; give tools (and tool_choice) "
+                                    "instead", legacy[0])
             check_fields(request, ENDPOINT_FIELDS[chat] | set(UNSUPPORTED))
-            params = sampling_params(request, chat, self.engine_loop.engine.sampling_defaults)
-            prompts, batch = ([self.chat_prompt(request)], False) if chat else completion_prompts(request)
+            tools = self.tool_request(request) if chat else None
+            params = sampling_params(request, chat, self.engine_loop.engine.sampling_defaults, tools)
+            if params.structured_outputs is not None:   # here, so that the engine's thread never compiles one
+                self.engine_loop.compile_grammar(params.structured_outputs)
+            prompts, batch = (([self.chat_prompt(request, None if tools is None else tools.template_tools)], False)
+                              if chat else completion_prompts(request))
             stream, options = flag(request, "stream"), request.get("stream_options") or {}
             if not isinstance(options, dict):
                 raise APIError(400, f"stream_options must be an object, got {short(options)}", "stream_options")
             submissions = self.submissions(prompts, params, optional_str(request, "cache_salt"), batch, renames)
             return Parsed(submissions, batch, chat, stream, stream and flag(options, "include_usage"),
-                          flag(request, "return_token_ids"), renames)
+                          flag(request, "return_token_ids"), renames, tools, self.tool_parser)
         except ValueError as e:
             raise api_error(e, renames) from None
 
@@ -499,17 +625,33 @@ class OpenAIApp:
                 raise refusal(e, renames, i if batch else None) from None
         return submissions
 
-    def chat_prompt(self, request: dict) -> str:
-        messages = request.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages must be a non-empty list of {role, content}", "messages")
+    def tool_request(self, request: dict) -> ToolRequest | None:
+        """The request's tool fields, checked; None when no call can come (no tools, or tool_choice "none")."""
+        try:
+            tools = check_tools(request.get("tools"), request.get("tool_choice"), request.get("parallel_tool_calls"))
+        except ValueError as e:
+            raise field_error(e) from None
+        if tools.choice == "auto" and self.tool_parser is None:   # vLLM refuses it too: calls would come as text
+            raise APIError(400, "tool_choice: 'auto' (the default with tools) needs a tool-call parser, and this "
+                                "model's chat template tells none; start the server with --tool-call-parser (hermes or "
+                                "llama3_json), or ask for tool_choice 'required' or a named function", "tool_choice")
+        return None if tools.choice == "none" else tools
+
+    def chat_prompt(self, request: dict, tools: list[dict] | None = None) -> str:
+        """The messages through the model's chat template, showing it `tools`."""
+        try:
+            messages = chat_messages(request.get("messages"))
+        except ValueError as e:
+            raise field_error(e) from None
         if self.tokenizer is None:
             raise APIError(400, "messages: this model has no tokenizer, so no chat template; use /v1/completions "
                                 "with a prompt of token ids", "messages")
         try:
-            return apply_chat_template(self.tokenizer, [chat_message(m) for m in messages])
+            return apply_chat_template(self.tokenizer, messages, tools=tools)
         except TemplateError as e:   # the template's own checks, e.g. roles that must alternate
             raise APIError(400, f"messages: {e}", "messages") from None
+        except ValueError as e:      # a model without a chat template
+            raise field_error(e) from None
 
     async def events(self, reply: Reply, batch: Batch) -> AsyncIterator[str]:
         """The stream's events, each prompt's first outputs in order, then as they come; a refusal or failure after

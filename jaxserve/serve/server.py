@@ -23,6 +23,7 @@ from jaxserve.serve.engine_loop import EngineLoop
 from jaxserve.serve.grpc_api import SERVICE_NAME, JaxServeServicer, grpc_server
 from jaxserve.serve.metrics import ServerMetrics
 from jaxserve.serve.openai_http import HttpServer, OpenAIApp
+from jaxserve.serve.tool_calls import TOOL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000           # HTTP, vLLM's
@@ -49,6 +50,7 @@ class ServeOptions:
     reflection: bool = True
     api_key: str | None = None                          # required as `Authorization: Bearer` (gRPC, HTTP, metrics)
     allowed_origins: tuple[str, ...] = ()               # browser origins the HTTP server serves (CORS); "*": any
+    tool_call_parser: str | None = None                 # tool_choice auto's; None: as the chat template tells
     http_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self):
@@ -76,6 +78,9 @@ class ServeOptions:
             raise ValueError("api_key must not be empty")
         if bad := [o for o in self.allowed_origins if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o)]:
             raise ValueError(f"allowed_origins: {bad[0]!r} is not an origin (scheme://host[:port], or *)")
+        if self.tool_call_parser not in (None, *TOOL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
 
     def read_tls(self) -> tuple[bytes, bytes] | None:
         """(key, certificate chain) PEM bytes, or None without TLS; a missing or non-PEM file is a ValueError."""
@@ -126,10 +131,10 @@ class Server:
         self.engine_loop = EngineLoop(engines, opts.max_waiting, self._on_engine_failure)
         self.metrics = ServerMetrics(self.engine_loop.stats)
         self.servicer = JaxServeServicer(self.engine_loop, self.metrics, model_names[0], opts.scheduling_policy)
-        self.http = HttpServer(
-            OpenAIApp(self.engine_loop, self.metrics, model_names, opts.api_key, opts.max_message_bytes,
-                      opts.http_limits.read_timeout_s, opts.allowed_origins, opts.http_metrics).app,
-            opts.host, opts.http_port, opts.grace_period_s, opts.http_limits)
+        self.openai = OpenAIApp(self.engine_loop, self.metrics, model_names, opts.api_key, opts.max_message_bytes,
+                                opts.http_limits.read_timeout_s, opts.allowed_origins, opts.http_metrics,
+                                opts.tool_call_parser)
+        self.http = HttpServer(self.openai.app, opts.host, opts.http_port, opts.grace_period_s, opts.http_limits)
         self.grpc: grpc.aio.Server | None = None
         self.grpc_port = self.metrics_port = self.http_port = None   # as bound
         self.failed = asyncio.Event()   # the engine failed: the process should exit non-zero

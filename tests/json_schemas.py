@@ -1,0 +1,135 @@
+"""Realistic JSON schemas, each with a prompt asking for that data (test_structured_outputs_api.py): nested objects,
+arrays with minItems/maxItems, enums, optional and required fields, bounded integers and numbers, patterns, booleans,
+nullable fields, $defs/$ref. Strings carry a maxLength and arrays a maxItems, as real schemas do: a 135M model
+would otherwise fill them until the token limit."""
+
+
+def text(most: int = 40) -> dict:
+    return {"type": "string", "maxLength": most}
+
+
+def integer(low: int, high: int) -> dict:
+    return {"type": "integer", "minimum": low, "maximum": high}
+
+
+def listing(items: dict, most: int = 3, least: int = 0) -> dict:
+    return {"type": "array", "items": items, "minItems": least, "maxItems": most}
+
+
+def record(properties: dict, required: list[str] | None = None, **extra) -> dict:
+    return {"type": "object", "properties": properties, "required": list(properties) if required is None else required,
+            **extra}
+
+
+NULLABLE_TEXT = {"anyOf": [text(), {"type": "null"}]}
+ADDRESS = record({"street": text(), "city": text(30), "postcode": {"type": "string", "pattern": "^[0-9]{5}$"},
+                  "country": text(30)}, ["city", "country"])
+MONEY = record({"amount": {"type": "number", "minimum": 0, "maximum": 100000},
+                "currency": {"enum": ["USD", "EUR", "GBP"]}})
+
+SCHEMAS = [   # (prompt, schema)
+    ("Give the name and age of a fictional person.", record({"name": text(), "age": integer(0, 120)})),
+    ("Describe a book: title, author, publication year and up to three genres.",
+     record({"title": text(), "author": text(), "year": integer(1450, 2025), "genres": listing(text(20), 3, 1)})),
+    ("Is Paris the capital of France? Answer with a verdict and a confidence between 0 and 1.",
+     record({"answer": {"type": "boolean"}, "confidence": {"type": "number", "minimum": 0, "maximum": 1}})),
+    ("Classify the sentiment of: 'I loved this movie, it was wonderful!'",
+     record({"sentiment": {"enum": ["positive", "negative", "neutral"]}, "score": integer(1, 5)})),
+    ("Create a user profile with a username, an email and whether the account is verified.",
+     record({"username": {"type": "string", "pattern": "^[a-z][a-z0-9_]{2,15}$"},
+             "email": {"type": "string", "pattern": "^[a-z0-9.]{1,20}@[a-z]{1,12}\\.(com|org|net)$"},
+             "verified": {"type": "boolean"}})),
+    ("Give the current weather in London: temperature in Celsius, condition and humidity percentage.",
+     record({"city": text(30), "temperature_c": integer(-50, 60),
+             "condition": {"enum": ["sunny", "cloudy", "rainy", "snowy", "windy"]}, "humidity": integer(0, 100)})),
+    ("Write a recipe for pancakes: a name, servings and a short list of ingredients with quantities.",
+     record({"name": text(), "servings": integer(1, 12),
+             "ingredients": listing(record({"item": text(25), "quantity": text(15)}), 4, 1)})),
+    ("List three planets of the solar system with their order from the sun.",
+     record({"planets": listing(record({"name": text(10), "position": integer(1, 8)}), 3, 3)})),
+    ("Give the address of a company called Acme Corp.",
+     record({"company": text(), "address": ADDRESS, "phone": NULLABLE_TEXT}, ["company", "address"])),
+    ("Create an order for two items with prices.",
+     record({"order_id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"},
+             "items": listing(record({"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                                      "quantity": integer(1, 10), "price": MONEY}), 2, 1),
+             "status": {"enum": ["pending", "shipped", "delivered"]}})),
+    ("Describe a movie: title, release year, rating out of 10, and whether it won an Oscar.",
+     record({"title": text(), "year": integer(1900, 2025), "rating": {"type": "number", "minimum": 0, "maximum": 10},
+             "oscar": {"type": "boolean"}})),
+    ("Give an employee record with an optional manager name (null if none).",
+     record({"name": text(), "department": {"enum": ["engineering", "sales", "marketing", "hr"]},
+             "manager": NULLABLE_TEXT, "salary": integer(20000, 500000)}, ["name", "department", "manager"])),
+    ("Give a calendar event: a title, a date as YYYY-MM-DD, a start time as HH:MM and attendees.",
+     record({"title": text(), "date": {"type": "string", "pattern": "^20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])$"},
+             "start": {"type": "string", "pattern": "^([01][0-9]|2[0-3]):[0-5][0-9]$"},
+             "attendees": listing(text(20), 3)})),
+    ("Describe a dog: its name, breed, age and whether it is vaccinated.",
+     record({"name": text(20), "breed": text(25), "age": integer(0, 25), "vaccinated": {"type": "boolean"}},
+            ["name", "breed"])),
+    ("Give the GPS coordinates of the Eiffel Tower.",
+     record({"place": text(), "latitude": {"type": "number", "minimum": -90, "maximum": 90},
+             "longitude": {"type": "number", "minimum": -180, "maximum": 180}})),
+    ("Rate a restaurant on food, service and price, each from 1 to 5.",
+     record({"restaurant": text(), "ratings": record({"food": integer(1, 5), "service": integer(1, 5),
+                                                     "price": integer(1, 5)}),
+             "recommend": {"type": "boolean"}})),
+    ("Give a todo list with up to three tasks, each with a priority.",
+     record({"tasks": listing(record({"task": text(30), "priority": {"enum": ["low", "medium", "high"]},
+                                      "done": {"type": "boolean"}}, ["task", "priority"]), 3, 1)})),
+    ("Give an HTTP error response for a missing page.",
+     record({"status": {"enum": [400, 401, 403, 404, 500]}, "error": text(30), "retry": {"type": "boolean"}})),
+    ("Give the nutrition facts of an apple.",
+     record({"food": text(20), "calories": integer(0, 1000),
+             "sugar_g": {"type": "number", "minimum": 0, "maximum": 100}, "vegan": {"type": "boolean"}})),
+    ("Describe a car: make, model, year and fuel type.",
+     record({"make": text(20), "model": text(20), "year": integer(1950, 2025),
+             "fuel": {"enum": ["petrol", "diesel", "electric", "hybrid"]}})),
+    ("Give a product review with a title, stars and up to two pros and cons.",
+     record({"title": text(), "stars": integer(1, 5), "pros": listing(text(30), 2), "cons": listing(text(30), 2)},
+            ["title", "stars"])),
+    ("Give the configuration of a web server: host, port, TLS on or off and a log level.",
+     record({"host": text(30), "port": integer(1, 65535), "tls": {"type": "boolean"},
+             "log_level": {"enum": ["debug", "info", "warning", "error"]}})),
+    ("Describe a student with grades in three subjects.",
+     record({"student": text(30),
+             "grades": listing(record({"subject": text(20), "grade": {"enum": ["A", "B", "C", "D", "F"]}}), 3, 3)})),
+    ("Give a flight booking: flight number, origin and destination airport codes, and seat.",
+     record({"flight": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3,4}$"},
+             "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+             "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+             "seat": {"type": "string", "pattern": "^[0-9]{1,2}[A-F]$"}})),
+    ("Give a contact card, with a nickname if the person has one.",
+     record({"name": text(), "nickname": {"type": ["string", "null"], "maxLength": 20},
+             "phones": listing({"type": "string", "pattern": "^\\+?[0-9]{7,12}$"}, 2)}, ["name", "nickname"])),
+    ("Describe a family tree: a parent and their children.",
+     {"$defs": {"person": record({"name": text(20), "age": integer(0, 110)})},
+      **record({"parent": {"$ref": "#/$defs/person"}, "children": listing({"$ref": "#/$defs/person"}, 3)})}),
+    ("Give a bank transfer between two accounts.",
+     {"$defs": {"account": record({"iban": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{6,10}$"},
+                                   "holder": text(30)}),
+                "money": MONEY},
+      **record({"from": {"$ref": "#/$defs/account"}, "to": {"$ref": "#/$defs/account"},
+                "value": {"$ref": "#/$defs/money"}, "reference": NULLABLE_TEXT}, ["from", "to", "value"])}),
+    ("Describe a shape: either a circle with a radius or a rectangle with a width and a height.",
+     record({"shape": {"anyOf": [record({"kind": {"const": "circle"}, "radius": integer(1, 100)}),
+                                 record({"kind": {"const": "rectangle"}, "width": integer(1, 100),
+                                         "height": integer(1, 100)})]}})),
+    ("Give a short quiz question with four options and the index of the right one.",
+     record({"question": text(60), "options": listing(text(20), 4, 4), "answer": integer(0, 3)})),
+    ("Describe a laptop: brand, RAM in GB, storage in GB, and its ports.",
+     record({"brand": text(20), "ram_gb": {"enum": [4, 8, 16, 32, 64]}, "storage_gb": integer(64, 4096),
+             "ports": listing({"enum": ["usb-a", "usb-c", "hdmi", "ethernet", "audio"]}, 4, 1)})),
+    ("Summarise a meeting: a title, decisions and action items with owners.",
+     {"$defs": {"action": record({"owner": text(20), "task": text(40), "due": NULLABLE_TEXT}, ["owner", "task"])},
+      **record({"title": text(), "decisions": listing(text(40), 2),
+                "actions": listing({"$ref": "#/$defs/action"}, 2)})}),
+    ("Give the stock quote of Apple.",
+     record({"ticker": {"type": "string", "pattern": "^[A-Z]{1,5}$"}, "price": MONEY,
+             "change_percent": {"type": "number", "minimum": -100, "maximum": 100},
+             "market_open": {"type": "boolean"}})),
+    ("Give the settings of a mobile app's notifications.",
+     record({"enabled": {"type": "boolean"}, "sound": {"type": "boolean"},
+             "quiet_hours": {"anyOf": [record({"from": integer(0, 23), "to": integer(0, 23)}), {"type": "null"}]},
+             "channels": listing({"enum": ["email", "push", "sms"]}, 3)})),
+]
