@@ -179,6 +179,7 @@ def effective_top_k(top_k: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
 
 
+@partial(jax.jit, static_argnames="pivots", inline=True)   # one trace a shape for all filter variants; inlined
 def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
                        pivots: int = SEARCH_PIVOTS) -> jax.Array:
     """Keep each row's top_k largest, then the fewest of those whose renormalised mass (softmax over the top-k

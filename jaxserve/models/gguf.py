@@ -31,8 +31,20 @@ SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p
 
 def open_gguf(path: Path):
     import gguf
+
+    class Reader(gguf.GGUFReader):
+        """gguf's reader over a plain ndarray view of its memory map: every slice of a np.memmap runs a Python
+        __array_finalize__, and the reader slices ~150K times for a 49K-token vocabulary (3.5x slower)."""
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, mapped):
+            self._data = np.asarray(mapped)
+
     try:
-        return gguf.GGUFReader(str(path))
+        return Reader(str(path))
     except Exception as e:  # the reader raises bare ValueError/struct errors on corrupt files
         raise ModelLoadError(path, f"not a readable GGUF file ({type(e).__name__}: {e})") from e
 
