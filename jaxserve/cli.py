@@ -15,8 +15,8 @@ from pathlib import Path
 import jaxserve
 from jaxserve.cache.vattention import leave_gpu_memory_to_the_page_pool
 from jaxserve.client import ClientError, grpc_reply, http_reply, print_reply
-from jaxserve.config import (GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, engine_flags,
-                             load_run_config)
+from jaxserve.config import (GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig,
+                             SpeculativeConfig, engine_flags, load_run_config)
 from jaxserve.engine import distributed
 from jaxserve.engine.llm import LLM, has_chat_template
 from jaxserve.engine.llm_engine import LLMEngine, start_device
@@ -73,6 +73,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="what sampling a request leaves unset takes: auto, the model's generation config (HF "
                         "generation_config.json, GGUF general.sampling.*), else vLLM's defaults; vllm: vLLM's "
                         "(overrides --config; None: --config's, else auto)")
+    p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                   help="speculative decoding: ngram drafts the next tokens from earlier text of the same sequence "
+                        "(prompt lookup), verified exactly in one step (overrides --config's speculative_config; "
+                        "None: --config's, else off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help=f"drafts per sequence and step (None: --config's, else "
+                        f"{SpeculativeConfig.num_speculative_tokens})")
+
+
+def speculative_override(args, given: SpeculativeConfig | None) -> dict:
+    """The engine knob the speculative flags set over the config file's: {} when none is given."""
+    if args.speculative_method is None and args.num_speculative_tokens is None:
+        return {}
+    if given is None and args.speculative_method is None:
+        raise ValueError("--num-speculative-tokens needs --speculative-method (or a speculative_config in --config)")
+    fields = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
+    return {"speculative_config": replace(given or SpeculativeConfig(),
+                                          **{k: v for k, v in fields.items() if v is not None})}
 
 
 MODEL_DEFAULT = "None: the model's default (its generation config, else vLLM's)"
@@ -120,6 +138,7 @@ def make_llm(args, **engine_kwargs) -> LLM:
     overrides = {"kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len,
                  "generation_config": args.generation_config}
     engine_kwargs |= {k: v for k, v in overrides.items() if v is not None}
+    engine_kwargs |= speculative_override(args, (engine or EngineConfig()).speculative_config)
     return LLM(loaded, config=engine, **engine_kwargs)
 
 
@@ -191,7 +210,8 @@ def served_engine_config(args) -> EngineConfig:
     knobs = {k: getattr(args, k) for k in ENGINE_FLAGS + model_knobs if getattr(args, k) is not None}
     if args.no_precompile:
         knobs["precompile"] = False
-    return replace(load_run_config(args.config).engine if args.config else EngineConfig(), **knobs)
+    cfg = load_run_config(args.config).engine if args.config else EngineConfig()
+    return replace(cfg, **knobs, **speculative_override(args, cfg.speculative_config))
 
 
 def served_model(args) -> str | None:

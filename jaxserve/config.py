@@ -129,6 +129,7 @@ QUANTIZATIONS = (None, "fp8")   # models/fp8.py: weights of the linear layers in
 KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py
 VATTENTION_KERNELS = ("contiguous", "identity")   # models/attention.py: slots, or identity block tables
 GENERATION_CONFIGS = ("auto", "vllm")   # requests' sampling defaults: the model's generation_config, or vLLM's
+SPECULATIVE_METHODS = ("ngram",)   # engine/speculation.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +160,46 @@ BLOCK_COUNT = Check(lambda v: v is None or (_is_int(v) and v >= 2),
 FRACTION_UP_TO_1 = Check(lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "must be in (0, 1]")
 FRACTION_BELOW_1 = Check(lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "must be in [0, 1)")
 
-GROUPS = ("scheduler", "cache", "compilation", "parallel", "admission", "sampling", "vattention")
+GROUPS = ("scheduler", "cache", "compilation", "parallel", "admission", "sampling", "vattention", "speculative")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculation.py), vLLM's `speculative_config`: a proposer drafts up to
+    num_speculative_tokens tokens per decoding sequence, which one step of the model verifies exactly."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    # ngram: the longest suffix of prompt_lookup_min..max tokens that occurred before proposes what followed it
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # steps of more decoding sequences than this run without speculation: verification reads the weights once
+    # for all rows, so a big batch gains nothing from drafts and pays their tokens (benchmarks/speculative.py)
+    max_num_seqs: int = 8
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_num_seqs"):
+            if not (_is_int(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"speculative_config.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @property
+    def width(self) -> int:
+        """Tokens a verifying row computes: its last known token and the drafts."""
+        return self.num_speculative_tokens + 1
+
+
+def speculative_config(value) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from the config file's mapping (its keys checked), or as given."""
+    if not isinstance(value, dict):
+        return value
+    if unknown := set(value) - {f.name for f in dataclasses.fields(SpeculativeConfig)}:
+        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: "
+                         f"{[f.name for f in dataclasses.fields(SpeculativeConfig)]}")
+    return SpeculativeConfig(**value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,10 +288,16 @@ class EngineConfig:
     # table) or "identity" (the paged kernels over identity block tables)
     vattention_kernels: str = knob("contiguous", group="vattention", check=one_of(VATTENTION_KERNELS))
 
+    # Speculative decoding: None off; a SpeculativeConfig (a mapping in the config file) on
+    speculative_config: SpeculativeConfig | None = knob(
+        None, group="speculative", check=Check(lambda v: v is None or isinstance(v, SpeculativeConfig),
+                                               "must be a mapping (method, num_speculative_tokens, ...) or null"))
+
     def __post_init__(self):
         for name in ("token_buckets", "seq_buckets"):
             if isinstance(getattr(self, name), list):
                 setattr(self, name, tuple(getattr(self, name)))
+        self.speculative_config = speculative_config(self.speculative_config)
         check_engine_config(self)
 
 
@@ -282,6 +328,9 @@ def check_engine_config(c: EngineConfig) -> None:
              "(its pages are per sequence, not shared): set enable_prefix_caching: false")
         need(c.tensor_parallel_size == 1, "tensor_parallel_size", "must be 1 with kv_backend: vattention (the "
              "per-device ranges are not yet combined into one sharded cache)")
+    if c.speculative_config is not None:
+        need(c.kv_backend == "paged", "kv_backend", "must be paged with speculative_config (drafts take lookahead "
+             "slots in the block tables)")
     need(not (c.kv_cache_dtype == "fp8" and c.prefill_attention == "mosaic"), "prefill_attention",
          "must be triton with kv_cache_dtype: fp8 (the Mosaic prefill kernel reads a cache of q's dtype only)")
     need(c.max_num_seqs + c.min_prefill_chunk <= c.max_num_batched_tokens, "max_num_batched_tokens",

@@ -64,7 +64,7 @@ def sized_start(monkeypatch):
     return lambda **knobs: (LLM(random_model(TINY, jnp.float32), **{**KNOBS, "num_blocks": None, **knobs}), seen)
 
 
-PEAK_KEYS = [PEAK, GraphKey("sampler", (8, "filter", MAX_LOGPROBS, True)), GraphKey("prompt", (64,))]
+PEAK_KEYS = [PEAK, GraphKey("sampler", (8, "filter", MAX_LOGPROBS, True, 1)), GraphKey("prompt", (64,))]
 
 
 def compiled_peak(graphs: StepGraphs) -> int:
@@ -254,12 +254,12 @@ def test_each_graph_compiles_with_its_keys_xla_options():
     gpu, cpu, fp8 = policy("gpu"), policy("cpu"), policy("gpu", "fp8")
     unmerged = {"xla_gpu_dot_merger_threshold_mb": 0}
     cublas = unmerged | {"xla_gpu_enable_triton_gemm": False}
-    small, large = GraphKey("model", (TRITON_GEMM_MAX_ROWS, 64, True), 99), GraphKey("model", (128, 64, False), 99)
+    small, large = GraphKey("model", (TRITON_GEMM_MAX_ROWS, 64, True, 1), 99), GraphKey("model", (128, 64, False, 1), 99)
     assert gpu(large) == gpu(GraphKey("prompt", (4096,))) == gpu(PEAK) == cublas
-    assert gpu(small) == unmerged and gpu(GraphKey("sampler", (256, "filter", 0, False))) == {}
-    decode = GraphKey("model", (W8A16_MAX_ROWS, W8A16_MAX_ROWS, True), 99)
+    assert gpu(small) == unmerged and gpu(GraphKey("sampler", (256, "filter", 0, False, 1))) == {}
+    decode = GraphKey("model", (W8A16_MAX_ROWS, W8A16_MAX_ROWS, True, 1), 99)
     assert fp8(small) == fp8(large) == fp8(PEAK) == cublas and fp8(decode) == unmerged
-    assert cpu(GraphKey("model", (4096, 256, False), 99)) == cpu(PEAK) == {}
+    assert cpu(GraphKey("model", (4096, 256, False, 1), 99)) == cpu(PEAK) == {}
 
 
 def test_a_warm_start_reads_the_activation_peak_it_measured(sized_start, tmp_path):

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from jaxserve import cli
-from jaxserve.config import GROUPS, KNOBS, EngineConfig, KnobSpec, engine_flags, graph_knobs, load_run_config
+from jaxserve.config import (GROUPS, KNOBS, EngineConfig, KnobSpec, SpeculativeConfig, engine_flags, graph_knobs,
+                             load_run_config)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 # Not in the executable cache's fingerprint: no compiled graph reads these, or (num_blocks) the graphs that do carry
@@ -22,7 +23,7 @@ OTHER_VALUE = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=5
                    compile_cache_dir="/tmp/elsewhere", precompile=False, tensor_parallel_size=2,
                    max_queued_requests=5, max_queued_tokens=1000, generation_config="vllm",
                    vattention_lookahead_tokens=64,
-                   vattention_kernels="identity")
+                   vattention_kernels="identity", speculative_config=SpeculativeConfig())
 # What OTHER_VALUE's kv_backend needs from the other knobs to pass the checks between knobs.
 NEEDS = dict(kv_backend=dict(enable_prefix_caching=False))
 

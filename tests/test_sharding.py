@@ -65,6 +65,12 @@ def test_tp2_with_fewer_kv_heads_than_devices_matches_one_device(tp2):
 
 
 @pytest.mark.slow
+def test_tp2_speculative_decoding_matches_one_device_without_it(tp2):
+    spec = tp2["speculative"]
+    assert spec["2"]["tokens"] == spec["1"]["tokens"] and spec["2"]["accepted"] > 0
+
+
+@pytest.mark.slow
 def test_tp4_and_smollm_at_tp3_match_one_device(tp4):
     """TP4 on 2 kv heads (each held by two devices), and the embedded SmolLM2 (9 q / 3 kv heads) split 3 ways."""
     assert_same_outputs(tp4["tiny"]["1"], tp4["tiny"]["4"])

@@ -102,12 +102,28 @@ def precompiled(tp: int) -> dict:
     return llm.engine.stats()
 
 
+def speculative(tp: int) -> dict:
+    """n-gram speculation on tp devices, beside one device without it (repetitive prompts: drafts get accepted)."""
+    prompts = [[5, 6, 7, 8, 9] * 6, [10, 11, 12] * 8 + [13]]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)]
+    out = {}
+    for n, spec in ((1, None), (tp, {"num_speculative_tokens": 3})):
+        llm = LLM(random_model(TINY, jnp.float32, mesh=make_mesh(n)), tensor_parallel_size=n, **LAZY,
+                  speculative_config=spec)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        out[str(n)] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                       "accepted": llm.engine.stats()["spec_num_accepted_tokens"]}
+    return out
+
+
 def run(num_devices: int) -> dict:
     if num_devices == 2:
         llm = engine(random_model(TINY, jnp.float32, mesh=make_mesh(2)), 2)
         greedy(llm)
         return {"tiny": random_pair(2), "mqa": random_pair(2, num_kv_heads=1), "placement": placement(llm),
-                "collectives": collectives(llm), "cow": copy_on_write(2), "precompiled": precompiled(2)}
+                "collectives": collectives(llm), "cow": copy_on_write(2), "precompiled": precompiled(2),
+                "speculative": speculative(2)}
     smollm = {str(n): greedy(engine(load_model(dtype="f32", mesh=make_mesh(n)), n), PROMPTS[:3]) for n in (1, 3)}
     return {"tiny": random_pair(4), "smollm": smollm}
 

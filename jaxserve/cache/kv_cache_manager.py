@@ -67,8 +67,11 @@ class KVCacheManager:
         return len(self._hits(token_ids, cache_salt, [] if block_hashes is None else block_hashes)) * self.block_size
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                 cache_salt: str | None = None, block_hashes: list[bytes] | None = None) -> tuple[bool, int]:
-        """Make room for `num_new_tokens` more tokens of `token_ids` (the whole sequence so far).
+                 cache_salt: str | None = None, block_hashes: list[bytes] | None = None,
+                 num_lookahead: int = 0) -> tuple[bool, int]:
+        """Make room for `num_new_tokens` more tokens of `token_ids` (the whole sequence so far), and for
+        `num_lookahead` after them (speculative drafts: not tokens of the sequence yet, so never hashed; a later
+        call that covers them once verified finds their blocks there).
 
         First call for a seq: takes prefix hits, then covers hits + num_new_tokens, keeping the watermark free;
         returns (ok, num_cached_tokens); its cache_salt and block_hashes stay with the seq. Later calls cover
@@ -86,7 +89,7 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens={num_new_tokens}: {end} tokens exceed len(token_ids)={len(token_ids)}")
         blocks = seq.blocks
         cow = num_new_tokens > 0 and start % bs != 0 and blocks[start // bs].ref_cnt > 1
-        num_grow = max(0, -(-end // bs) - len(blocks))
+        num_grow = max(0, -(-(end + num_lookahead) // bs) - len(blocks))
         if num_grow + cow > self.num_free_blocks:
             return False, 0
         if cow:

@@ -21,6 +21,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner, Unsampled
 from jaxserve.engine.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams, check_text, short
 from jaxserve.engine.scheduler import Scheduler, StepRow
+from jaxserve.engine.speculation import Speculator
 from jaxserve.engine.step_graphs import StepGraphs
 from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, next_seq_id,
@@ -163,6 +164,8 @@ class LLMEngine:
         self.cfg = cfg = fit_to_kv_pool(self.graphs.cfg, self.kv, given=given.max_model_len is not None)
         self.scheduler = Scheduler(cfg, self.kv)
         self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
+        spec = cfg.speculative_config
+        self.speculator = None if spec is None else Speculator(spec, cfg.max_model_len)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
@@ -312,12 +315,25 @@ class LLMEngine:
         """Launch step N+1, then finish step N while the device runs N+1 (async scheduling: the host work of
         a step hides behind the device's); synchronous: launch and finish the same step. Under structured outputs
         N+1's token bitmask is filled on the mask thread once N's tokens are in its matchers, while N's outputs and
-        N+2's schedule are made; N+1's sampler launches just before N+2's model."""
+        N+2's schedule are made; N+1's sampler launches just before N+2's model. A step that speculates finishes
+        N first (its drafts are proposed from every token so far) and, with drafts, is finished before it returns."""
+        if self.speculator is not None and self.speculator.wants(self.scheduler.running, self.scheduler.waiting):
+            return self._speculative_step()
         if not self.cfg.async_scheduling:
             return self.complete_step(self.launch_step())
         done = self._inflight
         self._inflight = self.launch_step(before=done)
         return self.complete_step(done)
+
+    def _speculative_step(self) -> list[RequestOutput]:
+        outputs, self._inflight = self.complete_step(self._inflight), None
+        drafted = self.speculator.propose(self.scheduler.running)
+        launched = self.launch_step()
+        if self.cfg.async_scheduling and not drafted:   # no drafts: the step runs as any other
+            self._inflight = launched
+            return outputs
+        latest = {out.request_id: out for out in outputs + self.complete_step(launched)}   # outputs are cumulative
+        return list(latest.values())
 
     def launch_step(self, before: Launched | None = None) -> Launched | None:
         """Schedule the next step and launch it: its device outputs, not yet on the host (the first half of
@@ -338,28 +354,51 @@ class LLMEngine:
             return []
         self._sample_constrained(launched)
         out, prompt_lp = jax.tree.map(np.asarray, launched.out)
-        grammars_go_on = self._advance_grammars(launched.rows, out.tokens)
+        width = 1 if out.num_accepted is None else len(out.tokens) // len(out.num_accepted)
+        grammars_go_on = self._advance_grammars(launched.rows, out.tokens[::width])
         self._fill_mask(self._inflight)   # async: the next step's, now that this step's tokens are in the matchers
         touched: dict[str, Request] = {}
         now, flat = time.monotonic(), 0
         for i, row in enumerate(launched.rows):
-            seq, pos, flat = row.seq, row.start + row.count, flat + row.count
+            seq, flat = row.seq, flat + row.count
             if prompt_lp is not None and seq.prompt_logprobs is not None and row.start < seq.num_prompt_tokens:
                 self._record_prompt_logprobs(seq, prompt_lp, flat - row.count, row.start, row.count)
             if not row.samples or seq.finished:
                 continue
-            token = int(out.tokens[i])
-            seq.token_ids[pos] = token
             seq.first_token_time = seq.first_token_time or now
-            if seq.params.logprobs is not None:
-                top = {int(t): float(l) for t, l in zip(out.top_ids[i, :seq.params.logprobs],
-                                                      out.top_logprobs[i, :seq.params.logprobs])}
-                seq.logprobs.append({token: float(out.logprob[i]), **top})
-            self._check_stop(seq, token, pos + 1)
+            accepted = 0 if out.num_accepted is None else int(out.num_accepted[i])
+            self._emit(seq, row.start + row.num_known, out, range(i * width, i * width + accepted + 1))
+            if row.draft_ids:
+                self._commit_drafts(seq, len(row.draft_ids), accepted)
             if not grammars_go_on.get(i, True) and not seq.finished:
                 self._finish(seq, "stop")
             touched[seq.request_id] = self.requests[seq.request_id]
         return [self._request_output(r) for r in touched.values()]
+
+    def _emit(self, seq: Sequence, pos: int, out, positions: range) -> None:
+        """A row's sampled tokens (one, or a speculative row's accepted drafts and the token after them) into its
+        sequence, the first at pos (its PENDING place), each checked for a stop before the next."""
+        for j, k in enumerate(positions):
+            token = int(out.tokens[k])
+            if j == 0:
+                seq.token_ids[pos] = token
+            else:
+                seq.token_ids.append(token)
+            if seq.params.logprobs is not None:
+                top = {int(t): float(l) for t, l in zip(out.top_ids[k, :seq.params.logprobs],
+                                                      out.top_logprobs[k, :seq.params.logprobs])}
+                seq.logprobs.append({token: float(out.logprob[k]), **top})
+            self._check_stop(seq, token, pos + j + 1)
+            if seq.finished:
+                return
+
+    def _commit_drafts(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
+        """Accepted drafts' KV is in the cache (written by the step): they count as computed, and their full
+        blocks enter the prefix cache. Rejected ones' places stay the sequence's, overwritten by the next tokens."""
+        self.speculator.record(num_drafts, accepted)
+        if not seq.finished and accepted:
+            seq.num_computed_tokens += accepted
+            self.kv.allocate(seq.seq_id, seq.token_ids, accepted)
 
     def _sample_constrained(self, launched: Launched | None) -> None:
         """A constrained step's sampler, once every token before it is on the host: its rows' matchers fill the
@@ -435,13 +474,20 @@ class LLMEngine:
                                 seq.finish_reason, seq.stop_reason)
 
     # ---- introspection ------------------------------------------------------------------------------
+    def _speculation_stats(self) -> dict:
+        spec = self.speculator.stats if self.speculator is not None else None
+        return {"spec_num_drafts": spec.num_drafts if spec else 0,
+                "spec_num_draft_tokens": spec.num_draft_tokens if spec else 0,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens if spec else 0,
+                "spec_mean_acceptance_length": spec.mean_acceptance_length if spec else 0.0}
+
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_blocks_total": self.kv.num_blocks - 1, "kv_blocks_free": self.kv.num_free_blocks,
                 "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
                 "weight_dtype": weight_dtype(self.loaded), "kv_cache_dtype": str(self.graphs.backend.dtype),
-                "compiled_graphs": len(self.graphs.manager.executables),
+                **self._speculation_stats(), "compiled_graphs": len(self.graphs.manager.executables),
                 "graphs_from_cache": self.graphs.manager.loaded_from_cache,
                 "compiles_after_start": self.graphs.manager.compiles_after_start,
                 "compile_timings": self.graphs.manager.report()}   # where the start's time went

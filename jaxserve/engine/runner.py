@@ -150,13 +150,15 @@ class ModelRunner:
 
     def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:
         counts = [r.count for r in rows]
-        token_ids = np.array([t for r in rows for t in r.seq.token_ids[r.start:r.start + r.count]], np.int32)
+        token_ids = np.array([t for r in rows for t in (*r.seq.token_ids[r.start:r.start + r.num_known], *r.draft_ids)],
+                             np.int32)
         slots = np.array([self.slot_of[r.seq.seq_id] for r in rows], np.int32)
         prompt = any(r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
         # prompt logprobs' graphs exist for token buckets only: their steps never pad tokens to a seq bucket
         decode_only = all(c == 1 for c in counts) and not prompt
         constrained = any(r.samples and r.seq.params.structured_outputs is not None for r in rows)
-        tokens, seqs, decode_only = self.graphs.model_key(len(token_ids), len(rows), decode_only).dims
+        width = self.cfg.speculative_config.width if any(r.draft_ids for r in rows) else 1
+        tokens, seqs, decode_only, _ = self.graphs.model_key(len(token_ids), len(rows), decode_only, width).dims
         return self.graphs.step_inputs(
             num_tokens=tokens, num_seqs=seqs, decode_only=decode_only, **self.kv_addressing(slots),
             starts=[r.start for r in rows], counts=counts, token_ids=np.where(token_ids == PENDING, 0, token_ids),
@@ -166,12 +168,13 @@ class ModelRunner:
             next_prompt_ids=next_prompt_ids(rows, len(token_ids)) if prompt else None,
             num_logprobs=MAX_LOGPROBS if any(r.seq.params.logprobs for r in rows) else 0,
             sampler_mode=mode_for([r.seq.params for r in rows if r.samples], self.graphs.model_config.vocab_size,
-                                  constrained), constrained=constrained)
+                                  constrained), constrained=constrained,
+            draft_ids=[r.draft_ids for r in rows] if width > 1 else None, spec_width=width)
 
     def _prev_index(self, rows: list[StepRow], counts: list[int], token_ids: np.ndarray) -> np.ndarray:
         """Per input token, the row of the previous step that sampled it while it is still on the device."""
         prev_index = np.full(len(token_ids), -1, np.int32)
-        pending = np.flatnonzero(token_ids == PENDING)   # only a row's last token can still be pending
+        pending = np.flatnonzero(token_ids == PENDING)   # only a row's last known token can still be pending
         owners = np.searchsorted(np.cumsum(counts), pending, side="right")
         prev_index[pending] = [self.prev_rows[rows[i].seq.seq_id] for i in owners]
         return prev_index

@@ -70,6 +70,7 @@ class SamplerOutput:
     logprob: jax.Array  # f32 [S]: raw logprob of the sampled token
     top_ids: jax.Array  # i32 [S, K]: K = num_logprobs most likely tokens, most likely first
     top_logprobs: jax.Array  # f32 [S, K]
+    num_accepted: jax.Array | None = None  # i32 [rows]: speculative steps (verify), each row's accepted drafts
 
 
 def init_penalty_state(max_num_seqs: int, vocab_size: int) -> PenaltyState:
@@ -123,18 +124,60 @@ def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids:
     """Sample one token per row of logits [S, V]; count it in the row's slot where sample_mask [S] holds.
     `mode` (static) must cover every row's parameters (`mode_for`); "filter" covers all. token_bitmask
     [S, ceil(V / 32)] (structured outputs): only the tokens whose bit is set may be sampled."""
+    tokens = choose(logits, t, state, slot_ids, sample_mask, mode=mode, token_bitmask=token_bitmask)
+    return raw_logprobs(logits.astype(jnp.float32), tokens, num_logprobs), count(state, slot_ids, tokens, sample_mask)
+
+
+def verify(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array, sample_mask: jax.Array,
+           draft_ids: jax.Array, *, num_logprobs: int = 0, mode: str = "filter",
+           ) -> tuple[SamplerOutput, PenaltyState]:
+    """Speculative decoding's verification. Each of S rows has W positions: its last known token, then its drafts
+    draft_ids [S, W - 1] (-1 past the row's own); logits [S * W, V] and the per-position t, slot_ids and sample_mask
+    are row-major over (row, position), each position's gen_index one past the one before. Position j draws the
+    token that sampling would draw there had the drafts before it been sampled: the same noise (seed, gen_index),
+    penalties that count those drafts, min_tokens at that index. A row emits the drafts its draws match and the draw
+    after them (num_accepted [S] drafts + 1 tokens): what token-by-token decoding emits, for any seed. A draft is so
+    accepted with the target's probability of it, as rejection sampling accepts a deterministic draft.
+    Returns (SamplerOutput of every position with num_accepted, the state counting the emitted tokens)."""
+    num_rows, width = draft_ids.shape[0], draft_ids.shape[1] + 1
+    drafted = None if mode == "greedy" else draft_prefix_counts(draft_ids, logits.shape[1])
+    tokens = choose(logits, t, state, slot_ids, sample_mask, mode=mode, prior_counts=drafted)
+    matches = (tokens.reshape(num_rows, width)[:, :-1] == draft_ids) & (draft_ids >= 0)
+    num_accepted = jnp.cumprod(matches, axis=1).sum(axis=1, dtype=jnp.int32)
+    emitted = (jnp.arange(width)[None, :] <= num_accepted[:, None]).reshape(-1) & sample_mask
+    out = raw_logprobs(logits.astype(jnp.float32), tokens, num_logprobs)
+    out.num_accepted = num_accepted
+    return out, count(state, slot_ids, tokens, emitted)
+
+
+def draft_prefix_counts(draft_ids: jax.Array, vocab_size: int) -> jax.Array:
+    """[S * W, V] i32: at (row, position j), how often each token occurs among the row's drafts before j."""
+    num_rows, width = draft_ids.shape[0], draft_ids.shape[1] + 1
+    before = jnp.arange(width)[:, None] > jnp.arange(width - 1)[None, :]   # [W, W - 1]: draft i precedes position j
+    ids = jnp.broadcast_to(drop_padding(draft_ids, vocab_size)[:, None, :], (num_rows, width, width - 1))
+    rows = jnp.arange(num_rows * width).reshape(num_rows, width, 1)
+    counts = jnp.zeros((num_rows * width, vocab_size), jnp.int32)
+    return counts.at[jnp.broadcast_to(rows, ids.shape), ids].add(before[None].astype(jnp.int32), mode="drop")
+
+
+def choose(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array, sample_mask: jax.Array,
+           *, mode: str, token_bitmask: jax.Array | None = None, prior_counts: jax.Array | None = None) -> jax.Array:
+    """Each row's token (sample's order of operations); prior_counts [S, V]: generated tokens the slots do not
+    count yet (drafts), which the penalties count too."""
     logits = logits.astype(jnp.float32)
-    penalised = logits if mode == "greedy" else apply_penalties(logits, t, state, slot_ids)
+    penalised = logits if mode == "greedy" else apply_penalties(logits, t, state, slot_ids, prior_counts)
     if token_bitmask is not None:
         penalised = jnp.where(allowed_tokens(token_bitmask, logits.shape[1]), penalised, NEG_INF)
     penalised = suppress(penalised, t.suppress_ids)
     if mode == "greedy":
-        tokens = argmax(penalised)
-    else:
-        random_rows = sample_mask & (t.temperature >= GREEDY_TEMPERATURE)
-        tokens = sample_random(penalised, t, random_rows, top_k_top_p=mode == "filter")
-    counts = state.output_counts.at[slot_ids, tokens].add(sample_mask.astype(jnp.int32))
-    return raw_logprobs(logits, tokens, num_logprobs), PenaltyState(state.prompt_mask, counts)
+        return argmax(penalised)
+    random_rows = sample_mask & (t.temperature >= GREEDY_TEMPERATURE)
+    return sample_random(penalised, t, random_rows, top_k_top_p=mode == "filter")
+
+
+def count(state: PenaltyState, slot_ids: jax.Array, tokens: jax.Array, mask: jax.Array) -> PenaltyState:
+    """tokens counted as generated in their rows' slots where mask holds."""
+    return PenaltyState(state.prompt_mask, state.output_counts.at[slot_ids, tokens].add(mask.astype(jnp.int32)))
 
 
 def allowed_tokens(bitmask: jax.Array, vocab_size: int) -> jax.Array:
@@ -147,9 +190,12 @@ def argmax(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def apply_penalties(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array) -> jax.Array:
+def apply_penalties(logits: jax.Array, t: SamplingTensors, state: PenaltyState, slot_ids: jax.Array,
+                    prior_counts: jax.Array | None = None) -> jax.Array:
     """Repetition penalty over prompt and output tokens; frequency and presence over output tokens only."""
     counts = state.output_counts[slot_ids]
+    if prior_counts is not None:
+        counts = counts + prior_counts
     generated = counts > 0
     seen = state.prompt_mask[slot_ids] | generated
     rep = t.repetition_penalty[:, None]

@@ -8,7 +8,8 @@ first) and it waits at the queue's front; on resume its freed blocks usually sti
 n > 1 siblings are forked in the KV manager as its prompt's last chunk is scheduled; where forks take room
 (vattention copies the prompt's KV), that chunk waits until the manager says they fit, and admissions wait behind
 it. A sequence is advanced when it is scheduled: the step's tokens count as computed and a sampling row appends a
-PENDING token, which the engine fills when the sample lands.
+PENDING token, which the engine fills when the sample lands. A decode with drafts (speculative decoding) computes
+them after its token in lookahead slots: they count as computed only once verified (the engine commits them).
 """
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ class StepRow:
     samples: bool           # the row reaches the end of the known tokens, so it samples the next one
     num_generated: int      # output tokens before this step's sample (seeds the row's randomness, min_tokens)
     logits_from: int = -1   # row whose last token's logits this row samples (forks); -1: its own
+    draft_ids: tuple[int, ...] = ()   # speculative drafts after the row's tokens (in count, not yet the sequence's)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens of the sequence the row computes (its drafts are not, until verified)."""
+        return self.count - len(self.draft_ids)
 
 
 @dataclass(slots=True)
@@ -78,10 +85,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.cfg.max_num_batched_tokens
-        for seq in [s for s in self.running if self._decodes(s)]:
-            if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, out):   # not preempted by an older one
-                self._add_row(out, seq, 1)
-        budget -= len(out.rows)
+        decodes = [s for s in self.running if self._decodes(s)]
+        drafts_of = {seq.seq_id: tuple(seq.draft_ids) for seq in decodes}
+        for seq in self.running:
+            seq.draft_ids = []
+        spare = budget - len(decodes) - self.cfg.min_prefill_chunk   # tokens drafts may take
+        for seq in decodes:
+            if seq.status is not SequenceStatus.RUNNING:   # preempted by an older one
+                continue
+            drafts = drafts_of[seq.seq_id][:max(spare, 0)]
+            if drafts and not self.kv.allocate(seq.seq_id, seq.token_ids, 1, num_lookahead=len(drafts))[0]:
+                drafts = ()   # drafts are a bet: short of blocks, the decode goes on without them
+            if drafts or self._grow(seq, 1, out):
+                self._add_row(out, seq, 1, drafts=drafts)
+                spare -= len(drafts)
+        budget -= out.num_tokens
         self._fork_waits = False
         for seq in [s for s in self.running if s.is_prefill]:
             budget -= self._schedule_chunk(seq, budget, out)
@@ -150,9 +168,11 @@ class Scheduler:
             for child in children:
                 self.kv.fork(seq.seq_id, child.seq_id)
 
-    def _add_row(self, out: SchedulerOutput, seq: Sequence, n: int, logits_from: int = -1) -> None:
+    def _add_row(self, out: SchedulerOutput, seq: Sequence, n: int, logits_from: int = -1,
+                 drafts: tuple[int, ...] = ()) -> None:
         start = seq.num_computed_tokens
-        out.rows.append(StepRow(seq, start, n, start + n >= seq.num_tokens, seq.num_output_tokens, logits_from))
+        out.rows.append(StepRow(seq, start, n + len(drafts), start + n >= seq.num_tokens, seq.num_output_tokens,
+                                logits_from, drafts))
 
     def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of a running seq, preempting the newest others while short."""
@@ -186,6 +206,6 @@ class Scheduler:
 
     @staticmethod
     def _advance(row: StepRow) -> None:
-        row.seq.num_computed_tokens = row.start + row.count
+        row.seq.num_computed_tokens = row.start + row.num_known
         if row.samples:
             row.seq.token_ids.append(PENDING)

@@ -46,6 +46,7 @@ class Sequence:
     stop_reason: int | str | None = None
     detokenizer: object | None = None
     matcher: object | None = None  # structured outputs: its grammar matcher, advanced on each sampled token
+    draft_ids: list[int] = field(default_factory=list)   # speculative decoding: proposed for its next step
     first_token_time: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt position (vLLM's shape)
 

@@ -1,7 +1,8 @@
 """The compiled graphs of a step, by key: the model (embed -> layers with scatter KV writes + ragged paged
-attention -> logits of each row's token) per (token bucket, seq bucket, decode-only), the sampler per (seq
-bucket, mode, logprobs), all-position prompt logprobs per token bucket, penalty resets and block copies per padded
-size. The cache and the penalty state are donated: updated in place.
+attention -> logits of each row's token) per (token bucket, seq bucket, decode-only, W), the sampler per (seq
+bucket, mode, logprobs, constrained, W) (W > 1: speculative steps, which sample each row at W positions),
+all-position prompt logprobs per token bucket, penalty resets and block copies per padded size. The cache and the
+penalty state are donated: updated in place.
 
 One function maps a step's size to its buckets (`step_shape`); the graphs compiled before serving are that function
 over every size a step can have (`graph_keys`), so a step never meets a graph that was not compiled. A graph is
@@ -27,9 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from custom_calls import vmm
 from jaxserve.cache.kv_backend import KVBackend
 from jaxserve.cache.kv_cache import KVCache, copy_blocks, copy_bucket
-from jaxserve.config import EngineConfig, graph_knobs
+from jaxserve.config import SAMPLER_MODES, EngineConfig, graph_knobs
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache, fingerprint
-from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slots, sample, sampler_modes
+from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slots, sample, sampler_modes, verify
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
@@ -121,10 +122,17 @@ def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, model_def, ker
 
 
 def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_tokens: int):
-    """The sampler graph: (penalty, SamplerOutput, this step's samples padded to num_last_tokens)."""
-    out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
-                          num_logprobs=inp.num_logprobs, mode=inp.mode, token_bitmask=inp.token_bitmask)
-    return penalty, out, jnp.zeros(num_last_tokens, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
+    """The sampler graph: (penalty, SamplerOutput, each row's last sample padded to num_last_tokens). A speculative
+    step's (draft_ids given) verifies its rows' drafts: each row's last sample is the one after its accepted drafts."""
+    if inp.draft_ids is None:
+        out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
+                              num_logprobs=inp.num_logprobs, mode=inp.mode, token_bitmask=inp.token_bitmask)
+        last = out.tokens
+    else:
+        out, penalty = verify(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask, inp.draft_ids,
+                              num_logprobs=inp.num_logprobs, mode=inp.mode)
+        last = jnp.take_along_axis(out.tokens.reshape(len(inp.draft_ids), -1), out.num_accepted[:, None], axis=1)[:, 0]
+    return penalty, out, jnp.zeros(num_last_tokens, jnp.int32).at[:last.shape[0]].set(last)
 
 
 def run_prompt_logprobs(params, hidden, next_prompt_ids, *, model_def) -> PromptLogprobs:
@@ -169,6 +177,7 @@ class StepGraphs:
         self.ladders = self.token_buckets, self.seq_buckets = bucket_ladders(cfg, cpu)
         self.reset_widths = pow2_ladder(MIN_RESET_WIDTH, cfg.max_model_len, factor=4)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        self.speculative = cfg.speculative_config
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim,
                                                  backend.blocks_per_row, backend.dtype)
         self.replicated = NamedSharding(mesh, P())
@@ -201,9 +210,19 @@ class StepGraphs:
         self.reset = jax.jit(reset_slots, in_shardings=rep, out_shardings=rep, donate_argnums=0)
 
     # ---- keys ---------------------------------------------------------------------------------------
-    def model_key(self, num_tokens: int, num_rows: int, decode_only: bool) -> GraphKey:
-        shape = step_shape(num_tokens, num_rows, decode_only, self.ladders, self.kernels.has_decode_kernel)
-        return GraphKey("model", shape, self.num_blocks)
+    def model_key(self, num_tokens: int, num_rows: int, decode_only: bool, width: int = 1) -> GraphKey:
+        """width: positions each row samples at (a speculative step's, spec_width)."""
+        shape = step_shape(num_tokens, num_rows, decode_only and width == 1, self.ladders,
+                           self.kernels.has_decode_kernel)
+        return GraphKey("model", (*shape, width), self.num_blocks)
+
+    @property
+    def spec_seq_buckets(self) -> tuple[int, ...]:
+        """The seq buckets speculative steps run in: up to the one holding speculative_config.max_num_seqs."""
+        if self.speculative is None:
+            return ()
+        top = bucket_for(min(self.speculative.max_num_seqs, self.cfg.max_num_seqs), self.seq_buckets)
+        return tuple(s for s in self.seq_buckets if s <= top)
 
     def keys_of(self, inp: StepInputs) -> list[GraphKey]:
         """The graphs a step's inputs run: model, sampler and (prompt logprobs) the all-position logprobs."""
@@ -224,32 +243,38 @@ class StepGraphs:
 
     def cache_bound_keys(self) -> list[GraphKey]:
         models = {self.model_key(*size) for size in step_sizes(self.cfg, self.ladders)}
+        if self.spec_seq_buckets:
+            models |= {self.model_key(tokens, rows, False, self.speculative.width)
+                       for tokens, rows, _ in step_sizes(self.cfg, self.ladders) if rows <= self.spec_seq_buckets[-1]}
         copies = {self.copy_key(n) for n in pow2_ladder(copy_bucket(1), copy_bucket(self.cfg.max_num_seqs))}
         return sorted(models, key=lambda k: k.dims, reverse=True) + sorted(copies, reverse=True)
 
     def cache_free_keys(self) -> list[GraphKey]:
         prompts = [GraphKey("prompt", (t,)) for t in reversed(self.token_buckets)]
-        samplers = [GraphKey("sampler", (s, mode, n, constrained)) for s in reversed(self.seq_buckets)
+        samplers = [GraphKey("sampler", (s, mode, n, constrained, 1)) for s in reversed(self.seq_buckets)
                     for constrained in (False, True) for mode in sampler_modes(constrained) for n in (0, MAX_LOGPROBS)]
-        return prompts + samplers + [self.reset_key(s, w) for s in self.seq_buckets for w in self.reset_widths]
+        verifiers = [GraphKey("sampler", (s, mode, n, False, self.speculative.width))
+                     for s in reversed(self.spec_seq_buckets) for mode in SAMPLER_MODES for n in (0, MAX_LOGPROBS)]
+        return prompts + samplers + verifiers + [self.reset_key(s, w) for s in self.seq_buckets
+                                                 for w in self.reset_widths]
 
     # ---- graphs ------------------------------------------------------------------------------------
     def lower(self, key: GraphKey) -> jax.stages.Lowered:
         """The graph of key, traced and lowered against abstract inputs of its sizes."""
         match key:
-            case GraphKey("model", (t, s, decode_only)):
-                inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only).model
+            case GraphKey("model", (t, s, decode_only, width)):
+                inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width).model
                 return self.model.lower(self.params, self.cache_shape, self.last_tokens, inp)
             case GraphKey("peak"):   # a stand-in cache: temp memory does not depend on its size (a row: contiguous)
                 stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
                 inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1]).model
                 return self.model.lower(self.params, stand_in, self.last_tokens, inp)
-            case GraphKey("sampler", (s, mode, num_logprobs, constrained)):
+            case GraphKey("sampler", (s, mode, num_logprobs, constrained, width)):
                 inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
-                                       num_logprobs=num_logprobs, constrained=constrained).sampler
+                                       num_logprobs=num_logprobs, constrained=constrained, spec_width=width).sampler
                 if constrained:
                     inp.token_bitmask = jax.ShapeDtypeStruct((s, -(-self.model_config.vocab_size // 32)), jnp.int32)
-                logits = jax.ShapeDtypeStruct((s, self.model_config.vocab_size), jnp.float32)
+                logits = jax.ShapeDtypeStruct((s * width, self.model_config.vocab_size), jnp.float32)
                 return self.sampler.lower(logits, self.penalty, inp)
             case GraphKey("prompt", (t,)):
                 hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype)
@@ -300,14 +325,20 @@ class StepGraphs:
         """The model's graph on a stand-in cache is only looked at; the others are kept, and (precompile) every
         graph that does not take the cache compiles beside them."""
         with self.manager.timed("peak_s"):
-            kept = [GraphKey("sampler", (self.seq_buckets[-1], "filter", MAX_LOGPROBS, True)),
-                    GraphKey("prompt", (self.token_buckets[-1],))]
+            kept = [self.largest_sampler_key(), GraphKey("prompt", (self.token_buckets[-1],))]
             self.manager.submit({PEAK: functools.partial(self.lower, PEAK)}, peek=True)
             self.manager.submit({key: functools.partial(self.lower, key) for key in kept})
             if self.cfg.precompile:
                 self.manager.submit({key: functools.partial(self.lower, key) for key in self.cache_free_keys()})
             executables = self.manager.wait([PEAK, *kept]).values()
             return sum(getattr(e.memory_analysis(), "temp_size_in_bytes", 0) for e in executables)
+
+    def largest_sampler_key(self) -> GraphKey:
+        """The sampler of the most rows (positions of a speculative step's rows count), with every option on."""
+        plain = GraphKey("sampler", (self.seq_buckets[-1], "filter", MAX_LOGPROBS, True, 1))
+        if not self.spec_seq_buckets or self.spec_seq_buckets[-1] * self.speculative.width <= self.seq_buckets[-1]:
+            return plain
+        return GraphKey("sampler", (self.spec_seq_buckets[-1], "filter", MAX_LOGPROBS, False, self.speculative.width))
 
     def bind_cache(self, num_blocks: int) -> None:
         """The cache's size, from here on in the keys of the graphs that take it."""

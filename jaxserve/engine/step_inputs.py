@@ -1,8 +1,9 @@
 """The inputs of one engine step, static-shape (padded to a token bucket T and a sequence bucket S), and the one
 builder that makes them: for the runner's steps, its compile-time dummies and the bucket sweep alike.
 
-A step runs up to three compiled graphs, each keyed by its own few static values: the model (T, S, decode-only),
-the sampler (S, sampler mode, logprobs, constrained) and, for prompt logprobs only, the all-position logprobs (T). The model
+A step runs up to three compiled graphs, each keyed by its own few static values: the model (T, S, decode-only, W),
+the sampler (S, sampler mode, logprobs, constrained, W) and, for prompt logprobs only, the all-position logprobs (T);
+W is the positions each row samples at (1; a speculative step's draft width + 1). The model
 graph never depends on how requests sample, so sampling options never multiply the expensive graphs."""
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ class ModelInputs:
     token_ids: jax.Array        # [T]
     positions: jax.Array        # [T]
     attn: AttentionBatch
-    logits_indices: jax.Array   # [S] flat index of the token whose logits each row samples
+    logits_indices: jax.Array   # [S * W] flat index of the token whose logits each row samples at each of W positions
     prev_index: jax.Array       # [T] row of the previous step whose sample this input is; -1: token_ids has it
 
     @property
     def key(self) -> tuple:
-        return len(self.token_ids), len(self.logits_indices), self.attn.decode_only
+        rows = len(self.attn.kv_lens)
+        return len(self.token_ids), rows, self.attn.decode_only, len(self.logits_indices) // rows
 
 
 @jax.tree_util.register_dataclass
@@ -45,10 +47,17 @@ class SamplerInputs:
     mode: str = static("filter")        # config.SAMPLER_MODES
     constrained: bool = static(False)   # rows under structured outputs: token_bitmask is given before it runs
     token_bitmask: jax.Array | None = None   # [S, ceil(V / 32)] int32, structured_outputs.StructuredOutputs.fill
+    # speculative steps: [S, W - 1] each row's drafts (-1 padded); the other fields are then per (row, position),
+    # [S * W] (sampler.verify)
+    draft_ids: jax.Array | None = None
+
+    @property
+    def width(self) -> int:
+        return 1 if self.draft_ids is None else self.draft_ids.shape[1] + 1
 
     @property
     def key(self) -> tuple:
-        return len(self.slot_ids), self.mode, self.num_logprobs, self.constrained
+        return len(self.slot_ids) // self.width, self.mode, self.num_logprobs, self.constrained, self.width
 
 
 @dataclass(slots=True)
@@ -66,7 +75,8 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                       num_generated: Sequence[int] = (), eos_token_ids: Sequence[int] = (),
                       logits_from: Sequence[int] | None = None, prev_index: np.ndarray | None = None,
                       next_prompt_ids: np.ndarray | None = None, decode_only: bool = False, num_logprobs: int = 0,
-                      sampler_mode: str = "filter", constrained: bool = False) -> StepInputs:
+                      sampler_mode: str = "filter", constrained: bool = False,
+                      draft_ids: Sequence[Sequence[int]] | None = None, spec_width: int = 1) -> StepInputs:
     """Host (numpy) inputs of one step over n real rows (decodes first), padded to the buckets.
 
     Per row: `starts` (first position computed), `counts` (tokens computed), where its KV lies — `block_tables`
@@ -86,18 +96,34 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
     slot_mapping, block_tables, kv_rows = cache_addressing(
         pos, row_of_token, num_tokens=num_tokens, num_seqs=num_seqs, block_size=block_size,
         block_tables=block_tables, kv_rows=kv_rows, blocks_per_row=blocks_per_row)
-    own_last = np.maximum(cu[1:n_rows + 1] - 1, 0)
+    num_drafts = np.array([len(d) for d in draft_ids] if draft_ids is not None else [0] * n_rows, np.int32)
+    own_last = np.maximum(cu[1:n_rows + 1] - 1, 0) - num_drafts   # each row's last known token
     from_row = np.arange(n_rows) if logits_from is None else np.where(np.asarray(logits_from) < 0,
                                                                       np.arange(n_rows), logits_from)
+    after = np.minimum(np.arange(spec_width)[None, :], num_drafts[:, None])   # [n, W]: drafts before each position
     attn = AttentionBatch(slot_mapping, cu, pad(starts + counts, num_seqs), block_tables, np.array([n_rows], np.int32),
                           decode_only, kv_rows)
-    model = ModelInputs(pad(token_ids, num_tokens), positions, attn, pad(own_last[from_row], num_seqs),
+    model = ModelInputs(pad(token_ids, num_tokens), positions, attn,
+                        pad(own_last[from_row][:, None] + after, num_seqs).reshape(-1),
                         pad(prev_index if prev_index is not None else [], num_tokens, fill=-1))
-    sampling = make_sampling_tensors(params, seeds, num_generated, num_rows=num_seqs, eos_token_ids=eos_token_ids)
-    sampler = SamplerInputs(sampling, pad(slots, num_seqs, fill=scratch_slot),
-                            pad(sample_mask, num_seqs, dtype=bool), num_logprobs, sampler_mode, constrained)
+    per_position = lambda values: [v for v in values for _ in range(spec_width)]
+    sampling = make_sampling_tensors(
+        per_position(params), per_position(seeds), [g + j for g in num_generated for j in range(spec_width)],
+        num_rows=num_seqs * spec_width, eos_token_ids=eos_token_ids)
+    in_row = [m and j <= k for m, k in zip(sample_mask, num_drafts) for j in range(spec_width)]
+    sampler = SamplerInputs(sampling, pad(per_position(slots), num_seqs * spec_width, fill=scratch_slot),
+                            pad(in_row, num_seqs * spec_width, dtype=bool), num_logprobs, sampler_mode, constrained,
+                            draft_ids=None if spec_width == 1 else padded_drafts(draft_ids or [], num_seqs, spec_width))
     prompt = None if next_prompt_ids is None else pad(next_prompt_ids, num_tokens, fill=-1)
     return StepInputs(model, sampler, prompt)
+
+
+def padded_drafts(draft_ids: Sequence[Sequence[int]], num_seqs: int, spec_width: int) -> np.ndarray:
+    """[num_seqs, spec_width - 1] each row's drafts, -1 padded."""
+    out = np.full((num_seqs, spec_width - 1), -1, np.int32)
+    for row, drafts in enumerate(draft_ids):
+        out[row, :len(drafts)] = drafts
+    return out
 
 
 def cache_addressing(pos: np.ndarray, row_of_token: np.ndarray, *, num_tokens: int, num_seqs: int, block_size: int,

@@ -68,7 +68,8 @@ class Stream:
 
 # engine stats that add up over replicas; the ratios are computed from the sums
 SUMMED_STATS = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_queries",
-                "prefix_cache_hits", "preemptions", "compiled_graphs", "compiles_after_start", "engine_steps")
+                "prefix_cache_hits", "preemptions", "compiled_graphs", "compiles_after_start", "engine_steps",
+                "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
 # engine stats every replica shares (its model's and cache's dtypes)
@@ -80,7 +81,9 @@ def summed_stats(snapshots: list[dict]) -> dict:
     queries, total, free = s["prefix_cache_queries"], s["kv_blocks_total"], s["kv_blocks_free"]
     return {**s, **{key: snapshots[0][key] for key in SHARED_STATS}, "kv_blocks_used": total - free,
             "kv_usage": 1.0 - free / total,
-            "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0}
+            "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0,
+            "spec_mean_acceptance_length": 1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"]
+            if s["spec_num_drafts"] else 0.0}
 
 
 class EngineLoop:

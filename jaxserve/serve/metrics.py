@@ -47,6 +47,13 @@ ENGINE_METRICS = (
     ("jaxserve_compiles_after_start", "Graphs compiled while serving (each stalls every stream; should stay 0).",
      "compiles_after_start", True),
     ("jaxserve_engine_steps", "Engine steps run.", "engine_steps", True),
+    ("jaxserve_spec_decode_num_drafts", "Speculative decoding: rows that carried drafts.", "spec_num_drafts", True),
+    ("jaxserve_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.", "spec_num_draft_tokens",
+     True),
+    ("jaxserve_spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+     "spec_num_accepted_tokens", True),
+    ("jaxserve_spec_decode_mean_acceptance_length", "Speculative decoding: tokens a drafted row emits per step "
+     "(accepted drafts + 1).", "spec_mean_acceptance_length", False),
     ("jaxserve_serving", "1 while an engine is healthy and the server accepts requests.", "serving", False),
     ("jaxserve_replicas_serving", "Data-parallel replicas taking requests (engines that have not failed).",
      "replicas_serving", False),

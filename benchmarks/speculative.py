@@ -1,0 +1,212 @@
+"""Speculative decoding, measured with speculation on and off in the same run.
+
+grounded: the embedded SmolLM2 at batch 1 (each prompt alone) over benchmarks/data/grounded_prompts.jsonl
+  (summarise / rewrite / extract from a given text, edit given code), greedy: output tok/s, mean acceptance length,
+  and whether every answer is the one decoding without speculation gives.
+verify-cost: an 8B-shaped model (random weights): the model + sampler graphs of a step whose B rows each compute
+  k + 1 tokens (their last token and k drafts) against a plain decode step of B rows, at a context of --context
+  tokens; and a Llama-3.2-1B-shaped draft model's decode step at batch 1. From these, the projected batch-1 speedup
+  at a mean acceptance length (marked as a projection): n-gram L x T_decode / T_verify(k + 1), a draft model
+  L x T_decode / (T_verify(k + 1) + k x T_draft).
+The batch-256 check is benchmarks/offline.py with --set speculative_config={...} beside a run without it.
+
+  python benchmarks/speculative.py grounded --num-speculative-tokens 2 4 6     # GPU (or CPU: slow)
+  python benchmarks/speculative.py verify-cost --config configs/llama3-8b-random.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import write_rows  # noqa: E402
+from benchmarks.grounded_prompts import load as load_prompts  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.config import EngineConfig, SpeculativeConfig, model_config_from_hf  # noqa: E402
+from jaxserve.engine.sampling_params import SamplingParams as Params  # noqa: E402
+from jaxserve.models.loader import DEFAULT_MODEL, load_model, load_run, random_model  # noqa: E402
+
+OUT = "benchmarks/results/speculative.json"
+LLAMA_32_1B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                   num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                   max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True)
+
+
+# ---- grounded prompts, embedded model, batch 1 ------------------------------------------------------------------
+def decode_each(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """Each prompt alone (batch 1), one after another: wall seconds and the answers' tokens."""
+    start, answers = time.perf_counter(), []
+    for prompt in prompts:
+        answers.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    return time.perf_counter() - start, answers
+
+
+def grounded(args, command: str) -> None:
+    """Every engine is built first (a fixed cache each, so they fit together); the prompt set then runs on each in
+    turn, --rounds times: each one's wall time is its median round, so drift on the machine falls on all alike."""
+    loaded = load_model(args.model, dtype=args.dtype)
+    tokenizer = loaded.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True) for r in load_prompts()]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    base = EngineConfig(max_num_seqs=8, max_num_batched_tokens=1024, min_prefill_chunk=64, max_model_len=2048,
+                        num_blocks=4096)
+    engines = {k: LLM(loaded, config=dataclasses.replace(
+        base, speculative_config=SpeculativeConfig(num_speculative_tokens=k) if k else None))
+        for k in [0, *args.num_speculative_tokens]}
+    walls, answers = {k: [] for k in engines}, {}
+    for llm in engines.values():
+        decode_each(llm, prompts[:2], params)   # warm-up
+    for _ in range(args.rounds):
+        for k, llm in engines.items():
+            wall, answers[k] = decode_each(llm, prompts, params)
+            walls[k].append(wall)
+    rows = []
+    for k, llm in engines.items():
+        wall, ntok, stats = float(np.median(walls[k])), sum(map(len, answers[k])), llm.engine.stats()
+        same = sum(a == b for a, b in zip(answers[k], answers[0])) / len(prompts)
+        gaps = divergence_gaps(engines[0], prompts, answers[0], answers[k])
+        row = {"bench": "speculative_grounded", "impl": f"ngram-k{k}" if k else "off",
+               "params": {"model": "smollm2-135m-instruct", "dtype": str(loaded.dtype), "num_prompts": len(prompts),
+                          "max_tokens": args.max_tokens, "num_speculative_tokens": k, "batch": 1,
+                          "rounds": args.rounds},
+               "ms": wall * 1e3, "tok_s": ntok / wall, "output_tokens": ntok, "round_walls_s": walls[k],
+               "mean_acceptance_length": stats["spec_mean_acceptance_length"],
+               "draft_tokens": stats["spec_num_draft_tokens"], "accepted_tokens": stats["spec_num_accepted_tokens"],
+               "compiles_after_start": stats["compiles_after_start"], "same_answers_as_off": same,
+               "divergence_top2_gaps": gaps}
+        row["speedup_vs_off"] = row["tok_s"] / (rows[0]["tok_s"] if rows else row["tok_s"])
+        rows.append(row)
+        print(f"{row['impl']}: {row['tok_s']:.1f} tok/s ({row['speedup_vs_off']:.2f}x off) over {len(prompts)} prompts "
+              f"({ntok} tokens; rounds {', '.join(f'{w:.1f}' for w in walls[k])} s), mean acceptance length "
+              f"{row['mean_acceptance_length']:.2f}, answers as off: {same:.0%} (where not, off's top-2 logprob gap at "
+              f"the first different token: median {np.median(gaps) if gaps else 0:.3f}, max {max(gaps, default=0):.3f})"
+              f", compiles after start {row['compiles_after_start']}", flush=True)
+    write_rows(args.out, rows, command)
+
+
+def divergence_gaps(off: LLM, prompts: list[str], expected: list[list[int]], got: list[list[int]]) -> list[float]:
+    """Where an answer differs from off's: off's logprob gap between its top two tokens at the first token that
+    differs. Near zero: a near-tie that rounding in a step of another shape flips (bf16), not a wrong verification."""
+    gaps, engine = [], off.engine
+    for prompt, a, b in zip(prompts, expected, got):
+        if a == b:
+            continue
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        ids = engine.tokenize(prompt) + a[:first]
+        top = off.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, logprobs=2),
+                           use_tqdm=False)[0].outputs[0].logprobs[0]
+        best = sorted(top.values(), reverse=True)
+        gaps.append(float(best[0] - best[1]))
+    return sorted(gaps)
+
+
+# ---- the cost side on an 8B shape ----------------------------------------------------------------------------------
+def step_ms(llm: LLM, batch: int, width: int, context: int, repeats: int) -> float:
+    """Median ms of the model and sampler graphs of one step of `batch` rows at `context`, each computing `width`
+    tokens (width - 1 drafts; 1: a plain decode step), inputs from the host as the engine sends them."""
+    engine, rng = llm.engine, np.random.default_rng(0)
+    graphs, runner = engine.graphs, engine.runner
+    blocks = -(-(context + width) // engine.cfg.block_size)
+    tables = np.zeros((batch, graphs.max_blocks_per_seq), np.int32)
+    tables[:, :blocks] = 1 + np.arange(batch * blocks).reshape(batch, blocks)
+    if tables.max() >= graphs.num_blocks:
+        raise SystemExit(f"batch {batch} at context {context} needs {tables.max() + 1} blocks; the cache has "
+                         f"{graphs.num_blocks}")
+    decode_only = width == 1
+    tokens, seqs, decode_only, _ = graphs.model_key(batch * width, batch, decode_only, width).dims
+    vocab = graphs.model_config.vocab_size
+    inputs = graphs.step_inputs(
+        num_tokens=tokens, num_seqs=seqs, decode_only=decode_only, block_tables=tables, starts=[context] * batch,
+        counts=[width] * batch, token_ids=rng.integers(0, vocab, batch * width), slots=np.arange(batch),
+        sample_mask=[True] * batch, params=[Params(temperature=0.0)] * batch, seeds=[0] * batch,
+        num_generated=[0] * batch, sampler_mode="greedy",
+        draft_ids=rng.integers(0, vocab, (batch, width - 1)).tolist() if width > 1 else None, spec_width=width)
+    for _ in range(3):
+        jax.block_until_ready(runner.run(inputs))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(runner.run(inputs))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def verify_cost(args, command: str) -> None:
+    loaded, cfg = load_run(None, args.config)
+    cfg = dataclasses.replace(cfg, precompile=False, max_num_seqs=max(args.batch),
+                              seq_buckets=tuple(sorted({*cfg.seq_buckets, *args.batch})) if cfg.seq_buckets else None)
+    llm = LLM(loaded, config=cfg)
+    rows, plain = [], {}
+    for batch in args.batch:
+        for width in [1, *args.width]:
+            ms = step_ms(llm, batch, width, args.context, args.repeats)
+            plain.setdefault(batch, ms)
+            rows.append({"bench": "speculative_verify_cost", "impl": "verify" if width > 1 else "decode",
+                         "params": {"model": "llama3-8b-random", "batch": batch, "width": width,
+                                    "context": args.context}, "ms": ms, "tok_s": batch / ms * 1e3,
+                         "cost_vs_decode": ms / plain[batch]})
+            print(f"batch {batch}, {width} token(s) a row: {ms:.2f} ms ({ms / plain[batch]:.2f}x decode)", flush=True)
+    del llm
+    draft = LLM(random_model(model_config_from_hf(LLAMA_32_1B), loaded.dtype),
+                config=dataclasses.replace(cfg, max_num_seqs=16, seq_buckets=(16,), num_blocks=1024))
+    draft_ms = step_ms(draft, 1, 1, args.context, args.repeats)
+    rows.append({"bench": "speculative_verify_cost", "impl": "draft-decode",
+                 "params": {"model": "llama3.2-1b-random", "batch": 1, "width": 1, "context": args.context},
+                 "ms": draft_ms, "tok_s": 1e3 / draft_ms})
+    print(f"1B-shaped draft decode step, batch 1: {draft_ms:.2f} ms", flush=True)
+    rows += projection_rows(rows, args.acceptance_length)
+    write_rows(args.out, rows, command)
+
+
+def projection_rows(rows: list[dict], acceptance_length: float) -> list[dict]:
+    """Projected batch-1 speedups from measured step costs: a step of k drafts emits at most k + 1 tokens, so the
+    mean acceptance length is capped there."""
+    batch1 = {r["params"]["width"]: r["ms"] for r in rows
+              if r["bench"] == "speculative_verify_cost" and r["params"]["batch"] == 1 and r["impl"] != "draft-decode"}
+    draft_ms = next(r["ms"] for r in rows if r["impl"] == "draft-decode")
+    out = []
+    for width in sorted(w for w in batch1 if w > 1):
+        k, length = width - 1, min(acceptance_length, width)
+        for method, cost in (("ngram", batch1[width]), ("draft", batch1[width] + k * draft_ms)):
+            speedup = length * batch1[1] / cost
+            out.append({"bench": "speculative_projection", "impl": method,
+                        "params": {"model": "llama3-8b-random", "batch": 1, "num_speculative_tokens": k,
+                                   "mean_acceptance_length": length}, "ms": cost, "tok_s": length / cost * 1e3,
+                        "projected_speedup": speedup})
+            print(f"projection ({method}, k={k}, L={length}): {speedup:.2f}x batch-1 decode", flush=True)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="case", required=True)
+    g = sub.add_parser("grounded")
+    g.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[4])
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--rounds", type=int, default=3)
+    g.add_argument("--model", default=DEFAULT_MODEL, help="the embedded model's name, or its GGUF file")
+    g.add_argument("--dtype", default=None, help="None: f32 on CPU, bf16 on GPU")
+    v = sub.add_parser("verify-cost")
+    v.add_argument("--config", default="configs/llama3-8b-random.yaml")
+    v.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 256])
+    v.add_argument("--width", type=int, nargs="+", default=[2, 4, 6, 8], help="tokens a verifying row computes (k+1)")
+    v.add_argument("--context", type=int, default=512)
+    v.add_argument("--repeats", type=int, default=20)
+    v.add_argument("--acceptance-length", type=float, default=3.0)
+    for p in (g, v):
+        p.add_argument("--out", default=OUT)
+    args = ap.parse_args(argv)
+    command = "python benchmarks/speculative.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    (grounded if args.case == "grounded" else verify_cost)(args, command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Speculative decoding: proposers draft the next tokens of decoding sequences on the host; the step computes each
+row's last token and its drafts as one short query through the same ragged paged attention, and the sampler
+verifies them (sampler.verify): a row emits the drafts that match what it would have sampled, then one more token.
+
+Proposing needs every token of a sequence on the host, so a step with drafts runs synchronously (the engine
+finishes the step in flight first). Speculation steps aside where it cannot pay: for steps of more decoding
+sequences than speculative_config.max_num_seqs (verification reads the weights once for all rows anyway) and for
+steps that sample under structured outputs (their masks follow each token)."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.sequence import PENDING, Sequence, SequenceStatus
+
+
+def propose_ngram(token_ids: Seq[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: the longest suffix of min_n..max_n tokens that occurred earlier in token_ids, at its latest
+    occurrence, proposes the (at most num_drafts) tokens that followed it there. [] when none recurs."""
+    tokens = np.asarray(token_ids, np.int64)
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        starts = np.flatnonzero(tokens[:length - n] == suffix[0])   # occurrences that end before the suffix
+        for i in range(1, n):
+            starts = starts[tokens[starts + i] == suffix[i]]
+        if len(starts):
+            follow = starts[-1] + n
+            return tokens[follow:follow + num_drafts].tolist()
+    return []
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    num_drafts: int = 0            # rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a drafted row emits per step: its accepted drafts and the one sampled after them (vLLM's)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculator:
+    """Decides which steps speculate and drafts their sequences' next tokens."""
+
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int):
+        self.cfg, self.max_model_len = cfg, max_model_len
+        self.stats = SpeculationStats()
+
+    def wants(self, running: list[Sequence], waiting: list[Sequence]) -> bool:
+        """The next step speculates: few enough sequences decode, none (nor any it may admit) under structured
+        outputs."""
+        decoding = sum(not s.is_prefill for s in running)
+        return 0 < decoding <= self.cfg.max_num_seqs and all(s.matcher is None for s in (*running, *waiting))
+
+    def propose(self, running: list[Sequence]) -> bool:
+        """Drafts (Sequence.draft_ids) for the decoding sequences whose tokens are all on the host, at most as many
+        as their max_tokens and max_model_len leave room for after the token the step samples anyway. Whether
+        any sequence got drafts."""
+        drafted = False
+        for seq in running:
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill or seq.token_ids[-1] == PENDING:
+                continue
+            room = self.max_model_len - seq.num_tokens - 1
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            k = min(self.cfg.num_speculative_tokens, room)
+            seq.draft_ids = self.draft(seq, k)[:k] if k > 0 else []
+            drafted |= bool(seq.draft_ids)
+        return drafted
+
+    def draft(self, seq: Sequence, num_drafts: int) -> list[int]:
+        """The proposer: up to num_drafts tokens that may follow seq's."""
+        return propose_ngram(seq.token_ids, num_drafts, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += num_drafts
+        self.stats.num_accepted_tokens += num_accepted

@@ -1,0 +1,313 @@
+"""Speculative decoding: the n-gram proposer, verification in the sampler (exact: the target distribution, and what
+token-by-token decoding emits), and the engine with speculation against the engine without it."""
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from helpers import KNOBS, TINY, mixed_requests
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig, SpeculativeConfig, load_run_config
+from jaxserve.engine.sampler import init_penalty_state, make_sampling_tensors, sample, verify
+from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.speculation import Speculator, propose_ngram
+from jaxserve.models.loader import random_model
+
+verify_jit = jax.jit(verify, static_argnames=("num_logprobs", "mode"))
+sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "mode"))
+SPEC = SpeculativeConfig(num_speculative_tokens=3, max_num_seqs=8)
+
+
+# ---- the n-gram proposer ------------------------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_longest_recurring_suffix():
+    #         0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [7, 1, 2, 3, 9, 9, 2, 3, 4, 5, 1, 2, 3]
+    # suffix [1, 2, 3] occurred at 1..3 (followed by 9, 9); the shorter [2, 3] also at 6..7 (followed by 4, 5)
+    assert propose_ngram(tokens, 2, min_n=2, max_n=4) == [9, 9]
+    assert propose_ngram(tokens, 2, min_n=2, max_n=2) == [4, 5]   # the latest occurrence of [2, 3]
+    assert propose_ngram(tokens, 10, min_n=3, max_n=3) == [9, 9, 2, 3, 4, 5, 1, 2, 3]   # runs to the end
+    assert propose_ngram([1, 2, 3, 4], 3, min_n=1, max_n=3) == []   # nothing recurs
+    assert propose_ngram([5, 5, 5], 3, min_n=1, max_n=2) == [5]     # [5, 5] at 0..1, one token after it
+    assert propose_ngram([4], 3, min_n=1, max_n=2) == []
+
+
+# ---- verification ---------------------------------------------------------------------------------------------------
+def run_verify(logits, params, drafts, *, gen=0, state=None, mode="sample", num_logprobs=0):
+    """One row per entry of params (each its own seed), W = drafts' width + 1 positions each."""
+    rows, width = len(params), drafts.shape[1] + 1
+    per_position = [p for p in params for _ in range(width)]
+    t = make_sampling_tensors(per_position, [s for s in range(rows) for _ in range(width)],
+                              [gen + j for _ in range(rows) for j in range(width)], num_rows=rows * width)
+    state = init_penalty_state(rows, logits.shape[-1]) if state is None else state
+    slots = np.repeat(np.arange(rows, dtype=np.int32), width)
+    return verify_jit(jnp.asarray(logits.reshape(rows * width, -1)), t, state, slots, np.ones(rows * width, bool),
+                      jnp.asarray(drafts, jnp.int32), mode=mode, num_logprobs=num_logprobs)
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_verification_keeps_the_target_distribution_and_accepts_with_its_probability():
+    """20,000 seeds over one row of 8 tokens, 2 drafts: the first emitted token follows the target (chi-square),
+    the first draft is accepted with the target's probability of it, and after it the second emitted token follows
+    the second position's target. A verifier that trusted its drafts fails all three."""
+    draws, rng = 20000, np.random.default_rng(0)
+    row_logits = rng.standard_normal((3, 8)).astype(np.float32)
+    p0, p1 = softmax(row_logits[0].astype(np.float64)), softmax(row_logits[1].astype(np.float64))
+    drafts = np.tile([[int(np.argsort(p0)[-2]), int(np.argmax(p1))]], (draws, 1))
+    out, _ = run_verify(np.tile(row_logits, (draws, 1, 1)), [SamplingParams(temperature=1.0)] * draws, drafts)
+    tokens, accepted = np.asarray(out.tokens).reshape(draws, 3), np.asarray(out.num_accepted)
+    assert stats.chisquare(np.bincount(tokens[:, 0], minlength=8), p0 * draws).pvalue > 1e-3
+    rate, expected = (accepted >= 1).mean(), p0[drafts[0, 0]]
+    assert abs(rate - expected) < 4 * np.sqrt(expected * (1 - expected) / draws)
+    after = tokens[accepted >= 1, 1]
+    assert stats.chisquare(np.bincount(after, minlength=8), p1 * len(after)).pvalue > 1e-3
+    emitted_first = tokens[np.arange(draws), 0]
+    assert (emitted_first[accepted == 0] != drafts[0, 0]).all()   # a rejected draft is never emitted
+
+
+def test_greedy_verification_accepts_the_drafts_that_match_the_argmax():
+    rng = np.random.default_rng(1)
+    rows, width = 6, 4
+    logits = rng.standard_normal((rows, width, 32)).astype(np.float32)
+    best = logits.argmax(-1)
+    drafts = best[:, :-1].copy()
+    wrong_at = [0, 1, 2, None, 1, None]   # None: every draft right
+    for r, j in enumerate(wrong_at):
+        if j is not None:
+            drafts[r, j] = (drafts[r, j] + 1) % 32
+    drafts[5, 2] = -1   # row 5 has two drafts only
+    out, state = run_verify(logits, [SamplingParams(temperature=0.0)] * rows, drafts, mode="greedy")
+    accepted = np.asarray(out.num_accepted)
+    np.testing.assert_array_equal(accepted, [0, 1, 2, 3, 1, 2])
+    tokens = np.asarray(out.tokens).reshape(rows, width)
+    np.testing.assert_array_equal(tokens, best)   # each position's draw is the target's own
+    counts = np.asarray(state.output_counts)
+    assert [counts[r].sum() for r in range(rows)] == list(accepted + 1)   # only emitted tokens are counted
+
+
+def test_verification_with_penalties_and_min_tokens_draws_what_token_by_token_sampling_draws():
+    """Drafts that are exactly what sampling one token at a time produces (penalties counting each sampled token,
+    EOS suppressed under min_tokens, the noise at each gen_index) are all accepted, and the same next token follows."""
+    rng = np.random.default_rng(2)
+    vocab, width, eos = 16, 4, 3
+    logits = (rng.standard_normal((width, vocab)) * 2).astype(np.float32)
+    logits[:, eos] += 4.0   # EOS would win without min_tokens
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3,
+                            min_tokens=3, seed=5)
+    state = init_penalty_state(1, vocab)
+    state.output_counts = state.output_counts.at[0, 7].set(2)   # generated before this step
+    gen, step_state, sequential = 1, state, []
+    for j in range(width):
+        t = make_sampling_tensors([params], [9], [gen + j], num_rows=1, eos_token_ids=[eos])
+        out, step_state = sample_jit(jnp.asarray(logits[j:j + 1]), t, step_state, np.zeros(1, np.int32),
+                                     np.ones(1, bool), mode="sample")
+        sequential.append(int(out.tokens[0]))
+    assert eos not in sequential[:2]   # suppressed while fewer than min_tokens were generated
+    rows_t = make_sampling_tensors([params] * width, [9] * width, [gen + j for j in range(width)], num_rows=width,
+                                   eos_token_ids=[eos])
+    out, verified_state = verify_jit(jnp.asarray(logits), rows_t, state, np.zeros(width, np.int32),
+                                     np.ones(width, bool), jnp.asarray([sequential[:-1]], jnp.int32), mode="sample")
+    assert int(out.num_accepted[0]) == width - 1
+    assert np.asarray(out.tokens).tolist() == sequential
+    np.testing.assert_array_equal(verified_state.output_counts, step_state.output_counts)
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model():
+    return random_model(TINY, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    return LLM(tiny_model, **KNOBS, num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model):
+    """Few blocks: the mixed requests preempt one another."""
+    return LLM(tiny_model, **KNOBS, num_blocks=16, speculative_config=SPEC)
+
+
+def outputs(llm, prompts, params):
+    return {(tuple(p), c.index): c for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False))
+            for c in o.outputs}
+
+
+class Oracle:
+    """Drafts from the continuation that decoding without speculation gave, every third one wrong: speculation is
+    exercised accepting and rejecting drafts of every kind of request."""
+
+    def __init__(self, reference: dict, vocab_size: int):
+        self.reference, self.vocab_size = reference, vocab_size
+
+    def __call__(self, seq: Sequence, num_drafts: int) -> list[int]:
+        ref = self.reference[(tuple(seq.token_ids[:seq.num_prompt_tokens]), seq.index)].token_ids
+        done = seq.num_output_tokens
+        drafts = list(ref[done:done + num_drafts])
+        return [(t + 1) % self.vocab_size if (done + j) % 3 == 2 else t for j, t in enumerate(drafts)]
+
+
+def check_same(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for key, c in expected.items():
+        assert got[key].token_ids == c.token_ids, key
+        assert got[key].finish_reason == c.finish_reason
+        if c.logprobs is not None:   # the same logits through another graph (rows of several queries): f32 rounding
+            for a, b in zip(got[key].logprobs, c.logprobs):
+                assert a.keys() == b.keys()
+                np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-4, atol=1e-4)
+
+
+def test_every_kind_of_request_decodes_the_same_with_right_and_wrong_drafts(plain, spec, monkeypatch):
+    """Greedy, sampled, penalties, logprobs, prompt logprobs, n = 3, stop ids under min_tokens, a chunked prompt:
+    token-identical to speculation off, preempted for lack of blocks on the way (six long outputs beside them), every
+    block back at the end."""
+    prompts, params = mixed_requests()
+    prompts += [[5 + i] * 20 for i in range(6)]
+    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
+    expected = outputs(plain, prompts, params)
+    engine = spec.engine
+    monkeypatch.setattr(engine.speculator, "draft", Oracle(expected, TINY.vocab_size))
+    before = dict(engine.stats())
+    check_same(outputs(spec, prompts, params), expected)
+    after = engine.stats()
+    drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    assert 0 < accepted < drafted
+    assert after["preemptions"] > before["preemptions"]
+    assert after["compiles_after_start"] == 0
+    engine.step()
+    assert after["kv_blocks_free"] == after["kv_blocks_total"]
+
+
+def test_ngram_speculation_on_repetitive_text(plain, spec):
+    prompts = [[5, 6, 7, 8, 9] * 6, [10, 11, 12] * 8 + [13], [20, 21, 22, 23] * 5]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, repetition_penalty=1.2, seed=4, max_tokens=40, logprobs=2)]
+    before = spec.engine.stats()["spec_num_accepted_tokens"]
+    check_same(outputs(spec, prompts, params), outputs(plain, prompts, params))
+    assert spec.engine.stats()["spec_num_accepted_tokens"] > before
+
+
+def test_prefix_cache_holds_only_verified_tokens(plain, spec, monkeypatch):
+    """After drafts were written and mostly rejected, the conversation so far (prompt + verified output) as a new
+    prompt hits the prefix cache and continues as an engine that never cached does: a block hashed with a rejected
+    draft's KV in it would change the continuation."""
+    prompt = [2 + (i * 5) % 100 for i in range(40)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    first = outputs(plain, [prompt], [greedy])
+    monkeypatch.setattr(spec.engine.speculator, "draft", Oracle(first, TINY.vocab_size))
+    check_same(outputs(spec, [prompt], [greedy]), first)
+    conversation = prompt + first[(tuple(prompt), 0)].token_ids
+    hits = spec.engine.kv.prefix_cache_hits
+    monkeypatch.setattr(spec.engine.speculator, "draft", lambda seq, k: [])
+    check_same(outputs(spec, [conversation], [greedy]), outputs(plain, [conversation], [greedy]))
+    assert spec.engine.kv.prefix_cache_hits - hits >= 64
+
+
+def test_large_steps_do_not_speculate(tiny_model, monkeypatch):
+    """More decoding sequences than speculative_config.max_num_seqs: those steps carry no drafts."""
+    llm = LLM(tiny_model, **KNOBS, num_blocks=128, precompile=False,
+              speculative_config=dataclasses.replace(SPEC, max_num_seqs=2))
+    proposed = []
+    monkeypatch.setattr(llm.engine.speculator, "draft", lambda seq, k: proposed.append(seq.seq_id) or [4] * k)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for prompt in ([3, 4, 5], [6, 7], [8, 9, 10, 11]):
+        llm.engine.add_request(prompt, params)
+    llm.engine.step()   # the three prompts' prefill
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert not proposed
+    llm.generate([[3, 4, 5]], params, use_tqdm=False)
+    assert proposed   # one sequence alone speculates
+
+
+def test_structured_outputs_and_the_batch_decide_which_steps_speculate():
+    speculator = Speculator(SpeculativeConfig(max_num_seqs=2), max_model_len=64)
+
+    def seq(constrained=False, prefill=False):
+        s = Sequence(0, "r", 0, [1, 2, 3, 4], 3, SamplingParams(), 0, status=SequenceStatus.RUNNING,
+                     num_computed_tokens=1 if prefill else 3)
+        s.matcher = object() if constrained else None
+        return s
+
+    assert speculator.wants([seq(), seq()], [])
+    assert not speculator.wants([seq(), seq(), seq()], [])                  # more decoding than max_num_seqs
+    assert speculator.wants([seq(), seq(), seq(prefill=True)], [])        # prefills do not count
+    assert not speculator.wants([seq(), seq(constrained=True)], [])       # a mask per token: no drafts
+    assert not speculator.wants([seq()], [seq(constrained=True)])         # nor for one it may admit
+    assert not speculator.wants([seq(prefill=True)], [])
+
+
+def test_drafts_stop_at_max_tokens_and_max_model_len():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1), max_model_len=12)
+    s = Sequence(0, "r", 0, [1, 2, 3, 4, 5, 6, 1], 5, SamplingParams(max_tokens=4), 0,
+                 status=SequenceStatus.RUNNING, num_computed_tokens=6)
+    speculator.propose([s])
+    assert s.draft_ids == [2]   # 2 outputs so far, max_tokens 4: this step's token and one draft
+    s.params = SamplingParams(max_tokens=100)
+    speculator.propose([s])
+    assert s.draft_ids == [2, 3, 4, 5]   # num_speculative_tokens
+    s.token_ids += [2, 3, 4]
+    s.num_computed_tokens = 9
+    speculator.propose([s])
+    assert s.draft_ids == [5]   # 12 - 10 tokens - this step's token
+
+
+# ---- configuration ------------------------------------------------------------------------------------------------
+def test_speculative_config_from_a_file_and_its_errors(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("engine:\n  speculative_config:\n    method: ngram\n    num_speculative_tokens: 5\n")
+    assert load_run_config(path).engine.speculative_config == SpeculativeConfig(num_speculative_tokens=5)
+    path.write_text("engine:\n  speculative_config:\n    method: ngram\n    draft_tokens: 5\n")
+    with pytest.raises(ValueError, match="speculative_config: unknown keys \\['draft_tokens'\\]"):
+        load_run_config(path)
+    with pytest.raises(ValueError, match="speculative_config.method must be one of"):
+        EngineConfig(speculative_config={"method": "medusa"})
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens must be a positive int"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="kv_backend must be paged with speculative_config"):
+        EngineConfig(speculative_config={}, kv_backend="vattention", enable_prefix_caching=False)
+
+
+def test_speculative_flags(tmp_path):
+    from jaxserve.cli import build_parser, served_engine_config
+    parse = build_parser().parse_args
+    assert served_engine_config(parse(["serve"])).speculative_config is None
+    cfg = served_engine_config(parse(["serve", "--speculative-method", "ngram", "--num-speculative-tokens", "6"]))
+    assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=6)
+    path = tmp_path / "run.yaml"
+    path.write_text("engine:\n  speculative_config: {prompt_lookup_max: 3}\n")
+    cfg = served_engine_config(parse(["serve", "--config", str(path), "--num-speculative-tokens", "2"]))
+    assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match="--num-speculative-tokens needs --speculative-method"):
+        served_engine_config(parse(["serve", "--num-speculative-tokens", "2"]))
+
+
+# ---- the embedded model ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm_ngram_speculation_is_greedy_identical_and_accepts(smollm):
+    """An input-grounded prompt (rewrite a given text) on SmolLM2: n-gram drafts from the text are accepted, and the
+    output is the output without speculation."""
+    text = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, the "
+            "members agreed to increase funding for children's books and to extend the opening hours on weekends.")
+    prompt = smollm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}], tokenize=False,
+        add_generation_prompt=True)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    knobs = dict(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=64, compile_cache_dir=None, precompile=False)
+    expected = LLM(smollm, **knobs).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(smollm, **knobs, speculative_config=SpeculativeConfig(num_speculative_tokens=4))
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids
+    assert llm.engine.stats()["spec_mean_acceptance_length"] > 2.0
+    print(f"mean acceptance length {llm.engine.stats()['spec_mean_acceptance_length']:.2f}", file=sys.stderr)
