@@ -172,8 +172,9 @@ class SpeculativeConfig:
     # ngram: the longest suffix of prompt_lookup_min..max tokens that occurred before proposes what followed it
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    # steps of more decoding sequences than this run without speculation: verification reads the weights once
-    # for all rows, so a big batch gains nothing from drafts and pays their tokens (benchmarks/speculative.py)
+    # the most decoding sequences a speculative step holds (its graphs compile up to this seq bucket); up to it,
+    # each bucket speculates when that measured faster (engine/speculation.py). Big batches gain little: a step of
+    # 256 rows x 5 tokens costs 2.5x a decode step of the 8B shape on an H100 (benchmarks/NOTES_speculative.md)
     max_num_seqs: int = 8
 
     def __post_init__(self):

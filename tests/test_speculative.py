@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from helpers import KNOBS, TINY, mixed_requests
+from helpers import KNOBS, MODEL, TINY, base_url, in_process, mixed_requests
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig, load_run_config
 from jaxserve.engine.sampler import init_penalty_state, make_sampling_tensors, sample, verify
 from jaxserve.engine.sequence import Sequence, SequenceStatus
-from jaxserve.engine.speculation import Speculator, propose_ngram
+from jaxserve.engine.speculation import PROBE_EVERY, Speculator, propose_ngram
 from jaxserve.models.loader import random_model
 
 verify_jit = jax.jit(verify, static_argnames=("num_logprobs", "mode"))
@@ -231,8 +231,37 @@ def test_large_steps_do_not_speculate(tiny_model, monkeypatch):
     assert proposed   # one sequence alone speculates
 
 
+def test_each_bucket_speculates_the_way_measured_faster_and_tries_the_other_now_and_then():
+    speculator = Speculator(SpeculativeConfig(max_num_seqs=8), max_model_len=64, seq_buckets=(1, 8))
+    assert speculator.choose(1)                           # nothing measured: speculation first
+    speculator.observe(1, True, seconds=0.030, num_tokens=3)
+    assert not speculator.choose(1)                       # then without
+    speculator.observe(1, False, seconds=0.020, num_tokens=1)
+    picks = [speculator.choose(1) for _ in range(2 * PROBE_EVERY)]
+    assert picks.count(True) == 2 * PROBE_EVERY - 2       # 10 ms a token beats 20, but for the probes
+    for _ in range(20):                                   # acceptance falls: 3 tokens a step become 1
+        speculator.observe(1, True, seconds=0.030, num_tokens=1)
+    picks = [speculator.choose(1) for _ in range(2 * PROBE_EVERY)]
+    assert picks.count(True) == 2
+    speculator.observe(5, True, seconds=0.5, num_tokens=1)   # bucket 8's estimate, not bucket 1's
+    assert speculator.seconds_per_token[(8, True)] == 0.5 and speculator.choose(8) is False
+    speculator.observe(9, True, seconds=0.5, num_tokens=1)   # past max_num_seqs: no bucket
+    assert (16, True) not in speculator.seconds_per_token
+
+
+def test_the_engine_times_its_decode_steps_for_the_speculator(tiny_model, monkeypatch):
+    llm = LLM(tiny_model, **KNOBS, num_blocks=128, precompile=False, speculative_config=SPEC)
+    seen, observe = [], llm.engine.speculator.observe
+    monkeypatch.setattr(llm.engine.speculator, "observe", lambda *args: seen.append(args) or observe(*args))
+    monkeypatch.setattr(llm.engine.speculator, "draft", lambda seq, k: [4] * k)
+    llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert seen and all(n == 1 and seconds > 0 for n, _, seconds, _ in seen)   # one sequence decoding
+    assert {way for _, way, _, _ in seen} == {True, False}   # both ways measured
+    assert sum(tokens for *_, tokens in seen) <= 12
+
+
 def test_structured_outputs_and_the_batch_decide_which_steps_speculate():
-    speculator = Speculator(SpeculativeConfig(max_num_seqs=2), max_model_len=64)
+    speculator = Speculator(SpeculativeConfig(max_num_seqs=2), max_model_len=64, seq_buckets=(2,))
 
     def seq(constrained=False, prefill=False):
         s = Sequence(0, "r", 0, [1, 2, 3, 4], 3, SamplingParams(), 0, status=SequenceStatus.RUNNING,
@@ -249,7 +278,8 @@ def test_structured_outputs_and_the_batch_decide_which_steps_speculate():
 
 
 def test_drafts_stop_at_max_tokens_and_max_model_len():
-    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1), max_model_len=12)
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1), max_model_len=12,
+                            seq_buckets=(1,))
     s = Sequence(0, "r", 0, [1, 2, 3, 4, 5, 6, 1], 5, SamplingParams(max_tokens=4), 0,
                  status=SequenceStatus.RUNNING, num_computed_tokens=6)
     speculator.propose([s])
@@ -261,6 +291,31 @@ def test_drafts_stop_at_max_tokens_and_max_model_len():
     s.num_computed_tokens = 9
     speculator.propose([s])
     assert s.draft_ids == [5]   # 12 - 10 tokens - this step's token
+
+
+def test_a_server_speculates_and_reports_acceptance_in_its_metrics(plain, spec, monkeypatch):
+    """OpenAI HTTP on a speculating engine: the completion is speculation off's, and /metrics counts its drafts."""
+    import json
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    prompt, params = [5, 6, 7, 8, 9] * 6, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = outputs(plain, [prompt], [params])
+    monkeypatch.setattr(spec.engine.speculator, "draft", Oracle(expected, TINY.vocab_size))
+    spec.engine.speculator.seconds_per_token.clear()   # unmeasured: the first decode step speculates
+    before = spec.engine.stats()["spec_num_accepted_tokens"]
+    with in_process(spec.engine) as server:
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                           "return_token_ids": True}).encode()
+        request = urllib.request.Request(base_url(server) + "/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            choice = json.load(response)["choices"][0]
+        text = urllib.request.urlopen(base_url(server) + "/metrics", timeout=10).read().decode()
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert choice["token_ids"] == expected[(tuple(prompt), 0)].token_ids
+    accepted = samples["jaxserve_spec_decode_num_accepted_tokens_total"]
+    assert samples["jaxserve_spec_decode_num_draft_tokens_total"] >= accepted > before
+    assert samples["jaxserve_spec_decode_mean_acceptance_length"] > 1
 
 
 # ---- configuration ------------------------------------------------------------------------------------------------

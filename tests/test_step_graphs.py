@@ -64,3 +64,24 @@ def test_one_streams_decode_multiplies_one_row_on_a_cpu(cpu):
     assert step_shape(1, 1, True, ladders, has_decode_kernel=not cpu) == ((1, 1, False) if cpu else (8, 8, True))
     assert step_shape(5, 1, False, ladders, has_decode_kernel=not cpu)[:2] == (16, ladders[1][0])
     assert bucket_ladders(dataclasses.replace(cfg, seq_buckets=(4, 32)), cpu)[1] == (4, 32)   # a config's own ladder
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs(), st.data(), st.integers(2, 9), st.booleans())
+def test_every_speculative_step_has_a_compiled_graph(cfg, data, width, cpu):
+    """A speculative step (rows sampling at `width` positions) pads its tokens to seq bucket x width where that is
+    smaller: those shapes are compiled too, for any mix of drafted decodes and prefill chunks."""
+    ladders = bucket_ladders(cfg, cpu)
+    compiled = {step_shape(*size, ladders, True, width) for size in step_sizes(cfg, ladders, width)}
+    for _ in range(20):
+        rows = data.draw(st.integers(1, cfg.max_num_seqs))
+        tokens = data.draw(st.integers(rows, cfg.max_num_batched_tokens))
+        assert step_shape(tokens, rows, False, ladders, True, width) in compiled
+
+
+def test_a_speculative_decode_pads_to_its_rows_times_width():
+    ladders = bucket_ladders(EngineConfig(max_num_seqs=8, max_num_batched_tokens=256), cpu=True)
+    assert step_shape(5, 1, False, ladders, False, 5) == (5, 1, False)      # one row, 4 drafts: 5 tokens, not 16
+    assert step_shape(3, 1, False, ladders, False, 5) == (5, 1, False)
+    assert step_shape(30, 8, False, ladders, False, 5) == (32, 8, False)    # the token bucket is smaller
+    assert step_shape(100, 8, False, ladders, False, 5) == (128, 8, False)  # with a prefill chunk

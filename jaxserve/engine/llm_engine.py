@@ -165,7 +165,9 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.kv)
         self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
         spec = cfg.speculative_config
-        self.speculator = None if spec is None else Speculator(spec, cfg.max_model_len)
+        self.speculator = None if spec is None else Speculator(spec, cfg.max_model_len,
+                                                               self.graphs.spec_seq_buckets)
+        self._emitted = 0   # tokens the step call emitted so far (the speculator times decode steps by them)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
@@ -317,8 +319,18 @@ class LLMEngine:
         N+1's token bitmask is filled on the mask thread once N's tokens are in its matchers, while N's outputs and
         N+2's schedule are made; N+1's sampler launches just before N+2's model. A step that speculates finishes
         N first (its drafts are proposed from every token so far) and, with drafts, is finished before it returns."""
-        if self.speculator is not None and self.speculator.wants(self.scheduler.running, self.scheduler.waiting):
-            return self._speculative_step()
+        if self.speculator is None:
+            return self._step()
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        start, decoding, self._emitted = time.perf_counter(), sum(not s.is_prefill for s in running), 0
+        steady = decoding == len(running) and not waiting   # decodes only: prefills would blur the timing
+        speculating = self.speculator.wants(running, waiting)
+        outputs = self._speculative_step() if speculating else self._step()
+        if steady:
+            self.speculator.observe(decoding, speculating, time.perf_counter() - start, self._emitted)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if not self.cfg.async_scheduling:
             return self.complete_step(self.launch_step())
         done = self._inflight
@@ -367,7 +379,7 @@ class LLMEngine:
                 continue
             seq.first_token_time = seq.first_token_time or now
             accepted = 0 if out.num_accepted is None else int(out.num_accepted[i])
-            self._emit(seq, row.start + row.num_known, out, range(i * width, i * width + accepted + 1))
+            self._emitted += self._emit(seq, row.start + row.num_known, out, range(i * width, i * width + accepted + 1))
             if row.draft_ids:
                 self._commit_drafts(seq, len(row.draft_ids), accepted)
             if not grammars_go_on.get(i, True) and not seq.finished:
@@ -375,9 +387,9 @@ class LLMEngine:
             touched[seq.request_id] = self.requests[seq.request_id]
         return [self._request_output(r) for r in touched.values()]
 
-    def _emit(self, seq: Sequence, pos: int, out, positions: range) -> None:
+    def _emit(self, seq: Sequence, pos: int, out, positions: range) -> int:
         """A row's sampled tokens (one, or a speculative row's accepted drafts and the token after them) into its
-        sequence, the first at pos (its PENDING place), each checked for a stop before the next."""
+        sequence, the first at pos (its PENDING place), each checked for a stop before the next; how many it took."""
         for j, k in enumerate(positions):
             token = int(out.tokens[k])
             if j == 0:
@@ -390,7 +402,8 @@ class LLMEngine:
                 seq.logprobs.append({token: float(out.logprob[k]), **top})
             self._check_stop(seq, token, pos + j + 1)
             if seq.finished:
-                return
+                return j + 1
+        return len(positions)
 
     def _commit_drafts(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
         """Accepted drafts' KV is in the cache (written by the step): they count as computed, and their full

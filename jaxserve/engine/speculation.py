@@ -3,9 +3,11 @@ row's last token and its drafts as one short query through the same ragged paged
 verifies them (sampler.verify): a row emits the drafts that match what it would have sampled, then one more token.
 
 Proposing needs every token of a sequence on the host, so a step with drafts runs synchronously (the engine
-finishes the step in flight first). Speculation steps aside where it cannot pay: for steps of more decoding
-sequences than speculative_config.max_num_seqs (verification reads the weights once for all rows anyway) and for
-steps that sample under structured outputs (their masks follow each token)."""
+finishes the step in flight first). Whether a step speculates is measured, not guessed: per seq bucket, the engine
+times its decode steps with and without speculation (seconds per emitted token: acceptance, the verify step's
+cost and the lost overlap together) and takes the faster, trying the other now and then as the requests change.
+Speculation never runs for steps of more decoding sequences than speculative_config.max_num_seqs (no graphs are
+compiled for them) nor for steps that sample under structured outputs (their masks follow each token)."""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
@@ -15,6 +17,10 @@ import numpy as np
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.sequence import PENDING, Sequence, SequenceStatus
+from jaxserve.engine.step_graphs import bucket_for
+
+PROBE_EVERY = 16   # decisions in a bucket between tries of the way that measured slower
+COST_EMA = 0.25    # weight of a new step's seconds per token in its way's running estimate
 
 
 def propose_ngram(token_ids: Seq[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
@@ -48,15 +54,35 @@ class SpeculationStats:
 class Speculator:
     """Decides which steps speculate and drafts their sequences' next tokens."""
 
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int):
-        self.cfg, self.max_model_len = cfg, max_model_len
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, seq_buckets: tuple[int, ...]):
+        self.cfg, self.max_model_len, self.seq_buckets = cfg, max_model_len, seq_buckets
         self.stats = SpeculationStats()
+        self.seconds_per_token: dict[tuple[int, bool], float] = {}   # (seq bucket, speculating) -> estimate
+        self.decisions: dict[int, int] = {}
 
     def wants(self, running: list[Sequence], waiting: list[Sequence]) -> bool:
         """The next step speculates: few enough sequences decode, none (nor any it may admit) under structured
-        outputs."""
+        outputs, and speculation measured faster in their bucket (`choose`)."""
         decoding = sum(not s.is_prefill for s in running)
-        return 0 < decoding <= self.cfg.max_num_seqs and all(s.matcher is None for s in (*running, *waiting))
+        return (0 < decoding <= self.cfg.max_num_seqs and all(s.matcher is None for s in (*running, *waiting))
+                and self.choose(bucket_for(decoding, self.seq_buckets)))
+
+    def choose(self, bucket: int) -> bool:
+        """Speculate in this bucket: the way measured faster, the other every PROBE_EVERY-th time; a way not yet
+        measured is tried first (speculation, then not)."""
+        spec, plain = (self.seconds_per_token.get((bucket, way)) for way in (True, False))
+        if spec is None or plain is None:
+            return spec is None
+        n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
+        return (spec <= plain) != (n % PROBE_EVERY == 0)
+
+    def observe(self, num_decoding: int, speculating: bool, seconds: float, num_tokens: int) -> None:
+        """A decode step's wall time (the engine's step call) and the tokens it emitted, for its way and bucket."""
+        if not 0 < num_decoding <= self.cfg.max_num_seqs or not num_tokens:
+            return
+        key, new = (bucket_for(num_decoding, self.seq_buckets), speculating), seconds / num_tokens
+        old = self.seconds_per_token.get(key)
+        self.seconds_per_token[key] = new if old is None else old + COST_EMA * (new - old)
 
     def propose(self, running: list[Sequence]) -> bool:
         """Drafts (Sequence.draft_ids) for the decoding sequences whose tokens are all on the host, at most as many

@@ -75,21 +75,28 @@ def bucket_ladders(cfg: EngineConfig, cpu: bool = False) -> tuple[tuple[int, ...
             cfg.seq_buckets or (1,) * (cpu and seqs[0] > 1) + seqs)
 
 
-def step_shape(num_tokens: int, num_rows: int, decode_only: bool, ladders: tuple, has_decode_kernel: bool
-               ) -> tuple[int, int, bool]:
+def step_shape(num_tokens: int, num_rows: int, decode_only: bool, ladders: tuple, has_decode_kernel: bool,
+               width: int = 1) -> tuple[int, int, bool]:
     """The (token bucket, seq bucket, decode-only) a step pads to: a row without tokens (an n > 1 child) still
     takes a token's place; decode-only (one token per row) pads its tokens to the seq bucket where that is
-    smaller, and runs the decode kernel's graph where there is one."""
+    smaller, and runs the decode kernel's graph where there is one. A speculative step (rows sampling at `width`
+    positions) pads to seq bucket x width where that holds its tokens and is smaller: a CPU multiplies every
+    padded token by the weights."""
     tokens, seqs = bucket_for(max(num_tokens, num_rows, 1), ladders[0]), bucket_for(num_rows, ladders[1])
-    return min(tokens, seqs) if decode_only else tokens, seqs, decode_only and has_decode_kernel
+    if decode_only:
+        return min(tokens, seqs), seqs, has_decode_kernel
+    return (min(tokens, seqs * width) if width > 1 and num_tokens <= seqs * width else tokens), seqs, False
 
 
-def step_sizes(cfg: EngineConfig, ladders: tuple) -> Iterator[tuple[int, int, bool]]:
-    """(tokens, rows, decode-only) sizes that reach every shape a step can take: step_shape is constant between
-    consecutive bucket bounds, so each bound and the size after it stand for all sizes."""
-    bounds = sorted({1, *(b + d for b in (*ladders[0], *ladders[1]) for d in (0, 1))})
+def step_sizes(cfg: EngineConfig, ladders: tuple, width: int = 1) -> Iterator[tuple[int, int, bool]]:
+    """(tokens, rows, decode-only) sizes that reach every shape a step can take (speculative steps: of `width`):
+    step_shape is constant between consecutive bucket bounds, so each bound and the size after it stand for all
+    sizes."""
+    edges = (*ladders[0], *ladders[1], *(s * width for s in ladders[1] if width > 1))
+    bounds = sorted({1, *(b + d for b in edges for d in (0, 1))})
     for rows in (r for r in bounds if r <= cfg.max_num_seqs):
-        yield rows, rows, True   # every row decodes one token
+        if width == 1:
+            yield rows, rows, True   # every row decodes one token
         yield from ((n, rows, False) for n in bounds if n <= cfg.max_num_batched_tokens)
 
 
@@ -213,7 +220,7 @@ class StepGraphs:
     def model_key(self, num_tokens: int, num_rows: int, decode_only: bool, width: int = 1) -> GraphKey:
         """width: positions each row samples at (a speculative step's, spec_width)."""
         shape = step_shape(num_tokens, num_rows, decode_only and width == 1, self.ladders,
-                           self.kernels.has_decode_kernel)
+                           self.kernels.has_decode_kernel, width)
         return GraphKey("model", (*shape, width), self.num_blocks)
 
     @property
@@ -244,8 +251,9 @@ class StepGraphs:
     def cache_bound_keys(self) -> list[GraphKey]:
         models = {self.model_key(*size) for size in step_sizes(self.cfg, self.ladders)}
         if self.spec_seq_buckets:
-            models |= {self.model_key(tokens, rows, False, self.speculative.width)
-                       for tokens, rows, _ in step_sizes(self.cfg, self.ladders) if rows <= self.spec_seq_buckets[-1]}
+            width = self.speculative.width
+            models |= {self.model_key(tokens, rows, False, width) for tokens, rows, _ in
+                       step_sizes(self.cfg, self.ladders, width) if rows <= self.spec_seq_buckets[-1]}
         copies = {self.copy_key(n) for n in pow2_ladder(copy_bucket(1), copy_bucket(self.cfg.max_num_seqs))}
         return sorted(models, key=lambda k: k.dims, reverse=True) + sorted(copies, reverse=True)
 
