@@ -136,6 +136,13 @@ def spec(tiny_model):
     return LLM(tiny_model, **KNOBS, num_blocks=16, speculative_config=SPEC)
 
 
+@pytest.fixture
+def always(spec, monkeypatch):
+    """The spec engine speculates in every step it may, whatever its timings say (they are the policy's tests)."""
+    monkeypatch.setattr(spec.engine.speculator, "choose", lambda bucket: True)
+    return spec
+
+
 def outputs(llm, prompts, params):
     return {(tuple(p), c.index): c for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False))
             for c in o.outputs}
@@ -166,7 +173,7 @@ def check_same(got: dict, expected: dict) -> None:
                 np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-4, atol=1e-4)
 
 
-def test_every_kind_of_request_decodes_the_same_with_right_and_wrong_drafts(plain, spec, monkeypatch):
+def test_every_kind_of_request_decodes_the_same_with_right_and_wrong_drafts(plain, always, monkeypatch):
     """Greedy, sampled, penalties, logprobs, prompt logprobs, n = 3, stop ids under min_tokens, a chunked prompt:
     token-identical to speculation off, preempted for lack of blocks on the way (six long outputs beside them), every
     block back at the end."""
@@ -174,10 +181,10 @@ def test_every_kind_of_request_decodes_the_same_with_right_and_wrong_drafts(plai
     prompts += [[5 + i] * 20 for i in range(6)]
     params += [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
     expected = outputs(plain, prompts, params)
-    engine = spec.engine
+    engine = always.engine
     monkeypatch.setattr(engine.speculator, "draft", Oracle(expected, TINY.vocab_size))
     before = dict(engine.stats())
-    check_same(outputs(spec, prompts, params), expected)
+    check_same(outputs(always, prompts, params), expected)
     after = engine.stats()
     drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
     accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
@@ -188,30 +195,30 @@ def test_every_kind_of_request_decodes_the_same_with_right_and_wrong_drafts(plai
     assert after["kv_blocks_free"] == after["kv_blocks_total"]
 
 
-def test_ngram_speculation_on_repetitive_text(plain, spec):
+def test_ngram_speculation_on_repetitive_text(plain, always):
     prompts = [[5, 6, 7, 8, 9] * 6, [10, 11, 12] * 8 + [13], [20, 21, 22, 23] * 5]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.8, repetition_penalty=1.2, seed=4, max_tokens=40, logprobs=2)]
-    before = spec.engine.stats()["spec_num_accepted_tokens"]
-    check_same(outputs(spec, prompts, params), outputs(plain, prompts, params))
-    assert spec.engine.stats()["spec_num_accepted_tokens"] > before
+    before = always.engine.stats()["spec_num_accepted_tokens"]
+    check_same(outputs(always, prompts, params), outputs(plain, prompts, params))
+    assert always.engine.stats()["spec_num_accepted_tokens"] > before
 
 
-def test_prefix_cache_holds_only_verified_tokens(plain, spec, monkeypatch):
+def test_prefix_cache_holds_only_verified_tokens(plain, always, monkeypatch):
     """After drafts were written and mostly rejected, the conversation so far (prompt + verified output) as a new
     prompt hits the prefix cache and continues as an engine that never cached does: a block hashed with a rejected
     draft's KV in it would change the continuation."""
     prompt = [2 + (i * 5) % 100 for i in range(40)]
     greedy = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     first = outputs(plain, [prompt], [greedy])
-    monkeypatch.setattr(spec.engine.speculator, "draft", Oracle(first, TINY.vocab_size))
-    check_same(outputs(spec, [prompt], [greedy]), first)
+    monkeypatch.setattr(always.engine.speculator, "draft", Oracle(first, TINY.vocab_size))
+    check_same(outputs(always, [prompt], [greedy]), first)
     conversation = prompt + first[(tuple(prompt), 0)].token_ids
-    hits = spec.engine.kv.prefix_cache_hits
-    monkeypatch.setattr(spec.engine.speculator, "draft", lambda seq, k: [])
-    check_same(outputs(spec, [conversation], [greedy]), outputs(plain, [conversation], [greedy]))
-    assert spec.engine.kv.prefix_cache_hits - hits >= 64
+    hits = always.engine.kv.prefix_cache_hits
+    monkeypatch.setattr(always.engine.speculator, "draft", lambda seq, k: [])
+    check_same(outputs(always, [conversation], [greedy]), outputs(plain, [conversation], [greedy]))
+    assert always.engine.kv.prefix_cache_hits - hits >= 64
 
 
 def test_large_steps_do_not_speculate(tiny_model, monkeypatch):
@@ -362,6 +369,7 @@ def test_smollm_ngram_speculation_is_greedy_identical_and_accepts(smollm):
     knobs = dict(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=64, compile_cache_dir=None, precompile=False)
     expected = LLM(smollm, **knobs).generate([prompt], params, use_tqdm=False)[0].outputs[0]
     llm = LLM(smollm, **knobs, speculative_config=SpeculativeConfig(num_speculative_tokens=4))
+    llm.engine.speculator.choose = lambda bucket: True   # every step it may, whatever its timings say
     got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == expected.token_ids
     assert llm.engine.stats()["spec_mean_acceptance_length"] > 2.0

@@ -21,7 +21,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner, Unsampled
 from jaxserve.engine.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams, check_text, short
 from jaxserve.engine.scheduler import Scheduler, StepRow
-from jaxserve.engine.speculation import Speculator
+from jaxserve.engine.speculation import SpeculationStats, Speculator
 from jaxserve.engine.step_graphs import StepGraphs
 from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, next_seq_id,
@@ -338,6 +338,8 @@ class LLMEngine:
         return self.complete_step(done)
 
     def _speculative_step(self) -> list[RequestOutput]:
+        """The step in flight finished, drafts proposed from every token, the next step launched and, with drafts,
+        finished too: the outputs of both (a request's latest)."""
         outputs, self._inflight = self.complete_step(self._inflight), None
         drafted = self.speculator.propose(self.scheduler.running)
         launched = self.launch_step()
@@ -488,11 +490,10 @@ class LLMEngine:
 
     # ---- introspection ------------------------------------------------------------------------------
     def _speculation_stats(self) -> dict:
-        spec = self.speculator.stats if self.speculator is not None else None
-        return {"spec_num_drafts": spec.num_drafts if spec else 0,
-                "spec_num_draft_tokens": spec.num_draft_tokens if spec else 0,
-                "spec_num_accepted_tokens": spec.num_accepted_tokens if spec else 0,
-                "spec_mean_acceptance_length": spec.mean_acceptance_length if spec else 0.0}
+        s = self.speculator.stats if self.speculator is not None else SpeculationStats()
+        return {"spec_num_drafts": s.num_drafts, "spec_num_draft_tokens": s.num_draft_tokens,
+                "spec_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_mean_acceptance_length": s.mean_acceptance_length}
 
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
