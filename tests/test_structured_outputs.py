@@ -162,6 +162,26 @@ def test_the_grammar_survives_preemption(tokenized):
     assert all(check(o.outputs[0].text) for o in outs)
 
 
+def test_no_step_speculates_while_a_constrained_request_is_in_the_engine(tokenized, monkeypatch):
+    """Drafts do not follow the grammar's mask: while a structured-outputs request is queued or running (finished
+    or aborted), no step speculates; once it is gone, steps do again."""
+    llm = LLM(tokenized, **KNOBS, num_blocks=512, speculative_config={"num_speculative_tokens": 2})
+    engine, proposed = llm.engine, []
+    monkeypatch.setattr(engine.speculator, "choose", lambda bucket: True)
+    monkeypatch.setattr(engine.speculator, "propose", lambda running: proposed.append(len(running)) or False)
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate([[9, 8, 7]], plain, use_tqdm=False)
+    assert proposed
+    proposed.clear()
+    engine.add_request([5, 6], constrained(CONSTRAINTS[1][0]), request_id="c")
+    engine.add_request([4, 5], constrained(CONSTRAINTS[2][0]), request_id="gone")
+    engine.abort("gone")
+    llm.generate([[9, 8, 7]], plain, use_tqdm=False)   # steps the constrained request to its end as well
+    assert not proposed and not engine.has_unfinished_requests()
+    llm.generate([[9, 8, 7]], plain, use_tqdm=False)
+    assert proposed
+
+
 def test_compiled_constraints_are_cached_per_distinct_text(llm):
     """A schema as an object or as its JSON text is one grammar; its properties in another order are another (the
     order is the output's)."""

@@ -68,24 +68,30 @@ class KVBackend(Protocol):
 
 
 class PagedKV:
-    """Per-layer K and V pools of [num_blocks, block_size, kv_heads, head_dim], split on kv heads."""
+    """Per-layer K and V pools of [num_blocks, block_size, kv_heads, head_dim], split on kv heads. With a draft model
+    (speculative_config method draft) its layers follow the model's in the same list: one block id addresses both
+    models' KV of its tokens, so block tables, copies and the block manager's count serve both."""
     blocks_per_row, fence = None, False
 
-    def __init__(self, cfg: EngineConfig, mc: ModelConfig, mesh: Mesh, dtype):
-        self.cfg, self.mc, self.mesh, self.dtype = cfg, mc, mesh, dtype
-        self.kv_heads = cache_kv_heads(mc.num_kv_heads, cfg.tensor_parallel_size)
+    def __init__(self, cfg: EngineConfig, mc: ModelConfig, mesh: Mesh, dtype, draft: ModelConfig | None = None):
+        self.cfg, self.mesh, self.dtype = cfg, mesh, dtype
+        self.models = (mc,) if draft is None else (mc, draft)
         self.cache_sharding = NamedSharding(mesh, KV_CACHE)
 
     def cache_structs(self, num_blocks: int) -> KVCache:
-        struct = jax.ShapeDtypeStruct((num_blocks, self.cfg.block_size, self.kv_heads, self.mc.head_dim),
-                                      self.dtype, sharding=self.cache_sharding)
-        return [(struct, struct)] * self.mc.num_layers
+        return [(struct, struct) for mc in self.models
+                for struct in [jax.ShapeDtypeStruct((num_blocks, self.cfg.block_size, self._kv_heads(mc), mc.head_dim),
+                                                    self.dtype, sharding=self.cache_sharding)] * mc.num_layers]
+
+    def _kv_heads(self, mc: ModelConfig) -> int:
+        return cache_kv_heads(mc.num_kv_heads, self.cfg.tensor_parallel_size)
 
     def size(self, activation_peak: Callable[[], int]) -> int:
         """The config's num_blocks, or as many as fit each device's memory left by weights and activations."""
         cfg = self.cfg
-        bytes_per_block = kv_bytes_per_block(self.mc.num_layers, cfg.block_size,   # on each device
-                                             self.kv_heads // cfg.tensor_parallel_size, self.mc.head_dim, self.dtype)
+        bytes_per_block = sum(kv_bytes_per_block(mc.num_layers, cfg.block_size,   # on each device
+                                                 self._kv_heads(mc) // cfg.tensor_parallel_size, mc.head_dim,
+                                                 self.dtype) for mc in self.models)
         num_blocks = cfg.num_blocks or blocks_that_fit(bytes_per_block, activation_peak(), self.mesh,
                                                        cfg.memory_fraction)
         if jax.process_count() > 1:   # multi-host: every process holds the same pool, the one that fits them all
@@ -95,8 +101,9 @@ class PagedKV:
         return num_blocks
 
     def allocate(self, num_blocks: int) -> KVCache:
-        return allocate_kv_cache(self.mc.num_layers, num_blocks, self.cfg.block_size, self.kv_heads,
-                                 self.mc.head_dim, self.dtype, self.cache_sharding)
+        return [layer for mc in self.models for layer in allocate_kv_cache(
+            mc.num_layers, num_blocks, self.cfg.block_size, self._kv_heads(mc), mc.head_dim, self.dtype,
+            self.cache_sharding)]
 
     def host_manager(self, num_blocks: int) -> KVCacheManager:
         return KVCacheManager(num_blocks, self.cfg.block_size, enable_prefix_caching=self.cfg.enable_prefix_caching,
@@ -106,5 +113,9 @@ class PagedKV:
         pass
 
 
-def make_kv_backend(cfg: EngineConfig, mc: ModelConfig, mesh: Mesh, dtype) -> KVBackend:
-    return (VAttentionKV if cfg.kv_backend == "vattention" else PagedKV)(cfg, mc, mesh, dtype)
+def make_kv_backend(cfg: EngineConfig, mc: ModelConfig, mesh: Mesh, dtype, draft: ModelConfig | None = None
+                    ) -> KVBackend:
+    """draft: a draft model's config, whose KV the cache holds too (paged only: the config refuses vattention)."""
+    if cfg.kv_backend == "vattention":
+        return VAttentionKV(cfg, mc, mesh, dtype)
+    return PagedKV(cfg, mc, mesh, dtype, draft)

@@ -18,6 +18,7 @@ from jaxserve.cache.kv_cache import is_quantized_kv, kv_cache_dtype
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.drafter import load_draft
 from jaxserve.engine.runner import ModelRunner, Unsampled
 from jaxserve.engine.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams, check_text, short
 from jaxserve.engine.scheduler import Scheduler, StepRow
@@ -142,8 +143,12 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
     if is_quantized_kv(kv_dtype) and not loaded.kv_scales_loaded:
         print("calibrating the FP8 KV cache's scales", file=sys.stderr)
         calibrate_kv_scales(loaded.model, calibration_ids(loaded.tokenizer, loaded.config.vocab_size))
-    backend = make_kv_backend(cfg, loaded.config, mesh, kv_dtype)
-    graphs = StepGraphs(loaded, cfg, mesh, backend)
+    spec = cfg.speculative_config
+    draft = load_draft(spec, loaded) if spec is not None and spec.method == "draft" else None
+    if draft is not None and is_quantized_kv(kv_dtype) and not draft.kv_scales_loaded:
+        calibrate_kv_scales(draft.model, calibration_ids(loaded.tokenizer, draft.config.vocab_size))
+    backend = make_kv_backend(cfg, loaded.config, mesh, kv_dtype, draft and draft.config)
+    graphs = StepGraphs(loaded, cfg, mesh, backend, draft)
     num_blocks = backend.size(graphs.activation_peak)
     graphs.bind_cache(num_blocks)
     if cfg.precompile:
@@ -169,6 +174,7 @@ class LLMEngine:
                                                                self.graphs.spec_seq_buckets)
         self._emitted = 0   # tokens the step call emitted so far (the speculator times decode steps by them)
         self.requests: dict[str, Request] = {}
+        self._constrained_requests = 0   # requests under structured outputs: no step speculates while any is here
         self._request_ids = itertools.count()
         self._inflight: Launched | None = None    # the launched step whose samples are not yet on the host
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-mask")   # llguidance frees the GIL
@@ -206,6 +212,7 @@ class LLMEngine:
         seq.detokenizer, seq.matcher = self._detokenizer(ids, params), matcher
         req.seqs.append(seq)
         self.requests[request_id] = req
+        self._constrained_requests += matcher is not None
         self.scheduler.add(seq)
         return request_id
 
@@ -300,7 +307,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at once and free its blocks; False if it is unknown or already finished."""
-        req = self.requests.pop(request_id, None)
+        req = self._forget(request_id)
         if req is None:
             return False
         for seq in req.seqs:
@@ -321,10 +328,10 @@ class LLMEngine:
         N first (its drafts are proposed from every token so far) and, with drafts, is finished before it returns."""
         if self.speculator is None:
             return self._step()
-        running, waiting = self.scheduler.running, self.scheduler.waiting
+        running = self.scheduler.running
         start, decoding, self._emitted = time.perf_counter(), sum(not s.is_prefill for s in running), 0
-        steady = decoding == len(running) and not waiting   # decodes only: prefills would blur the timing
-        speculating = self.speculator.wants(running, waiting)
+        steady = decoding == len(running) and not self.scheduler.waiting   # prefills would blur the timing
+        speculating = self.speculator.wants(decoding, self._constrained_requests > 0)
         outputs = self._speculative_step() if speculating else self._step()
         if steady:
             self.speculator.observe(decoding, speculating, time.perf_counter() - start, self._emitted)
@@ -368,7 +375,7 @@ class LLMEngine:
             return []
         self._sample_constrained(launched)
         out, prompt_lp = jax.tree.map(np.asarray, launched.out)
-        width = 1 if out.num_accepted is None else len(out.tokens) // len(out.num_accepted)
+        width = 1 if out.num_accepted is None else len(out.tokens) // len(out.num_accepted)   # tokens: [rows x W]
         grammars_go_on = self._advance_grammars(launched.rows, out.tokens[::width])
         self._fill_mask(self._inflight)   # async: the next step's, now that this step's tokens are in the matchers
         touched: dict[str, Request] = {}
@@ -408,12 +415,10 @@ class LLMEngine:
         return len(positions)
 
     def _commit_drafts(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
-        """Accepted drafts' KV is in the cache (written by the step): they count as computed, and their full
-        blocks enter the prefix cache. Rejected ones' places stay the sequence's, overwritten by the next tokens."""
+        """A speculative row's acceptance, counted; its accepted drafts committed (Scheduler.commit_drafts)."""
         self.speculator.record(num_drafts, accepted)
         if not seq.finished and accepted:
-            seq.num_computed_tokens += accepted
-            self.kv.allocate(seq.seq_id, seq.token_ids, accepted)
+            self.scheduler.commit_drafts(seq, accepted)
 
     def _sample_constrained(self, launched: Launched | None) -> None:
         """A constrained step's sampler, once every token before it is on the host: its rows' matchers fill the
@@ -473,11 +478,17 @@ class LLMEngine:
             seq.detokenizer.finish()
         self.scheduler.finish(seq)
 
+    def _forget(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self._constrained_requests -= req.params.structured_outputs is not None
+        return req
+
     def _request_output(self, req: Request) -> RequestOutput:
         outs = [self._completion(s) for s in req.seqs]
         finished = req.finished
         if finished:
-            self.requests.pop(req.request_id, None)
+            self._forget(req.request_id)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              req.seqs[0].prompt_logprobs)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxserve.cache.block_table import BlockTable, KVRowTable
 from jaxserve.cache.kv_cache import KVCache, copy_bucket, pad_block_copies
+from jaxserve.engine.drafter import DraftInputs, draft_inputs
 from jaxserve.engine.sampler import SamplerOutput, init_penalty_state, mode_for
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
@@ -74,8 +75,12 @@ class ModelRunner:
     def run(self, inp: StepInputs) -> tuple[SamplerOutput, PromptLogprobs | None] | Unsampled:
         """One step on ready inputs through the compiled graphs: device arrays, no sync. A constrained step stops
         before its sampler (Unsampled), which `sample` runs once the host has its token bitmask."""
-        model, sampler, *prompt = map(self.graphs.get, self.graphs.keys_of(inp))
-        self.kv_cache, logits, hidden = model(self.params, self.kv_cache, self.last_tokens, inp.model)
+        keys = self.graphs.keys_of(inp)
+        model, sampler, *prompt = map(self.graphs.get, keys)
+        split = self.graphs.draft_split(keys[0])
+        cache = self.kv_cache if split is None else self.kv_cache[:split]
+        cache, logits, hidden = model(self.params, cache, self.last_tokens, inp.model)
+        self.kv_cache = cache if split is None else cache + self.kv_cache[split:]
         prompt_out = prompt[0](self.params, hidden, inp.next_prompt_ids) if prompt else None
         if inp.sampler.constrained:
             return Unsampled(logits, inp.sampler, prompt_out)
@@ -99,6 +104,10 @@ class ModelRunner:
         for seq_id, start, block_ids in out.block_updates:
             self.block_table.write(self.slot_of[seq_id], start, block_ids)
         step = DeviceStep(out.copies if len(out.copies[0]) else None, self._penalty_resets(out.placed))
+        if self.graphs.draft_def is not None and any(r.draft_ids for r in out.rows):
+            self.launch(DeviceStep(step.copies))   # drafting reads the blocks a copy-on-write fills
+            step.copies = None
+            self.draft(out.rows)
         if out.rows:
             step.inputs = self.prepare_inputs(out.rows)
             self.prev_rows = {row.seq.seq_id: i for i, row in enumerate(out.rows) if row.samples}
@@ -115,6 +124,26 @@ class ModelRunner:
         if step.resets is not None:
             self._reset_penalties(*step.resets)
         return None if step.inputs is None else self.run(step.inputs)
+
+    def draft(self, rows: list[StepRow]) -> None:
+        """The draft model's tokens for the rows that speculate (their drafts, placeholders so far, filled): one
+        drafting graph, then the one sync that the verifying step's inputs need."""
+        drafting = [r for r in rows if r.draft_ids]
+        slots = [self.slot_of[r.seq.seq_id] for r in drafting]
+        inp = draft_inputs([r.seq.token_ids[r.start] for r in drafting], [r.start for r in drafting],
+                           self.block_table.table[slots], [len(r.draft_ids) for r in drafting],
+                           self.graphs.drafts_key(len(drafting)).dims[0])
+        for row, tokens in zip(drafting, np.asarray(self.run_drafts(inp))):
+            row.draft_ids = tuple(tokens[:len(row.draft_ids)].tolist())
+
+    def run_drafts(self, inp: DraftInputs) -> jax.Array:
+        """The drafting graph on ready inputs: drafts [S, k] as a device array; it takes (and updates) the draft's
+        cache layers only."""
+        split = self.graphs.draft_def.first_layer
+        graph = self.graphs.get(self.graphs.drafts_key(len(inp.token_ids)))
+        draft_cache, drafts = graph(self.params, self.kv_cache[split:], inp)
+        self.kv_cache = self.kv_cache[:split] + draft_cache
+        return drafts
 
     def _release(self, seq_id: int) -> None:
         slot = self.slot_of.pop(seq_id, None)   # None: finished before it was ever placed

@@ -116,6 +116,13 @@ class Scheduler:
         out.block_updates, out.copies = self.kv.take_block_updates(), self.kv.take_copies()
         return out
 
+    def commit_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """A speculative row's accepted drafts, now tokens of seq with their KV written by the step, count as
+        computed; the KV manager covers them (in the lookahead slots the step took) and hashes their full blocks.
+        Rejected drafts' places stay the sequence's, overwritten by the tokens that come next."""
+        seq.num_computed_tokens += num_accepted
+        self.kv.allocate(seq.seq_id, seq.token_ids, num_accepted)
+
     def _decodes(self, seq: Sequence) -> bool:
         return (seq.status is SequenceStatus.RUNNING and not seq.is_prefill
                 and not seq.done_once_pending_lands(self.cfg.max_model_len))

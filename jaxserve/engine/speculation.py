@@ -60,12 +60,11 @@ class Speculator:
         self.seconds_per_token: dict[tuple[int, bool], float] = {}   # (seq bucket, speculating) -> estimate
         self.decisions: dict[int, int] = {}
 
-    def wants(self, running: list[Sequence], waiting: list[Sequence]) -> bool:
-        """The next step speculates: few enough sequences decode, none (nor any it may admit) under structured
+    def wants(self, num_decoding: int, constrained: bool) -> bool:
+        """The next step speculates: few enough sequences decode, no request in the engine is under structured
         outputs, and speculation measured faster in their bucket (`choose`)."""
-        decoding = sum(not s.is_prefill for s in running)
-        return (0 < decoding <= self.cfg.max_num_seqs and all(s.matcher is None for s in (*running, *waiting))
-                and self.choose(bucket_for(decoding, self.seq_buckets)))
+        return (0 < num_decoding <= self.cfg.max_num_seqs and not constrained
+                and self.choose(bucket_for(num_decoding, self.seq_buckets)))
 
     def choose(self, bucket: int) -> bool:
         """Speculate in this bucket: the way measured faster, the other every PROBE_EVERY-th time; a way not yet
@@ -101,7 +100,10 @@ class Speculator:
         return drafted
 
     def draft(self, seq: Sequence, num_drafts: int) -> list[int]:
-        """The proposer: up to num_drafts tokens that may follow seq's."""
+        """The proposer: up to num_drafts tokens that may follow seq's. The draft model's are PENDING places here,
+        filled on the device once the step's blocks are allocated (ModelRunner.draft)."""
+        if self.cfg.method == "draft":
+            return [PENDING] * num_drafts
         return propose_ngram(seq.token_ids, num_drafts, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:

@@ -30,6 +30,7 @@ from jaxserve.cache.kv_backend import KVBackend
 from jaxserve.cache.kv_cache import KVCache, copy_blocks, copy_bucket
 from jaxserve.config import SAMPLER_MODES, EngineConfig, graph_knobs
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache, fingerprint
+from jaxserve.engine.drafter import DraftInputs, draft_inputs, draft_tokens, write_draft_kv
 from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slots, sample, sampler_modes, verify
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs
@@ -44,7 +45,6 @@ PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, 
 # GPU graphs of more rows than this take cuBLAS GEMMs, not XLA's autotuned Triton ones: cuBLAS starts faster and
 # runs big steps as fast or faster, but small GEMMs (batch-1 decode) are faster with Triton.
 TRITON_GEMM_MAX_ROWS = 64   # bf16 weights; FP8 ones: see compiler_options
-CACHE_BOUND = ("model", "copy")   # kinds of graph that take the cache, so depend on its size
 
 
 class GraphKey(NamedTuple):
@@ -109,19 +109,32 @@ class PromptLogprobs:
     top_logprobs: jax.Array
 
 
-def merge(model_def: tuple, params: list):
-    """The model from its static definition (nnx graphdef, its state's treedef) and its weights, a flat list."""
-    graphdef, state_def = model_def
-    return nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
+class ModelDef(NamedTuple):
+    """A model's static definition (nnx graphdef, its state's treedef), its weights params[start:stop] of the
+    graphs' flat list (a draft model's follow the model's) and its layers kv_cache[first_layer:] of the cache."""
+    graphdef: nnx.GraphDef
+    state_def: jax.tree_util.PyTreeDef
+    start: int
+    stop: int
+    first_layer: int = 0
+
+    def merge(self, params: list):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_def, params[self.start:self.stop]))
 
 
-def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, model_def, kernels: AttentionKernels, mesh: Mesh,
-              fence: bool = False):
-    """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H])."""
-    model = merge(model_def, params)
+def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, model_def: ModelDef, kernels: AttentionKernels,
+              mesh: Mesh, fence: bool = False, draft_def: ModelDef | None = None):
+    """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H]); with a draft
+    model, the draft's KV of the same tokens written too (engine/drafter.py)."""
+    model = model_def.merge(params)
     # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
     token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
-    hidden, kv_cache = model(token_ids, inp.positions, kv_cache, PagedAttention(inp.attn, kernels, mesh))
+    paged = PagedAttention(inp.attn, kernels, mesh)
+    hidden, kv_cache = model(token_ids, inp.positions, kv_cache, paged)
+    if draft_def is not None:
+        split = draft_def.first_layer
+        kv_cache = kv_cache[:split] + write_draft_kv(draft_def.merge(params), kv_cache[split:], token_ids,
+                                                     inp.positions, paged)
     logits = model.logits(hidden[inp.logits_indices])
     if fence:   # vattention on GPU: the logits follow every cache read; unmaps wait for this fence
         logits = vmm.fence(logits)
@@ -142,10 +155,15 @@ def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_t
     return penalty, out, jnp.zeros(num_last_tokens, jnp.int32).at[:last.shape[0]].set(last)
 
 
-def run_prompt_logprobs(params, hidden, next_prompt_ids, *, model_def) -> PromptLogprobs:
+def run_drafts(params, draft_cache, inp: DraftInputs, *, draft_def: ModelDef, **kw) -> tuple[list, jax.Array]:
+    """The drafting graph: (the draft's cache layers, drafts [S, k]) from the draft model (drafter.draft_tokens)."""
+    return draft_tokens(draft_def.merge(params), draft_cache, inp, **kw)
+
+
+def run_prompt_logprobs(params, hidden, next_prompt_ids, *, model_def: ModelDef) -> PromptLogprobs:
     """All-position logprobs (run only for steps that serve a prompt_logprobs request), PROMPT_LOGPROBS_ROWS
     tokens at a time."""
-    model, rows = merge(model_def, params), math.gcd(len(hidden), PROMPT_LOGPROBS_ROWS)
+    model, rows = model_def.merge(params), math.gcd(len(hidden), PROMPT_LOGPROBS_ROWS)
 
     def chunk(args):
         h, nxt = args
@@ -172,12 +190,15 @@ class StepGraphs:
     everything else replicated: the model's logits gathered from the vocab-split LM head for the sampler, which
     runs whole on every device. Graphs that take the cache exist once `bind_cache` gave its size."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, mesh: Mesh, backend: KVBackend):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, mesh: Mesh, backend: KVBackend,
+                 draft: LoadedModel | None = None):
         mc = self.model_config = loaded.config
         self.cfg, self.mesh, self.backend = cfg, mesh, backend
         graphdef, state = nnx.split(loaded.model)
         # the weights as a flat list: a call flattens it in C++, an nnx State by a Python callback per weight (~1 ms)
         self.params, state_def = jax.tree.flatten(state)
+        model_def = ModelDef(graphdef, state_def, 0, len(self.params))
+        self.draft_def = None if draft is None else self._add_draft(draft, mc.num_layers)
         self.dtype, self.quantization = loaded.dtype, loaded.quantization
         self.eos_token_ids = loaded.eos_token_ids
         cpu = mesh.devices.flat[0].platform == "cpu"
@@ -189,6 +210,7 @@ class StepGraphs:
                                                  backend.blocks_per_row, backend.dtype)
         self.replicated = NamedSharding(mesh, P())
         graphs_fingerprint = fingerprint(mc, graph_knobs(cfg), str(self.dtype), loaded.quantization,
+                                         draft and (draft.config, draft.quantization),
                                          [(d.id, d.device_kind) for d in mesh.devices.flat], self.kernels)
         self.manager = CompilationManager(ExecutableCache(cfg.compile_cache_dir, graphs_fingerprint),
                                           options=self.compiler_options)
@@ -200,16 +222,30 @@ class StepGraphs:
         self.cache_shape: KVCache | None = None
         if backend.fence:
             vmm.register_fence()
-        self._jit((graphdef, state_def))
+        self._jit(model_def)
 
-    def _jit(self, model_def: tuple) -> None:
+    def _add_draft(self, draft: LoadedModel, first_layer: int) -> ModelDef:
+        """The draft model's weights after the model's in the flat list; its KV layers after the model's."""
+        graphdef, state = nnx.split(draft.model)
+        leaves, state_def = jax.tree.flatten(state)
+        start = len(self.params)
+        self.params = self.params + leaves
+        return ModelDef(graphdef, state_def, start, len(self.params), first_layer)
+
+    def _jit(self, model_def: ModelDef) -> None:
         rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
-        sharding = self.backend.cache_sharding
-        cache = jax.tree.map(lambda _: sharding, self.backend.cache_structs(1))
-        self.model = jax.jit(functools.partial(run_model, model_def=model_def, kernels=self.kernels, mesh=self.mesh,
-                                               fence=self.backend.fence),
-                             in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep, rep),
-                             donate_argnums=1)
+        cache = self.backend.cache_sharding   # every layer's (a prefix of the cache's pytree)
+        model = functools.partial(jax.jit, in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep, rep),
+                                  donate_argnums=1)
+        run = functools.partial(run_model, model_def=model_def, kernels=self.kernels, mesh=self.mesh,
+                                fence=self.backend.fence)
+        self.model = self.drafting_model = model(run)
+        if self.draft_def is not None:
+            self.drafting_model = model(functools.partial(run, draft_def=self.draft_def))
+            self.drafts = jax.jit(functools.partial(
+                run_drafts, draft_def=self.draft_def, num_drafts=self.speculative.num_speculative_tokens,
+                block_size=self.cfg.block_size, kernels=self.kernels, mesh=self.mesh),
+                in_shardings=(params, cache, rep), out_shardings=(cache, rep), donate_argnums=1)
         self.sampler = jax.jit(functools.partial(run_sampler, num_last_tokens=self.seq_buckets[-1]),
                                in_shardings=rep, out_shardings=rep, donate_argnums=1)
         self.prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, model_def=model_def),
@@ -236,6 +272,19 @@ class StepGraphs:
         keys = [GraphKey("model", inp.model.key, self.num_blocks), GraphKey("sampler", inp.sampler.key)]
         return keys + ([] if inp.next_prompt_ids is None else [GraphKey("prompt", (len(inp.next_prompt_ids),))])
 
+    def runs_draft(self, key: GraphKey) -> bool:
+        """A model graph writes the draft model's KV too: in the seq buckets that speculation runs in."""
+        return self.draft_def is not None and key.dims[1] <= self.spec_seq_buckets[-1]
+
+    def draft_split(self, key: GraphKey) -> int | None:
+        """A model graph that runs no draft model beside one takes the cache's first layers only, the model's (the
+        draft's passed through would be copied every step): their count; None: the whole cache."""
+        return None if self.draft_def is None or self.runs_draft(key) else self.draft_def.first_layer
+
+    def drafts_key(self, num_rows: int) -> GraphKey:
+        """The draft model's drafting of num_rows rows."""
+        return GraphKey("drafts", (bucket_for(num_rows, self.spec_seq_buckets),), self.num_blocks)
+
     def copy_key(self, num_copies: int) -> GraphKey:
         return GraphKey("copy", (copy_bucket(num_copies),), self.num_blocks)
 
@@ -255,7 +304,8 @@ class StepGraphs:
             models |= {self.model_key(tokens, rows, False, width) for tokens, rows, _ in
                        step_sizes(self.cfg, self.ladders, width) if rows <= self.spec_seq_buckets[-1]}
         copies = {self.copy_key(n) for n in pow2_ladder(copy_bucket(1), copy_bucket(self.cfg.max_num_seqs))}
-        return sorted(models, key=lambda k: k.dims, reverse=True) + sorted(copies, reverse=True)
+        drafts = [self.drafts_key(s) for s in self.spec_seq_buckets] if self.draft_def is not None else []
+        return sorted(models, key=lambda k: k.dims, reverse=True) + drafts[::-1] + sorted(copies, reverse=True)
 
     def cache_free_keys(self) -> list[GraphKey]:
         prompts = [GraphKey("prompt", (t,)) for t in reversed(self.token_buckets)]
@@ -272,11 +322,14 @@ class StepGraphs:
         match key:
             case GraphKey("model", (t, s, decode_only, width)):
                 inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width).model
-                return self.model.lower(self.params, self.cache_shape, self.last_tokens, inp)
+                split = self.draft_split(key)
+                model, cache = ((self.drafting_model, self.cache_shape) if split is None
+                                else (self.model, self.cache_shape[:split]))
+                return model.lower(self.params, cache, self.last_tokens, inp)
             case GraphKey("peak"):   # a stand-in cache: temp memory does not depend on its size (a row: contiguous)
                 stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
                 inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1]).model
-                return self.model.lower(self.params, stand_in, self.last_tokens, inp)
+                return self.drafting_model.lower(self.params, stand_in, self.last_tokens, inp)
             case GraphKey("sampler", (s, mode, num_logprobs, constrained, width)):
                 inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
                                        num_logprobs=num_logprobs, constrained=constrained, spec_width=width).sampler
@@ -287,6 +340,9 @@ class StepGraphs:
             case GraphKey("prompt", (t,)):
                 hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype)
                 return self.prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32))
+            case GraphKey("drafts", (s,)):
+                inp = draft_inputs(np.zeros(0), np.zeros(0), np.zeros((0, self.max_blocks_per_seq)), np.zeros(0), s)
+                return self.drafts.lower(self.params, self.cache_shape[self.draft_def.first_layer:], inp)
             case GraphKey("copy", (n,)):
                 ids = np.zeros(n, np.int32)
                 return copy_blocks.lower(self.cache_shape, ids, ids, mesh=self.mesh)
@@ -301,12 +357,14 @@ class StepGraphs:
 
     def compiler_options(self, key: GraphKey) -> dict:
         """XLA's options for the graph of key. On GPU, graphs that run the model's weights (model, prompt logprobs,
-        the peak stand-in) never merge dots: XLA's dot merger concatenates the weights of dots sharing an operand
-        (q, k and v; gate and up) into a new array on every step, weight traffic a memory-bound step pays twice.
+        drafting, the peak stand-in) never merge dots: XLA's dot merger concatenates the weights of dots sharing an
+        operand (q, k and v; gate and up) into a new array on every step, weight traffic a memory-bound step pays
+        twice.
         They take cuBLAS GEMMs over Triton's above TRITON_GEMM_MAX_ROWS rows, or with FP8 weights above
         W8A16_MAX_ROWS: cuBLASLt's FP8 GEMMs beat Triton's at every row count, and the W8A16 GEMMs below need
         Triton to fuse the weight's conversion."""
-        if self.mesh.devices.flat[0].platform == "cpu" or (key != PEAK and key.kind not in ("model", "prompt")):
+        weights = ("model", "prompt", "drafts")
+        if self.mesh.devices.flat[0].platform == "cpu" or (key != PEAK and key.kind not in weights):
             return {}
         rows = self.token_buckets[-1] if key == PEAK else key.dims[0]
         cublas = rows > (W8A16_MAX_ROWS if self.quantization == "fp8" else TRITON_GEMM_MAX_ROWS)

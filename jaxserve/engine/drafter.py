@@ -1,0 +1,92 @@
+"""The draft model of speculative decoding (speculative_config method "draft"): a smaller model with the target's
+tokenizer proposes each decoding sequence's next tokens greedily, which the target's step verifies.
+
+Its KV lies in more layers of the target's paged cache (cache/kv_backend.py PagedKV): the same block of a sequence
+holds both models' KV of its tokens, so the block tables, the block manager's count, prefix-cache hits and
+copy-on-write serve both. Every model step of a seq bucket that speculation runs in computes the draft's KV of
+the step's tokens beside the target's (`write_draft_kv`, inside the model graph), so before a speculative step the
+draft's cache covers every token the target computed; `draft_tokens` then runs the k greedy draft steps of a batch
+as one graph (one launch), from each row's last token, whose blocks (and lookahead blocks) the scheduler has
+already allocated. Steps of more rows (they never speculate) skip the draft, which would cost each its share of the
+weights, and their graphs take only the target's cache layers: tokens computed there are holes in the draft's
+cache, which lower the acceptance of their sequences, never their output (verification is exact)."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention
+from jaxserve.models.loader import LoadedModel, load_model
+
+
+def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedModel:
+    """The draft model on the target's devices, in its dtype; refused when its tokens would not be the target's."""
+    if jax.process_count() > 1:
+        raise ValueError("speculative_config method 'draft' runs on one host: its drafts are proposed outside the "
+                         "steps that every process replays; use method 'ngram' on a multi-host engine")
+    print(f"loading the draft model {spec.model}", file=sys.stderr)
+    draft = load_model(spec.model, target.dtype, target.mesh)
+    if draft.config.vocab_size > target.config.vocab_size:
+        raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of {draft.config.vocab_size} "
+                         f"tokens, the model {target.config.vocab_size}: a draft model must share the model's "
+                         "tokenizer")
+    if draft.tokenizer is not None and target.tokenizer is not None and \
+            draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ValueError(f"speculative_config.model {spec.model!r} has another tokenizer than the model: a draft "
+                         "model must share the model's tokenizer")
+    return draft
+
+
+@jax.tree_util.register_dataclass
+@dataclass(slots=True)
+class DraftInputs:
+    """A drafting batch of S rows (padded): each row's last token, its position, its block table and how many
+    tokens to draft (0: a padding row)."""
+    token_ids: jax.Array      # [S]
+    positions: jax.Array      # [S]
+    block_tables: jax.Array   # [S, max_blocks_per_seq]
+    num_drafts: jax.Array     # [S]
+    num_seqs: jax.Array       # [1] real rows
+
+
+def draft_inputs(token_ids, positions, block_tables: np.ndarray, num_drafts, num_seqs: int) -> DraftInputs:
+    """Host inputs of n rows padded to num_seqs rows."""
+    n = len(token_ids)
+    padded = lambda x: np.pad(np.asarray(x, np.int32), [(0, num_seqs - n)] + [(0, 0)] * (np.ndim(x) - 1))
+    return DraftInputs(padded(token_ids), padded(positions), padded(block_tables), padded(num_drafts),
+                       np.array([n], np.int32))
+
+
+def write_draft_kv(draft, draft_cache, token_ids, positions, paged: PagedAttention):
+    """The draft's KV of a model step's tokens (the same batch, slots and block tables): its cache layers."""
+    _, draft_cache = draft(token_ids, positions, draft_cache, paged)
+    return draft_cache
+
+
+def draft_tokens(draft, draft_cache, inp: DraftInputs, *, num_drafts: int, block_size: int,
+                 kernels: AttentionKernels, mesh) -> tuple[list, jax.Array]:
+    """num_drafts greedy decode steps of the draft model over a batch, in one graph: (its cache layers, drafts
+    [S, num_drafts]). Step j computes each row's token at position + j (its last token, then its drafts) and writes
+    its KV; a row past its own num_drafts repeats its last step with its write sent to the null block, so that it
+    reads and writes only blocks the scheduler allocated to it."""
+    rows = len(inp.token_ids)
+    real = jnp.arange(rows) < inp.num_seqs[0]
+    cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
+    max_block = inp.block_tables.shape[1] - 1
+
+    token_ids, drafts = inp.token_ids, []
+    for j in range(num_drafts):   # unrolled: a GPU while loop syncs with the host at every iteration
+        positions = inp.positions + jnp.minimum(j, jnp.maximum(inp.num_drafts - 1, 0))
+        blocks = jnp.take_along_axis(inp.block_tables, jnp.minimum(positions // block_size, max_block)[:, None], 1)
+        slots = jnp.where(j < inp.num_drafts, blocks[:, 0] * block_size + positions % block_size, 0)
+        batch = AttentionBatch(slots, cu_q_lens, jnp.where(real, positions + 1, 0), inp.block_tables, inp.num_seqs,
+                               decode_only=kernels.has_decode_kernel)
+        hidden, draft_cache = draft(token_ids, positions, draft_cache, PagedAttention(batch, kernels, mesh))
+        token_ids = jnp.argmax(draft.logits(hidden), axis=-1).astype(jnp.int32)
+        drafts.append(token_ids)
+    return draft_cache, jnp.stack(drafts, axis=1)
