@@ -3,6 +3,7 @@ token-by-token decoding emits), and the engine with speculation against the engi
 import dataclasses
 import sys
 
+import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,8 @@ from jaxserve.engine.sampler import init_penalty_state, make_sampling_tensors, s
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.speculation import PROBE_EVERY, Speculator, propose_ngram
 from jaxserve.models.loader import random_model, save_converted
+from jaxserve.serve import jaxserve_pb2 as pb
+from jaxserve.serve.jaxserve_pb2_grpc import JaxServeStub
 
 verify_jit = jax.jit(verify, static_argnames=("num_logprobs", "mode"))
 sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "mode"))
@@ -292,7 +295,8 @@ def test_drafts_stop_at_max_tokens_and_max_model_len():
 
 
 def test_a_server_speculates_and_reports_acceptance_in_its_metrics(plain, spec, monkeypatch):
-    """OpenAI HTTP on a speculating engine: the completion is speculation off's, and /metrics counts its drafts."""
+    """OpenAI HTTP on a speculating engine: the completion is speculation off's, and /metrics and gRPC's
+    ServerStats count its drafts."""
     import json
     import urllib.request
     from prometheus_client.parser import text_string_to_metric_families
@@ -309,11 +313,16 @@ def test_a_server_speculates_and_reports_acceptance_in_its_metrics(plain, spec, 
         with urllib.request.urlopen(request, timeout=60) as response:
             choice = json.load(response)["choices"][0]
         text = urllib.request.urlopen(base_url(server) + "/metrics", timeout=10).read().decode()
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            server_stats = JaxServeStub(channel).ServerStats(pb.ServerStatsRequest(), timeout=10)
     samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
     assert choice["token_ids"] == expected[(tuple(prompt), 0)].token_ids
     accepted = samples["jaxserve_spec_decode_num_accepted_tokens_total"]
     assert samples["jaxserve_spec_decode_num_draft_tokens_total"] >= accepted > before
     assert samples["jaxserve_spec_decode_mean_acceptance_length"] > 1
+    assert (server_stats.spec_num_accepted_tokens, server_stats.spec_num_draft_tokens) == (
+        accepted, samples["jaxserve_spec_decode_num_draft_tokens_total"])
+    assert server_stats.spec_num_drafts > 0 and server_stats.spec_mean_acceptance_length > 1
 
 
 # ---- the draft model ----------------------------------------------------------------------------------------------

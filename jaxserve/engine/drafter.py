@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.step_inputs import pad
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention
 from jaxserve.models.loader import LoadedModel, load_model
 
@@ -56,10 +57,8 @@ class DraftInputs:
 
 def draft_inputs(token_ids, positions, block_tables: np.ndarray, num_drafts, num_seqs: int) -> DraftInputs:
     """Host inputs of n rows padded to num_seqs rows."""
-    n = len(token_ids)
-    padded = lambda x: np.pad(np.asarray(x, np.int32), [(0, num_seqs - n)] + [(0, 0)] * (np.ndim(x) - 1))
-    return DraftInputs(padded(token_ids), padded(positions), padded(block_tables), padded(num_drafts),
-                       np.array([n], np.int32))
+    return DraftInputs(*(pad(x, num_seqs) for x in (token_ids, positions, block_tables, num_drafts)),
+                       np.array([len(token_ids)], np.int32))
 
 
 def write_draft_kv(draft, draft_cache, token_ids, positions, paged: PagedAttention):

@@ -217,7 +217,7 @@ class ServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatsResponse(_message.Message):
-    __slots__ = ("running", "waiting", "pending", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions", "compiled_graphs", "engine_steps", "serving", "compiles_after_start", "weight_dtype", "kv_cache_dtype")
+    __slots__ = ("running", "waiting", "pending", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions", "compiled_graphs", "engine_steps", "serving", "compiles_after_start", "weight_dtype", "kv_cache_dtype", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_acceptance_length")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,10 @@ class ServerStatsResponse(_message.Message):
     COMPILES_AFTER_START_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     pending: int
@@ -252,4 +256,8 @@ class ServerStatsResponse(_message.Message):
     compiles_after_start: int
     weight_dtype: str
     kv_cache_dtype: str
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., compiled_graphs: _Optional[int] = ..., engine_steps: _Optional[int] = ..., serving: _Optional[bool] = ..., compiles_after_start: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    spec_mean_acceptance_length: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., compiled_graphs: _Optional[int] = ..., engine_steps: _Optional[int] = ..., serving: _Optional[bool] = ..., compiles_after_start: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_acceptance_length: _Optional[float] = ...) -> None: ...
