@@ -131,17 +131,34 @@ def divergence_gaps(off: LLM, prompts: list[str], expected: list[list[int]], got
 
 
 # ---- the cost side on an 8B shape ----------------------------------------------------------------------------------
+def median_ms(run, repeats: int, warmup: int = 3) -> float:
+    """Median ms of run() to its outputs' readiness, after warm-up calls."""
+    times = []
+    for i in range(warmup + repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[warmup:]) * 1e3)
+
+
+def block_tables(llm: LLM, batch: int, num_tokens: int) -> np.ndarray:
+    """Block tables of `batch` rows of num_tokens tokens each, distinct blocks per row."""
+    graphs = llm.engine.graphs
+    blocks = -(-num_tokens // llm.engine.cfg.block_size)
+    tables = np.zeros((batch, graphs.max_blocks_per_seq), np.int32)
+    tables[:, :blocks] = 1 + np.arange(batch * blocks).reshape(batch, blocks)
+    if tables.max() >= graphs.num_blocks:
+        raise SystemExit(f"batch {batch} of {num_tokens} tokens needs {tables.max() + 1} blocks; the cache has "
+                         f"{graphs.num_blocks}")
+    return tables
+
+
 def step_ms(llm: LLM, batch: int, width: int, context: int, repeats: int) -> float:
     """Median ms of the model and sampler graphs of one step of `batch` rows at `context`, each computing `width`
     tokens (width - 1 drafts; 1: a plain decode step), inputs from the host as the engine sends them."""
     engine, rng = llm.engine, np.random.default_rng(0)
     graphs, runner = engine.graphs, engine.runner
-    blocks = -(-(context + width) // engine.cfg.block_size)
-    tables = np.zeros((batch, graphs.max_blocks_per_seq), np.int32)
-    tables[:, :blocks] = 1 + np.arange(batch * blocks).reshape(batch, blocks)
-    if tables.max() >= graphs.num_blocks:
-        raise SystemExit(f"batch {batch} at context {context} needs {tables.max() + 1} blocks; the cache has "
-                         f"{graphs.num_blocks}")
+    tables = block_tables(llm, batch, context + width)
     decode_only = width == 1
     tokens, seqs, decode_only, _ = graphs.model_key(batch * width, batch, decode_only, width).dims
     vocab = graphs.model_config.vocab_size
@@ -151,32 +168,18 @@ def step_ms(llm: LLM, batch: int, width: int, context: int, repeats: int) -> flo
         sample_mask=[True] * batch, params=[SamplingParams(temperature=0.0)] * batch, seeds=[0] * batch,
         num_generated=[0] * batch, sampler_mode="greedy",
         draft_ids=rng.integers(0, vocab, (batch, width - 1)).tolist() if width > 1 else None, spec_width=width)
-    for _ in range(3):
-        jax.block_until_ready(runner.run(inputs))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(runner.run(inputs))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times) * 1e3)
+    return median_ms(lambda: runner.run(inputs), repeats)
 
 
 def drafting_ms(llm: LLM, batch: int, context: int, repeats: int) -> float:
     """Median ms of the drafting graph (k greedy draft steps in one launch) over `batch` rows at `context`."""
     engine = llm.engine
-    graphs, runner = engine.graphs, engine.runner
-    key = graphs.drafts_key(batch)
+    runner = engine.runner
+    key = engine.graphs.drafts_key(batch)
     k = engine.cfg.speculative_config.num_speculative_tokens
-    tables = np.zeros((batch, graphs.max_blocks_per_seq), np.int32)
-    blocks = -(-(context + k) // engine.cfg.block_size)
-    tables[:, :blocks] = 1 + np.arange(batch * blocks).reshape(batch, blocks)
-    inp = draft_inputs(np.ones(batch), np.full(batch, context), tables, np.full(batch, k), key.dims[0])
-    times = []
-    for i in range(3 + repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(runner.run_drafts(inp))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times[3:]) * 1e3)
+    inp = draft_inputs(np.ones(batch), np.full(batch, context), block_tables(llm, batch, context + k),
+                       np.full(batch, k), key.dims[0])
+    return median_ms(lambda: runner.run_drafts(inp), repeats)
 
 
 def random_draft(path: str, dtype) -> str:
