@@ -8,11 +8,13 @@ grounded: the embedded SmolLM2 at batch 1 (each prompt alone) over benchmarks/da
   accepted, the bound of what a draft can give at the cost of the model itself).
 verify-cost: an 8B-shaped model (random weights): the model + sampler graphs of a step whose B rows each compute
   k + 1 tokens (their last token and k drafts) against a plain decode step of B rows, at a context of --context
-  tokens; with a Llama-3.2-1B-shaped draft model, the same verify step (which writes the draft's KV too) and the
-  drafting graph (k greedy draft steps in one launch). From these, the projected batch-1 speedup at a mean
-  acceptance length (marked as a projection): n-gram L x T_decode / T_verify(k + 1), a draft model
+  tokens; with a Llama-3.2-1B-shaped draft model and with an EAGLE-3 head of the published Llama-3.1-8B head's
+  shapes (--drafters), the same verify step (which writes the draft's KV too) and the drafting graph (k greedy
+  draft steps in one launch). From these, the projected batch-1 speedup at a mean acceptance length (marked as a
+  projection): n-gram L x T_decode / T_verify(k + 1), a draft model or head
   L x T_decode / (T_verify+draft(k + 1) + T_drafting(k)).
-random-draft PATH: writes the random 1B-shaped draft (for benchmarks/offline.py --set speculative_config=...).
+random-draft PATH: writes the random 1B-shaped draft (for benchmarks/offline.py --set speculative_config=...);
+random-eagle3 PATH: a random EAGLE-3 head for the 8B shape, in the published layout.
 The batch-256 check is benchmarks/offline.py with --set speculative_config={...} beside a run without it.
 
   python benchmarks/speculative.py grounded --num-speculative-tokens 2 4 6 --draft-layers 8 30   # GPU (CPU: slow)
@@ -35,8 +37,9 @@ from benchmarks.common import write_rows  # noqa: E402
 from benchmarks.grounded_prompts import load as load_prompts  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.config import EngineConfig, SpeculativeConfig, model_config_from_hf  # noqa: E402
+from jaxserve.config import EngineConfig, SpeculativeConfig, load_run_config, model_config_from_hf  # noqa: E402
 from jaxserve.engine.drafter import draft_inputs  # noqa: E402
+from jaxserve.models.eagle3 import save_random_eagle3  # noqa: E402
 from jaxserve.models.loader import (DEFAULT_MODEL, LoadedModel, load_model, load_run, parse_dtype,  # noqa: E402
                                     random_model, save_converted)
 
@@ -187,6 +190,16 @@ def random_draft(path: str, dtype) -> str:
     return str(save_converted(random_model(model_config_from_hf(LLAMA_32_1B), parse_dtype(dtype)), path))
 
 
+def random_eagle3(path: str, config: str) -> str:
+    """A random EAGLE-3 head of the published Llama-3.1-8B head's shapes (the target's widths, a draft vocabulary of
+    32,000) for the random model of `config`, saved at path."""
+    target = model_config_from_hf(load_run_config(config).random_model)
+    return str(save_random_eagle3(path, target, draft_vocab_size=min(32000, target.vocab_size)))
+
+
+DRAFTERS = {"draft": ("verify+draft-kv", "drafting"), "eagle3": ("verify+eagle3-kv", "eagle3-drafting")}
+
+
 def verify_cost(args, command: str) -> None:
     loaded, cfg = load_run(None, args.config)
     cfg = dataclasses.replace(cfg, precompile=False, max_num_seqs=max(args.batch),
@@ -199,27 +212,31 @@ def verify_cost(args, command: str) -> None:
             plain.setdefault(batch, ms)
             rows.append(cost_row("verify" if width > 1 else "decode", batch, width, args.context, ms, plain[batch]))
     del llm
-    draft = random_draft(os.path.join(args.draft_dir, "llama3.2-1b-random"), loaded.dtype)
-    for width in args.width:
-        spec = SpeculativeConfig(method="draft", model=draft, num_speculative_tokens=width - 1,
-                                 max_num_seqs=max(args.draft_batch))
-        llm = LLM(loaded, config=dataclasses.replace(cfg, num_blocks=2048, speculative_config=spec))
-        for batch in args.draft_batch:
-            ms = step_ms(llm, batch, width, args.context, args.repeats)
-            rows.append(cost_row("verify+draft-kv", batch, width, args.context, ms, plain[batch]))
-            ms = drafting_ms(llm, batch, args.context, args.repeats)
-            rows.append(cost_row("drafting", batch, width, args.context, ms, plain[batch]))
-        del llm
+    for method in args.drafters:
+        draft = (random_draft(os.path.join(args.draft_dir, "llama3.2-1b-random"), loaded.dtype) if method == "draft"
+                 else random_eagle3(os.path.join(args.draft_dir, "eagle3-llama3-8b-random"), args.config))
+        for width in args.width:
+            spec = SpeculativeConfig(method=method, model=draft, num_speculative_tokens=width - 1,
+                                     max_num_seqs=max(args.draft_batch))
+            llm = LLM(loaded, config=dataclasses.replace(cfg, num_blocks=2048, speculative_config=spec))
+            verify, drafting = DRAFTERS[method]
+            for batch in args.draft_batch:
+                ms = step_ms(llm, batch, width, args.context, args.repeats)
+                rows.append(cost_row(verify, batch, width, args.context, ms, plain[batch]))
+                ms = drafting_ms(llm, batch, args.context, args.repeats)
+                rows.append(cost_row(drafting, batch, width, args.context, ms, plain[batch]))
+            del llm
     rows += projection_rows(rows, args.acceptance_length)
     write_rows(args.out, rows, command)
 
 
 def cost_row(impl: str, batch: int, width: int, context: int, ms: float, decode_ms: float) -> dict:
     """verify: the target's step of k + 1 tokens a row; verify+draft-kv: that step writing the 1B draft's KV too;
-    drafting: the 1B draft's k greedy steps in one launch."""
+    drafting: the 1B draft's k greedy steps in one launch; the same two for an EAGLE-3 head (eagle3)."""
     print(f"{impl}, batch {batch}, {width} token(s) a row: {ms:.2f} ms ({ms / decode_ms:.2f}x decode)", flush=True)
+    draft_model = "eagle3-llama3-8b-random" if "eagle3" in impl else "llama3.2-1b-random" if "draft" in impl else None
     return {"bench": "speculative_verify_cost", "impl": impl,
-            "params": {"model": "llama3-8b-random", "draft_model": "llama3.2-1b-random" if "draft" in impl else None,
+            "params": {"model": "llama3-8b-random", "draft_model": draft_model,
                        "batch": batch, "width": width, "context": context},
             "ms": ms, "tok_s": batch / ms * 1e3, "cost_vs_decode": ms / decode_ms}
 
@@ -234,8 +251,9 @@ def projection_rows(rows: list[dict], acceptance_length: float) -> list[dict]:
     for width in sorted(w for impl, w in ms if impl == "verify"):
         k, length = width - 1, min(acceptance_length, width)
         costs = {"ngram": ms[("verify", width)]}
-        if ("drafting", width) in ms:
-            costs["draft"] = ms[("verify+draft-kv", width)] + ms[("drafting", width)]
+        for method, (verify, drafting) in DRAFTERS.items():
+            if (drafting, width) in ms:
+                costs[method] = ms[(verify, width)] + ms[(drafting, width)]
         for method, cost in costs.items():
             speedup = length * ms[("decode", 1)] / cost
             out.append({"bench": "speculative_projection", "impl": method,
@@ -266,15 +284,20 @@ def main(argv=None):
     v.add_argument("--context", type=int, default=512)
     v.add_argument("--repeats", type=int, default=20)
     v.add_argument("--acceptance-length", type=float, default=3.0)
+    v.add_argument("--drafters", nargs="*", default=list(DRAFTERS), choices=list(DRAFTERS),
+                   help="draft: a Llama-3.2-1B-shaped model; eagle3: an EAGLE-3 head")
     for p in (g, v):
         p.add_argument("--out", default=OUT)
         p.add_argument("--draft-dir", default="/tmp/jaxserve-drafts", help="where draft models are written")
     r = sub.add_parser("random-draft")
     r.add_argument("path")
     r.add_argument("--dtype", default="bfloat16")
+    e = sub.add_parser("random-eagle3")
+    e.add_argument("path")
+    e.add_argument("--config", default="configs/llama3-8b-random.yaml")
     args = ap.parse_args(argv)
-    if args.case == "random-draft":
-        print(random_draft(args.path, args.dtype))
+    if args.case in ("random-draft", "random-eagle3"):
+        print(random_draft(args.path, args.dtype) if args.case == "random-draft" else random_eagle3(args.path, args.config))
         return
     command = "python benchmarks/speculative.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (grounded if args.case == "grounded" else verify_cost)(args, command)

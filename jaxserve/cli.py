@@ -75,14 +75,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(overrides --config; None: --config's, else auto)")
     p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="speculative decoding: ngram drafts the next tokens from earlier text of the same sequence "
-                        "(prompt lookup), draft from a smaller model with the same tokenizer (--speculative-model); "
-                        "either is verified exactly in one step (overrides --config's speculative_config; None: "
+                        "(prompt lookup), draft from a smaller model with the same tokenizer (--speculative-model), "
+                        "eagle3 from an EAGLE-3 head trained for the model (--speculative-model: its directory); "
+                        "each is verified exactly in one step (overrides --config's speculative_config; None: "
                         "--config's, else off)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"drafts per sequence and step (None: --config's, else "
                         f"{SpeculativeConfig.num_speculative_tokens})")
     p.add_argument("--speculative-model", default=None,
-                   help="the draft model of --speculative-method draft, a name or path as the model's (None: "
+                   help="the draft model of --speculative-method draft or eagle3, a name or path as the model's (None: "
                         "--config's)")
 
 

@@ -129,7 +129,8 @@ QUANTIZATIONS = (None, "fp8")   # models/fp8.py: weights of the linear layers in
 KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py
 VATTENTION_KERNELS = ("contiguous", "identity")   # models/attention.py: slots, or identity block tables
 GENERATION_CONFIGS = ("auto", "vllm")   # requests' sampling defaults: the model's generation_config, or vLLM's
-SPECULATIVE_METHODS = ("ngram", "draft")   # engine/speculation.py
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle3")   # engine/speculation.py
+MODEL_DRAFTERS = ("draft", "eagle3")   # the methods whose drafts come from a model: speculative_config.model
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +170,8 @@ class SpeculativeConfig:
     num_speculative_tokens tokens per decoding sequence, which one step of the model verifies exactly."""
     method: str = "ngram"
     # draft: the draft model (a name or path, as the model's): any model with the model's tokenizer, its KV in
-    # more layers of the same paged cache (engine/drafter.py)
+    # more layers of the same paged cache (engine/drafter.py); eagle3: an EAGLE-3 head trained for the model
+    # (models/eagle3.py), a directory in the published layout
     model: str | None = None
     num_speculative_tokens: int = 4
     # ngram: the longest suffix of prompt_lookup_min..max tokens that occurred before proposes what followed it
@@ -186,9 +188,9 @@ class SpeculativeConfig:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_num_seqs"):
             if not (_is_int(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"speculative_config.{name} must be a positive int, got {getattr(self, name)!r}")
-        if (self.method == "draft") != (self.model is not None):
-            raise ValueError("speculative_config.model names the draft model of method 'draft' (and only its): "
-                             f"got method {self.method!r} with model {self.model!r}")
+        if (self.method in MODEL_DRAFTERS) != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model of methods 'draft' and 'eagle3' (and "
+                             f"only theirs): got method {self.method!r} with model {self.model!r}")
         if self.model is not None and not (isinstance(self.model, str) and self.model):
             raise ValueError(f"speculative_config.model must be a model name or path, got {self.model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

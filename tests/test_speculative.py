@@ -1,6 +1,7 @@
 """Speculative decoding: the n-gram proposer, verification in the sampler (exact: the target distribution, and what
 token-by-token decoding emits), and the engine with speculation against the engine without it."""
 import dataclasses
+import json
 import sys
 
 import grpc
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from scipy import stats
 
 from helpers import KNOBS, MODEL, TINY, base_url, in_process, mixed_requests
@@ -16,6 +18,8 @@ from jaxserve.config import EngineConfig, SpeculativeConfig, load_run_config
 from jaxserve.engine.sampler import init_penalty_state, make_sampling_tensors, sample, verify
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.speculation import PROBE_EVERY, Speculator, propose_ngram
+from jaxserve.models.eagle3 import load_eagle3, save_random_eagle3
+from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.loader import random_model, save_converted
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve.jaxserve_pb2_grpc import JaxServeStub
@@ -412,6 +416,142 @@ def test_a_draft_model_must_share_the_tokenizer(tiny_model, tmp_path):
             speculative_config={"method": "draft", "model": str(bigger)})
 
 
+# ---- EAGLE-3 heads -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory):
+    """A random head for TINY in the published layout: a draft vocabulary of 64 of its 128 tokens, features from the
+    hidden states entering layers 0, 1 and 1 (TINY has two)."""
+    return save_random_eagle3(tmp_path_factory.mktemp("eagle3") / "head", TINY, draft_vocab_size=64,
+                              aux_layers=(0, 1, 1), std=0.2)
+
+
+def eagle_engine(tiny_model, path, **knobs):
+    llm = LLM(tiny_model, **{**KNOBS, "num_blocks": 16, **knobs},
+              speculative_config=dataclasses.replace(SPEC, method="eagle3", model=str(path)))
+    llm.engine.speculator.choose = lambda bucket: True   # every step it may, whatever its timings say
+    return llm
+
+
+def reference_drafts(target, head, tokens: list[int], num_drafts: int) -> tuple[list[int], list[float]]:
+    """The head's greedy drafts after `tokens`, dense (no cache, no paging): entries (t[p + 1], fc(target's hidden
+    states entering its aux layers at p)) for p < len - 1, each draft appended with the head's output as its
+    features; and each draft's top-2 logit margin."""
+    ids = jnp.asarray(tokens, jnp.int32)
+    _, _, aux = target.forward(ids, jnp.arange(len(tokens)), aux_layers=head.aux_layers)
+    features, entries = head.features(aux)[:-1], ids[1:]
+    drafts, margins = [], []
+    for _ in range(num_drafts):
+        out, _ = head(entries, features, jnp.arange(len(entries)))
+        top2 = jax.lax.top_k(head.lm_head(head.norm(out[-1:]))[0], 2)[0]
+        drafts.append(int(head.propose(out[-1:])[0]))
+        margins.append(float(top2[0] - top2[1]))
+        entries, features = jnp.append(entries, drafts[-1]), jnp.concatenate([features, out[-1:]])
+    return drafts, margins
+
+
+def test_eagle3_drafts_are_the_heads_own_through_chunked_prefill_and_verify_steps(tiny_model, eagle_dir):
+    """Every draft of a greedy request (its prompt in chunks, then verify steps accepting 0 or more drafts) is what
+    the head computes densely from the whole sequence: its cache entries of every position and the features
+    passed from step to step are there and right. Drafts whose top-2 logits lie within f32 rounding are not
+    compared (nor the rest of that step's)."""
+    llm = eagle_engine(tiny_model, eagle_dir, num_blocks=64)
+    runner, events = llm.engine.runner, []
+    draft = runner.draft
+
+    def recording(rows):
+        draft(rows)
+        events.extend((list(r.seq.token_ids[:r.start + 1]), r.draft_ids) for r in rows if r.draft_ids)
+    runner.draft = recording
+    prompt = [2 + (i * 37) % 120 for i in range(100)]   # 100 tokens: chunks of at most 64
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    head = runner.graphs.draft_def.merge(runner.params)
+    compared = 0
+    for tokens, drafts in events:
+        expected, margins = reference_drafts(tiny_model.model, head, tokens, len(drafts))
+        for got, want, margin in zip(drafts, expected, margins):
+            if margin < 1e-4:   # f32 sums in another order (paged vs dense): ~1e-6 apart
+                break
+            assert got == want, (len(tokens), drafts, expected)
+            compared += 1
+    assert len(events) > 5 and compared > 0.8 * sum(len(d) for _, d in events)
+
+
+def test_every_kind_of_request_decodes_the_same_with_an_eagle3_head(plain, tiny_model, eagle_dir):
+    """Greedy, sampled, penalties, logprobs, n = 3, chunked prompts, preempted for lack of blocks: speculation
+    off's tokens, 0 compiles after start, every block back."""
+    prompts, params = mixed_requests()
+    prompts += [[5 + i] * 20 for i in range(6)]
+    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
+    expected = outputs(plain, prompts, params)
+    llm = eagle_engine(tiny_model, eagle_dir)
+    drafted, _ = drafted_and_accepted(llm, lambda: check_same(outputs(llm, prompts, params), expected))
+    stats = llm.engine.stats()
+    assert drafted > 0 and stats["preemptions"] > 0 and stats["compiles_after_start"] == 0
+    llm.engine.step()
+    assert llm.engine.stats()["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_an_eagle3_head_loads_in_the_published_layout(tiny_model, tmp_path):
+    """Without its own embeddings the head shares the model's table (one array); with them, its own. d2t maps the
+    draft vocabulary into the model's; a PyTorch .bin checkpoint loads as the safetensors one does."""
+    import torch
+    from safetensors.numpy import load_file
+    shared = load_eagle3(save_random_eagle3(tmp_path / "shared", TINY, draft_vocab_size=64, aux_layers=(0, 1, 1)),
+                         tiny_model)
+    head = shared.model
+    assert head.embed_tokens.embedding[...] is tiny_model.model.embed_tokens.embedding[...]
+    assert head.aux_layers == (0, 1, 1) and shared.config.num_layers == 1
+    stored = load_file(str(tmp_path / "shared" / "model.safetensors"))
+    ids = np.arange(64) + np.asarray(head.d2t[...])
+    np.testing.assert_array_equal(np.flatnonzero(stored["t2d"]), ids)   # d2t and t2d agree, as published
+    np.testing.assert_array_equal(np.asarray(head.midlayer.self_attn.q_proj.kernel[...]),
+                                  stored["midlayer.self_attn.q_proj.weight"].T)
+    own = save_random_eagle3(tmp_path / "own", TINY, draft_vocab_size=64, aux_layers=(0, 1, 1), with_embeddings=True)
+    np.testing.assert_array_equal(np.asarray(load_eagle3(own, tiny_model).model.embed_tokens.embedding[...]),
+                                  load_file(str(own / "model.safetensors"))["embed_tokens.weight"])
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "shared" / "config.json").read_text())
+    torch.save({k: torch.from_numpy(v) for k, v in stored.items()}, tmp_path / "bin" / "pytorch_model.bin")
+    from_bin = load_eagle3(tmp_path / "bin", tiny_model).model
+    for a, b in zip(jax.tree.leaves(nnx.state(from_bin)), jax.tree.leaves(nnx.state(head))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_eagle3_head_must_fit_its_model(tiny_model, tmp_path):
+    other = save_random_eagle3(tmp_path / "vocab", dataclasses.replace(TINY, vocab_size=256), aux_layers=(0, 1, 1))
+    with pytest.raises(ModelLoadError, match="vocab_size 256 is not the model's 128"):
+        load_eagle3(other, tiny_model)
+    with pytest.raises(ModelLoadError, match="must be 3 of 0..1, got \\[2, 1, -1\\]"):   # TINY: too few layers
+        load_eagle3(save_random_eagle3(tmp_path / "aux", TINY), tiny_model)
+    wide = save_random_eagle3(tmp_path / "wide", dataclasses.replace(TINY, hidden_size=32), hidden_size=64,
+                              num_heads=4, num_kv_heads=2, aux_layers=(0, 1, 1))
+    with pytest.raises(ModelLoadError, match="target_hidden_size 32 is not the model's hidden size 64"):
+        load_eagle3(wide, tiny_model)
+    config = json.loads((wide / "config.json").read_text())
+    del config["target_hidden_size"]   # then the weights tell
+    (wide / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="fc.weight \\(96, 64\\) does not fit the model \\(expected \\(192, 64\\)"):
+        load_eagle3(wide, tiny_model)
+
+
+@pytest.mark.slow
+def test_smollm_eagle3_head_of_its_shapes_is_greedy_identical(smollm, tmp_path):
+    """A random head of the shapes an EAGLE-3 head of SmolLM2 takes (its widths, 9 q / 3 kv heads, a draft vocabulary
+    of 8,192 of 49,152 tokens, features from layers 2, 15 and 27 of 30) loads and changes no greedy token."""
+    path = save_random_eagle3(tmp_path / "head", smollm.config, draft_vocab_size=8192)
+    knobs = dict(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=64, compile_cache_dir=None, precompile=False)
+    prompts = [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                    add_generation_prompt=True)
+               for q in ("What is the capital of France?", "Write a haiku about the sea.")]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    expected = [o.outputs[0].token_ids for o in LLM(smollm, **knobs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(smollm, **knobs, speculative_config=SpeculativeConfig(method="eagle3", model=str(path)))
+    llm.engine.speculator.choose = lambda bucket: True
+    assert llm.engine.graphs.draft_def.merge(llm.engine.runner.params).aux_layers == (2, 15, 27)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+
+
 # ---- configuration ------------------------------------------------------------------------------------------------
 def test_speculative_config_from_a_file_and_its_errors(tmp_path):
     path = tmp_path / "run.yaml"
@@ -424,7 +564,7 @@ def test_speculative_config_from_a_file_and_its_errors(tmp_path):
         EngineConfig(speculative_config={"method": "medusa"})
     with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens must be a positive int"):
         EngineConfig(speculative_config={"num_speculative_tokens": 0})
-    for bad in ({"method": "draft"}, {"model": "x"}, {"method": "draft", "model": ""}):
+    for bad in ({"method": "draft"}, {"method": "eagle3"}, {"model": "x"}, {"method": "draft", "model": ""}):
         with pytest.raises(ValueError, match="speculative_config.model"):
             EngineConfig(speculative_config=bad)
     with pytest.raises(ValueError, match="kv_backend must be paged with speculative_config"):
@@ -443,6 +583,8 @@ def test_speculative_flags(tmp_path):
     assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3)
     cfg = served_engine_config(parse(["serve", "--speculative-method", "draft", "--speculative-model", "small"]))
     assert cfg.speculative_config == SpeculativeConfig(method="draft", model="small")
+    cfg = served_engine_config(parse(["serve", "--speculative-method", "eagle3", "--speculative-model", "head"]))
+    assert cfg.speculative_config == SpeculativeConfig(method="eagle3", model="head")
     for flags in (["--num-speculative-tokens", "2"], ["--speculative-model", "small"]):
         with pytest.raises(ValueError, match="need --speculative-method"):
             served_engine_config(parse(["serve", *flags]))

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jaxserve.cache.kv_backend import KVManager, make_kv_backend
 from jaxserve.cache.kv_cache import is_quantized_kv, kv_cache_dtype
 from jaxserve.compilation_cache import enable_compilation_cache
-from jaxserve.config import EngineConfig
+from jaxserve.config import MODEL_DRAFTERS, EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.drafter import load_draft
 from jaxserve.engine.runner import ModelRunner, Unsampled
@@ -144,8 +144,9 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
         print("calibrating the FP8 KV cache's scales", file=sys.stderr)
         calibrate_kv_scales(loaded.model, calibration_ids(loaded.tokenizer, loaded.config.vocab_size))
     spec = cfg.speculative_config
-    draft = load_draft(spec, loaded) if spec is not None and spec.method == "draft" else None
-    if draft is not None and is_quantized_kv(kv_dtype) and not draft.kv_scales_loaded:
+    draft = load_draft(spec, loaded) if spec is not None and spec.method in MODEL_DRAFTERS else None
+    # an EAGLE-3 head's FP8 KV keeps unit scales: it reads no text of its own to calibrate on
+    if spec and spec.method == "draft" and is_quantized_kv(kv_dtype) and not draft.kv_scales_loaded:
         calibrate_kv_scales(draft.model, calibration_ids(loaded.tokenizer, draft.config.vocab_size))
     backend = make_kv_backend(cfg, loaded.config, mesh, kv_dtype, draft and draft.config)
     graphs = StepGraphs(loaded, cfg, mesh, backend, draft)

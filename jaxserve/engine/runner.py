@@ -62,6 +62,9 @@ class ModelRunner:
             cfg.max_num_seqs, graphs.model_config.vocab_size)
         self.last_tokens = jnp.zeros(graphs.seq_buckets[-1], jnp.int32,   # the previous step's samples, on device
                                      device=graphs.replicated)
+        f = graphs.features   # EAGLE-3: the features of the last step that ran the head, and where each row's are
+        self.features = None if f is None else jnp.zeros(f.shape, f.dtype, device=graphs.replicated)
+        self.feature_rows: dict[int, tuple[int, int, int]] = {}   # seq_id -> (index, first position, positions)
         self.on_launch: Callable[[DeviceStep], None] | None = None
 
     def observe_launches(self, on_launch: Callable[[DeviceStep], None] | None) -> None:
@@ -78,9 +81,10 @@ class ModelRunner:
         keys = self.graphs.keys_of(inp)
         model, sampler, *prompt = map(self.graphs.get, keys)
         split = self.graphs.draft_split(keys[0])
-        cache = self.kv_cache if split is None else self.kv_cache[:split]
-        cache, logits, hidden = model(self.params, cache, self.last_tokens, inp.model)
+        cache, features = (self.kv_cache, self.features) if split is None else (self.kv_cache[:split], None)
+        cache, logits, hidden, features = model(self.params, cache, self.last_tokens, inp.model, features)
         self.kv_cache = cache if split is None else cache + self.kv_cache[split:]
+        self.features = self.features if features is None else features
         prompt_out = prompt[0](self.params, hidden, inp.next_prompt_ids) if prompt else None
         if inp.sampler.constrained:
             return Unsampled(logits, inp.sampler, prompt_out)
@@ -111,6 +115,7 @@ class ModelRunner:
         if out.rows:
             step.inputs = self.prepare_inputs(out.rows)
             self.prev_rows = {row.seq.seq_id: i for i, row in enumerate(out.rows) if row.samples}
+            self._keep_feature_rows(out.rows, step.inputs)
         if self.on_launch is not None and not step.empty:
             self.on_launch(step)
         if ready is not None:
@@ -132,7 +137,8 @@ class ModelRunner:
         slots = [self.slot_of[r.seq.seq_id] for r in drafting]
         inp = draft_inputs([r.seq.token_ids[r.start] for r in drafting], [r.start for r in drafting],
                            self.block_table.table[slots], [len(r.draft_ids) for r in drafting],
-                           self.graphs.drafts_key(len(drafting)).dims[0])
+                           self.graphs.drafts_key(len(drafting)).dims[0],
+                           [self.feature_index(r.seq.seq_id, r.start - 1) for r in drafting])
         for row, tokens in zip(drafting, np.asarray(self.run_drafts(inp))):
             row.draft_ids = tuple(tokens[:len(row.draft_ids)].tolist())
 
@@ -141,9 +147,25 @@ class ModelRunner:
         cache layers only."""
         split = self.graphs.draft_def.first_layer
         graph = self.graphs.get(self.graphs.drafts_key(len(inp.token_ids)))
-        draft_cache, drafts = graph(self.params, self.kv_cache[split:], inp)
+        draft_cache, drafts = graph(self.params, self.kv_cache[split:], inp, self.features)
         self.kv_cache = self.kv_cache[:split] + draft_cache
         return drafts
+
+    def feature_index(self, seq_id: int, position: int) -> int:
+        """Where in `features` an EAGLE-3 head's features of a sequence's position are; -1: not there."""
+        index, first, count = self.feature_rows.get(seq_id, (-1, 0, 0))
+        return index + position - first if 0 <= position - first < count else -1
+
+    def _keep_feature_rows(self, rows: list[StepRow], inp: StepInputs) -> None:
+        """The positions whose features a step that runs an EAGLE-3 head keeps: each row's logits positions (its
+        last known token and its drafts), at row x W + j (step_inputs' logits_indices)."""
+        if self.features is None or not self.graphs.runs_draft(self.graphs.keys_of(inp)[0]):
+            return
+        width = inp.model.key[3]
+        self.feature_rows = {}
+        for i, row in enumerate(rows):
+            src = row if row.logits_from < 0 else rows[row.logits_from]
+            self.feature_rows[row.seq.seq_id] = (i * width, src.start + src.num_known - 1, 1 + len(src.draft_ids))
 
     def _release(self, seq_id: int) -> None:
         slot = self.slot_of.pop(seq_id, None)   # None: finished before it was ever placed
@@ -194,6 +216,8 @@ class ModelRunner:
             slots=slots, sample_mask=[r.samples for r in rows], params=[r.seq.params for r in rows],
             seeds=[r.seq.seed for r in rows], num_generated=[r.num_generated for r in rows],
             logits_from=[r.logits_from for r in rows], prev_index=self._prev_index(rows, counts, token_ids),
+            feature_index=None if self.features is None else
+            [self.feature_index(r.seq.seq_id, r.start - 1) for r in rows],
             next_prompt_ids=next_prompt_ids(rows, len(token_ids)) if prompt else None,
             num_logprobs=MAX_LOGPROBS if any(r.seq.params.logprobs for r in rows) else 0,
             sampler_mode=mode_for([r.seq.params for r in rows if r.samples], self.graphs.model_config.vocab_size,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.config import SpeculativeConfig
+from jaxserve.config import MODEL_DRAFTERS, SpeculativeConfig
 from jaxserve.engine.sequence import PENDING, Sequence, SequenceStatus
 from jaxserve.engine.step_graphs import bucket_for
 
@@ -100,9 +100,9 @@ class Speculator:
         return drafted
 
     def draft(self, seq: Sequence, num_drafts: int) -> list[int]:
-        """The proposer: up to num_drafts tokens that may follow seq's. The draft model's are PENDING places here,
+        """The proposer: up to num_drafts tokens that may follow seq's. A draft model's (or head's) are PENDING places here,
         filled on the device once the step's blocks are allocated (ModelRunner.draft)."""
-        if self.cfg.method == "draft":
+        if self.cfg.method in MODEL_DRAFTERS:
             return [PENDING] * num_drafts
         return propose_ngram(seq.token_ids, num_drafts, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
 

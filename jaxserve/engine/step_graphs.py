@@ -30,7 +30,8 @@ from jaxserve.cache.kv_backend import KVBackend
 from jaxserve.cache.kv_cache import KVCache, copy_blocks, copy_bucket
 from jaxserve.config import SAMPLER_MODES, EngineConfig, graph_knobs
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache, fingerprint
-from jaxserve.engine.drafter import DraftInputs, draft_inputs, draft_tokens, write_draft_kv
+from jaxserve.engine.drafter import (DraftInputs, draft_inputs, draft_tokens, eagle_draft_tokens, write_draft_kv,
+                                     write_eagle_kv)
 from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slots, sample, sampler_modes, verify
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs
@@ -122,23 +123,34 @@ class ModelDef(NamedTuple):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_def, params[self.start:self.stop]))
 
 
-def run_model(params, kv_cache, last_tokens, inp: ModelInputs, *, model_def: ModelDef, kernels: AttentionKernels,
-              mesh: Mesh, fence: bool = False, draft_def: ModelDef | None = None):
-    """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H]); with a draft
-    model, the draft's KV of the same tokens written too (engine/drafter.py)."""
+def run_model(params, kv_cache, last_tokens, inp: ModelInputs, features=None, *, model_def: ModelDef,
+              kernels: AttentionKernels, mesh: Mesh, fence: bool = False, draft_def: ModelDef | None = None,
+              block_size: int = 0):
+    """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H], features); with a
+    draft model, the draft's KV of the same tokens written too; with an EAGLE-3 head (features given: the previous
+    step's), the head's entries and the features of this step's logits positions (engine/drafter.py)."""
     model = model_def.merge(params)
+    draft = None if draft_def is None else draft_def.merge(params)
     # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
     token_ids = jnp.where(inp.prev_index >= 0, last_tokens[jnp.maximum(inp.prev_index, 0)], inp.token_ids)
     paged = PagedAttention(inp.attn, kernels, mesh)
-    hidden, kv_cache = model(token_ids, inp.positions, kv_cache, paged)
-    if draft_def is not None:
+    aux_layers = () if features is None else draft.aux_layers
+    hidden, kv_cache, aux = model.forward(token_ids, inp.positions, kv_cache, paged, aux_layers)
+    if draft is not None:
         split = draft_def.first_layer
-        kv_cache = kv_cache[:split] + write_draft_kv(draft_def.merge(params), kv_cache[split:], token_ids,
-                                                     inp.positions, paged)
+        if features is None:
+            kv_cache = kv_cache[:split] + write_draft_kv(draft, kv_cache[split:], token_ids, inp.positions, paged)
+        else:
+            head_cache, step_features = write_eagle_kv(
+                draft, kv_cache[split:], token_ids, inp.positions, aux, features, inp.feature_index, inp.attn,
+                block_size=block_size, kernels=kernels, mesh=mesh)
+            kv_cache = kv_cache[:split] + head_cache
+            kept = step_features[inp.logits_indices].astype(features.dtype)
+            features = jnp.zeros_like(features).at[:len(kept)].set(kept)
     logits = model.logits(hidden[inp.logits_indices])
     if fence:   # vattention on GPU: the logits follow every cache read; unmaps wait for this fence
         logits = vmm.fence(logits)
-    return kv_cache, logits, hidden
+    return kv_cache, logits, hidden, features
 
 
 def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_tokens: int):
@@ -155,9 +167,13 @@ def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_t
     return penalty, out, jnp.zeros(num_last_tokens, jnp.int32).at[:last.shape[0]].set(last)
 
 
-def run_drafts(params, draft_cache, inp: DraftInputs, *, draft_def: ModelDef, **kw) -> tuple[list, jax.Array]:
-    """The drafting graph: (the draft's cache layers, drafts [S, k]) from the draft model (drafter.draft_tokens)."""
-    return draft_tokens(draft_def.merge(params), draft_cache, inp, **kw)
+def run_drafts(params, draft_cache, inp: DraftInputs, features=None, *, draft_def: ModelDef, **kw
+               ) -> tuple[list, jax.Array]:
+    """The drafting graph: (the draft's cache layers, drafts [S, k]) from the draft model (drafter.draft_tokens)
+    or, features given, the EAGLE-3 head (drafter.eagle_draft_tokens)."""
+    if features is None:
+        return draft_tokens(draft_def.merge(params), draft_cache, inp, **kw)
+    return eagle_draft_tokens(draft_def.merge(params), draft_cache, features, inp, **kw)
 
 
 def run_prompt_logprobs(params, hidden, next_prompt_ids, *, model_def: ModelDef) -> PromptLogprobs:
@@ -199,13 +215,17 @@ class StepGraphs:
         self.params, state_def = jax.tree.flatten(state)
         model_def = ModelDef(graphdef, state_def, 0, len(self.params))
         self.draft_def = None if draft is None else self._add_draft(draft, mc.num_layers)
+        self.speculative = cfg.speculative_config
         self.dtype, self.quantization = loaded.dtype, loaded.quantization
         self.eos_token_ids = loaded.eos_token_ids
         cpu = mesh.devices.flat[0].platform == "cpu"
         self.ladders = self.token_buckets, self.seq_buckets = bucket_ladders(cfg, cpu)
+        # an EAGLE-3 head's features at the logits positions of the last step that ran it, from graph to graph
+        self.features = None if self.speculative is None or self.speculative.method != "eagle3" else \
+            jax.ShapeDtypeStruct((self.spec_seq_buckets[-1] * self.speculative.width, draft.config.hidden_size),
+                                 loaded.dtype)
         self.reset_widths = pow2_ladder(MIN_RESET_WIDTH, cfg.max_model_len, factor=4)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-        self.speculative = cfg.speculative_config
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim,
                                                  backend.blocks_per_row, backend.dtype)
         self.replicated = NamedSharding(mesh, P())
@@ -235,17 +255,17 @@ class StepGraphs:
     def _jit(self, model_def: ModelDef) -> None:
         rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
         cache = self.backend.cache_sharding   # every layer's (a prefix of the cache's pytree)
-        model = functools.partial(jax.jit, in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep, rep),
-                                  donate_argnums=1)
+        model = functools.partial(jax.jit, in_shardings=(params, cache, rep, rep, rep),
+                                  out_shardings=(cache, rep, rep, rep), donate_argnums=(1, 4))
         run = functools.partial(run_model, model_def=model_def, kernels=self.kernels, mesh=self.mesh,
-                                fence=self.backend.fence)
+                                fence=self.backend.fence, block_size=self.cfg.block_size)
         self.model = self.drafting_model = model(run)
         if self.draft_def is not None:
             self.drafting_model = model(functools.partial(run, draft_def=self.draft_def))
             self.drafts = jax.jit(functools.partial(
                 run_drafts, draft_def=self.draft_def, num_drafts=self.speculative.num_speculative_tokens,
                 block_size=self.cfg.block_size, kernels=self.kernels, mesh=self.mesh),
-                in_shardings=(params, cache, rep), out_shardings=(cache, rep), donate_argnums=1)
+                in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep), donate_argnums=1)
         self.sampler = jax.jit(functools.partial(run_sampler, num_last_tokens=self.seq_buckets[-1]),
                                in_shardings=rep, out_shardings=rep, donate_argnums=1)
         self.prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, model_def=model_def),
@@ -323,13 +343,16 @@ class StepGraphs:
             case GraphKey("model", (t, s, decode_only, width)):
                 inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width).model
                 split = self.draft_split(key)
-                model, cache = ((self.drafting_model, self.cache_shape) if split is None
-                                else (self.model, self.cache_shape[:split]))
-                return model.lower(self.params, cache, self.last_tokens, inp)
+                model, cache, features = ((self.drafting_model, self.cache_shape, self.features) if split is None
+                                          else (self.model, self.cache_shape[:split], None))
+                return model.lower(self.params, cache, self.last_tokens, inp, features)
             case GraphKey("peak"):   # a stand-in cache: temp memory does not depend on its size (a row: contiguous)
                 stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
-                inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=self.seq_buckets[-1]).model
-                return self.drafting_model.lower(self.params, stand_in, self.last_tokens, inp)
+                rows = self.seq_buckets[-1]
+                inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=rows).model
+                features = None if self.features is None else \
+                    jax.ShapeDtypeStruct((rows, self.features.shape[1]), self.features.dtype)
+                return self.drafting_model.lower(self.params, stand_in, self.last_tokens, inp, features)
             case GraphKey("sampler", (s, mode, num_logprobs, constrained, width)):
                 inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
                                        num_logprobs=num_logprobs, constrained=constrained, spec_width=width).sampler
@@ -342,7 +365,8 @@ class StepGraphs:
                 return self.prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32))
             case GraphKey("drafts", (s,)):
                 inp = draft_inputs(np.zeros(0), np.zeros(0), np.zeros((0, self.max_blocks_per_seq)), np.zeros(0), s)
-                return self.drafts.lower(self.params, self.cache_shape[self.draft_def.first_layer:], inp)
+                return self.drafts.lower(self.params, self.cache_shape[self.draft_def.first_layer:], inp,
+                                         self.features)
             case GraphKey("copy", (n,)):
                 ids = np.zeros(n, np.int32)
                 return copy_blocks.lower(self.cache_shape, ids, ids, mesh=self.mesh)
@@ -426,6 +450,8 @@ class StepGraphs:
         graph where there is one (`decode_only` forces it, for the compile-time dummies); no rows: a dummy."""
         counts = kw.get("counts", ())
         decode_only = kw.pop("decode_only", len(counts) > 0 and all(c == 1 for c in counts))
+        if self.features is not None:
+            kw.setdefault("feature_index", ())
         if "block_tables" not in kw and "kv_rows" not in kw:
             cells = np.zeros((0,) if self.kernels.blocks_per_row else (0, self.max_blocks_per_seq), np.int32)
             kw |= kv_addressing(cells, self.kernels.blocks_per_row)

@@ -30,6 +30,8 @@ class ModelInputs:
     attn: AttentionBatch
     logits_indices: jax.Array   # [S * W] flat index of the token whose logits each row samples at each of W positions
     prev_index: jax.Array       # [T] row of the previous step whose sample this input is; -1: token_ids has it
+    # [S] EAGLE-3 engines: where the features before each row's first token are (engine/drafter.py); -1: nowhere
+    feature_index: jax.Array | None = None
 
     @property
     def key(self) -> tuple:
@@ -76,13 +78,15 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                       logits_from: Sequence[int] | None = None, prev_index: np.ndarray | None = None,
                       next_prompt_ids: np.ndarray | None = None, decode_only: bool = False, num_logprobs: int = 0,
                       sampler_mode: str = "filter", constrained: bool = False,
-                      draft_ids: Sequence[Sequence[int]] | None = None, spec_width: int = 1) -> StepInputs:
+                      draft_ids: Sequence[Sequence[int]] | None = None, spec_width: int = 1,
+                      feature_index: Sequence[int] | None = None) -> StepInputs:
     """Host (numpy) inputs of one step over n real rows (decodes first), padded to the buckets.
 
     Per row: `starts` (first position computed), `counts` (tokens computed), where its KV lies — `block_tables`
     [n, W] (its blocks) or, for contiguous kernels, `kv_rows` [n] (its cache row, of `blocks_per_row` blocks) —
     `slots`, `sample_mask`, `params` / `seeds` / `num_generated` (sampling), `logits_from` (row whose logits it
-    samples; -1: its own). Per real token, flattened: `token_ids`, `prev_index`, `next_prompt_ids`.
+    samples; -1: its own), `feature_index` (EAGLE-3 engines). Per real token, flattened: `token_ids`,
+    `prev_index`, `next_prompt_ids`.
     No rows: an all-padding step (its writes land in the null block), as compile-time dummies use.
     """
     counts, starts = np.asarray(counts, np.int32), np.asarray(starts, np.int32)
@@ -105,7 +109,8 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                           decode_only, kv_rows)
     model = ModelInputs(pad(token_ids, num_tokens), positions, attn,
                         pad(own_last[from_row][:, None] + after, num_seqs).reshape(-1),
-                        pad(prev_index if prev_index is not None else [], num_tokens, fill=-1))
+                        pad(prev_index if prev_index is not None else [], num_tokens, fill=-1),
+                        None if feature_index is None else pad(feature_index, num_seqs, fill=-1))
     per_position = lambda values: [v for v in values for _ in range(spec_width)]
     sampling = make_sampling_tensors(
         per_position(params), per_position(seeds), [g + j for g in num_generated for j in range(spec_width)],

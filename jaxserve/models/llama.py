@@ -78,11 +78,13 @@ class KVScale(nnx.Variable):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization=None):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization=None, in_features: int | None = None):
+        """in_features: q/k/v's input width where it is not hidden_size (EAGLE-3's layer reads 2 x hidden)."""
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(h, cfg.num_heads * d, dtype, rngs, cfg.attention_bias, quantization)
-        self.k_proj = _linear(h, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
-        self.v_proj = _linear(h, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
+        x = in_features or h
+        self.q_proj = _linear(x, cfg.num_heads * d, dtype, rngs, cfg.attention_bias, quantization)
+        self.k_proj = _linear(x, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
+        self.v_proj = _linear(x, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
         self.o_proj = _linear(cfg.num_heads * d, h, dtype, rngs, quantization=quantization)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -144,14 +146,21 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, token_ids, positions, kv_cache=None, paged: PagedAttention | None = None):
         """token_ids, positions [T] -> (final hidden states [T, H], updated kv_cache or None)."""
-        x = self.embed_tokens(token_ids)
+        hidden, kv_cache, _ = self.forward(token_ids, positions, kv_cache, paged)
+        return hidden, kv_cache
+
+    def forward(self, token_ids, positions, kv_cache=None, paged: PagedAttention | None = None,
+                aux_layers: tuple[int, ...] = ()):
+        """__call__, and the hidden states entering each of aux_layers (EAGLE-3's features), [T, H] each."""
+        x, aux = self.embed_tokens(token_ids), []
         batch, kernels, mesh = (None, None, None) if paged is None else (paged.batch, paged.kernels, paged.mesh)
         for i, layer in enumerate(self.layers):
+            aux += [x] * aux_layers.count(i)
             graphdef, state = nnx.split(layer)
             x, kv_layer = run_layer(graphdef, state, x, positions, None if kv_cache is None else layer_of(kv_cache, i),
                                     batch, kernels=kernels, mesh=mesh)
             kv_cache = None if kv_cache is None else with_layer(kv_cache, i, kv_layer)
-        return self.norm(x), kv_cache
+        return self.norm(x), kv_cache, aux
 
     def logits(self, hidden):
         """hidden [N, H] -> f32 logits [N, V]."""

@@ -215,7 +215,7 @@ class Fp8Layout:
 
 def build_model(cfg: ModelConfig, dtype, tensors: Iterable[tuple[str, object, tuple]], source, mesh=None,
                 total_bytes: int | None = None, quantization: str | None = None,
-                layout: Fp8Layout | None = None) -> tuple[LlamaForCausalLM, bool]:
+                layout: Fp8Layout | None = None, abstract: nnx.Module | None = None) -> tuple[nnx.Module, bool]:
     """Fill an abstract model with named HF-layout tensors (name, array or lazy slice, stored shape, bytes), each
     placed shard by shard on the mesh (default: the first device); every parameter must be given exactly once.
     Returns the model and whether the tensors held KV cache scales (non-parameter leaves absent stay ones).
@@ -223,8 +223,9 @@ def build_model(cfg: ModelConfig, dtype, tensors: Iterable[tuple[str, object, tu
 
     With quantization="fp8", a float linear weight is quantized on its devices as it arrives, so memory never
     holds more than a few float tensors beside the FP8 model; an FP8 one (a pre-quantized checkpoint, stored as
-    `layout` says) is placed as stored."""
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, quantization))
+    `layout` says) is placed as stored. `abstract`: another module of HF-named parameters to fill (an EAGLE-3 head)
+    than the Llama model of cfg; an integer parameter takes its tensor's values as they are."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, quantization) if abstract is None else abstract)
     flat = nnx.to_flat_state(state)
     variables = dict(flat)
     shardings = {path: var.get_value() for path, var in
@@ -291,6 +292,8 @@ def build_model(cfg: ModelConfig, dtype, tensors: Iterable[tuple[str, object, tu
             if stored not in ((), (1,), (n := cfg.num_kv_heads,)):
                 refuse(name, stored, f"a scale per tensor or per kv head of {n}")
             return put(path, _scale_vector(n, shardings[path])(w)),
+        if path in variables and jnp.issubdtype(variables[path].dtype, jnp.integer):
+            return put(path, jax.device_put(np.asarray(w).astype(variables[path].dtype), fits(name, path, stored))),
         return put(path, place(w, stored, fits(name, path, stored), dtype, False)),
 
     def load(name, w, stored_shape, nbytes) -> tuple:
@@ -344,7 +347,7 @@ def load_gguf(path: Path, dtype, mesh=None, quantization: str | None = None) -> 
 
 
 SAFETENSORS_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-                      "F8_E4M3": ml_dtypes.float8_e4m3fn}
+                      "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "BOOL": np.bool_}
 MAX_HEADER_BYTES = 100 << 20   # the format's own limit
 READ_CHUNK, READ_THREADS = 16 << 20, 8   # a tensor's bytes are read in chunks on threads
 # The loader's small graphs (layout, finiteness, random weights) are memory-bound copies and reductions: XLA's
