@@ -25,7 +25,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-anchor  # 1,000 x 1,000/1,000 in FP8 (TensorRT-LLM's)
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh structured  # JSON schema vs none at 256 x 512/128, TTFT
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative # n-gram, draft models: embedded model, batch 1
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-cost     # 8B verify steps, 1B drafting
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-cost     # 8B verify steps, 1B / EAGLE-3 drafting
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-offline  # 256 x 512/128, speculation on/off
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -171,6 +171,10 @@ case $1 in
     run 120 python benchmarks/speculative.py random-draft /tmp/draft-1b
     run 300 python benchmarks/offline.py --config $CONFIG \
       --set "speculative_config={method: draft, model: /tmp/draft-1b, num_speculative_tokens: 4}" \
+      --out "$OUT/speculative_offline_gpu.json"
+    run 120 python benchmarks/speculative.py random-eagle3 /tmp/eagle3-8b
+    run 300 python benchmarks/offline.py --config $CONFIG \
+      --set "speculative_config={method: eagle3, model: /tmp/eagle3-8b, num_speculative_tokens: 4}" \
       --out "$OUT/speculative_offline_gpu.json" ;;
   serve)
     run 540 python benchmarks/serve_load.py --config $CONFIG --num-prompts 512 --input-len 512 --output-len 128 \

@@ -65,10 +65,11 @@ def test_tp2_with_fewer_kv_heads_than_devices_matches_one_device(tp2):
 
 
 @pytest.mark.slow
-def test_tp2_speculative_decoding_n_gram_and_draft_model_match_one_device_without_it(tp2):
+def test_tp2_speculative_decoding_n_gram_draft_model_and_eagle3_match_one_device_without_it(tp2):
     spec = tp2["speculative"]
     assert spec["2"]["tokens"] == spec["1"]["tokens"] and spec["2"]["accepted"] > 0
     assert spec["draft"]["tokens"] == spec["1"]["tokens"] and spec["draft"]["accepted"] > 0
+    assert spec["eagle3"]["tokens"] == spec["1"]["tokens"] and spec["eagle3"]["drafted"] > 0
 
 
 @pytest.mark.slow

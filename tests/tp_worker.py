@@ -29,6 +29,7 @@ from test_compilation import KNOBS, TINY, mixed_requests  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models.loader import load_model, random_model, save_converted  # noqa: E402
+from jaxserve.models.eagle3 import save_random_eagle3  # noqa: E402
 from jaxserve.sharding import KV_CACHE, TP, make_mesh, param_spec  # noqa: E402
 
 LAZY = {**KNOBS, "num_blocks": 64, "precompile": False}
@@ -105,21 +106,24 @@ def precompiled(tp: int) -> dict:
 
 def speculative(tp: int) -> dict:
     """n-gram speculation on tp devices, beside one device without it (repetitive prompts: drafts get accepted);
-    then a draft model (the model itself, saved) on tp devices."""
+    then a draft model (the model itself, saved) and a random EAGLE-3 head on tp devices."""
     prompts = [[5, 6, 7, 8, 9] * 6, [10, 11, 12] * 8 + [13]]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)]
     draft = str(save_converted(random_model(TINY, jnp.float32), tempfile.mkdtemp() + "/draft"))
+    head = str(save_random_eagle3(tempfile.mkdtemp() + "/eagle3", TINY, draft_vocab_size=64, aux_layers=(0, 1, 1)))
     out = {}
     for name, n, spec in (("1", 1, None), (str(tp), tp, {"num_speculative_tokens": 3}),
-                          ("draft", tp, {"method": "draft", "model": draft, "num_speculative_tokens": 3})):
+                          ("draft", tp, {"method": "draft", "model": draft, "num_speculative_tokens": 3}),
+                          ("eagle3", tp, {"method": "eagle3", "model": head, "num_speculative_tokens": 3})):
         llm = LLM(random_model(TINY, jnp.float32, mesh=make_mesh(n)), tensor_parallel_size=n, **LAZY,
                   speculative_config=spec)
         if llm.engine.speculator is not None:   # every step it may, whatever its timings say
             llm.engine.speculator.choose = lambda bucket: True
         outs = llm.generate(prompts, params, use_tqdm=False)
         out[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
-                     "accepted": llm.engine.stats()["spec_num_accepted_tokens"]}
+                     "accepted": llm.engine.stats()["spec_num_accepted_tokens"],
+                     "drafted": llm.engine.stats()["spec_num_draft_tokens"]}
     return out
 
 
