@@ -296,8 +296,11 @@ def main(argv=None):
     e.add_argument("path")
     e.add_argument("--config", default="configs/llama3-8b-random.yaml")
     args = ap.parse_args(argv)
-    if args.case in ("random-draft", "random-eagle3"):
-        print(random_draft(args.path, args.dtype) if args.case == "random-draft" else random_eagle3(args.path, args.config))
+    if args.case == "random-draft":
+        print(random_draft(args.path, args.dtype))
+        return
+    if args.case == "random-eagle3":
+        print(random_eagle3(args.path, args.config))
         return
     command = "python benchmarks/speculative.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (grounded if args.case == "grounded" else verify_cost)(args, command)

@@ -75,6 +75,13 @@ def draft_inputs(token_ids, positions, block_tables: np.ndarray, num_drafts, num
                        np.array([len(token_ids)], np.int32), pad(feature_index, num_seqs, fill=-1))
 
 
+def cache_slots(block_tables, rows, positions, block_size: int):
+    """The cache slot of each (row, position) pair; a position past the table's width takes its last column (a
+    padding row's: its write goes to the null block anyway)."""
+    columns = jnp.minimum(positions // block_size, block_tables.shape[1] - 1)
+    return block_tables[rows, columns] * block_size + positions % block_size
+
+
 def write_draft_kv(draft, draft_cache, token_ids, positions, paged: PagedAttention):
     """The draft's KV of a model step's tokens (the same batch, slots and block tables): its cache layers."""
     _, draft_cache = draft(token_ids, positions, draft_cache, paged)
@@ -90,13 +97,10 @@ def draft_tokens(draft, draft_cache, inp: DraftInputs, *, num_drafts: int, block
     rows = len(inp.token_ids)
     real = jnp.arange(rows) < inp.num_seqs[0]
     cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
-    max_block = inp.block_tables.shape[1] - 1
-
     token_ids, drafts = inp.token_ids, []
     for j in range(num_drafts):   # unrolled: a GPU while loop syncs with the host at every iteration
         positions = inp.positions + jnp.minimum(j, jnp.maximum(inp.num_drafts - 1, 0))
-        blocks = jnp.take_along_axis(inp.block_tables, jnp.minimum(positions // block_size, max_block)[:, None], 1)
-        slots = jnp.where(j < inp.num_drafts, blocks[:, 0] * block_size + positions % block_size, 0)
+        slots = jnp.where(j < inp.num_drafts, cache_slots(inp.block_tables, jnp.arange(rows), positions, block_size), 0)
         batch = AttentionBatch(slots, cu_q_lens, jnp.where(real, positions + 1, 0), inp.block_tables, inp.num_seqs,
                                decode_only=kernels.has_decode_kernel)
         hidden, draft_cache = draft(token_ids, positions, draft_cache, PagedAttention(batch, kernels, mesh))
@@ -119,14 +123,13 @@ def write_eagle_kv(head, head_cache, token_ids, positions, aux: list, features, 
     before = jnp.where(first[:, None], features[jnp.maximum(feature_index, 0)][row].astype(step_features.dtype),
                        jnp.roll(step_features, 1, axis=0))
     known = ~first | (feature_index[row] >= 0) & (positions > 0)
-    prev = positions - 1
-    first_slot = attn.block_tables[row, jnp.maximum(prev, 0) // block_size] * block_size + jnp.maximum(prev, 0) % block_size
+    prev = jnp.maximum(positions - 1, 0)
     slots = jnp.where(known & (tok < attn.cu_q_lens[attn.num_seqs[0]]),
-                      jnp.where(first, first_slot, jnp.roll(attn.slot_mapping, 1)), 0)
+                      jnp.where(first, cache_slots(attn.block_tables, row, prev, block_size),
+                                jnp.roll(attn.slot_mapping, 1)), 0)
     batch = AttentionBatch(slots, attn.cu_q_lens, jnp.maximum(attn.kv_lens - 1, 0), attn.block_tables, attn.num_seqs,
                            decode_only=attn.decode_only)
-    _, layer = head(token_ids, before, jnp.maximum(prev, 0), layer_of(head_cache, 0),
-                    PagedAttention(batch, kernels, mesh))
+    _, layer = head(token_ids, before, prev, layer_of(head_cache, 0), PagedAttention(batch, kernels, mesh))
     return with_layer(head_cache, 0, layer), step_features
 
 
@@ -139,17 +142,16 @@ def eagle_draft_tokens(head, head_cache, features, inp: DraftInputs, *, num_draf
     rows = len(inp.token_ids)
     real = jnp.arange(rows) < inp.num_seqs[0]
     cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
-    max_block = inp.block_tables.shape[1] - 1
     hidden = features[jnp.maximum(inp.feature_index, 0)].astype(head.fc.kernel.dtype)
     token_ids, drafts = inp.token_ids, []
     for j in range(num_drafts):   # unrolled: a GPU while loop syncs with the host at every iteration
         positions = inp.positions - 1 + jnp.minimum(j, jnp.maximum(inp.num_drafts - 1, 0))
-        blocks = jnp.take_along_axis(inp.block_tables, jnp.minimum(positions // block_size, max_block)[:, None], 1)
         writes = (j < inp.num_drafts) & ((j > 0) | (inp.feature_index >= 0))
-        slots = jnp.where(writes, blocks[:, 0] * block_size + positions % block_size, 0)
+        slots = jnp.where(writes, cache_slots(inp.block_tables, jnp.arange(rows), positions, block_size), 0)
         batch = AttentionBatch(slots, cu_q_lens, jnp.where(real, positions + 1, 0), inp.block_tables, inp.num_seqs,
                                decode_only=kernels.has_decode_kernel)
-        hidden, layer = head(token_ids, hidden, positions, layer_of(head_cache, 0), PagedAttention(batch, kernels, mesh))
+        hidden, layer = head(token_ids, hidden, positions, layer_of(head_cache, 0),
+                             PagedAttention(batch, kernels, mesh))
         head_cache = with_layer(head_cache, 0, layer)
         token_ids = head.propose(hidden)
         drafts.append(token_ids)
