@@ -517,6 +517,57 @@ def test_an_eagle3_head_loads_in_the_published_layout(tiny_model, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def numpy_eagle3_layer(head, tokens: np.ndarray, features: np.ndarray, norm_before_residual: bool) -> np.ndarray:
+    """The published EAGLE-3 step in numpy, from the head's weights: [embed(t) normed, features normed] -> causal
+    GQA attention with rope (HF's rotate-half) -> + features (or, norm_before_residual, the normed features) ->
+    + MLP(post-attention norm); then the final norm and the draft LM head -> target ids through d2t."""
+    w = lambda m: np.asarray(m.kernel[...], np.float64)
+    rms = lambda x, g: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * np.asarray(g.weight[...])
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    cfg = attn.cfg
+    normed = rms(features, layer.hidden_norm)
+    x = np.concatenate([rms(np.asarray(head.embed_tokens.embedding[...])[tokens], layer.input_layernorm), normed], -1)
+    t, d = len(tokens), cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
+    ang = np.arange(t)[:, None] * inv[None]
+    def rope(v):
+        v1, v2 = v[..., :d // 2], v[..., d // 2:]
+        c, s_ = np.cos(ang)[:, None], np.sin(ang)[:, None]
+        return np.concatenate([v1 * c - v2 * s_, v2 * c + v1 * s_], -1)
+    q = rope((x @ w(attn.q_proj)).reshape(t, cfg.num_heads, d))
+    k = rope((x @ w(attn.k_proj)).reshape(t, cfg.num_kv_heads, d))
+    v = (x @ w(attn.v_proj)).reshape(t, cfg.num_kv_heads, d)
+    k, v = (np.repeat(a, cfg.num_heads // cfg.num_kv_heads, axis=1) for a in (k, v))
+    scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d) + np.triu(np.full((t, t), -np.inf), 1)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    out = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v).reshape(t, -1) @ w(attn.o_proj)
+    h = (normed if norm_before_residual else features) + out
+    m = rms(h, layer.post_attention_layernorm)
+    gate = m @ w(layer.mlp.gate_proj)
+    y = h + (gate / (1 + np.exp(-gate)) * (m @ w(layer.mlp.up_proj))) @ w(layer.mlp.down_proj)
+    draft = (rms(y, head.norm) @ w(head.lm_head)).argmax(-1)
+    return y, draft + np.asarray(head.d2t[...])[draft]
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_the_eagle3_layer_is_the_published_one(tiny_model, tmp_path, norm_before_residual):
+    """The head's step (dense, f32) against the published layer written out in numpy (f64) on the same weights; the
+    config's eagle_config nesting and norm_before_residual are read."""
+    path = save_random_eagle3(tmp_path / "head", TINY, draft_vocab_size=64, std=0.2)
+    config = json.loads((path / "config.json").read_text())
+    config.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 1]},
+                  norm_before_residual=norm_before_residual)
+    (path / "config.json").write_text(json.dumps(config))
+    head = load_eagle3(path, tiny_model).model
+    assert head.aux_layers == (1, 0, 1)
+    rng = np.random.default_rng(3)
+    tokens, features = rng.integers(0, TINY.vocab_size, 12), rng.standard_normal((12, TINY.hidden_size))
+    out, _ = head(jnp.asarray(tokens), jnp.asarray(features, jnp.float32), jnp.arange(12))
+    want, want_drafts = numpy_eagle3_layer(head, tokens, features, norm_before_residual)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4)   # f32 against f64, values ~1
+    np.testing.assert_array_equal(np.asarray(head.propose(out)), want_drafts)
+
+
 def test_an_eagle3_head_must_fit_its_model(tiny_model, tmp_path):
     other = save_random_eagle3(tmp_path / "vocab", dataclasses.replace(TINY, vocab_size=256), aux_layers=(0, 1, 1))
     with pytest.raises(ModelLoadError, match="vocab_size 256 is not the model's 128"):

@@ -12,8 +12,9 @@ Checkpoint (safetensors or PyTorch `.bin`, with a Llama `config.json` holding `d
 `fc.weight` [H, 3 H_target], `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
 `midlayer.self_attn.{q,k,v,o}_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
 `lm_head.weight` [draft vocab, H], `d2t` [draft vocab] and `t2d` (unused); `embed_tokens.weight` when the head
-has its own, else it shares the target's. The target's layers read: config `eagle_aux_hidden_state_layer_ids`,
-else (2, L // 2, L - 3) of its L layers, as vLLM and SGLang take them."""
+has its own, else it shares the target's. The target's layers read: config `eagle_aux_hidden_state_layer_ids`
+(top level or under `eagle_config`), else (2, L // 2, L - 3) of its L layers, as vLLM and SGLang take them;
+`norm_before_residual: true` (some heads) adds the normalised features to the attention output."""
 from __future__ import annotations
 
 import json
@@ -37,21 +38,24 @@ class Eagle3Config:
     draft_vocab_size: int
     target_hidden_size: int
     aux_layers: tuple[int, ...]   # the target layers whose input hidden states are the features
+    norm_before_residual: bool = False   # the residual takes the features after hidden_norm (some heads' training)
 
 
 class Eagle3Layer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, norm_before_residual: bool = False):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs, in_features=2 * h)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
+        self.norm_before_residual = norm_before_residual
 
     def __call__(self, embeds, features, positions, kv_layer, paged):
-        x = jnp.concatenate([self.input_layernorm(embeds), self.hidden_norm(features)], axis=-1)
+        normed = self.hidden_norm(features)
+        x = jnp.concatenate([self.input_layernorm(embeds), normed], axis=-1)
         h, kv_layer = self.self_attn(x, positions, kv_layer, paged)
-        x = features + h
+        x = (normed if self.norm_before_residual else features) + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv_layer
 
 
@@ -60,7 +64,7 @@ class Eagle3Head(nnx.Module):
         lc = cfg.layer
         self.fc = _linear(3 * cfg.target_hidden_size, lc.hidden_size, dtype, rngs)
         self.embed_tokens = nnx.Embed(lc.vocab_size, lc.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.midlayer = Eagle3Layer(lc, dtype, rngs)
+        self.midlayer = Eagle3Layer(lc, dtype, rngs, cfg.norm_before_residual)
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps, dtype)
         self.lm_head = _linear(lc.hidden_size, cfg.draft_vocab_size, dtype, rngs)
         self.d2t = nnx.Param(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
@@ -92,12 +96,13 @@ def eagle3_config(hf: dict, target: ModelConfig) -> Eagle3Config:
     if hf.get("target_hidden_size", target.hidden_size) != target.hidden_size:
         raise ValueError(f"target_hidden_size {hf['target_hidden_size']} is not the model's hidden size "
                          f"{target.hidden_size}: an EAGLE-3 head must be trained for the model it drafts for")
-    n = target.num_layers
-    aux = tuple(hf.get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3))
+    n, eagle = target.num_layers, hf.get("eagle_config") or {}
+    aux = tuple(hf.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+                or (2, n // 2, n - 3))
     if len(aux) != 3 or not all(isinstance(i, int) and 0 <= i < n for i in aux):
         raise ValueError(f"the target layers whose hidden states the head reads must be 3 of 0..{n - 1}, got "
                          f"{list(aux)} (config eagle_aux_hidden_state_layer_ids, else 2, L // 2, L - 3)")
-    return Eagle3Config(layer, draft_vocab, target.hidden_size, aux)
+    return Eagle3Config(layer, draft_vocab, target.hidden_size, aux, bool(hf.get("norm_before_residual", False)))
 
 
 def head_tensors(path: Path):
