@@ -141,16 +141,17 @@ def row_key(row: dict) -> tuple:
 
 
 def write_rows(path: str | pathlib.Path, rows: list[dict], command: str) -> None:
-    """Replace this device's rows of the same bench, impl and params in the results file; keep the rest (other
-    devices, other params: runs of one benchmark with different flags add up in one file). XLA_FLAGS, when set,
-    are a param: they change what XLA builds."""
+    """Add rows to the results file. A rerun on this device of the same bench, impl and params at the same commit
+    replaces that run's rows; rows of other commits and devices stay (a row's same-run peers are never dropped).
+    XLA_FLAGS, when set, are a param: they change what XLA builds."""
     path = pathlib.Path(path)
     meta = {"device": device_name(), "jax": jax.__version__, "commit": commit(), "command": command}
     flags = {"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}
     new = [{**r, "params": {**r.get("params", {}), **flags}, **meta} for r in rows]
     keys = {row_key(r) for r in new}
     old = json.loads(path.read_text()) if path.exists() else []
-    kept = [r for r in old if r.get("device") != meta["device"] or row_key(r) not in keys]
+    kept = [r for r in old if (r.get("device"), r.get("commit")) != (meta["device"], meta["commit"])
+            or row_key(r) not in keys]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(kept + new, indent=1) + "\n")
     print(f"wrote {len(new)} rows to {path}")

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.common import Bytes
+from benchmarks.common import Bytes, write_rows
 from benchmarks.sweep import (SWEEP_SAMPLING, SweepCase, Traffic, assign_blocks, case_layout, ladder_candidates,
                               ladder_rows, pad_to, padding_waste, run_sweep, simulate_steps, step_cost,
                               synthetic_inputs)
@@ -221,3 +221,17 @@ def test_cli_bench_sweep_writes_rows_and_plots(tmp_path):
     assert ROW_FIELDS <= set(next(r for r in rows if r["bench"] == "sweep"))
     for name in ("tok_s", "roofline_frac", "compile_s", "ladder"):
         assert (tmp_path / f"sweep_test_{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_results_files_accumulate_and_a_same_commit_rerun_replaces_its_rows(tmp_path, monkeypatch):
+    """Rows of another commit (a peer's same-run baseline) stay when the same benchmark runs again; a rerun at the
+    same commit replaces its own rows; other params add up."""
+    out = tmp_path / "rows.json"
+    row = lambda ms, **params: {"bench": "b", "impl": "i", "params": params, "ms": ms}   # noqa: E731
+    monkeypatch.setenv("JAXSERVE_COMMIT", "aaa")
+    write_rows(out, [row(1.0, batch=1), row(2.0, batch=8)], "cmd")
+    monkeypatch.setenv("JAXSERVE_COMMIT", "bbb")
+    write_rows(out, [row(3.0, batch=1)], "cmd")
+    write_rows(out, [row(4.0, batch=1)], "cmd")
+    got = sorted((r["commit"], r["params"]["batch"], r["ms"]) for r in json.loads(out.read_text()))
+    assert got == [("aaa", 1, 1.0), ("aaa", 8, 2.0), ("bbb", 1, 4.0)]
