@@ -88,22 +88,31 @@ def write_draft_kv(draft, draft_cache, token_ids, positions, paged: PagedAttenti
     return draft_cache
 
 
-def draft_tokens(draft, draft_cache, inp: DraftInputs, *, num_drafts: int, block_size: int,
-                 kernels: AttentionKernels, mesh) -> tuple[list, jax.Array]:
-    """num_drafts greedy decode steps of the draft model over a batch, in one graph: (its cache layers, drafts
-    [S, num_drafts]). Step j computes each row's token at position + j (its last token, then its drafts) and writes
-    its KV; a row past its own num_drafts repeats its last step with its write sent to the null block, so that it
-    reads and writes only blocks the scheduler allocated to it."""
+def drafting_steps(inp: DraftInputs, num_drafts: int, block_size: int, kernels: AttentionKernels, mesh, *,
+                   offset: int = 0, first_writes=True):
+    """Per draft step j of a drafting graph: (positions, PagedAttention) of its rows, one query each, at each row's
+    position + offset + j. A row past its own num_drafts repeats its last step with its write sent to the null
+    block (so it reads and writes only blocks the scheduler allocated to it), as is step 0 where first_writes is
+    False. Unrolled by the caller: a GPU while loop syncs with the host at every iteration."""
     rows = len(inp.token_ids)
     real = jnp.arange(rows) < inp.num_seqs[0]
     cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
-    token_ids, drafts = inp.token_ids, []
-    for j in range(num_drafts):   # unrolled: a GPU while loop syncs with the host at every iteration
-        positions = inp.positions + jnp.minimum(j, jnp.maximum(inp.num_drafts - 1, 0))
-        slots = jnp.where(j < inp.num_drafts, cache_slots(inp.block_tables, jnp.arange(rows), positions, block_size), 0)
+    for j in range(num_drafts):
+        positions = inp.positions + offset + jnp.minimum(j, jnp.maximum(inp.num_drafts - 1, 0))
+        writes = (j < inp.num_drafts) & ((j > 0) | first_writes)
+        slots = jnp.where(writes, cache_slots(inp.block_tables, jnp.arange(rows), positions, block_size), 0)
         batch = AttentionBatch(slots, cu_q_lens, jnp.where(real, positions + 1, 0), inp.block_tables, inp.num_seqs,
                                decode_only=kernels.has_decode_kernel)
-        hidden, draft_cache = draft(token_ids, positions, draft_cache, PagedAttention(batch, kernels, mesh))
+        yield positions, PagedAttention(batch, kernels, mesh)
+
+
+def draft_tokens(draft, draft_cache, inp: DraftInputs, *, num_drafts: int, **kw) -> tuple[list, jax.Array]:
+    """num_drafts greedy decode steps of the draft model over a batch, in one graph: (its cache layers, drafts
+    [S, num_drafts]). Step j computes each row's token at position + j (its last token, then its drafts) and writes
+    its KV."""
+    token_ids, drafts = inp.token_ids, []
+    for positions, paged in drafting_steps(inp, num_drafts, **kw):
+        hidden, draft_cache = draft(token_ids, positions, draft_cache, paged)
         token_ids = jnp.argmax(draft.logits(hidden), axis=-1).astype(jnp.int32)
         drafts.append(token_ids)
     return draft_cache, jnp.stack(drafts, axis=1)
@@ -133,25 +142,16 @@ def write_eagle_kv(head, head_cache, token_ids, positions, aux: list, features, 
     return with_layer(head_cache, 0, layer), step_features
 
 
-def eagle_draft_tokens(head, head_cache, features, inp: DraftInputs, *, num_drafts: int, block_size: int,
-                       kernels: AttentionKernels, mesh) -> tuple[jax.Array, jax.Array]:
+def eagle_draft_tokens(head, head_cache, features, inp: DraftInputs, *, num_drafts: int, **kw
+                       ) -> tuple[jax.Array, jax.Array]:
     """num_drafts greedy steps of an EAGLE-3 head over a batch, in one graph: (its cache layer, drafts
     [S, num_drafts]). Step 0 writes each row's entry before its last token (its last token, the features before
-    it), step j the entry of its (j - 1)-th draft with the head's output as features; a row past its own
-    num_drafts repeats its last step with its write sent to the null block."""
-    rows = len(inp.token_ids)
-    real = jnp.arange(rows) < inp.num_seqs[0]
-    cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
+    it; not where those are nowhere), step j the entry of its (j - 1)-th draft with the head's output as
+    features."""
     hidden = features[jnp.maximum(inp.feature_index, 0)].astype(head.fc.kernel.dtype)
     token_ids, drafts = inp.token_ids, []
-    for j in range(num_drafts):   # unrolled: a GPU while loop syncs with the host at every iteration
-        positions = inp.positions - 1 + jnp.minimum(j, jnp.maximum(inp.num_drafts - 1, 0))
-        writes = (j < inp.num_drafts) & ((j > 0) | (inp.feature_index >= 0))
-        slots = jnp.where(writes, cache_slots(inp.block_tables, jnp.arange(rows), positions, block_size), 0)
-        batch = AttentionBatch(slots, cu_q_lens, jnp.where(real, positions + 1, 0), inp.block_tables, inp.num_seqs,
-                               decode_only=kernels.has_decode_kernel)
-        hidden, layer = head(token_ids, hidden, positions, layer_of(head_cache, 0),
-                             PagedAttention(batch, kernels, mesh))
+    for positions, paged in drafting_steps(inp, num_drafts, offset=-1, first_writes=inp.feature_index >= 0, **kw):
+        hidden, layer = head(token_ids, hidden, positions, layer_of(head_cache, 0), paged)
         head_cache = with_layer(head_cache, 0, layer)
         token_ids = head.propose(hidden)
         drafts.append(token_ids)
