@@ -30,6 +30,8 @@ from flax import nnx
 from jaxserve.config import ModelConfig, model_config_from_hf
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.llama import MLP, Attention, RMSNorm, _linear
+from jaxserve.models.loader import (LoadedModel, _read_json, _safetensors, build_model, check_finite,
+                                    resolve_model_path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +109,6 @@ def eagle3_config(hf: dict, target: ModelConfig) -> Eagle3Config:
 
 def head_tensors(path: Path):
     """(name, array, shape, bytes) of the checkpoint's tensors: model.safetensors files, else a PyTorch .bin."""
-    from jaxserve.models.loader import _safetensors
     if files := sorted(path.glob("*.safetensors")):
         yield from _safetensors(files)
         return
@@ -120,13 +121,12 @@ def head_tensors(path: Path):
             yield name, array, tuple(array.shape), array.nbytes
 
 
-def load_eagle3(path: str | Path, target) -> "LoadedModel":   # noqa: F821 (loader imports this module)
-    """An EAGLE-3 head for `target` (a LoadedModel), in its dtype on its mesh."""
-    from jaxserve.models.loader import LoadedModel, build_model, check_finite, resolve_model_path
+def load_eagle3(path: str | Path, target: LoadedModel) -> LoadedModel:
+    """An EAGLE-3 head for `target`, in its dtype on its mesh."""
     path = resolve_model_path(str(path))
     print(f"loading the EAGLE-3 head {path}", file=sys.stderr)
     with blamed_on(path / "config.json"):
-        hf = json.loads((path / "config.json").read_text())
+        hf = _read_json(path / "config.json")
         cfg = eagle3_config(hf, target.config)
     tensors = {name: (name, w, shape, nbytes) for name, w, shape, nbytes in head_tensors(path) if name != "t2d"}
     shared = "embed_tokens.weight" not in tensors
