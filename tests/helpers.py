@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import math
 import re
 import socket
@@ -228,12 +229,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_LOOP_IDS = itertools.count()
+
+
 @contextlib.contextmanager
 def in_process(engine: LLMEngine, **opts):
     """A Server with an HTTP port on an event loop of its own thread (as `jaxserve serve` runs it)."""
     from jaxserve.serve.server import ServeOptions, Server
     loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
+    thread = threading.Thread(target=loop.run_forever, name=f"test-server-loop-{next(SERVER_LOOP_IDS)}", daemon=True)
     thread.start()
     call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
 
@@ -251,6 +255,14 @@ def in_process(engine: LLMEngine, **opts):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def loop_thread_name(server: Server) -> str:
+    """The thread running the server's event loop, unique per in_process server: its log records carry that name,
+    and a server of an earlier test that still logs does not."""
+    async def name() -> str:
+        return threading.current_thread().name
+    return asyncio.run_coroutine_threadsafe(name(), server.engine_loop.loop).result(10)
 
 
 def base_url(server: Server) -> str:

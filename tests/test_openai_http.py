@@ -22,7 +22,7 @@ from jaxserve.serve import engine_loop
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 from jaxserve.serve.openai_http import ENGINE_FIELDS, UNSUPPORTED, api_error
 
-from helpers import MODEL, MODEL_ALIAS, SERVER_KNOBS, TINY_NO_EOS, base_url, in_process, wait_idle
+from helpers import MODEL, MODEL_ALIAS, SERVER_KNOBS, TINY_NO_EOS, base_url, in_process, loop_thread_name, wait_idle
 
 KEY = "test-key"
 PROMPT = "The capital of France is"
@@ -486,17 +486,18 @@ def test_cache_salt_is_a_prefix_cache_namespace(bare):
     assert (hits("a"), hits("a") > 0, hits("b"), hits("b") > 0) == (0, True, 0, True)
 
 
-def throughput_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Avg prompt throughput")]
+def throughput_lines(caplog, thread: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.threadName == thread and r.getMessage().startswith("Avg prompt throughput")]
 
 
-def quiet_throughput_lines(caplog, quiet_s: float = 1.0, timeout_s: float = 60.0) -> list[str]:
-    """The throughput lines once a whole quiet_s (5 intervals) adds none: a loaded machine may delay the line of
-    the last busy interval past a fixed sleep, and a line that never stops coming fails here."""
-    deadline, lines = time.monotonic() + timeout_s, throughput_lines(caplog)
+def quiet_throughput_lines(caplog, thread: str, quiet_s: float = 1.0, timeout_s: float = 60.0) -> list[str]:
+    """The server's throughput lines once a whole quiet_s (5 intervals) adds none: a loaded machine may delay the
+    line of the last busy interval past a fixed sleep, and a line that never stops coming fails here."""
+    deadline, lines = time.monotonic() + timeout_s, throughput_lines(caplog, thread)
     while time.monotonic() < deadline:
         time.sleep(quiet_s)
-        if (now := throughput_lines(caplog)) == lines:
+        if (now := throughput_lines(caplog, thread)) == lines:
             return lines
         lines = now
     raise AssertionError(f"throughput lines kept coming for {timeout_s} s while idle: {lines[-3:]}")
@@ -509,16 +510,16 @@ def test_the_log_has_a_line_per_finished_request_and_throughput_only_while_busy(
     engine = LLMEngine(random_model(TINY_NO_EOS, jnp.float32), EngineConfig(precompile=False, **SERVER_KNOBS))
     with in_process(engine) as server, \
             openai.OpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        settled = quiet_throughput_lines(caplog)   # what servers of earlier tests in this process still logged
+        thread = loop_thread_name(server)   # servers of earlier tests in this process may still log
         time.sleep(5 * 0.2)
-        idle = throughput_lines(caplog)[len(settled):]
+        idle = throughput_lines(caplog, thread)
         list(c.completions.create(model=MODEL, prompt=IDS, max_tokens=9, stream=True, extra_body={"ignore_eos": True}))
         wait_idle(server)
-        busy = quiet_throughput_lines(caplog)[len(settled):]
+        busy = quiet_throughput_lines(caplog, thread)
     assert idle == []   # five idle intervals log nothing
     rates = [re.fullmatch(r"Avg prompt throughput: (\S+) tokens/s, Avg generation throughput: (\S+) tokens/s, "
                           r"Running: (\d+) reqs, Waiting: (\d+) reqs, KV cache usage: (\S+)%", line) for line in busy]
     assert all(rates) and any(float(r[1]) > 0 for r in rates) and any(float(r[2]) > 0 for r in rates)
-    [access] = [r.getMessage() for r in caplog.records if r.name == "jaxserve.serve.metrics"]
+    [access] = [r.getMessage() for r in caplog.records if r.name == "jaxserve.serve.metrics" and r.threadName == thread]
     assert re.fullmatch(rf"request \d+ finished: prompt_tokens={len(IDS)} output_tokens=9 ttft=\d+\.\d+s "
                         r"duration=\d+\.\d+s finish_reason=length", access), access
