@@ -27,13 +27,15 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative # n-gram, draft models: embedded model, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-cost     # 8B verify steps, 1B / EAGLE-3 drafting
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-offline  # 256 x 512/128, speculation on/off
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade     # cascade attention: GPU tests, kernel points
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
 TUNED="seq_buckets=[256] token_buckets=[256,512,1024,2048,3072,4096]"   # the throughput-only ladder
 SAMPLED="--temperature 0.8 --top-p 0.95 --top-k 50"
-LOG=$OUT/gpu_session_${1:?engine, offline, batch1, grpc, http, load, coldstart, attention, serve, tests, sweep, structured, speculative*, vattention*, scale* or fp8*}.log
+LOG=$OUT/gpu_session_${1:?engine, offline, batch1, grpc, http, load, coldstart, attention, serve, tests, sweep, structured, speculative*, cascade*, vattention*, scale* or fp8*}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -42,6 +44,18 @@ run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped)
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
 case $1 in
+  cascade)   # the kernels compiled against the reference, then cascade beside plain decode at kernel level
+    run 270 python -m pytest -q -x -p no:cacheprovider tests/test_cascade_attention.py \
+      tests/test_ragged_paged_attention.py -k "not mosaic"
+    run 120 python benchmarks/cascade.py --out "$OUT/cascade_gpu.json"
+    run 150 python benchmarks/cascade.py --threshold --out "$OUT/cascade_gpu.json" ;;
+  cascade-engine)   # shared-prefix workloads and the plain one, cascade auto (the default) beside off, same run
+    for set in cascade_attention=auto cascade_attention=off; do
+      run 130 python benchmarks/offline.py --config $CONFIG --shared-prefix-len 1024 --input-len 64 --set $set \
+        --out "$OUT/offline_cascade_gpu.json"
+      run 130 python benchmarks/offline.py --config $CONFIG --num-prompts 32 --input-len 1024 --n 8 $SAMPLED \
+        --set $set --out "$OUT/offline_cascade_gpu.json"
+    done ;;
   engine)
     run 540 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json" ;;
   offline)   # the 256 x 512/128 workload: default config and the tuned ladder, greedy and sampled

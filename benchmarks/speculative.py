@@ -163,7 +163,7 @@ def step_ms(llm: LLM, batch: int, width: int, context: int, repeats: int) -> flo
     graphs, runner = engine.graphs, engine.runner
     tables = block_tables(llm, batch, context + width)
     decode_only = width == 1
-    tokens, seqs, decode_only, _ = graphs.model_key(batch * width, batch, decode_only, width).dims
+    tokens, seqs, decode_only, *_ = graphs.model_key(batch * width, batch, decode_only, width).dims
     vocab = graphs.model_config.vocab_size
     inputs = graphs.step_inputs(
         num_tokens=tokens, num_seqs=seqs, decode_only=decode_only, block_tables=tables, starts=[context] * batch,

@@ -123,6 +123,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
 # The names a knob may take (models/attention.py and engine/sampler.py give them meaning).
 DECODE_ATTENTION = ("auto", "cuda")
 PREFILL_ATTENTION = ("triton", "mosaic")
+CASCADE_ATTENTION = ("auto", "on", "off")
 SAMPLER_MODES = ("greedy", "sample", "filter")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
 KV_CACHE_DTYPES = ("auto", "fp8")   # cache/kv_cache.py: auto keeps the model's dtype; fp8 is e4m3 with scales
 QUANTIZATIONS = (None, "fp8")   # models/fp8.py: weights of the linear layers in e4m3, per output channel scales
@@ -273,6 +274,10 @@ class EngineConfig:
     # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: faster on long prompts; off by default until
     # its compile time inside a whole model's step is known)
     prefill_attention: str = knob("triton", group="compilation", check=one_of(PREFILL_ATTENTION))
+    # decode-only steps whose sequences share leading KV blocks (a system prompt, n > 1) read each shared prefix once
+    # per group (cascade attention): "auto" where the Pallas decode kernel runs, for groups that save enough reads
+    # (step_graphs.CASCADE_MIN_SAVED_KEYS); "on": every group sharing a block, on any platform; "off"
+    cascade_attention: str = knob("auto", group="compilation", check=one_of(CASCADE_ATTENTION))
     compile_cache_dir: str | None = knob("~/.cache/jaxserve/xla", group="compilation", graphs=False,
                                          check=OPTIONAL_PATH)
     precompile: bool = knob(True, group="compilation", graphs=False, check=BOOL)

@@ -424,16 +424,20 @@ pallas_attention = jax.jit(attention_launches,
 
 @functools.partial(jax.jit, static_argnames=("scores", "tuning", "interpret", "blocks_per_row", "block_stride"))
 def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
-                      tuning: Tuning, interpret: bool, blocks_per_row: int | None = None, block_stride: int = 1):
+                      tuning: Tuning, interpret: bool, blocks_per_row: int | None = None, block_stride: int = 1,
+                      prefix=None):
+    """prefix (cascade attention): (kv_starts [S], partials [T * Hq, D] f32, their log2-sum-exp [T * Hq]): row i
+    attends only keys [kv_starts[i], kv_len) and starts from its partial where kv_starts[i] > 0."""
     geo = Geometry.of(q, k_cache, blocks, blocks_per_row, block_stride)
     splits = min(decode_slots(geo, tuning) // geo.decode_rows, tuning.decode_max_splits)  # fixed by the shape
     slots = max(geo.num_tokens, splits * geo.decode_rows)  # every token row has a program to zero it
     tile = tuning.split_decode_kv_tile if splits > 1 else tuning.decode_kv_tile
     kernel = functools.partial(decode_only_kernel, geo=geo, scores=scores, splits=splits,
-                               tile=max(tile, geo.block_size), rows=max(16, geo.group_pad), interpret=interpret)
+                               tile=max(tile, geo.block_size), rows=max(16, geo.group_pad), interpret=interpret,
+                               cascade=prefix is not None)
     out_shape = [jax.ShapeDtypeStruct((geo.num_tokens * geo.num_q_heads, geo.head_dim), q.dtype)]
     args = [num_seqs, kv_lens, blocks.reshape(-1), q.reshape(-1, geo.head_dim),
-            k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim)]
+            k_cache.reshape(-1, geo.head_dim), v_cache.reshape(-1, geo.head_dim), *(prefix or ())]
     if splits > 1:  # float32 partials, their log2-sum-exp, and a zeroed done-counter per (kv head, decode)
         out_shape += [jax.ShapeDtypeStruct((slots * geo.num_q_heads, geo.head_dim), jnp.float32),
                       jax.ShapeDtypeStruct((slots * geo.num_q_heads,), jnp.float32),
@@ -603,14 +607,17 @@ def decode_kernel(num_seqs_ref, cu_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v
 
 
 def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_ref, *refs, geo, scores, splits, tile,
-                       rows, interpret):
+                       rows, interpret, cascade):
     """Decode-only batch (token i is decode i), one launch. Program (kv head, slot) attends tiles
     split, split + splits, ... of decode slot // splits, `splits` fixed by the shape. Nothing it loads first
     waits for another load: without a window its first tile's block ids (table entries) and
     K/V are fetched before the context length arrives (clamped to a real page, masked after), so a short context
     costs two dependent loads. Split programs write partials and count themselves done on an atomic
     counter; the last one of a decode merges them. Programs past the decodes zero their token's rows. Contiguous
-    rows are not read speculatively (see below)."""
+    rows are not read speculatively (see below). cascade: a row with kv_starts > 0 attends keys [kv_starts, kv_len)
+    from its shared-prefix partial (the first split carries it in; the merge weighs it like any split)."""
+    starts_ref, prefix_parts_ref, prefix_lse_ref = refs[:3] if cascade else (None,) * 3
+    refs = refs[3:] if cascade else refs
     if splits > 1:  # the zeroed done-counters come in first, aliased to count_ref
         _, out_ref, parts_ref, lse_ref, count_ref = refs
     else:
@@ -624,14 +631,19 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_re
     head = kv_head * geo.group + r
     q = load_q(q_ref, jnp.minimum(seq, geo.num_tokens - 1) * geo.num_q_heads + head, r < geo.group, k_ref.dtype)
     first = 0 if scores.sliding_window is None else jnp.maximum(kv_len - scores.sliding_window, 0)
+    carry = init_carry(q.shape)
+    if cascade:
+        first = jnp.where(active, starts_ref[jnp.minimum(seq, geo.max_seqs - 1)], 0)
+        shared = active & (first > 0) & (split == 0) & (r < geo.group)
+        carry = prefix_carry(prefix_parts_ref, prefix_lse_ref, seq * geo.num_q_heads + head, shared)
     t0 = first // tile + split  # this program's tiles: t0, t0 + splits, ...
     cache = PagedKV(geo.addressing(blocks_ref), k_ref, v_ref)
     step = functools.partial(strided_tile, t0=t0, splits=splits, q=q, q_pos=jnp.full((rows,), kv_len - 1),
                              seq_blocks=cache.blocks.of(seq, geo), kv_len=kv_len, kv_head=kv_head, cache=cache, geo=geo,
-                             scores=scores, tile=tile)
+                             scores=scores, tile=tile, kv_start=first if cascade else None)
     # Contiguous rows load nothing past kv_len: a vattention row's pages past its tokens may be unmapped (a 2 MiB
     # page holds only 32 tokens of a cross-layer cache), so their first tile waits for the length.
-    carry = step(0, init_carry(q.shape), masked=True if geo.contiguous else "speculative")
+    carry = step(0, carry, masked=True if geo.contiguous else "speculative")
     n = pl.cdiv(jnp.maximum(pl.cdiv(kv_len, tile) - t0, 0), splits)
     full_lo, full_hi = (pl.cdiv(jnp.maximum(t - t0, 0), splits) for t in (pl.cdiv(first, tile), kv_len // tile))
     acc, m, l = attend_range(carry, 1, n, full_lo, full_hi, step)
@@ -651,6 +663,12 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_re
         done = plgpu.atomic_add(count_ref, kv_head * geo.decode_rows + seq, jnp.int32(1))  # acq_rel, GPU scope
         pl.when(done == splits - 1)(lambda: merge_splits(parts_ref, lse_ref, out_ref, seq, splits, head,
                                                          r < geo.group, geo))
+
+
+def prefix_carry(parts_ref, lse_ref, rows, ok):
+    """The online-softmax state (acc, m, l) equal to a normalised partial and its log2-sum-exp; the empty state
+    where not `ok`."""
+    return load_tile_rows(parts_ref, rows, ok), load_lse(lse_ref, rows, ok), jnp.where(ok, 1.0, 0.0)
 
 
 def strided_tile(i, carry, *, masked, t0, splits, **tile_args):
@@ -703,11 +721,12 @@ def attend_range(carry, lo, hi, full_lo, full_hi, step):
     return lax.fori_loop(b, hi, functools.partial(step, masked=True), carry)
 
 
-def attend_tile(t, carry, *, masked, q, q_pos, seq_blocks, kv_len, kv_head, cache: PagedKV, geo, scores, tile):
+def attend_tile(t, carry, *, masked, q, q_pos, seq_blocks, kv_len, kv_head, cache: PagedKV, geo, scores, tile,
+                kv_start=None):
     """Online-softmax update with keys [t * tile, (t + 1) * tile), gathered page by page (seq_blocks: the
     sequence as `cache.blocks.of` gives it). masked: False (all keys visible), True, or "speculative": the loads
     do not wait for kv_len (pages read are clamped to real ones; keys past kv_len are masked and their V rows
-    zeroed, since 0 x NaN would leak)."""
+    zeroed, since 0 x NaN would leak). kv_start: keys before it are masked too (cascade attention's own keys)."""
     key = t * tile + jnp.arange(tile)
     live = key < kv_len
     col = jnp.minimum(key // geo.block_size, geo.max_blocks - 1)
@@ -718,13 +737,18 @@ def attend_tile(t, carry, *, masked, q, q_pos, seq_blocks, kv_len, kv_head, cach
     # An fp8 cache's tiles become the dots' dtype (q's, see load_q) exactly as they load
     s = logits(q, load_tile_rows(cache.k, kv_row, mask).astype(q.dtype), scores)
     if masked:
-        s = jnp.where(visible(key, q_pos, scores.sliding_window), s, -jnp.inf)
+        seen = visible(key, q_pos, scores.sliding_window)
+        s = jnp.where(seen if kv_start is None else seen & (key >= kv_start)[None, :], s, -jnp.inf)
     acc, m, l = carry
     m_new, p, alpha = online_softmax_step(m, s)
     # issued before the row sums: latency decides small decodes
     v = load_tile_rows(cache.v, kv_row, mask).astype(q.dtype)
-    if masked == "speculative":
-        v = jnp.where(live[:, None], v, jnp.zeros((), v.dtype))
+    keep = live if masked == "speculative" else None
+    # a row's table need not hold the keys before kv_start (cascade attention's shared pass reads them)
+    if masked and kv_start is not None:
+        keep = key >= kv_start if keep is None else keep & (key >= kv_start)
+    if keep is not None:
+        v = jnp.where(keep[:, None], v, jnp.zeros((), v.dtype))
     pv = dot(p.astype(v.dtype), v, ((1,), (0,)))
     return acc * per_row(alpha, acc.shape) + pv, m_new, l * alpha + p.sum(axis=1)
 

@@ -28,17 +28,68 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, bl
                                      kv_blocks_per_step: int = KV_BLOCKS_PER_STEP) -> jax.Array:
     """Same contract as `ragged_paged_attention`; computes in float32 (an fp8 cache's blocks are converted as they
     are gathered), returns q's dtype."""
+    seq, q_pos, kv_len = locate_tokens(cu_q_lens, kv_lens, jnp.reshape(num_seqs, ()), q.shape[0])
+    state = attend_keys(grouped(q, k_cache), k_cache, v_cache, seq, q_pos, kv_len, block_tables=block_tables,
+                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_blocks_per_step=kv_blocks_per_step)
+    return normalized(state, q)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "kv_blocks_per_step"))
+def cascade_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups, *, sm_scale: float,
+                                soft_cap: float | None = None,
+                                kv_blocks_per_step: int = KV_BLOCKS_PER_STEP) -> jax.Array:
+    """Same contract as `cascade_attention` (decode-only: token i is row i's): each grouped row attends its group's
+    shared keys through the group's table row and its own keys [kv_starts, kv_len) through its own, the two
+    merged by log-sum-exp; other rows attend all their keys."""
+    num_rows = kv_lens.shape[0]
+    live = jnp.arange(q.shape[0]) < jnp.reshape(num_seqs, ())
+    row = jnp.minimum(jnp.arange(q.shape[0]), num_rows - 1)
+    slot = jnp.arange(num_rows)   # position in groups.rows
+    grouped_slot = slot < groups.cu_rows[groups.num_groups[0]]
+    group_of_row = jnp.full(num_rows, -1, jnp.int32).at[jnp.where(grouped_slot, groups.rows, num_rows)].set(
+        jnp.sum(groups.cu_rows[1:][None, :] <= slot[:, None], axis=1, dtype=jnp.int32), mode="drop")
+    group = group_of_row[row]
+    in_group = live & (group >= 0)
+    shared_len = jnp.where(in_group, groups.shared_lens[jnp.maximum(group, 0)], 0)
+    kv_len = jnp.where(live, kv_lens[row], 0)
+    qg = grouped(q, k_cache)
+    attend = functools.partial(attend_keys, qg, k_cache, v_cache, block_tables=block_tables, sm_scale=sm_scale,
+                               sliding_window=None, soft_cap=soft_cap, kv_blocks_per_step=kv_blocks_per_step)
+    shared = attend(groups.table_rows[jnp.maximum(group, 0)], shared_len - 1, shared_len)
+    own = attend(row, kv_len - 1, kv_len, kv_start=jnp.where(in_group, groups.kv_starts[row], 0))
+    return normalized(merge_states(shared, own), q)
+
+
+def grouped(q, k_cache):
+    """q as float32 [tokens, kv_heads, q heads per kv head, head_dim]."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    seq, q_pos, kv_len = locate_tokens(cu_q_lens, kv_lens, jnp.reshape(num_seqs, ()), num_tokens)
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    return q.astype(jnp.float32).reshape(num_tokens, k_cache.shape[2], num_q_heads // k_cache.shape[2], head_dim)
+
+
+def attend_keys(qg, k_cache, v_cache, seq, q_pos, kv_len, *, block_tables, sm_scale, sliding_window, soft_cap,
+                kv_blocks_per_step, kv_start=None):
+    """Each token's online softmax (m, l, acc), unnormalised, over its keys [kv_start (0), kv_len), those of
+    block-table row seq[token] visible from q_pos[token]."""
     step = functools.partial(attend_blocks, qg=qg, k_cache=k_cache, v_cache=v_cache, seq=seq, q_pos=q_pos,
-                             kv_len=kv_len, block_tables=block_tables, sm_scale=sm_scale,
-                             sliding_window=sliding_window, soft_cap=soft_cap, blocks=kv_blocks_per_step)
+                             kv_start=jnp.zeros_like(kv_len) if kv_start is None else kv_start, kv_len=kv_len,
+                             block_tables=block_tables, sm_scale=sm_scale, sliding_window=sliding_window,
+                             soft_cap=soft_cap, blocks=kv_blocks_per_step)
     keys_per_step = kv_blocks_per_step * k_cache.shape[1]
     num_steps = (jnp.max(kv_len) + keys_per_step - 1) // keys_per_step
     init = (jnp.full(qg.shape[:3], -jnp.inf), jnp.zeros(qg.shape[:3]), jnp.zeros(qg.shape))
-    _, denom, acc = lax.fori_loop(0, num_steps, step, init)
+    return lax.fori_loop(0, num_steps, step, init)
+
+
+def merge_states(a, b):
+    """The online-softmax state of two disjoint key sets' states (log-sum-exp)."""
+    m = jnp.maximum(a[0], b[0])
+    shift = jnp.where(m == -jnp.inf, 0.0, m)
+    wa, wb = jnp.exp(a[0] - shift), jnp.exp(b[0] - shift)
+    return m, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None]
+
+
+def normalized(state, q):
+    _, denom, acc = state
     out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]  # tokens with no keys (padding) -> 0
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -66,16 +117,17 @@ def masked_scores(qg, k, key, live, q_pos, *, sm_scale, soft_cap, sliding_window
     return jnp.where(visible[:, None, None, :], s, -jnp.inf)
 
 
-def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_len, block_tables, sm_scale,
+def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_start, kv_len, block_tables, sm_scale,
                   sliding_window, soft_cap, blocks):
-    """One online-softmax step over block-table columns [step * blocks, (step + 1) * blocks)."""
+    """One online-softmax step over block-table columns [step * blocks, (step + 1) * blocks), keys
+    [kv_start, kv_len) only."""
     num_tokens, num_kv_heads, _, head_dim = qg.shape
     block_size = k_cache.shape[1]
     cols = step * blocks + jnp.arange(blocks)
     ids = block_tables[seq[:, None], jnp.minimum(cols, block_tables.shape[1] - 1)[None, :]]
     ids = jnp.clip(ids, 0, k_cache.shape[0] - 1)  # entries past a sequence's end may hold anything
     key = (cols[:, None] * block_size + jnp.arange(block_size)).reshape(-1)
-    live = key[None, :] < kv_len[:, None]  # [tokens, keys]; slots past kv_len were never written
+    live = (key[None, :] < kv_len[:, None]) & (key[None, :] >= kv_start[:, None])  # slots past kv_len: never written
     k = k_cache[ids].reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
     v = v_cache[ids].reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
     v = jnp.where(live[..., None, None], v, 0.0)

@@ -209,9 +209,14 @@ class ModelRunner:
         decode_only = all(c == 1 for c in counts) and not prompt
         constrained = any(r.samples and r.seq.params.structured_outputs is not None for r in rows)
         width = self.cfg.speculative_config.width if any(r.draft_ids for r in rows) else 1
-        tokens, seqs, decode_only, _ = self.graphs.model_key(len(token_ids), len(rows), decode_only, width).dims
+        addressing = self.kv_addressing(slots)
+        shared = self.graphs.share_prefixes(addressing["block_tables"], np.array([r.start + 1 for r in rows])) \
+            if decode_only and width == 1 and self.graphs.kernels.blocks_per_row is None else []
+        tokens, seqs, decode_only, _, groups = self.graphs.model_key(len(token_ids), len(rows), decode_only, width,
+                                                                     cascade=bool(shared)).dims
         return self.graphs.step_inputs(
-            num_tokens=tokens, num_seqs=seqs, decode_only=decode_only, **self.kv_addressing(slots),
+            num_tokens=tokens, num_seqs=seqs, decode_only=decode_only, **addressing, cascade_groups=groups,
+            shared=shared,
             starts=[r.start for r in rows], counts=counts, token_ids=np.where(token_ids == PENDING, 0, token_ids),
             slots=slots, sample_mask=[r.samples for r in rows], params=[r.seq.params for r in rows],
             seeds=[r.seq.seed for r in rows], num_generated=[r.num_generated for r in rows],

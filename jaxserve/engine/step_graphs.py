@@ -34,7 +34,7 @@ from jaxserve.engine.drafter import (DraftInputs, draft_inputs, draft_tokens, ea
                                      write_eagle_kv)
 from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slots, sample, sampler_modes, verify
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
-from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs
+from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs, share_prefixes
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
 from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.loader import LoadedModel
@@ -46,6 +46,10 @@ PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, 
 # GPU graphs of more rows than this take cuBLAS GEMMs, not XLA's autotuned Triton ones: cuBLAS starts faster and
 # runs big steps as fast or faster, but small GEMMs (batch-1 decode) are faster with Triton.
 TRITON_GEMM_MAX_ROWS = 64   # bf16 weights; FP8 ones: see compiler_options
+# Cascade attention ("auto"): a group pays its shared pass when the key reads it saves, shared tokens x (members - 1),
+# reach this (benchmarks/attention.py --cascade on H100)
+CASCADE_MIN_SAVED_KEYS = 4096
+CASCADE_MAX_GROUPS = 64   # groups a step's shared pass takes (the most saving ones): n = 8 over 32 prompts fits
 
 
 class GraphKey(NamedTuple):
@@ -228,6 +232,7 @@ class StepGraphs:
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim,
                                                  backend.blocks_per_row, backend.dtype)
+        self.cascade_min_saved_keys = cascade_policy(cfg.cascade_attention, self.kernels, mc.sliding_window)
         self.replicated = NamedSharding(mesh, P())
         graphs_fingerprint = fingerprint(mc, graph_knobs(cfg), str(self.dtype), loaded.quantization,
                                          draft and (draft.config, draft.quantization),
@@ -273,11 +278,20 @@ class StepGraphs:
         self.reset = jax.jit(reset_slots, in_shardings=rep, out_shardings=rep, donate_argnums=0)
 
     # ---- keys ---------------------------------------------------------------------------------------
-    def model_key(self, num_tokens: int, num_rows: int, decode_only: bool, width: int = 1) -> GraphKey:
-        """width: positions each row samples at (a speculative step's, spec_width)."""
+    def model_key(self, num_tokens: int, num_rows: int, decode_only: bool, width: int = 1,
+                  cascade: bool = False) -> GraphKey:
+        """width: positions each row samples at (a speculative step's, spec_width). cascade: a decode-only step
+        whose rows share prefixes (`share_prefixes`): its graph takes cascade_groups(seq bucket) groups."""
         shape = step_shape(num_tokens, num_rows, decode_only and width == 1, self.ladders,
-                           self.kernels.has_decode_kernel, width)
-        return GraphKey("model", (*shape, width), self.num_blocks)
+                           self.kernels.has_decode_kernel or cascade, width)
+        return GraphKey("model", (*shape, width, cascade_groups(shape[1]) if cascade else 0), self.num_blocks)
+
+    def share_prefixes(self, block_tables: np.ndarray, kv_lens: np.ndarray) -> list[tuple[np.ndarray, int]]:
+        """The groups a decode-only step's rows attend by cascade: none when the engine has it off."""
+        if self.cascade_min_saved_keys is None or len(kv_lens) < 2:
+            return []
+        return share_prefixes(block_tables, kv_lens, self.cfg.block_size, self.cascade_min_saved_keys,
+                              cascade_groups(bucket_for(len(kv_lens), self.seq_buckets)))
 
     @property
     def spec_seq_buckets(self) -> tuple[int, ...]:
@@ -319,6 +333,9 @@ class StepGraphs:
 
     def cache_bound_keys(self) -> list[GraphKey]:
         models = {self.model_key(*size) for size in step_sizes(self.cfg, self.ladders)}
+        if self.cascade_min_saved_keys is not None:
+            models |= {self.model_key(*size, cascade=True) for size in step_sizes(self.cfg, self.ladders)
+                       if size[2] and size[1] >= 2}
         if self.spec_seq_buckets:
             width = self.speculative.width
             models |= {self.model_key(tokens, rows, False, width) for tokens, rows, _ in
@@ -340,8 +357,9 @@ class StepGraphs:
     def lower(self, key: GraphKey) -> jax.stages.Lowered:
         """The graph of key, traced and lowered against abstract inputs of its sizes."""
         match key:
-            case GraphKey("model", (t, s, decode_only, width)):
-                inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width).model
+            case GraphKey("model", (t, s, decode_only, width, groups)):
+                inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width,
+                                       cascade_groups=groups).model
                 split = self.draft_split(key)
                 model, cache, features = ((self.drafting_model, self.cache_shape, self.features) if split is None
                                           else (self.model, self.cache_shape[:split], None))
@@ -457,4 +475,25 @@ class StepGraphs:
             kw |= kv_addressing(cells, self.kernels.blocks_per_row)
         return build_step_inputs(block_size=self.cfg.block_size, scratch_slot=self.cfg.max_num_seqs,
                                  eos_token_ids=self.eos_token_ids,
-                                 decode_only=decode_only and self.kernels.has_decode_kernel, **kw)
+                                 decode_only=decode_only and (self.kernels.has_decode_kernel or
+                                                              kw.get("cascade_groups", 0) > 0), **kw)
+
+
+def cascade_groups(num_seqs: int) -> int:
+    """Groups a cascade graph of num_seqs rows takes: each has two members at least."""
+    return min(CASCADE_MAX_GROUPS, num_seqs // 2)
+
+
+def cascade_policy(mode: str, kernels: AttentionKernels, sliding_window: int | None) -> int | None:
+    """The saved key reads from which a group attends by cascade (config.cascade_attention); None: never. It needs
+    paged blocks (shared by the prefix cache), no sliding window and the Pallas or reference decode."""
+    why_not = ("a sliding window" if sliding_window is not None else
+               "vattention's contiguous kernels" if kernels.blocks_per_row is not None else
+               "decode_attention='cuda'" if kernels.decode == "cuda" else None)
+    if mode == "on" and why_not:
+        raise ValueError(f"cascade_attention='on' cannot run with {why_not}; set it to 'auto' or 'off'")
+    if mode == "off" or why_not:
+        return None
+    if mode == "on":
+        return 1
+    return CASCADE_MIN_SAVED_KEYS if kernels.decode == "pallas" else None

@@ -16,6 +16,7 @@ import numpy as np
 from jaxserve.engine.sampler import SamplingTensors, make_sampling_tensors
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.attention import AttentionBatch
+from pallas_kernels.cascade_attention import CascadeGroups
 
 
 def static(default):
@@ -35,8 +36,9 @@ class ModelInputs:
 
     @property
     def key(self) -> tuple:
-        rows = len(self.attn.kv_lens)
-        return len(self.token_ids), rows, self.attn.decode_only, len(self.logits_indices) // rows
+        rows, cascade = len(self.attn.kv_lens), self.attn.cascade
+        return (len(self.token_ids), rows, self.attn.decode_only, len(self.logits_indices) // rows,
+                0 if cascade is None else len(cascade.shared_lens))
 
 
 @jax.tree_util.register_dataclass
@@ -79,14 +81,16 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                       next_prompt_ids: np.ndarray | None = None, decode_only: bool = False, num_logprobs: int = 0,
                       sampler_mode: str = "filter", constrained: bool = False,
                       draft_ids: Sequence[Sequence[int]] | None = None, spec_width: int = 1,
-                      feature_index: Sequence[int] | None = None) -> StepInputs:
+                      feature_index: Sequence[int] | None = None, cascade_groups: int = 0,
+                      shared: Sequence[tuple[np.ndarray, int]] = ()) -> StepInputs:
     """Host (numpy) inputs of one step over n real rows (decodes first), padded to the buckets.
 
     Per row: `starts` (first position computed), `counts` (tokens computed), where its KV lies — `block_tables`
     [n, W] (its blocks) or, for contiguous kernels, `kv_rows` [n] (its cache row, of `blocks_per_row` blocks) —
     `slots`, `sample_mask`, `params` / `seeds` / `num_generated` (sampling), `logits_from` (row whose logits it
     samples; -1: its own), `feature_index` (EAGLE-3 engines). Per real token, flattened: `token_ids`,
-    `prev_index`, `next_prompt_ids`.
+    `prev_index`, `next_prompt_ids`. cascade_groups > 0: a decode-only step's rows grouped by shared leading blocks,
+    `shared` (rows, shared tokens) as `share_prefixes` finds them, padded to that many groups.
     No rows: an all-padding step (its writes land in the null block), as compile-time dummies use.
     """
     counts, starts = np.asarray(counts, np.int32), np.asarray(starts, np.int32)
@@ -106,7 +110,8 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                                                                       np.arange(n_rows), logits_from)
     after = np.minimum(np.arange(spec_width)[None, :], num_drafts[:, None])   # [n, W]: drafts before each position
     attn = AttentionBatch(slot_mapping, cu, pad(starts + counts, num_seqs), block_tables, np.array([n_rows], np.int32),
-                          decode_only, kv_rows)
+                          decode_only, kv_rows,
+                          cascade_inputs(shared, num_seqs, cascade_groups) if cascade_groups else None)
     model = ModelInputs(pad(token_ids, num_tokens), positions, attn,
                         pad(own_last[from_row][:, None] + after, num_seqs).reshape(-1),
                         pad(prev_index if prev_index is not None else [], num_tokens, fill=-1),
@@ -121,6 +126,41 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                             draft_ids=None if spec_width == 1 else padded_drafts(draft_ids or [], num_seqs, spec_width))
     prompt = None if next_prompt_ids is None else pad(next_prompt_ids, num_tokens, fill=-1)
     return StepInputs(model, sampler, prompt)
+
+
+def share_prefixes(block_tables: np.ndarray, kv_lens: np.ndarray, block_size: int, min_saved_keys: int,
+                   max_groups: int) -> list[tuple[np.ndarray, int]]:
+    """Decode rows grouped by their first block, each group's shared prefix the leading blocks all its members hold
+    (whole blocks before every member's newest token): (rows, shared tokens) of the groups whose shared reads
+    saved (shared tokens x (members - 1)) reach min_saved_keys, the max_groups that save most."""
+    first = block_tables[:, 0]
+    order = np.argsort(first, kind="stable")
+    _, starts, sizes = np.unique(first[order], return_index=True, return_counts=True)
+    groups = []
+    for start, size in zip(starts, sizes):
+        rows = order[start:start + size]
+        limit = int(((kv_lens[rows] - 1) // block_size).min())
+        if size < 2 or limit == 0:
+            continue
+        differs = (block_tables[rows, :limit] != block_tables[rows[0], :limit]).any(axis=0)
+        shared = (int(differs.argmax()) if differs.any() else limit) * block_size
+        if shared and shared * (size - 1) >= min_saved_keys:
+            groups.append((shared * (size - 1), rows, shared))
+    groups.sort(key=lambda g: -g[0])
+    return [(rows, shared) for _, rows, shared in groups[:max_groups]]
+
+
+def cascade_inputs(shared: Sequence[tuple[np.ndarray, int]], num_seqs: int, num_groups: int) -> CascadeGroups:
+    """CascadeGroups of `shared` groups padded to num_seqs rows and num_groups groups."""
+    kv_starts, sizes = np.zeros(num_seqs, np.int32), [len(rows) for rows, _ in shared]
+    for rows, tokens in shared:
+        kv_starts[rows] = tokens
+    cu = np.zeros(num_groups + 1, np.int32)
+    np.cumsum(sizes, out=cu[1:len(sizes) + 1])
+    cu[len(sizes) + 1:] = cu[len(sizes)]
+    members = np.concatenate([rows for rows, _ in shared]) if shared else np.zeros(0, np.int32)
+    return CascadeGroups(kv_starts, pad(members, num_seqs), cu, pad([t for _, t in shared], num_groups),
+                         pad([rows[0] for rows, _ in shared], num_groups), np.array([len(shared)], np.int32))
 
 
 def padded_drafts(draft_ids: Sequence[Sequence[int]], num_seqs: int, spec_width: int) -> np.ndarray:

@@ -24,6 +24,7 @@ from jaxserve.cache.kv_cache import (from_layer_blocks, is_quantized_kv, layer_b
                                      quantize_kv, write_kv)
 from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
 from jaxserve.sharding import HEADS, KV_CACHE, per_shard
+from pallas_kernels.cascade_attention import CascadeGroups, cascade_attention
 from pallas_kernels.ragged_paged_attention import contiguous_ragged_attention, ragged_paged_attention, resolve_impl
 from pallas_kernels.block_tables import identity_block_tables
 
@@ -40,6 +41,7 @@ class AttentionBatch:
     # Static: every row has one query (token i is row i's), so the decode kernel serves the whole step.
     decode_only: bool = field(default=False, metadata=dict(static=True))
     kv_rows: jax.Array | None = None   # [S] contiguous kernels: each batch row's vattention cache row
+    cascade: CascadeGroups | None = None   # decode-only steps whose rows share leading blocks (cascade attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +152,10 @@ def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: Attent
                      **kw):
     """The Pallas launches (pure JAX off the GPU) over the batch's block tables or, under contiguous kernels, its
     cache rows; the cache's blocks at `layer` of num_layers (see the module)."""
+    if batch.cascade is not None:   # paged, no window (StepGraphs.cascade)
+        return cascade_attention(q, k_cache, v_cache, batch.kv_lens,
+                                 layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs, batch.cascade,
+                                 sm_scale=kw["sm_scale"])
     kw.update(prefill_backend=kernels.prefill, decode_only=batch.decode_only)
     lens = (q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens)
     if kernels.blocks_per_row is None:

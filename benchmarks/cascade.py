@@ -1,0 +1,104 @@
+"""Cascade attention against plain decode attention, kernel level: decode-only batches whose rows share a prefix.
+
+Each point is G groups x M members sharing `shared` tokens (whole blocks), each member `own` more tokens of its own,
+Llama-3-8B heads (32 q / 8 kv / 128), bf16, block size 16, pages in random order. `plain` is the one-launch decode
+kernel reading every row's whole context; `cascade` is the shared pass plus the decode launch over the rows' own
+keys. `ms` is GPU time (benchmarks/common.device_busy_ms, median of 10); `gbps` counts the KV bytes a prefix-once
+read needs (shared once per group, own per row), the same bytes for both impls, so it compares them directly.
+`--threshold` sweeps one group of M members over shared lengths: where cascade starts to pay sets
+step_graphs.CASCADE_MIN_SAVED_KEYS.
+
+  python benchmarks/cascade.py                 # the engine's shapes: 256 x 1024 shared, n = 8 over 32 prompts
+  python benchmarks/cascade.py --threshold     # where cascade starts to pay
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import device_busy_ms, time_ms, write_rows  # noqa: E402
+from jaxserve.engine.step_inputs import cascade_inputs, share_prefixes  # noqa: E402
+from pallas_kernels.cascade_attention import cascade_attention  # noqa: E402
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+ENGINE_POINTS = [(1, 256, 1024, 64), (1, 256, 1024, 192), (32, 8, 1024, 64), (1, 64, 1024, 128), (1, 8, 1024, 128),
+                 (1, 256, 512, 512)]
+THRESHOLD_POINTS = [(1, m, s, 64) for m in (2, 4, 8, 32, 128) for s in (128, 256, 512, 1024, 2048)]
+
+
+def make_batch(rng, groups: int, members: int, shared: int, own: int):
+    """q, caches, kv_lens, block tables and num_seqs of G x M rows (a group's members adjacent in a random order)."""
+    rows, shared_blocks, own_blocks = groups * members, shared // BLOCK, -(-own // BLOCK)
+    width = shared_blocks + own_blocks
+    pages = rng.permutation(np.arange(1, groups * shared_blocks + rows * own_blocks + 1)).astype(np.int32)
+    tables = np.zeros((rows, width), np.int32)
+    heads, tails = np.split(pages, [groups * shared_blocks])
+    tables[:, :shared_blocks] = np.repeat(heads.reshape(groups, shared_blocks), members, axis=0)
+    tables[:, shared_blocks:] = tails.reshape(rows, own_blocks)
+    order = rng.permutation(rows)
+    num_pages = len(pages) + 1
+    k, v = (jnp.asarray(rng.standard_normal((num_pages, BLOCK, KV_HEADS, HEAD_DIM)), jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((rows, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
+    kv_lens = np.full(rows, shared + own, np.int32)
+    return q, k, v, kv_lens, tables[order], np.array([rows], np.int32)
+
+
+def prefix_once_bytes(groups: int, members: int, shared: int, own: int) -> int:
+    return (groups * shared + groups * members * own) * KV_HEADS * HEAD_DIM * 2 * 2
+
+
+def measure(fn, *args) -> tuple[float, float]:
+    """(GPU ms, wall ms): the GPU time where a profile holds one, else wall."""
+    wall = time_ms(fn, *args)
+    busy = device_busy_ms(fn, *args)
+    return (float(np.median(busy)) if busy else wall), wall
+
+
+def run_point(rng, point, interpret: bool) -> list[dict]:
+    groups, members, shared, own = point
+    q, k, v, kv_lens, tables, num_seqs = make_batch(rng, *point)
+    found = share_prefixes(tables, kv_lens, BLOCK, min_saved_keys=1, max_groups=64)
+    cascade = jax.tree.map(jnp.asarray, cascade_inputs(found, len(kv_lens), 64))
+    cu = jnp.arange(len(kv_lens) + 1, dtype=jnp.int32)
+    opts = dict(sm_scale=HEAD_DIM ** -0.5, impl="pallas", interpret=interpret)
+    plain = jax.jit(functools.partial(ragged_paged_attention, decode_only=True, **opts))
+    cascaded = jax.jit(functools.partial(cascade_attention, **opts))
+    args = (q, k, v, jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(num_seqs))
+    expected = plain(q, k, v, cu, *args[3:])
+    error = float(jnp.max(jnp.abs(cascaded(*args, cascade).astype(jnp.float32) - expected.astype(jnp.float32))))
+    params = {"groups": groups, "members": members, "shared": shared, "own": own, "found_groups": len(found),
+              "dtype": "bfloat16", "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK}
+    nbytes = prefix_once_bytes(*point)
+    rows = []
+    for impl, fn, fn_args in (("plain", plain, (q, k, v, cu, *args[3:])), ("cascade", cascaded, (*args, cascade))):
+        ms, wall = measure(fn, *fn_args)
+        rows.append({"bench": "cascade", "impl": impl, "params": params, "ms": ms, "wall_ms": wall,
+                     "gbps": nbytes / ms / 1e6, "max_abs_err_vs_plain": error})
+    print(f"G{groups} x M{members} shared {shared} own {own}: plain {rows[0]['ms'] * 1e3:.1f} us, cascade "
+          f"{rows[1]['ms'] * 1e3:.1f} us ({rows[0]['ms'] / rows[1]['ms']:.2f}x), max |diff| {error:.2g}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threshold", action="store_true", help="one group of M members over shared lengths")
+    parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/cascade_<backend>.json)")
+    args = parser.parse_args(argv)
+    interpret = jax.default_backend() != "gpu"
+    rng = np.random.default_rng(0)
+    rows = [r for point in (THRESHOLD_POINTS if args.threshold else ENGINE_POINTS)
+            for r in run_point(rng, point, interpret)]
+    command = "python benchmarks/cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_rows(args.out or f"benchmarks/results/cascade_{jax.default_backend()}.json", rows, command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Cascade attention: decode rows that share leading blocks, their prefix read once per group.
+
+The kernel (interpreted on the CPU, compiled on a GPU) and the reference against float64 numpy attention over each
+row's whole context. The batches are built so that only the cascade's own addressing gives the right answer: after
+the expected output is computed, every grouped row's table entries for the shared blocks are pointed at a NaN page,
+except the row the group names (`table_rows`), so a shared pass reading the wrong table, or a row's own pass reading
+its shared keys again, comes out NaN. Rows are in random order (groups are not contiguous), groups end mid-tile,
+rows outside every group and padding rows sit between them.
+"""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.step_inputs import share_prefixes
+from jaxserve.models.loader import random_model
+from pallas_kernels.cascade_attention import CascadeGroups, cascade_attention
+from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
+
+from helpers import (KNOBS, TINY, Batch, check_close, interpret_tuning, mixed_requests, naive_attention, on_gpu,
+                     poison_allocator)
+
+INTERPRET = not on_gpu()
+GEOMETRY = {"q_heads": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16, "max_seqs": 16, "max_blocks": 12,
+            "num_blocks": 160, "max_groups": 4}
+# ([(shared blocks, [own tokens of each member])], [kv_len of each row outside every group])
+LAYOUTS = {
+    "one_group": ([(4, [1, 9, 16, 17, 30, 2, 5])], [40, 3]),
+    "several": ([(2, [3, 20]), (7, [1, 1, 12]), (1, [33, 8, 16, 4, 60])], [1, 99]),
+    "no_group": ([], [17, 64, 5]),
+}
+
+
+def make_cascade_batch(rng, groups, loners, *, q_heads, kv_heads, head_dim, block_size, max_seqs, max_blocks,
+                       num_blocks, max_groups, dtype=jnp.float32, **options):
+    """(Batch decode-only, CascadeGroups, the float64 expected output under `options`), the tables already poisoned
+    (see the module)."""
+    members = [(g, own) for g, (_, owns) in enumerate(groups) for own in owns]
+    num_rows = len(members) + len(loners)
+    order = rng.permutation(num_rows)   # row of each member, then of each loner
+    pages = iter(rng.permutation(np.arange(2, num_blocks)))   # page 1: the NaN page
+    cache = np.full((2, num_blocks, block_size, kv_heads, head_dim), np.nan, np.float32)
+    tables = rng.integers(-5, 1 << 20, (max_seqs, max_blocks)).astype(np.int32)
+    kv_lens = rng.integers(1 << 20, 1 << 21, max_seqs).astype(np.int32)
+
+    def fill(row, first_col, num_tokens):
+        for col in range(first_col, first_col + -(-num_tokens // block_size)):
+            tables[row, col] = page = next(pages)
+            filled = min(block_size, num_tokens - (col - first_col) * block_size)
+            cache[:, page, :filled] = rng.standard_normal((2, filled, kv_heads, head_dim))
+
+    shared_tables = []
+    for shared, _ in groups:
+        shared_tables.append([next(pages) for _ in range(shared)])
+        cache[:, shared_tables[-1]] = rng.standard_normal((2, shared, block_size, kv_heads, head_dim))
+    for row, (g, own) in zip(order, members):
+        tables[row, :groups[g][0]] = shared_tables[g]
+        fill(row, groups[g][0], own)
+        kv_lens[row] = groups[g][0] * block_size + own
+    for row, n in zip(order[len(members):], loners):
+        fill(row, 0, n)
+        kv_lens[row] = n
+    q = rng.standard_normal((max_seqs, q_heads, head_dim)).astype(np.float32)
+    batch = Batch(jnp.asarray(q, dtype), jnp.asarray(cache[0], dtype), jnp.asarray(cache[1], dtype),
+                  jnp.minimum(jnp.arange(max_seqs + 1, dtype=jnp.int32), num_rows), jnp.asarray(kv_lens),
+                  jnp.asarray(tables), jnp.asarray([num_rows], jnp.int32), num_rows)
+    expected = naive_attention(batch, sm_scale=0.125, **options)
+    group_rows = [[row for row, (g, _) in zip(order, members) if g == i] for i in range(len(groups))]
+    kv_starts = np.zeros(max_seqs, np.int32)
+    for i, (shared, _) in enumerate(groups):
+        kv_starts[group_rows[i]] = shared * block_size
+        tables[group_rows[i][1:], :shared] = 1   # the NaN page: only table_rows[i] (its first member) holds them
+    cu = np.cumsum([0] + [len(r) for r in group_rows] + [0] * (max_groups - len(groups)))
+    cascade = CascadeGroups(
+        jnp.asarray(kv_starts), jnp.asarray(np.resize(np.concatenate([*group_rows, [0]]), max_seqs).astype(np.int32)),
+        jnp.asarray(cu, jnp.int32), jnp.asarray([s * block_size for s, _ in groups] + [0] * (max_groups - len(groups)),
+                                                jnp.int32),
+        jnp.asarray([r[0] for r in group_rows] + [0] * (max_groups - len(groups)), jnp.int32),
+        jnp.asarray([len(groups)], jnp.int32))
+    return Batch(*batch.args()[:5], jnp.asarray(tables), batch.num_seqs, num_rows), cascade, expected
+
+
+def run(batch: Batch, cascade: CascadeGroups, **options):
+    return cascade_attention(batch.q, batch.k_cache, batch.v_cache, batch.kv_lens, batch.block_tables,
+                             batch.num_seqs, cascade, sm_scale=0.125, **options)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_reference_matches_float64(layout):
+    batch, cascade, expected = make_cascade_batch(np.random.default_rng(0), *LAYOUTS[layout], **GEOMETRY)
+    check_close(run(batch, cascade, impl="reference"), expected, batch, jnp.float32, layout)
+
+
+def test_poisoned_tables_break_plain_attention():
+    """The batches test the cascade's addressing: plain attention over the same tables reads the NaN page."""
+    batch, _, _ = make_cascade_batch(np.random.default_rng(0), *LAYOUTS["one_group"], **GEOMETRY)
+    out = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125)
+    assert np.isnan(np.asarray(out[:batch.live_tokens])).any()
+
+
+@pytest.mark.parametrize("dtype, tuning, options", [
+    (jnp.float32, {}, {}),
+    (jnp.float32, {"decode_programs": 128, "decode_kv_tile": 16}, {"soft_cap": 5.0}),  # 4 splits a row
+    (jnp.bfloat16, {}, {}),
+    (jnp.bfloat16, {"prefill_block_m": 16, "prefill_kv_tile": 32}, {}),  # 4 members a shared tile, tiles of 2 pages
+])
+def test_kernel_matches_float64(dtype, tuning, options):
+    rng = np.random.default_rng(1)
+    for layout, (groups, loners) in LAYOUTS.items():
+        batch, cascade, expected = make_cascade_batch(rng, groups, loners, **GEOMETRY, dtype=dtype, **options)
+        poison_allocator(batch)
+        out = run(batch, cascade, impl="pallas", interpret=INTERPRET, **options, **(tuning or interpret_tuning()))
+        check_close(out, expected, batch, dtype, layout)
+
+
+def test_rejects_malformed_groups():
+    batch, cascade, _ = make_cascade_batch(np.random.default_rng(2), *LAYOUTS["one_group"], **GEOMETRY)
+    bad = CascadeGroups(cascade.kv_starts[:3], cascade.rows, cascade.cu_rows, cascade.shared_lens, cascade.table_rows,
+                        cascade.num_groups)
+    with pytest.raises(ValueError, match=r"groups.kv_starts must be int32 \[16\]"):
+        run(batch, bad, impl="reference")
+    bad = CascadeGroups(cascade.kv_starts, cascade.rows, cascade.cu_rows[:-1], cascade.shared_lens,
+                        cascade.table_rows, cascade.num_groups)
+    with pytest.raises(ValueError, match=r"groups.cu_rows must be int32 \[5\]"):
+        run(batch, bad, impl="reference")
+
+
+# ---- the engine -------------------------------------------------------------------------------------------------
+def test_share_prefixes_groups_rows_by_their_common_leading_blocks():
+    tables = np.array([[5, 6, 7, 9], [5, 6, 7, 10], [5, 6, 8, 11], [3, 4, 12, 0], [3, 4, 13, 0], [2, 14, 0, 0]],
+                      np.int32)
+    kv_lens = np.array([60, 50, 40, 35, 40, 20])   # newest tokens in blocks 3, 3, 2, 2, 2, 1 (block size 16)
+    groups = share_prefixes(tables, kv_lens, 16, min_saved_keys=1, max_groups=8)
+    assert [(list(rows), shared) for rows, shared in groups] == [([0, 1, 2], 32), ([3, 4], 32)]
+    # [5, 6] saves 32 x 2 reads, [3, 4] 32 x 1: the threshold and max_groups keep the larger
+    assert [list(r) for r, _ in share_prefixes(tables, kv_lens, 16, min_saved_keys=64, max_groups=8)] == [[0, 1, 2]]
+    assert [list(r) for r, _ in share_prefixes(tables, kv_lens, 16, min_saved_keys=1, max_groups=1)] == [[0, 1, 2]]
+    # a newest token's block is never shared: row 3's newest token is in block 3, the only one it shares
+    assert share_prefixes(tables[3:5], np.array([16, 30]), 16, min_saved_keys=1, max_groups=8) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_cascade():
+    loaded = random_model(TINY, jnp.float32)
+    return {mode: LLM(loaded, **KNOBS, num_blocks=128, cascade_attention=mode) for mode in ("off", "on")}
+
+
+@pytest.mark.slow
+def test_engine_tokens_identical_with_cascade(tiny_cascade):
+    """Requests behind one shared prompt (a system prompt), n = 3 and the other kinds, as a decode-only step's groups:
+    token-identical to cascade off, and the cascade graphs ran."""
+    system = list(range(10, 50))   # 40 tokens: two whole blocks of 16 shared
+    prompts, params = mixed_requests()
+    prompts += [system + [60 + i] * (i + 1) for i in range(5)]
+    params += [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 4 + \
+        [SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=16, ignore_eos=True)]
+    outs = {mode: llm.generate(prompts, params, use_tqdm=False) for mode, llm in tiny_cascade.items()}
+    assert [[c.token_ids for c in o.outputs] for o in outs["on"]] == \
+        [[c.token_ids for c in o.outputs] for o in outs["off"]]
+    executables = tiny_cascade["on"].engine.graphs.manager.executables
+    assert any(key.kind == "model" and key.dims[4] > 0 for key in executables)
+    assert not any(key.kind == "model" and key.dims[4] > 0 for key in tiny_cascade["off"].engine.graphs.manager.executables)
+    assert tiny_cascade["on"].engine.stats()["compiles_after_start"] == 0
