@@ -1,11 +1,15 @@
 """Offline throughput: N prompts x input_len random tokens, output_len tokens each (EOS ignored), greedy or
-sampled (--temperature / --top-p / --top-k).
+sampled (--temperature / --top-p / --top-k); `--shared-prefix-len` puts one common random prefix before every
+prompt, `--n` samples each prompt n times.
 
 Reports output tok/s, TTFT and TPOT, and the roofline for the workload from numbers measured in the same
 run: (weights + KV) bytes of every decode step over the copy bandwidth, plus the prefill FLOPs over the
 bf16 matmul rate; TPOT beside one mid-run decode step's bytes over that bandwidth (`tpot_roofline_frac`: at
 batch 1, the weight-read roofline); under tensor parallelism both bounds divide by the tp devices, each
-reading and multiplying its shard. `--set knob=value` overrides the config's engine knobs.
+reading and multiplying its shard. Prefix-once: the shared prefix and each prompt's input are read once a step
+for all the sequences over them (prefilled once: the prefix cache); every-row (`roofline_every_row_s`): each
+sequence reads its whole context itself, as plain attention does. `--set knob=value` overrides the config's
+engine knobs.
 `--peer transformers-cb` also runs HF transformers continuous batching on the same shapes. `--quantization fp8`
 and `--set kv_cache_dtype=fp8` count FP8's bytes and matmul rate in the roofline.
 
@@ -13,6 +17,10 @@ and `--set kv_cache_dtype=fp8` count FP8's bytes and matmul rate in the roofline
   python benchmarks/offline.py --config configs/llama3-8b-random.yaml --temperature 0.8 --top-p 0.95 --top-k 50
   python benchmarks/offline.py --config configs/llama3-8b-random.yaml --num-prompts 1 --input-len 128 \
       --output-len 512                                                          # GPU, batch-1 decode
+  python benchmarks/offline.py --config configs/llama3-8b-random.yaml --shared-prefix-len 1024 --input-len 64 \
+      --output-len 128                                                          # shared system prompt
+  python benchmarks/offline.py --config configs/llama3-8b-random.yaml --num-prompts 32 --input-len 1024 --n 8 \
+      --temperature 0.8                                                         # parallel sampling
   python benchmarks/offline.py --num-prompts 32 --input-len 128 --output-len 32  # CPU, embedded model
 """
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -41,15 +50,38 @@ def weight_read_bytes(cfg, b: Bytes) -> int:
     return (cfg.num_params - lm_head * (1 if cfg.tie_word_embeddings else 2)) * b.linear + lm_head * b.other
 
 
-def decode_step_bytes(cfg, n, context, b: Bytes):
-    """One decode step's least traffic: every weight once, n sequences' K/V at that context."""
-    return weight_read_bytes(cfg, b) + n * context * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * b.kv
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """num_prompts prompts of one shared prefix then input_len tokens of their own; n samples of output_len
+    tokens each."""
+    num_prompts: int
+    input_len: int
+    output_len: int
+    shared_prefix_len: int = 0
+    n: int = 1
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The tokens prefill computes: the shared prefix once (the prefix cache), each prompt's input once."""
+        return self.shared_prefix_len + self.num_prompts * self.input_len
+
+    def kv_tokens(self, j: int, prefix_once: bool = True) -> int:
+        """The cached tokens decode step j reads. Prefix-once: the shared prefix once, each prompt's input once for
+        its n samples, each sample's j outputs; else every sample its whole context."""
+        if prefix_once:
+            return self.shared_prefix_len + self.num_prompts * (self.input_len + self.n * j)
+        return self.num_prompts * self.n * (self.shared_prefix_len + self.input_len + j)
 
 
-def roofline_s(cfg, n, input_len, output_len, gbps, tflops, b: Bytes):
+def decode_step_bytes(cfg, kv_tokens, b: Bytes):
+    """One decode step's least traffic: every weight once, the K/V of kv_tokens cached tokens."""
+    return weight_read_bytes(cfg, b) + kv_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * b.kv
+
+
+def roofline_s(cfg, w: Workload, gbps, tflops, b: Bytes, prefix_once: bool = True):
     """tflops: the matmul rate of the linear layers' dtype (FP8 doubles bf16's)."""
-    decode_bytes = sum(decode_step_bytes(cfg, n, input_len + j, b) for j in range(1, output_len))
-    prefill_flops = 2 * cfg.num_params * n * input_len
+    decode_bytes = sum(decode_step_bytes(cfg, w.kv_tokens(j, prefix_once), b) for j in range(1, w.output_len))
+    prefill_flops = 2 * cfg.num_params * w.prefill_tokens
     return decode_bytes / (gbps * 1e9) + prefill_flops / (tflops * 1e12)
 
 
@@ -67,9 +99,9 @@ def override(engine_cfg, assignments):
     return dataclasses.replace(engine_cfg, **changes)
 
 
-def run_jaxserve(loaded, engine_cfg, prompts, output_len, sampling: dict):
+def run_jaxserve(loaded, engine_cfg, prompts, output_len, sampling: dict, n: int = 1):
     llm = LLM(loaded, config=engine_cfg)
-    params = SamplingParams(**sampling, max_tokens=output_len, ignore_eos=True, seed=0)
+    params = SamplingParams(**sampling, n=n, max_tokens=output_len, ignore_eos=True, seed=0)
     llm.generate(prompts[:min(8, len(prompts))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)   # warm-up beyond precompile: first transfers, allocator
     engine = llm.engine
@@ -84,7 +116,7 @@ def run_jaxserve(loaded, engine_cfg, prompts, output_len, sampling: dict):
             if out.finished:
                 done[out.request_id] = now
     wall = time.perf_counter() - start
-    ntok = len(prompts) * output_len
+    ntok = len(prompts) * n * output_len
     ttft = np.array([first[r] - arrival for r in ids])
     tpot = np.array([(done[r] - first[r]) / max(output_len - 1, 1) for r in ids])
     return wall, ntok, ttft, tpot, engine.stats()
@@ -114,8 +146,12 @@ def run_transformers_cb(cfg, prompts, output_len):
 
 
 def make_prompts(cfg, args, seed: int = 0):
+    """args.num_prompts prompts: one common prefix of args.shared_prefix_len random tokens (none if args has no
+    such field), then args.input_len random tokens of each prompt's own."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, min(cfg.vocab_size, 128000), args.input_len).tolist() for _ in range(args.num_prompts)]
+    high = min(cfg.vocab_size, 128000)
+    prefix = rng.integers(0, high, getattr(args, "shared_prefix_len", 0)).tolist()
+    return [prefix + rng.integers(0, high, args.input_len).tolist() for _ in range(args.num_prompts)]
 
 
 def run_peer_process(argv):
@@ -135,6 +171,8 @@ def main(argv=None):
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--shared-prefix-len", type=int, default=0, help="random tokens every prompt starts with")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -147,6 +185,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/offline_<device>.json)")
     args = ap.parse_args(argv)
     command = "python benchmarks/offline.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.peer != "none" and (args.shared_prefix_len or args.n != 1):
+        raise SystemExit(f"--peer {args.peer} runs neither --shared-prefix-len nor --n: leave them at 0 and 1")
     if args.peer_only:   # a child process: torch cannot get GPU memory that JAX's allocator holds
         cfg = model_config_from_hf(load_run_config(args.config).random_model)
         print(json.dumps(run_transformers_cb(cfg, make_prompts(cfg, args), args.output_len)))
@@ -160,13 +200,16 @@ def main(argv=None):
     gbps, tflops = copy_bandwidth_gbps(), matmul_tflops(jnp.float8_e4m3fn if args.quantization else jnp.bfloat16)
     dtype_bytes = Bytes.of(loaded, engine_cfg)
     tp = engine_cfg.tensor_parallel_size   # tp devices read and multiply in parallel: the bounds scale by tp
-    roof = roofline_s(cfg, args.num_prompts, args.input_len, args.output_len, gbps, tflops, dtype_bytes) / tp
+    work = Workload(args.num_prompts, args.input_len, args.output_len, args.shared_prefix_len, args.n)
+    roof = roofline_s(cfg, work, gbps, tflops, dtype_bytes) / tp
+    roof_every_row = roofline_s(cfg, work, gbps, tflops, dtype_bytes, prefix_once=False) / tp
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-    wall, ntok, ttft, tpot, stats = run_jaxserve(loaded, engine_cfg, prompts, args.output_len, sampling)
-    tpot_roof_ms = decode_step_bytes(cfg, args.num_prompts, args.input_len + args.output_len // 2,
-                                     dtype_bytes) / (gbps * 1e9) * 1e3 / tp
+    wall, ntok, ttft, tpot, stats = run_jaxserve(loaded, engine_cfg, prompts, args.output_len, sampling, args.n)
+    mid_step = decode_step_bytes(cfg, work.kv_tokens(args.output_len // 2), dtype_bytes)
+    tpot_roof_ms = mid_step / (gbps * 1e9) * 1e3 / tp
     params = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              **sampling, "seq_buckets": list(engine_cfg.seq_buckets or []),
+              "shared_prefix_len": args.shared_prefix_len, "n": args.n, **sampling,
+              "seq_buckets": list(engine_cfg.seq_buckets or []),
               "prefill_attention": engine_cfg.prefill_attention, "set": args.set,
               "decode_attention": engine_cfg.decode_attention, "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
               "token_buckets": list(engine_cfg.token_buckets or []), "async_scheduling": engine_cfg.async_scheduling,
@@ -175,12 +218,15 @@ def main(argv=None):
               **({"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}),
               "model": "llama3-8b-random" if loaded.source == "random" else loaded.source}
     rows = [{"bench": "offline", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": ntok / wall,
-             "wall_s": wall, "roofline_s": roof, "roofline_frac": roof / wall, "copy_gbps": gbps,
-             "matmul_tflops": tflops, "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.quantile(ttft, .99)),
+             "wall_s": wall, "roofline_s": roof, "roofline_frac": roof / wall,
+             "roofline_every_row_s": roof_every_row, "roofline_every_row_frac": roof_every_row / wall,
+             "copy_gbps": gbps, "matmul_tflops": tflops, "ttft_p50_s": float(np.median(ttft)),
+             "ttft_p99_s": float(np.quantile(ttft, .99)),
              "tpot_p50_ms": float(np.median(tpot) * 1e3), "tpot_p99_ms": float(np.quantile(tpot, .99) * 1e3),
              "tpot_roofline_ms": tpot_roof_ms, "tpot_roofline_frac": tpot_roof_ms / (np.median(tpot) * 1e3),
              "engine": stats}]
-    print(f"jaxserve: {wall:.2f} s, {ntok / wall:.0f} output tok/s, roofline {roof:.2f} s ({roof / wall:.0%}), "
+    print(f"jaxserve: {wall:.2f} s, {ntok / wall:.0f} output tok/s, roofline {roof:.2f} s ({roof / wall:.0%}; "
+          f"every-row {roof_every_row:.2f} s: {roof_every_row / wall:.0%}), "
           f"TTFT p50 {rows[0]['ttft_p50_s']:.2f} s, TPOT p50 {rows[0]['tpot_p50_ms']:.1f} ms "
           f"(decode-step roofline {tpot_roof_ms:.1f} ms: {rows[0]['tpot_roofline_frac']:.0%})", flush=True)
     out = args.out or f"benchmarks/results/offline_{jax.default_backend()}.json"

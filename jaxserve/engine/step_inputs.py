@@ -137,10 +137,10 @@ def share_prefixes(block_tables: np.ndarray, kv_lens: np.ndarray, block_size: in
     order = np.argsort(first, kind="stable")
     _, starts, sizes = np.unique(first[order], return_index=True, return_counts=True)
     groups = []
-    for start, size in zip(starts, sizes):
+    for start, size in zip(starts[sizes > 1], sizes[sizes > 1]):
         rows = order[start:start + size]
         limit = int(((kv_lens[rows] - 1) // block_size).min())
-        if size < 2 or limit == 0:
+        if limit == 0:
             continue
         differs = (block_tables[rows, :limit] != block_tables[rows[0], :limit]).any(axis=0)
         shared = (int(differs.argmax()) if differs.any() else limit) * block_size
