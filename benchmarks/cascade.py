@@ -6,7 +6,7 @@ kernel reading every row's whole context; `cascade` is the shared pass plus the 
 keys. `ms` is GPU time (benchmarks/common.device_busy_ms, median of 10); `gbps` counts the KV bytes a prefix-once
 read needs (shared once per group, own per row), the same bytes for both impls, so it compares them directly.
 `--threshold` sweeps one group of M members over shared lengths: where cascade starts to pay sets
-step_graphs.CASCADE_MIN_SAVED_KEYS.
+step_graphs.CASCADE_MIN_ROWS and CASCADE_MIN_SAVED_KEYS.
 
   python benchmarks/cascade.py                 # the engine's shapes: 256 x 1024 shared, n = 8 over 32 prompts
   python benchmarks/cascade.py --threshold     # where cascade starts to pay
@@ -65,7 +65,7 @@ def measure(fn, *args) -> tuple[float, float]:
 def run_point(rng, point, interpret: bool) -> list[dict]:
     groups, members, shared, own = point
     q, k, v, kv_lens, tables, num_seqs = make_batch(rng, *point)
-    found = share_prefixes(tables, kv_lens, BLOCK, min_saved_keys=1, max_groups=64)
+    found = share_prefixes(tables, kv_lens, BLOCK, max_groups=64)
     cascade = jax.tree.map(jnp.asarray, cascade_inputs(found, len(kv_lens), 64))
     cu = jnp.arange(len(kv_lens) + 1, dtype=jnp.int32)
     opts = dict(sm_scale=HEAD_DIM ** -0.5, impl="pallas", interpret=interpret)

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine.step_graphs import CASCADE_MIN_ROWS, CASCADE_MIN_SAVED_KEYS, cascade_rule
 from jaxserve.engine.step_inputs import share_prefixes
+from jaxserve.models.attention import AttentionKernels
 from jaxserve.models.loader import random_model
 from pallas_kernels.cascade_attention import CascadeGroups, cascade_attention
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
@@ -130,13 +132,25 @@ def test_share_prefixes_groups_rows_by_their_common_leading_blocks():
     tables = np.array([[5, 6, 7, 9], [5, 6, 7, 10], [5, 6, 8, 11], [3, 4, 12, 0], [3, 4, 13, 0], [2, 14, 0, 0]],
                       np.int32)
     kv_lens = np.array([60, 50, 40, 35, 40, 20])   # newest tokens in blocks 3, 3, 2, 2, 2, 1 (block size 16)
-    groups = share_prefixes(tables, kv_lens, 16, min_saved_keys=1, max_groups=8)
+    groups = share_prefixes(tables, kv_lens, 16, max_groups=8)
     assert [(list(rows), shared) for rows, shared in groups] == [([0, 1, 2], 32), ([3, 4], 32)]
-    # [5, 6] saves 32 x 2 reads, [3, 4] 32 x 1: the threshold and max_groups keep the larger
-    assert [list(r) for r, _ in share_prefixes(tables, kv_lens, 16, min_saved_keys=64, max_groups=8)] == [[0, 1, 2]]
-    assert [list(r) for r, _ in share_prefixes(tables, kv_lens, 16, min_saved_keys=1, max_groups=1)] == [[0, 1, 2]]
+    # [5, 6] saves 32 x 2 reads, [3, 4] 32 x 1: max_groups keeps the larger
+    assert [list(r) for r, _ in share_prefixes(tables, kv_lens, 16, max_groups=1)] == [[0, 1, 2]]
     # a newest token's block is never shared: row 3's newest token is in block 3, the only one it shares
-    assert share_prefixes(tables[3:5], np.array([16, 30]), 16, min_saved_keys=1, max_groups=8) == []
+    assert share_prefixes(tables[3:5], np.array([16, 30]), 16, max_groups=8) == []
+
+
+def test_cascade_rule_by_mode_and_kernels():
+    pallas, reference = AttentionKernels("pallas"), AttentionKernels("reference")
+    assert cascade_rule("auto", pallas, None) == (CASCADE_MIN_ROWS, CASCADE_MIN_SAVED_KEYS)
+    assert cascade_rule("auto", reference, None) is None   # the CPU: nothing to save by default
+    assert cascade_rule("on", reference, None) == (2, 1)
+    assert cascade_rule("off", pallas, None) is None
+    assert cascade_rule("auto", pallas, 4096) is None and cascade_rule("auto", AttentionKernels("cuda"), None) is None
+    with pytest.raises(ValueError, match="cascade_attention='on' cannot run with a sliding window"):
+        cascade_rule("on", pallas, 4096)
+    with pytest.raises(ValueError, match="vattention's contiguous kernels"):
+        cascade_rule("on", AttentionKernels("pallas", blocks_per_row=8), None)
 
 
 @pytest.fixture(scope="module")

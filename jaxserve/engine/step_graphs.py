@@ -46,9 +46,13 @@ PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, 
 # GPU graphs of more rows than this take cuBLAS GEMMs, not XLA's autotuned Triton ones: cuBLAS starts faster and
 # runs big steps as fast or faster, but small GEMMs (batch-1 decode) are faster with Triton.
 TRITON_GEMM_MAX_ROWS = 64   # bf16 weights; FP8 ones: see compiler_options
-# Cascade attention ("auto"): a group pays its shared pass when the key reads it saves, shared tokens x (members - 1),
-# reach this (benchmarks/attention.py --cascade on H100)
-CASCADE_MIN_SAVED_KEYS = 4096
+# Cascade attention ("auto") runs a decode-only step whose groups hold CASCADE_MIN_ROWS rows or more and save
+# CASCADE_MIN_SAVED_KEYS key reads (shared tokens x (members - 1), summed). Its shared pass walks a group's prefix in
+# one program per tile of members and kv head, so few members leave the GPU idle: on H100 (benchmarks/cascade.py)
+# 32 members never paid (0.52-0.75x at 128-2048 shared), 64 x 1024 gave 0.81x, 128 x 512 1.08x, 128 x 1024 1.29x,
+# 256 x 1024 1.6-1.8x, 32 groups of 8 x 1024 2.0x.
+CASCADE_MIN_ROWS = 128
+CASCADE_MIN_SAVED_KEYS = 65536
 CASCADE_MAX_GROUPS = 64   # groups a step's shared pass takes (the most saving ones): n = 8 over 32 prompts fits
 
 
@@ -232,7 +236,7 @@ class StepGraphs:
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.kernels = resolve_attention_kernels(cfg.decode_attention, cfg.prefill_attention, mc.head_dim,
                                                  backend.blocks_per_row, backend.dtype)
-        self.cascade_min_saved_keys = cascade_policy(cfg.cascade_attention, self.kernels, mc.sliding_window)
+        self.cascade_rule = cascade_rule(cfg.cascade_attention, self.kernels, mc.sliding_window)
         self.replicated = NamedSharding(mesh, P())
         graphs_fingerprint = fingerprint(mc, graph_knobs(cfg), str(self.dtype), loaded.quantization,
                                          draft and (draft.config, draft.quantization),
@@ -287,11 +291,14 @@ class StepGraphs:
         return GraphKey("model", (*shape, width, cascade_groups(shape[1]) if cascade else 0), self.num_blocks)
 
     def share_prefixes(self, block_tables: np.ndarray, kv_lens: np.ndarray) -> list[tuple[np.ndarray, int]]:
-        """The groups a decode-only step's rows attend by cascade: none when the engine has it off."""
-        if self.cascade_min_saved_keys is None or len(kv_lens) < 2:
+        """The groups a decode-only step's rows attend by cascade: none when the engine has it off or the groups
+        fall short of its rule (rows grouped, key reads saved)."""
+        if self.cascade_rule is None or len(kv_lens) < self.cascade_rule[0]:
             return []
-        return share_prefixes(block_tables, kv_lens, self.cfg.block_size, self.cascade_min_saved_keys,
-                              cascade_groups(bucket_for(len(kv_lens), self.seq_buckets)))
+        groups = share_prefixes(block_tables, kv_lens, self.cfg.block_size,
+                                cascade_groups(bucket_for(len(kv_lens), self.seq_buckets)))
+        rows, saved = sum(len(r) for r, _ in groups), sum(shared * (len(r) - 1) for r, shared in groups)
+        return groups if rows >= self.cascade_rule[0] and saved >= self.cascade_rule[1] else []
 
     @property
     def spec_seq_buckets(self) -> tuple[int, ...]:
@@ -333,9 +340,9 @@ class StepGraphs:
 
     def cache_bound_keys(self) -> list[GraphKey]:
         models = {self.model_key(*size) for size in step_sizes(self.cfg, self.ladders)}
-        if self.cascade_min_saved_keys is not None:
+        if self.cascade_rule is not None:
             models |= {self.model_key(*size, cascade=True) for size in step_sizes(self.cfg, self.ladders)
-                       if size[2] and size[1] >= 2}
+                       if size[2] and size[1] >= self.cascade_rule[0]}
         if self.spec_seq_buckets:
             width = self.speculative.width
             models |= {self.model_key(tokens, rows, False, width) for tokens, rows, _ in
@@ -484,9 +491,10 @@ def cascade_groups(num_seqs: int) -> int:
     return min(CASCADE_MAX_GROUPS, num_seqs // 2)
 
 
-def cascade_policy(mode: str, kernels: AttentionKernels, sliding_window: int | None) -> int | None:
-    """The saved key reads from which a group attends by cascade (config.cascade_attention); None: never. It needs
-    paged blocks (shared by the prefix cache), no sliding window and the Pallas or reference decode."""
+def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | None) -> tuple[int, int] | None:
+    """(rows grouped, key reads saved) from which a decode-only step attends by cascade (config.cascade_attention);
+    None: never. It needs paged blocks (shared by the prefix cache), no sliding window and the Pallas or reference
+    decode."""
     why_not = ("a sliding window" if sliding_window is not None else
                "vattention's contiguous kernels" if kernels.blocks_per_row is not None else
                "decode_attention='cuda'" if kernels.decode == "cuda" else None)
@@ -495,5 +503,5 @@ def cascade_policy(mode: str, kernels: AttentionKernels, sliding_window: int | N
     if mode == "off" or why_not:
         return None
     if mode == "on":
-        return 1
-    return CASCADE_MIN_SAVED_KEYS if kernels.decode == "pallas" else None
+        return 2, 1
+    return (CASCADE_MIN_ROWS, CASCADE_MIN_SAVED_KEYS) if kernels.decode == "pallas" else None

@@ -128,11 +128,11 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
     return StepInputs(model, sampler, prompt)
 
 
-def share_prefixes(block_tables: np.ndarray, kv_lens: np.ndarray, block_size: int, min_saved_keys: int,
+def share_prefixes(block_tables: np.ndarray, kv_lens: np.ndarray, block_size: int,
                    max_groups: int) -> list[tuple[np.ndarray, int]]:
     """Decode rows grouped by their first block, each group's shared prefix the leading blocks all its members hold
-    (whole blocks before every member's newest token): (rows, shared tokens) of the groups whose shared reads
-    saved (shared tokens x (members - 1)) reach min_saved_keys, the max_groups that save most."""
+    (whole blocks before every member's newest token): (rows, shared tokens) of the max_groups groups whose shared
+    reads save most (shared tokens x (members - 1))."""
     first = block_tables[:, 0]
     order = np.argsort(first, kind="stable")
     _, starts, sizes = np.unique(first[order], return_index=True, return_counts=True)
@@ -144,7 +144,7 @@ def share_prefixes(block_tables: np.ndarray, kv_lens: np.ndarray, block_size: in
             continue
         differs = (block_tables[rows, :limit] != block_tables[rows[0], :limit]).any(axis=0)
         shared = (int(differs.argmax()) if differs.any() else limit) * block_size
-        if shared and shared * (size - 1) >= min_saved_keys:
+        if shared:
             groups.append((shared * (size - 1), rows, shared))
     groups.sort(key=lambda g: -g[0])
     return [(rows, shared) for _, rows, shared in groups[:max_groups]]
