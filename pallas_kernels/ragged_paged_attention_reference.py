@@ -30,7 +30,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, bl
     are gathered), returns q's dtype."""
     seq, q_pos, kv_len = locate_tokens(cu_q_lens, kv_lens, jnp.reshape(num_seqs, ()), q.shape[0])
     state = attend_keys(grouped(q, k_cache), k_cache, v_cache, seq, q_pos, kv_len, block_tables=block_tables,
-                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_blocks_per_step=kv_blocks_per_step)
+                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                        kv_blocks_per_step=kv_blocks_per_step)
     return normalized(state, q)
 
 

@@ -152,7 +152,7 @@ def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: Attent
                      **kw):
     """The Pallas launches (pure JAX off the GPU) over the batch's block tables or, under contiguous kernels, its
     cache rows; the cache's blocks at `layer` of num_layers (see the module)."""
-    if batch.cascade is not None:   # paged, no window (StepGraphs.cascade)
+    if batch.cascade is not None:   # paged, no window (step_graphs.cascade_rule)
         return cascade_attention(q, k_cache, v_cache, batch.kv_lens,
                                  layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs, batch.cascade,
                                  sm_scale=kw["sm_scale"])
