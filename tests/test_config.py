@@ -19,7 +19,7 @@ OTHER_VALUE = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=5
                    async_scheduling=False, seed=7, block_size=32, num_blocks=64, memory_fraction=0.5,
                    enable_prefix_caching=False, watermark=0.1, kv_backend="vattention", kv_cache_dtype="fp8",
                    token_buckets=(16, 256),
-                   seq_buckets=(8, 32), decode_attention="cuda", prefill_attention="mosaic",
+                   seq_buckets=(8, 32), decode_attention="cuda", prefill_attention="mosaic", cascade_attention="off",
                    compile_cache_dir="/tmp/elsewhere", precompile=False, tensor_parallel_size=2,
                    max_queued_requests=5, max_queued_tokens=1000, generation_config="vllm",
                    vattention_lookahead_tokens=64,
