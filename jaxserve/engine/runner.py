@@ -210,8 +210,8 @@ class ModelRunner:
         constrained = any(r.samples and r.seq.params.structured_outputs is not None for r in rows)
         width = self.cfg.speculative_config.width if any(r.draft_ids for r in rows) else 1
         addressing = self.kv_addressing(slots)
-        shared = self.graphs.share_prefixes(addressing["block_tables"], np.array([r.start + 1 for r in rows])) \
-            if decode_only and width == 1 and self.graphs.kernels.blocks_per_row is None else []
+        shared = self.graphs.share_prefixes(addressing.get("block_tables"), [r.start for r in rows]) \
+            if decode_only and width == 1 else []
         tokens, seqs, decode_only, _, groups = self.graphs.model_key(len(token_ids), len(rows), decode_only, width,
                                                                      cascade=bool(shared)).dims
         return self.graphs.step_inputs(

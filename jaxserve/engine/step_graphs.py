@@ -290,13 +290,14 @@ class StepGraphs:
                            self.kernels.has_decode_kernel or cascade, width)
         return GraphKey("model", (*shape, width, cascade_groups(shape[1]) if cascade else 0), self.num_blocks)
 
-    def share_prefixes(self, block_tables: np.ndarray, kv_lens: np.ndarray) -> list[tuple[np.ndarray, int]]:
-        """The groups a decode-only step's rows attend by cascade: none when the engine has it off or the groups
-        fall short of its rule (rows grouped, key reads saved)."""
-        if self.cascade_rule is None or len(kv_lens) < self.cascade_rule[0]:
+    def share_prefixes(self, block_tables: np.ndarray | None, positions: list[int]) -> list[tuple[np.ndarray, int]]:
+        """The groups a decode-only step's rows (their block tables, the position each decodes at) attend by
+        cascade: none when the engine has it off (always under contiguous kernels, which have no block tables) or
+        the groups fall short of its rule (rows grouped, key reads saved)."""
+        if self.cascade_rule is None or len(positions) < self.cascade_rule[0]:
             return []
-        groups = share_prefixes(block_tables, kv_lens, self.cfg.block_size,
-                                cascade_groups(bucket_for(len(kv_lens), self.seq_buckets)))
+        groups = share_prefixes(block_tables, np.asarray(positions) + 1, self.cfg.block_size,
+                                cascade_groups(bucket_for(len(positions), self.seq_buckets)))
         rows, saved = sum(len(r) for r, _ in groups), sum(shared * (len(r) - 1) for r, shared in groups)
         return groups if rows >= self.cascade_rule[0] and saved >= self.cascade_rule[1] else []
 
