@@ -6,10 +6,12 @@ kernel reading every row's whole context; `cascade` is the shared pass plus the 
 keys. `ms` is GPU time (benchmarks/common.device_busy_ms, median of 10); `gbps` counts the KV bytes a prefix-once
 read needs (shared once per group, own per row), the same bytes for both impls, so it compares them directly.
 `--threshold` sweeps one group of M members over shared lengths: where cascade starts to pay sets
-step_graphs.CASCADE_MIN_ROWS and CASCADE_MIN_SAVED_KEYS.
+step_graphs.CASCADE_MIN_ROWS and CASCADE_MIN_SAVED_KEYS. `--programs N ...` adds a cascade row per value of
+Tuning.cascade_programs (the shared pass's program budget, which sets its splits of the shared keys).
 
   python benchmarks/cascade.py                 # the engine's shapes: 256 x 1024 shared, n = 8 over 32 prompts
   python benchmarks/cascade.py --threshold     # where cascade starts to pay
+  python benchmarks/cascade.py --programs 128 264 528 1056   # tune the shared pass's splits
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def measure(fn, *args) -> tuple[float, float]:
     return (float(np.median(busy)) if busy else wall), wall
 
 
-def run_point(rng, point, interpret: bool) -> list[dict]:
+def run_point(rng, point, interpret: bool, programs: list[int | None]) -> list[dict]:
     groups, members, shared, own = point
     q, k, v, kv_lens, tables, num_seqs = make_batch(rng, *point)
     found = share_prefixes(tables, kv_lens, BLOCK, max_groups=64)
@@ -70,32 +72,38 @@ def run_point(rng, point, interpret: bool) -> list[dict]:
     cu = jnp.arange(len(kv_lens) + 1, dtype=jnp.int32)
     opts = dict(sm_scale=HEAD_DIM ** -0.5, impl="pallas", interpret=interpret)
     plain = jax.jit(functools.partial(ragged_paged_attention, decode_only=True, **opts))
-    cascaded = jax.jit(functools.partial(cascade_attention, **opts))
     args = (q, k, v, jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(num_seqs))
     expected = plain(q, k, v, cu, *args[3:])
-    error = float(jnp.max(jnp.abs(cascaded(*args, cascade).astype(jnp.float32) - expected.astype(jnp.float32))))
     params = {"groups": groups, "members": members, "shared": shared, "own": own, "found_groups": len(found),
               "dtype": "bfloat16", "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK}
     nbytes = prefix_once_bytes(*point)
-    rows = []
-    for impl, fn, fn_args in (("plain", plain, (q, k, v, cu, *args[3:])), ("cascade", cascaded, (*args, cascade))):
-        ms, wall = measure(fn, *fn_args)
-        rows.append({"bench": "cascade", "impl": impl, "params": params, "ms": ms, "wall_ms": wall,
-                     "gbps": nbytes / ms / 1e6, "max_abs_err_vs_plain": error})
-    print(f"G{groups} x M{members} shared {shared} own {own}: plain {rows[0]['ms'] * 1e3:.1f} us, cascade "
-          f"{rows[1]['ms'] * 1e3:.1f} us ({rows[0]['ms'] / rows[1]['ms']:.2f}x), max |diff| {error:.2g}", flush=True)
+    ms, wall = measure(plain, q, k, v, cu, *args[3:])
+    rows = [{"bench": "cascade", "impl": "plain", "params": params, "ms": ms, "wall_ms": wall,
+             "gbps": nbytes / ms / 1e6}]
+    for n in programs:
+        tuning = {} if n is None else {"cascade_programs": n}
+        cascaded = jax.jit(functools.partial(cascade_attention, **opts, **tuning))
+        error = float(jnp.max(jnp.abs(cascaded(*args, cascade).astype(jnp.float32) - expected.astype(jnp.float32))))
+        ms, wall = measure(cascaded, *args, cascade)
+        rows.append({"bench": "cascade", "impl": "cascade", "params": {**params, **tuning}, "ms": ms,
+                     "wall_ms": wall, "gbps": nbytes / ms / 1e6, "max_abs_err_vs_plain": error})
+        print(f"G{groups} x M{members} shared {shared} own {own}: plain {rows[0]['ms'] * 1e3:.1f} us, cascade"
+              f"{'' if n is None else f'[{n} programs]'} {ms * 1e3:.1f} us ({rows[0]['ms'] / ms:.2f}x), "
+              f"max |diff| {error:.2g}", flush=True)
     return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threshold", action="store_true", help="one group of M members over shared lengths")
+    parser.add_argument("--programs", type=int, nargs="+", default=[None],
+                        help="Tuning.cascade_programs values, a cascade row each (default: the tuned default)")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/cascade_<backend>.json)")
     args = parser.parse_args(argv)
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(0)
     rows = [r for point in (THRESHOLD_POINTS if args.threshold else ENGINE_POINTS)
-            for r in run_point(rng, point, interpret)]
+            for r in run_point(rng, point, interpret, args.programs)]
     command = "python benchmarks/cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_rows(args.out or f"benchmarks/results/cascade_{jax.default_backend()}.json", rows, command)
 

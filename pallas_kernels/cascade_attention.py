@@ -3,11 +3,13 @@ reads each shared prefix once per group, not once per sequence.
 
 The rows of group g share their first `shared_lens[g]` keys: the same block ids (the prefix cache's shared,
 full blocks) at the start of every member's block table. Two launches:
-1. shared pass, grid (kv_heads, member tiles): a tile packs `block_q` members x the q heads of one kv head (the
-   prefill kernel's GQA packing, its queries gathered through `rows`), reads the group's shared blocks once for
-   all of them and writes float32 partials with their log2-sum-exp;
+1. shared pass, grid (kv_heads, member tiles, splits): a tile packs `block_q` members x the q heads of one kv head
+   (the prefill kernel's GQA packing, its queries gathered through `rows`), reads its split of the group's shared
+   blocks once for all of them and writes float32 partials with their log2-sum-exp. The splits (split-K) keep
+   one program from walking a long prefix alone while the GPU idles: `Tuning.cascade_programs` shared out over
+   a full batch's tiles;
 2. the one-launch decode kernel over each row's own keys [kv_starts[i], kv_len), starting from the shared pass's
-   partial as its online-softmax state: the merge is exact (log-sum-exp) and needs no launch of its own.
+   partials, merged, as its online-softmax state: the merge is exact (log-sum-exp) and needs no launch of its own.
 Rows outside every group (kv_starts 0) run as plain decode. No sliding window: a windowed prefix would read only
 part of the shared keys per row, which one multi-query pass over them does not express.
 """
@@ -88,22 +90,31 @@ def shared_pass_call(geo: Geometry, num_groups: int, scores: Scores, tuning, int
     # groups as the prefill kernel's sequences, their members as its tokens: every group may end mid-tile
     groups_geo = dataclasses.replace(geo, num_tokens=geo.max_seqs, max_seqs=num_groups)
     num_tiles = geo.max_seqs // block_q + num_groups + 1
+    splits = shared_splits(geo, block_q, tuning)
     kernel = functools.partial(shared_pass_kernel, geo=geo, groups_geo=groups_geo, scores=scores, block_q=block_q,
-                               tile=max(tuning.prefill_kv_tile, geo.block_size))
-    rows = geo.num_tokens * geo.num_q_heads
+                               splits=splits, tile=max(tuning.prefill_kv_tile, geo.block_size))
+    rows = splits * geo.num_tokens * geo.num_q_heads
     return pl.pallas_call(
-        kernel, grid=(geo.num_kv_heads, num_tiles),
+        kernel, grid=(geo.num_kv_heads, num_tiles, splits),
         out_shape=(jax.ShapeDtypeStruct((rows, geo.head_dim), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.prefill_num_warps,
                                              num_stages=tuning.prefill_num_stages),
         interpret=interpret_params(interpret), name="cascade_attention_shared_pass")
 
 
+def shared_splits(geo: Geometry, block_q: int, tuning) -> int:
+    """Splits of the shared keys: `cascade_programs` over the member tiles of a full batch (fixed by the shape,
+    so the decode launch knows how many partials to merge), at most `decode_max_splits`."""
+    tiles = geo.num_kv_heads * pl.cdiv(geo.max_seqs, block_q)
+    return max(1, min(tuning.cascade_programs // tiles, tuning.decode_max_splits))
+
+
 def shared_pass_kernel(num_groups_ref, cu_ref, lens_ref, table_rows_ref, rows_ref, blocks_ref, q_ref, k_ref, v_ref,
-                       parts_ref, lse_ref, *, geo, groups_geo, scores, block_q, tile):
-    """`block_q` members of one group x the q heads of one kv head over the group's shared keys, every key visible
-    to every row; rows of no member are left unwritten (the decode launch reads only members')."""
-    kv_head = pl.program_id(0)
+                       parts_ref, lse_ref, *, geo, groups_geo, scores, block_q, splits, tile):
+    """`block_q` members of one group x the q heads of one kv head over split `program_id(2)` of the group's shared
+    keys, every key visible to every row; rows of no member are left unwritten (the decode launch reads only
+    members'). Every split writes its partial, an empty one as zeros of log2-sum-exp -inf (weight 0)."""
+    kv_head, split = pl.program_id(0), pl.program_id(2)
     num_groups = num_groups_ref[0]
     group, first, members, t0 = locate_block(cu_ref, num_groups, pl.program_id(1), groups_geo, block_q)
     active = (group < num_groups) & (t0 < members)
@@ -119,5 +130,8 @@ def shared_pass_kernel(num_groups_ref, cu_ref, lens_ref, table_rows_ref, rows_re
     step = functools.partial(attend_tile, q=q, q_pos=jnp.full(r.shape, shared - 1),
                              seq_blocks=cache.blocks.of(table_rows_ref[g], geo), kv_len=shared, kv_head=kv_head,
                              cache=cache, geo=geo, scores=scores, tile=tile)
-    acc, m, l = attend_range(init_carry(q.shape), 0, pl.cdiv(shared, tile), 0, shared // tile, step)
-    store_partials(parts_ref, lse_ref, q_row, ok, acc, m, l)
+    num = pl.cdiv(shared, tile)
+    per_split = pl.cdiv(num, splits)
+    lo = jnp.minimum(split * per_split, num)
+    acc, m, l = attend_range(init_carry(q.shape), lo, jnp.minimum(lo + per_split, num), 0, shared // tile, step)
+    store_partials(parts_ref, lse_ref, split * geo.num_tokens * geo.num_q_heads + q_row, ok, acc, m, l)

@@ -86,6 +86,7 @@ class Tuning:
     prefill_kv_tile: int = 64
     prefill_num_warps: int = 4
     prefill_num_stages: int = 3
+    cascade_programs: int = 528  # cascade's shared pass: kv heads x member tiles x splits of the shared keys
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
 
 
@@ -426,8 +427,9 @@ pallas_attention = jax.jit(attention_launches,
 def one_launch_decode(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
                       tuning: Tuning, interpret: bool, blocks_per_row: int | None = None, block_stride: int = 1,
                       prefix=None):
-    """prefix (cascade attention): (kv_starts [S], partials [T * Hq, D] f32, their log2-sum-exp [T * Hq]): row i
-    attends only keys [kv_starts[i], kv_len) and starts from its partial where kv_starts[i] > 0."""
+    """prefix (cascade attention): (kv_starts [S], partials [K * T * Hq, D] f32, their log2-sum-exp [K * T * Hq]),
+    K splits of the shared keys: row i attends only keys [kv_starts[i], kv_len) and starts from its K partials
+    merged where kv_starts[i] > 0."""
     geo = Geometry.of(q, k_cache, blocks, blocks_per_row, block_stride)
     splits = min(decode_slots(geo, tuning) // geo.decode_rows, tuning.decode_max_splits)  # fixed by the shape
     slots = max(geo.num_tokens, splits * geo.decode_rows)  # every token row has a program to zero it
@@ -615,7 +617,7 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_re
     costs two dependent loads. Split programs write partials and count themselves done on an atomic
     counter; the last one of a decode merges them. Programs past the decodes zero their token's rows. Contiguous
     rows are not read speculatively (see below). cascade: a row with kv_starts > 0 attends keys [kv_starts, kv_len)
-    from its shared-prefix partial (the first split carries it in; the merge weighs it like any split)."""
+    from its shared-prefix partials (the first split carries them in, merged; the merge weighs it like any split)."""
     starts_ref, prefix_parts_ref, prefix_lse_ref = refs[:3] if cascade else (None,) * 3
     refs = refs[3:] if cascade else refs
     if splits > 1:  # the zeroed done-counters come in first, aliased to count_ref
@@ -635,7 +637,7 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_re
     if cascade:
         first = jnp.where(active, starts_ref[jnp.minimum(seq, geo.max_seqs - 1)], 0)
         shared = active & (first > 0) & (split == 0) & (r < geo.group)
-        carry = prefix_carry(prefix_parts_ref, prefix_lse_ref, seq * geo.num_q_heads + head, shared)
+        carry = prefix_carry(prefix_parts_ref, prefix_lse_ref, seq * geo.num_q_heads + head, shared, geo)
     t0 = first // tile + split  # this program's tiles: t0, t0 + splits, ...
     cache = PagedKV(geo.addressing(blocks_ref), k_ref, v_ref)
     step = functools.partial(strided_tile, t0=t0, splits=splits, q=q, q_pos=jnp.full((rows,), kv_len - 1),
@@ -665,10 +667,12 @@ def decode_only_kernel(num_seqs_ref, kv_lens_ref, blocks_ref, q_ref, k_ref, v_re
                                                          r < geo.group, geo))
 
 
-def prefix_carry(parts_ref, lse_ref, rows, ok):
-    """The online-softmax state (acc, m, l) equal to a normalised partial and its log2-sum-exp; the empty state
-    where not `ok`."""
-    return load_tile_rows(parts_ref, rows, ok), load_lse(lse_ref, rows, ok), jnp.where(ok, 1.0, 0.0)
+def prefix_carry(parts_ref, lse_ref, rows, ok, geo):
+    """The online-softmax state (acc, m, l) of the shared pass's partials of `rows` (one per shared split, the
+    buffers' leading dimension); the empty state where not `ok`."""
+    per_split = geo.num_tokens * geo.num_q_heads
+    return merge_partials(parts_ref, lse_ref, [k * per_split + rows for k in range(lse_ref.shape[0] // per_split)],
+                          ok)
 
 
 def strided_tile(i, carry, *, masked, t0, splits, **tile_args):
@@ -678,15 +682,21 @@ def strided_tile(i, carry, *, masked, t0, splits, **tile_args):
 
 def merge_splits(parts_ref, lse_ref, out_ref, seq, splits, head, ok, geo):
     """Merge a decode's `splits` partials (other programs of this launch wrote them: volatile loads, since L1 is
-    not coherent) into its output rows, all loads issued at once (splits is static)."""
+    not coherent) into its output rows."""
     rows = [(seq * splits + i) * geo.num_q_heads + head for i in range(splits)]
-    lse = [load_lse(lse_ref, row, ok, volatile=True) for row in rows]
-    parts = [load_tile_rows(parts_ref, row, ok, volatile=True) for row in rows]
-    shift = exp2_shift(functools.reduce(jnp.maximum, lse))
-    weights = [jnp.exp2(x - shift) for x in lse]
+    acc, _, l = merge_partials(parts_ref, lse_ref, rows, ok, volatile=True)
+    store_tile_rows(out_ref, seq * geo.num_q_heads + head, ok, normalize(acc, l).astype(out_ref.dtype))
+
+
+def merge_partials(parts_ref, lse_ref, rows, ok, volatile=False):
+    """(acc, m, l): the online-softmax state of the partials at each of `rows` (a list: all loads issued at once)
+    weighed by their log2-sum-exps; rows with no keys anywhere (all -inf) come out as the empty state."""
+    lse = [load_lse(lse_ref, row, ok, volatile) for row in rows]
+    parts = [load_tile_rows(parts_ref, row, ok, volatile) for row in rows]
+    m = functools.reduce(jnp.maximum, lse)
+    weights = [jnp.exp2(x - exp2_shift(m)) for x in lse]
     acc = functools.reduce(jnp.add, [per_row(w, p.shape) * p for w, p in zip(weights, parts)])
-    store_tile_rows(out_ref, seq * geo.num_q_heads + head, ok,
-                    normalize(acc, functools.reduce(jnp.add, weights)).astype(out_ref.dtype))
+    return acc, m, functools.reduce(jnp.add, weights)
 
 
 def store_partials(parts_ref, lse_ref, rows, ok, acc, m, l):

@@ -297,8 +297,8 @@ def on_hopper() -> bool:
 
 def interpret_tuning() -> dict:
     """The kernels' tuning where they run in Pallas' interpreter (no GPU), which runs programs one by one: fewer
-    decode programs (still several splits each)."""
-    return {} if on_gpu() else {"decode_programs": 16}
+    decode programs (still several splits each), two splits of a cascade's shared keys."""
+    return {} if on_gpu() else {"decode_programs": 16, "cascade_programs": 8}
 
 
 @dataclass(slots=True)

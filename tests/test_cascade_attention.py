@@ -102,9 +102,11 @@ def test_poisoned_tables_break_plain_attention():
 
 @pytest.mark.parametrize("dtype, tuning, options", [
     (jnp.float32, {}, {}),
-    (jnp.float32, {"decode_programs": 128, "decode_kv_tile": 16}, {"soft_cap": 5.0}),  # 4 splits a row
+    # 4 splits a row; 16 splits of the shared keys, most of them empty
+    (jnp.float32, {"decode_programs": 128, "decode_kv_tile": 16}, {"soft_cap": 5.0}),
     (jnp.bfloat16, {}, {}),
-    (jnp.bfloat16, {"prefill_block_m": 16, "prefill_kv_tile": 32}, {}),  # 4 members a shared tile, tiles of 2 pages
+    # 4 members a shared tile, tiles of 2 pages, 3 uneven splits of the shared keys
+    (jnp.bfloat16, {"prefill_block_m": 16, "prefill_kv_tile": 32, "cascade_programs": 24}, {}),
 ])
 def test_kernel_matches_float64(dtype, tuning, options):
     rng = np.random.default_rng(1)
