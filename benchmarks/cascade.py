@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import device_busy_ms, time_ms, write_rows  # noqa: E402
+from benchmarks.common import device_busy_ms, kernel_profile, time_ms, write_rows  # noqa: E402
 from jaxserve.engine.step_inputs import cascade_inputs, share_prefixes  # noqa: E402
 from pallas_kernels.cascade_attention import cascade_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
@@ -64,7 +64,7 @@ def measure(fn, *args) -> tuple[float, float]:
     return (float(np.median(busy)) if busy else wall), wall
 
 
-def run_point(rng, point, interpret: bool, programs: list[int | None]) -> list[dict]:
+def run_point(rng, point, interpret: bool, programs: list[int | None], profile: bool) -> list[dict]:
     groups, members, shared, own = point
     q, k, v, kv_lens, tables, num_seqs = make_batch(rng, *point)
     found = share_prefixes(tables, kv_lens, BLOCK, max_groups=64)
@@ -90,6 +90,9 @@ def run_point(rng, point, interpret: bool, programs: list[int | None]) -> list[d
         print(f"G{groups} x M{members} shared {shared} own {own}: plain {rows[0]['ms'] * 1e3:.1f} us, cascade"
               f"{'' if n is None else f'[{n} programs]'} {ms * 1e3:.1f} us ({rows[0]['ms'] / ms:.2f}x), "
               f"max |diff| {error:.2g}", flush=True)
+        if profile:   # where a cascade's GPU time goes: the shared pass beside the decode launch
+            for name, kernel_ms, count in kernel_profile(cascaded, *args, cascade, top=4):
+                print(f"    {kernel_ms * 1e3:8.1f} us x{count} {name[:90]}", flush=True)
     return rows
 
 
@@ -98,12 +101,13 @@ def main(argv=None):
     parser.add_argument("--threshold", action="store_true", help="one group of M members over shared lengths")
     parser.add_argument("--programs", type=int, nargs="+", default=[None],
                         help="Tuning.cascade_programs values, a cascade row each (default: the tuned default)")
+    parser.add_argument("--profile", action="store_true", help="print each cascade's kernels by GPU time")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/cascade_<backend>.json)")
     args = parser.parse_args(argv)
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(0)
     rows = [r for point in (THRESHOLD_POINTS if args.threshold else ENGINE_POINTS)
-            for r in run_point(rng, point, interpret, args.programs)]
+            for r in run_point(rng, point, interpret, args.programs, args.profile)]
     command = "python benchmarks/cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_rows(args.out or f"benchmarks/results/cascade_{jax.default_backend()}.json", rows, command)
 

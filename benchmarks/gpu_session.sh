@@ -45,9 +45,9 @@ run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
 case $1 in
   cascade)   # the kernels compiled against the reference, then cascade beside plain decode at kernel level
-    run 200 python -m pytest -q -x -p no:cacheprovider tests/test_cascade_attention.py \
-      tests/test_ragged_paged_attention.py -k "not mosaic"
-    run 140 python benchmarks/cascade.py --programs 132 264 528 1056 --out "$OUT/cascade_gpu.json"
+    run 170 python -m pytest -q -x -p no:cacheprovider tests/test_cascade_attention.py \
+      tests/test_ragged_paged_attention.py -k "split_k or one_launch or kernel_matches or float64 or share or rule"
+    run 170 python benchmarks/cascade.py --programs 132 264 528 --profile --out "$OUT/cascade_gpu.json"
     run 190 python benchmarks/cascade.py --threshold --out "$OUT/cascade_gpu.json" ;;
   cascade-engine)   # shared-prefix workloads and the plain one, cascade auto (the default) beside off, same run
     for set in cascade_attention=auto cascade_attention=off; do
