@@ -86,7 +86,7 @@ class Tuning:
     prefill_kv_tile: int = 64
     prefill_num_warps: int = 4
     prefill_num_stages: int = 3
-    cascade_programs: int = 528  # cascade's shared pass: kv heads x member tiles x splits of the shared keys
+    cascade_programs: int = 264  # cascade's shared pass: kv heads x member tiles x splits of the shared keys
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
 
 
