@@ -51,11 +51,11 @@ case $1 in
     run 190 python benchmarks/cascade.py --threshold --out "$OUT/cascade_gpu.json" ;;
   cascade-engine)   # shared-prefix workloads, cascade auto (the default) beside off, same run; the first compiles cold
     for set in cascade_attention=auto cascade_attention=off; do
-      run $([ $set = cascade_attention=auto ] && echo 220 || echo 110) python benchmarks/offline.py --config $CONFIG \
+      run $([ $set = cascade_attention=auto ] && echo 150 || echo 100) python benchmarks/offline.py --config $CONFIG \
         --shared-prefix-len 1024 --input-len 64 --set $set --out "$OUT/offline_cascade_gpu.json"
     done
     for set in cascade_attention=auto cascade_attention=off; do
-      run 110 python benchmarks/offline.py --config $CONFIG --num-prompts 32 --input-len 1024 --n 8 $SAMPLED \
+      run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 32 --input-len 1024 --n 8 $SAMPLED \
         --set $set --out "$OUT/offline_cascade_gpu.json"
     done ;;
   engine)

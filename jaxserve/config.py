@@ -314,6 +314,8 @@ class EngineConfig:
             if isinstance(getattr(self, name), list):
                 setattr(self, name, tuple(getattr(self, name)))
         self.speculative_config = speculative_config(self.speculative_config)
+        if isinstance(self.cascade_attention, bool):   # YAML 1.1 (PyYAML) reads a bare on / off as a boolean
+            self.cascade_attention = "on" if self.cascade_attention else "off"
         check_engine_config(self)
 
 

@@ -107,6 +107,14 @@ def test_each_shipped_config_loads(path):
     assert isinstance(run.engine, EngineConfig)
 
 
+@pytest.mark.parametrize("value", ["on", "off"])
+def test_a_bare_on_or_off_in_yaml_is_the_knobs_word(tmp_path, value):
+    """PyYAML reads a bare on / off as a boolean; cascade_attention takes the word it meant."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"engine:\n  cascade_attention: {value}\n")
+    assert load_run_config(config).engine.cascade_attention == value
+
+
 def test_serve_takes_max_model_len_over_the_config(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("engine:\n  max_model_len: 200\n")

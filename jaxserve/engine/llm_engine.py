@@ -512,6 +512,7 @@ class LLMEngine:
                 "kv_blocks_total": self.kv.num_blocks - 1, "kv_blocks_free": self.kv.num_free_blocks,
                 "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
+                "cascade_steps": self.runner.cascade_steps,
                 "weight_dtype": weight_dtype(self.loaded), "kv_cache_dtype": str(self.graphs.backend.dtype),
                 **self._speculation_stats(), "compiled_graphs": len(self.graphs.manager.executables),
                 "graphs_from_cache": self.graphs.manager.loaded_from_cache,

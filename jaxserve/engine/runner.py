@@ -66,6 +66,7 @@ class ModelRunner:
         self.features = None if f is None else jnp.zeros(f.shape, f.dtype, device=graphs.replicated)
         self.feature_rows: dict[int, tuple[int, int, int]] = {}   # seq_id -> (index, first position, positions)
         self.on_launch: Callable[[DeviceStep], None] | None = None
+        self.cascade_steps = 0   # decode steps that attended shared prefixes once per group
 
     def observe_launches(self, on_launch: Callable[[DeviceStep], None] | None) -> None:
         """on_launch sees each step before it launches (a multi-host leader publishes it); None: no one."""
@@ -212,6 +213,7 @@ class ModelRunner:
         addressing = self.kv_addressing(slots)
         shared = self.graphs.share_prefixes(addressing.get("block_tables"), [r.start for r in rows]) \
             if decode_only and width == 1 else []
+        self.cascade_steps += bool(shared)
         tokens, seqs, decode_only, _, groups = self.graphs.model_key(len(token_ids), len(rows), decode_only, width,
                                                                      cascade=bool(shared)).dims
         return self.graphs.step_inputs(
