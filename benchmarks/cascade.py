@@ -31,13 +31,17 @@ from pallas_kernels.cascade_attention import cascade_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-ENGINE_POINTS = [(1, 256, 1024, 64), (1, 256, 1024, 192), (32, 8, 1024, 64), (1, 64, 1024, 128), (1, 8, 1024, 128),
-                 (1, 256, 512, 512)]
-THRESHOLD_POINTS = [(1, m, s, 64) for m in (2, 4, 8, 32, 128) for s in (128, 256, 512, 1024, 2048)]
+# (groups, members, shared, own, rows): "adjacent" lays a group's members side by side as the engine does (n > 1
+# samples are consecutive rows), "shuffled" scatters them, which denies plain decode the L2 hits of its neighbours
+ENGINE_POINTS = [(1, 256, 1024, 64, "adjacent"), (1, 256, 1024, 192, "adjacent"), (32, 8, 1024, 64, "adjacent"),
+                 (32, 8, 1024, 64, "shuffled"), (1, 64, 1024, 128, "adjacent"), (1, 8, 1024, 128, "adjacent"),
+                 (1, 256, 512, 512, "adjacent")]
+THRESHOLD_POINTS = [(1, m, s, 64, "adjacent") for m in (2, 4, 8, 32, 128) for s in (128, 256, 512, 1024, 2048)]
 
 
-def make_batch(rng, groups: int, members: int, shared: int, own: int):
-    """q, caches, kv_lens, block tables and num_seqs of G x M rows (a group's members adjacent in a random order)."""
+def make_batch(rng, groups: int, members: int, shared: int, own: int, rows_order: str):
+    """q, caches, kv_lens, block tables and num_seqs of G x M rows, groups in a random order, members as
+    `rows_order` says."""
     rows, shared_blocks, own_blocks = groups * members, shared // BLOCK, -(-own // BLOCK)
     width = shared_blocks + own_blocks
     pages = rng.permutation(np.arange(1, groups * shared_blocks + rows * own_blocks + 1)).astype(np.int32)
@@ -45,7 +49,8 @@ def make_batch(rng, groups: int, members: int, shared: int, own: int):
     heads, tails = np.split(pages, [groups * shared_blocks])
     tables[:, :shared_blocks] = np.repeat(heads.reshape(groups, shared_blocks), members, axis=0)
     tables[:, shared_blocks:] = tails.reshape(rows, own_blocks)
-    order = rng.permutation(rows)
+    order = (rng.permutation(rows) if rows_order == "shuffled" else
+             (rng.permutation(groups)[:, None] * members + np.arange(members)).reshape(-1))
     num_pages = len(pages) + 1
     k, v = (jnp.asarray(rng.standard_normal((num_pages, BLOCK, KV_HEADS, HEAD_DIM)), jnp.bfloat16) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((rows, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
@@ -53,7 +58,7 @@ def make_batch(rng, groups: int, members: int, shared: int, own: int):
     return q, k, v, kv_lens, tables[order], np.array([rows], np.int32)
 
 
-def prefix_once_bytes(groups: int, members: int, shared: int, own: int) -> int:
+def prefix_once_bytes(groups: int, members: int, shared: int, own: int, _rows_order: str) -> int:
     return (groups * shared + groups * members * own) * KV_HEADS * HEAD_DIM * 2 * 2
 
 
@@ -65,7 +70,7 @@ def measure(fn, *args) -> tuple[float, float]:
 
 
 def run_point(rng, point, interpret: bool, programs: list[int | None], profile: bool) -> list[dict]:
-    groups, members, shared, own = point
+    groups, members, shared, own, rows_order = point
     q, k, v, kv_lens, tables, num_seqs = make_batch(rng, *point)
     found = share_prefixes(tables, kv_lens, BLOCK, max_groups=64)
     cascade = jax.tree.map(jnp.asarray, cascade_inputs(found, len(kv_lens), 64))
@@ -74,8 +79,9 @@ def run_point(rng, point, interpret: bool, programs: list[int | None], profile: 
     plain = jax.jit(functools.partial(ragged_paged_attention, decode_only=True, **opts))
     args = (q, k, v, jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(num_seqs))
     expected = plain(q, k, v, cu, *args[3:])
-    params = {"groups": groups, "members": members, "shared": shared, "own": own, "found_groups": len(found),
-              "dtype": "bfloat16", "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK}
+    params = {"groups": groups, "members": members, "shared": shared, "own": own, "rows": rows_order,
+              "found_groups": len(found), "dtype": "bfloat16", "q_heads": Q_HEADS, "kv_heads": KV_HEADS,
+              "head_dim": HEAD_DIM, "block": BLOCK}
     nbytes = prefix_once_bytes(*point)
     ms, wall = measure(plain, q, k, v, cu, *args[3:])
     rows = [{"bench": "cascade", "impl": "plain", "params": params, "ms": ms, "wall_ms": wall,
@@ -87,7 +93,7 @@ def run_point(rng, point, interpret: bool, programs: list[int | None], profile: 
         ms, wall = measure(cascaded, *args, cascade)
         rows.append({"bench": "cascade", "impl": "cascade", "params": {**params, **tuning}, "ms": ms,
                      "wall_ms": wall, "gbps": nbytes / ms / 1e6, "max_abs_err_vs_plain": error})
-        print(f"G{groups} x M{members} shared {shared} own {own}: plain {rows[0]['ms'] * 1e3:.1f} us, cascade"
+        print(f"G{groups} x M{members} ({rows_order}) shared {shared} own {own}: plain {rows[0]['ms'] * 1e3:.1f} us, cascade"
               f"{'' if n is None else f'[{n} programs]'} {ms * 1e3:.1f} us ({rows[0]['ms'] / ms:.2f}x), "
               f"max |diff| {error:.2g}", flush=True)
         if profile:   # where a cascade's GPU time goes: the shared pass beside the decode launch
