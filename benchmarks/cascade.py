@@ -6,7 +6,7 @@ kernel reading every row's whole context; `cascade` is the shared pass plus the 
 keys. `ms` is GPU time (benchmarks/common.device_busy_ms, median of 10); `gbps` counts the KV bytes a prefix-once
 read needs (shared once per group, own per row), the same bytes for both impls, so it compares them directly.
 `--threshold` sweeps one group of M members over shared lengths: where cascade starts to pay sets
-step_graphs.CASCADE_MIN_ROWS and CASCADE_MIN_SAVED_KEYS. `--programs N ...` adds a cascade row per value of
+step_graphs.CASCADE_MIN_MEMBERS and CASCADE_MIN_SAVED_KEYS. `--programs N ...` adds a cascade row per value of
 Tuning.cascade_programs (the shared pass's program budget, which sets its splits of the shared keys).
 
   python benchmarks/cascade.py                 # the engine's shapes: 256 x 1024 shared, n = 8 over 32 prompts
@@ -93,8 +93,8 @@ def run_point(rng, point, interpret: bool, programs: list[int | None], profile: 
         ms, wall = measure(cascaded, *args, cascade)
         rows.append({"bench": "cascade", "impl": "cascade", "params": {**params, **tuning}, "ms": ms,
                      "wall_ms": wall, "gbps": nbytes / ms / 1e6, "max_abs_err_vs_plain": error})
-        print(f"G{groups} x M{members} ({rows_order}) shared {shared} own {own}: plain {rows[0]['ms'] * 1e3:.1f} us, cascade"
-              f"{'' if n is None else f'[{n} programs]'} {ms * 1e3:.1f} us ({rows[0]['ms'] / ms:.2f}x), "
+        print(f"G{groups} x M{members} ({rows_order}) shared {shared} own {own}: plain {rows[0]['ms'] * 1e3:.1f} us, "
+              f"cascade{'' if n is None else f'[{n} programs]'} {ms * 1e3:.1f} us ({rows[0]['ms'] / ms:.2f}x), "
               f"max |diff| {error:.2g}", flush=True)
         if profile:   # where a cascade's GPU time goes: the shared pass beside the decode launch
             for name, kernel_ms, count in kernel_profile(cascaded, *args, cascade, top=4):

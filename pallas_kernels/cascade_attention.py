@@ -109,24 +109,22 @@ def shared_splits(geo: Geometry, block_q: int, tuning) -> int:
     return max(1, min(tuning.cascade_programs // tiles, tuning.decode_max_splits))
 
 
-def shared_pass_kernel(num_groups_ref, cu_ref, lens_ref, table_rows_ref, rows_ref, blocks_ref, q_ref, k_ref, v_ref,
-                       parts_ref, lse_ref, *, geo, groups_geo, scores, block_q, splits, tile):
+def shared_pass_kernel(num_groups_ref, cu_ref, *refs, block_q, **static):
     """`block_q` members of one group x the q heads of one kv head over split `program_id(2)` of the group's shared
-    keys, every key visible to every row; rows of no member are left unwritten (the decode launch reads only
-    members'). Every split writes its partial, an empty one as zeros of log2-sum-exp -inf (weight 0)."""
+    keys (`attend_shared`)."""
     num_groups = num_groups_ref[0]
+    kv_head, tile_id, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # the grid has room for every group ending mid-tile at a full batch; programs past the live groups' tiles
     # leave at once (two scalar loads), or an idle grid costs more than the shared keys save
-    kv_head, tile_id, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     live_tiles = cu_ref[num_groups] // block_q + num_groups + 1
-    pl.when(tile_id < live_tiles)(functools.partial(
-        attend_shared, kv_head, tile_id, split, num_groups, cu_ref, lens_ref, table_rows_ref, rows_ref, blocks_ref, q_ref, k_ref, v_ref,
-        parts_ref, lse_ref, geo=geo, groups_geo=groups_geo, scores=scores, block_q=block_q, splits=splits,
-        tile=tile))
+    pl.when(tile_id < live_tiles)(
+        lambda: attend_shared(kv_head, tile_id, split, num_groups, cu_ref, *refs, block_q=block_q, **static))
 
 
 def attend_shared(kv_head, tile_id, split, num_groups, cu_ref, lens_ref, table_rows_ref, rows_ref, blocks_ref,
                   q_ref, k_ref, v_ref, parts_ref, lse_ref, *, geo, groups_geo, scores, block_q, splits, tile):
+    """Every key visible to every row; rows of no member are left unwritten (the decode launch reads only
+    members'). Every split writes its partial, an empty one as zeros of log2-sum-exp -inf (weight 0)."""
     group, first, members, t0 = locate_block(cu_ref, num_groups, tile_id, groups_geo, block_q)
     active = (group < num_groups) & (t0 < members)
     g = jnp.minimum(group, groups_geo.max_seqs - 1)

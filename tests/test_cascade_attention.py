@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.step_graphs import CASCADE_MIN_ROWS, CASCADE_MIN_SAVED_KEYS, cascade_rule
+from jaxserve.engine.step_graphs import CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS, apply_cascade_rule, cascade_rule
 from jaxserve.engine.step_inputs import share_prefixes
 from jaxserve.models.attention import AttentionKernels
 from jaxserve.models.loader import random_model
@@ -144,7 +144,7 @@ def test_share_prefixes_groups_rows_by_their_common_leading_blocks():
 
 def test_cascade_rule_by_mode_and_kernels():
     pallas, reference = AttentionKernels("pallas"), AttentionKernels("reference")
-    assert cascade_rule("auto", pallas, None) == (CASCADE_MIN_ROWS, CASCADE_MIN_SAVED_KEYS)
+    assert cascade_rule("auto", pallas, None) == (CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS)
     assert cascade_rule("auto", reference, None) is None   # the CPU: nothing to save by default
     assert cascade_rule("on", reference, None) == (2, 1)
     assert cascade_rule("off", pallas, None) is None
@@ -153,6 +153,16 @@ def test_cascade_rule_by_mode_and_kernels():
         cascade_rule("on", pallas, 4096)
     with pytest.raises(ValueError, match="vattention's contiguous kernels"):
         cascade_rule("on", AttentionKernels("pallas", blocks_per_row=8), None)
+
+
+def test_the_rule_keeps_large_groups_that_save_enough():
+    rule = cascade_rule("auto", AttentionKernels("pallas"), None)
+    system, samples = (np.arange(256), 1024), [(np.arange(8 * i, 8 * i + 8), 1024) for i in range(32)]
+    assert apply_cascade_rule([system], rule) == [system]
+    assert apply_cascade_rule(samples, rule) == []   # n = 8: plain decode reads each prefix from L2 after one read
+    assert apply_cascade_rule([*samples[:3], system], rule) == [system]
+    assert apply_cascade_rule([(np.arange(256), 16)], rule) == []   # 16 x 255 key reads saved: too few
+    assert apply_cascade_rule(samples, cascade_rule("on", AttentionKernels("pallas"), None)) == samples
 
 
 @pytest.fixture(scope="module")

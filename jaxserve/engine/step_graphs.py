@@ -46,12 +46,13 @@ PROMPT_LOGPROBS_ROWS = 256   # prompt logprobs take [rows, V] logits at a time, 
 # GPU graphs of more rows than this take cuBLAS GEMMs, not XLA's autotuned Triton ones: cuBLAS starts faster and
 # runs big steps as fast or faster, but small GEMMs (batch-1 decode) are faster with Triton.
 TRITON_GEMM_MAX_ROWS = 64   # bf16 weights; FP8 ones: see compiler_options
-# Cascade attention ("auto") runs a decode-only step whose groups hold CASCADE_MIN_ROWS rows or more and save
-# CASCADE_MIN_SAVED_KEYS key reads (shared tokens x (members - 1), summed). Its shared pass walks a group's prefix in
-# one program per tile of members and kv head, so few members leave the GPU idle: on H100 (benchmarks/cascade.py)
-# 32 members never paid (0.52-0.75x at 128-2048 shared), 64 x 1024 gave 0.81x, 128 x 512 1.08x, 128 x 1024 1.29x,
-# 256 x 1024 1.6-1.8x, 32 groups of 8 x 1024 2.0x.
-CASCADE_MIN_ROWS = 128
+# Cascade attention ("auto") takes the groups of a decode-only step that hold CASCADE_MIN_MEMBERS rows or more, and
+# runs when they save CASCADE_MIN_SAVED_KEYS key reads (shared tokens x (members - 1), summed). Plain decode reads a
+# small group's prefix from L2 after its first member (the engine lays n > 1 samples side by side), so a shared
+# pass pays only for large groups. H100 (benchmarks/cascade.py, offline.py): one group of 256 x 1,024 shared keys
+# 2.1x at kernel level, 1.11x engine throughput; 128 x 1,024 1.29x; 64 x 1,024 0.92x; 32 members never paid;
+# n = 8 over 32 prompts of 1,024 lost in the engine (0.965x), though 1.7x against shuffled rows at kernel level.
+CASCADE_MIN_MEMBERS = 128
 CASCADE_MIN_SAVED_KEYS = 65536
 CASCADE_MAX_GROUPS = 64   # groups a step's shared pass takes (the most saving ones): n = 8 over 32 prompts fits
 
@@ -293,13 +294,12 @@ class StepGraphs:
     def share_prefixes(self, block_tables: np.ndarray | None, positions: list[int]) -> list[tuple[np.ndarray, int]]:
         """The groups a decode-only step's rows (their block tables, the position each decodes at) attend by
         cascade: none when the engine has it off (always under contiguous kernels, which have no block tables) or
-        the groups fall short of its rule (rows grouped, key reads saved)."""
+        the groups fall short of its rule (`apply_cascade_rule`)."""
         if self.cascade_rule is None or len(positions) < self.cascade_rule[0]:
             return []
         groups = share_prefixes(block_tables, np.asarray(positions) + 1, self.cfg.block_size,
                                 cascade_groups(bucket_for(len(positions), self.seq_buckets)))
-        rows, saved = sum(len(r) for r, _ in groups), sum(shared * (len(r) - 1) for r, shared in groups)
-        return groups if rows >= self.cascade_rule[0] and saved >= self.cascade_rule[1] else []
+        return apply_cascade_rule(groups, self.cascade_rule)
 
     @property
     def spec_seq_buckets(self) -> tuple[int, ...]:
@@ -492,8 +492,16 @@ def cascade_groups(num_seqs: int) -> int:
     return min(CASCADE_MAX_GROUPS, num_seqs // 2)
 
 
+def apply_cascade_rule(groups: list[tuple[np.ndarray, int]], rule: tuple[int, int]) -> list[tuple[np.ndarray, int]]:
+    """The groups (rows, shared tokens) a step attends by cascade under `rule` (members a group needs, key reads
+    the kept groups must save together): none if they save too few."""
+    kept = [(rows, shared) for rows, shared in groups if len(rows) >= rule[0]]
+    return kept if sum(shared * (len(rows) - 1) for rows, shared in kept) >= rule[1] else []
+
+
 def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | None) -> tuple[int, int] | None:
-    """(rows grouped, key reads saved) from which a decode-only step attends by cascade (config.cascade_attention);
+    """(members a group needs, key reads saved) from which a decode-only step attends by cascade
+    (config.cascade_attention);
     None: never. It needs paged blocks (shared by the prefix cache), no sliding window and the Pallas or reference
     decode."""
     why_not = ("a sliding window" if sliding_window is not None else
@@ -505,4 +513,4 @@ def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | Non
         return None
     if mode == "on":
         return 2, 1
-    return (CASCADE_MIN_ROWS, CASCADE_MIN_SAVED_KEYS) if kernels.decode == "pallas" else None
+    return (CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS) if kernels.decode == "pallas" else None
