@@ -29,6 +29,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-offline  # 256 x 512/128, speculation on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade     # cascade attention: GPU tests, kernel points
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-timeline  # a shared-prefix decode step: host vs device
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
@@ -57,6 +58,10 @@ case $1 in
     for set in cascade_attention=auto cascade_attention=off; do
       run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 32 --input-len 1024 --n 8 $SAMPLED \
         --set $set --out "$OUT/offline_cascade_gpu.json"
+    done ;;
+  cascade-timeline)   # where a 256-row decode step behind a 1,024-token shared prompt spends its time
+    for set in cascade_attention=auto cascade_attention=off; do
+      run 170 python benchmarks/step_timeline.py --config $CONFIG --shared-prefix-len 1024 --input-len 64 --set $set
     done ;;
   engine)
     run 540 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json" ;;

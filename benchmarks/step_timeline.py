@@ -3,6 +3,8 @@
 
   python benchmarks/step_timeline.py --config configs/llama3-8b-random.yaml --quantization fp8 \
       --set kv_cache_dtype=fp8
+  python benchmarks/step_timeline.py --config configs/llama3-8b-random.yaml --shared-prefix-len 1024 \
+      --input-len 64 --set cascade_attention=off      # a shared system prompt, cascade attention off
 
 Prints the median per step of: schedule (scheduler), prepare (runner: block tables, inputs to the device), enqueue
 (the compiled graphs' calls), wait (the host blocked on the previous step's samples: the device is the
@@ -73,12 +75,15 @@ def main(argv=None):
     ap.add_argument("--set", nargs="+", default=[], metavar="KNOB=VALUE")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--shared-prefix-len", type=int, default=0, help="random tokens every prompt starts with")
     ap.add_argument("--steps", type=int, default=64)
     args = ap.parse_args(argv)
     loaded, cfg = load_run(None, args.config, quantization=args.quantization)
     llm = LLM(loaded, config=override(cfg, args.set))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, loaded.config.vocab_size, args.input_len).tolist() for _ in range(args.num_prompts)]
+    prefix = rng.integers(0, loaded.config.vocab_size, args.shared_prefix_len).tolist()
+    prompts = [prefix + rng.integers(0, loaded.config.vocab_size, args.input_len).tolist()
+               for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4, ignore_eos=True)
     engine = llm.engine
     for p in prompts:
@@ -92,7 +97,7 @@ def main(argv=None):
         start = time.perf_counter()
         engine.step()
         periods.append((time.perf_counter() - start) * 1e3)
-    print(f"engine.step {np.median(periods):.2f} ms", flush=True)
+    print(f"engine.step {np.median(periods):.2f} ms, cascade steps {engine.stats()['cascade_steps']}", flush=True)
 
 
 if __name__ == "__main__":
