@@ -501,9 +501,8 @@ def apply_cascade_rule(groups: list[tuple[np.ndarray, int]], rule: tuple[int, in
 
 def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | None) -> tuple[int, int] | None:
     """(members a group needs, key reads saved) from which a decode-only step attends by cascade
-    (config.cascade_attention);
-    None: never. It needs paged blocks (shared by the prefix cache), no sliding window and the Pallas or reference
-    decode."""
+    (config.cascade_attention); None: never. It needs paged blocks (shared by the prefix cache), no sliding window
+    and the Pallas or reference decode."""
     why_not = ("a sliding window" if sliding_window is not None else
                "vattention's contiguous kernels" if kernels.blocks_per_row is not None else
                "decode_attention='cuda'" if kernels.decode == "cuda" else None)
