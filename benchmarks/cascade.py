@@ -58,7 +58,7 @@ def make_batch(rng, groups: int, members: int, shared: int, own: int, rows_order
     return q, k, v, kv_lens, tables[order], np.array([rows], np.int32)
 
 
-def prefix_once_bytes(groups: int, members: int, shared: int, own: int, _rows_order: str) -> int:
+def prefix_once_bytes(groups: int, members: int, shared: int, own: int) -> int:
     return (groups * shared + groups * members * own) * KV_HEADS * HEAD_DIM * 2 * 2
 
 
@@ -82,7 +82,7 @@ def run_point(rng, point, interpret: bool, programs: list[int | None], profile: 
     params = {"groups": groups, "members": members, "shared": shared, "own": own, "rows": rows_order,
               "found_groups": len(found), "dtype": "bfloat16", "q_heads": Q_HEADS, "kv_heads": KV_HEADS,
               "head_dim": HEAD_DIM, "block": BLOCK}
-    nbytes = prefix_once_bytes(*point)
+    nbytes = prefix_once_bytes(groups, members, shared, own)
     ms, wall = measure(plain, q, k, v, cu, *args[3:])
     rows = [{"bench": "cascade", "impl": "plain", "params": params, "ms": ms, "wall_ms": wall,
              "gbps": nbytes / ms / 1e6}]
