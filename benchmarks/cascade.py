@@ -36,7 +36,8 @@ Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 ENGINE_POINTS = [(1, 256, 1024, 64, "adjacent"), (1, 256, 1024, 192, "adjacent"), (32, 8, 1024, 64, "adjacent"),
                  (32, 8, 1024, 64, "shuffled"), (1, 64, 1024, 128, "adjacent"), (1, 8, 1024, 128, "adjacent"),
                  (1, 256, 512, 512, "adjacent")]
-THRESHOLD_POINTS = [(1, m, s, 64, "adjacent") for m in (2, 4, 8, 32, 128) for s in (128, 256, 512, 1024, 2048)]
+# largest groups first: they set the rule, and a sweep cut short by its time limit still has them
+THRESHOLD_POINTS = [(1, m, s, 64, "adjacent") for m in (256, 128, 64, 32, 8) for s in (256, 512, 1024, 2048)]
 
 
 def make_batch(rng, groups: int, members: int, shared: int, own: int, rows_order: str):
