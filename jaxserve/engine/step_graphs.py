@@ -297,8 +297,9 @@ class StepGraphs:
         the groups fall short of its rule (`apply_cascade_rule`)."""
         if self.cascade_rule is None or len(positions) < self.cascade_rule[0]:
             return []
+        # groups too small for the rule are not worked out at all: this runs on every decode step's host path
         groups = share_prefixes(block_tables, np.asarray(positions) + 1, self.cfg.block_size,
-                                cascade_groups(bucket_for(len(positions), self.seq_buckets)))
+                                cascade_groups(bucket_for(len(positions), self.seq_buckets)), self.cascade_rule[0])
         return apply_cascade_rule(groups, self.cascade_rule)
 
     @property

@@ -128,16 +128,17 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
     return StepInputs(model, sampler, prompt)
 
 
-def share_prefixes(block_tables: np.ndarray, kv_lens: np.ndarray, block_size: int,
-                   max_groups: int) -> list[tuple[np.ndarray, int]]:
+def share_prefixes(block_tables: np.ndarray, kv_lens: np.ndarray, block_size: int, max_groups: int,
+                   min_members: int = 2) -> list[tuple[np.ndarray, int]]:
     """Decode rows grouped by their first block, each group's shared prefix the leading blocks all its members hold
-    (whole blocks before every member's newest token): (rows, shared tokens) of the max_groups groups whose shared
-    reads save most (shared tokens x (members - 1))."""
+    (whole blocks before every member's newest token): (rows, shared tokens) of the max_groups groups of
+    min_members or more whose shared reads save most (shared tokens x (members - 1))."""
     first = block_tables[:, 0]
     order = np.argsort(first, kind="stable")
     _, starts, sizes = np.unique(first[order], return_index=True, return_counts=True)
     groups = []
-    for start, size in zip(starts[sizes > 1], sizes[sizes > 1]):
+    large = sizes >= max(min_members, 2)
+    for start, size in zip(starts[large], sizes[large]):
         rows = order[start:start + size]
         limit = int(((kv_lens[rows] - 1) // block_size).min())
         if limit == 0:
