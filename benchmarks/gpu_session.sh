@@ -59,10 +59,13 @@ case $1 in
       run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 32 --input-len 1024 --n 8 $SAMPLED \
         --set $set --out "$OUT/offline_cascade_gpu.json"
     done ;;
-  cascade-timeline)   # where a 256-row decode step behind a 1,024-token shared prompt spends its time
-    for set in cascade_attention=auto cascade_attention=off; do
-      run 170 python benchmarks/step_timeline.py --config $CONFIG --shared-prefix-len 1024 --input-len 64 --set $set
-    done ;;
+  cascade-timeline)   # where a 256-row decode step behind a 1,024-token shared prompt spends its time: host
+    # phases, GPU busy against idle, and the thunks XLA groups into command buffers (the first run compiles cold)
+    TIMELINE="python benchmarks/step_timeline.py --config $CONFIG --shared-prefix-len 1024 --input-len 64 --profile 12"
+    XLA_FLAGS="--xla_dump_to=/tmp/xla_dump --xla_dump_hlo_module_re=run_model" run 200 $TIMELINE --set cascade_attention=auto
+    run 100 $TIMELINE --set cascade_attention=off
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" run 200 $TIMELINE --set cascade_attention=off
+    mkdir -p "$OUT/xla_dump" && cp /tmp/xla_dump/*thunk_sequence*.txt "$OUT/xla_dump/" ;;
   engine)
     run 540 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json" ;;
   offline)   # the 256 x 512/128 workload: default config and the tuned ladder, greedy and sampled

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import device_events  # noqa: E402
 from benchmarks.offline import override  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
@@ -77,6 +78,8 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--shared-prefix-len", type=int, default=0, help="random tokens every prompt starts with")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile 16 engine steps on the GPU: busy against idle, the N costliest kernels")
     args = ap.parse_args(argv)
     loaded, cfg = load_run(None, args.config, quantization=args.quantization)
     llm = LLM(loaded, config=override(cfg, args.set))
@@ -98,6 +101,26 @@ def main(argv=None):
         engine.step()
         periods.append((time.perf_counter() - start) * 1e3)
     print(f"engine.step {np.median(periods):.2f} ms, cascade steps {engine.stats()['cascade_steps']}", flush=True)
+    if args.profile:
+        print_device_profile(engine, args.profile)
+
+
+def print_device_profile(engine, top: int, steps: int = 16) -> None:
+    """Per engine step over `steps` steps: the GPU's busy time against the wall span, and the costliest kernels."""
+    events = device_events(lambda: [engine.step() for _ in range(steps)], repeats=1)
+    if not events:
+        print("no GPU profile (no GPU or no CUPTI)")
+        return
+    span = (events[-1][0] + events[-1][1] - events[0][0]) / 1e6 / steps
+    busy = sum(d for _, d, _ in events) / 1e6 / steps
+    print(f"GPU per step: span {span:.2f} ms, busy {busy:.2f} ms, idle {span - busy:.2f} ms, "
+          f"{len(events) / steps:.0f} launches", flush=True)
+    totals: dict[str, list] = {}
+    for _, duration, name in events:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0], entry[1] = entry[0] + duration / 1e6 / steps, entry[1] + 1
+    for name, (ms, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {ms:8.3f} ms x{count / steps:6.1f} {name[:100]}", flush=True)
 
 
 if __name__ == "__main__":
