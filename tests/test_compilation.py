@@ -90,7 +90,7 @@ def test_a_sized_cold_start_compiles_each_graph_once(sized_start):
     timings = stats["compile_timings"]
     assert {k: v["compiled"] for k, v in timings["kinds"].items()} == \
         {kind: sum(key.kind == kind for key in seen["compiled"]) for kind in ("peak", "sampler", "prompt", "reset",
-                                                                            "model", "copy")}
+                                                                            "model", "copy", "stage")}
     assert timings["kinds"]["peak"]["compiled"] == 1 and timings["compile_wall_s"] > 0
     assert all(timings[k] > 0 for k in ("peak_s", "precompile_s", "trace_s", "compile_s"))
     outs = llm.generate(*mixed_requests(), use_tqdm=False)

@@ -4,6 +4,7 @@ import dataclasses
 import random
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -15,7 +16,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.models.attention import AttentionKernels, resolve_attention_kernels
 from jaxserve.models.loader import load_model
 
-from helpers import TEXT_PROMPTS, hf_greedy as _hf_greedy
+from helpers import TEXT_PROMPTS, hf_greedy as _hf_greedy, token_prompts
 
 _HF_MEMO = {}
 
@@ -234,6 +235,33 @@ def test_step_donates_the_cache_and_penalty_state(tiny_llm):
     engine.step()
     assert all(k.is_deleted() and v.is_deleted() for k, v in old_cache)
     assert old_penalty.output_counts.is_deleted()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_decode_steps_keep_their_buffers_where_they_were(tiny_llm):
+    """A model graph's inputs and outputs and the sampled tokens stay at their device addresses from step to step,
+    the new values written into them: on a GPU a buffer that moves makes XLA re-record the step's CUDA graph."""
+    engine, runner = tiny_llm.engine, tiny_llm.engine.runner
+    for prompt in token_prompts(5, 7, 9):
+        engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+
+    def snapshot():
+        inputs, outputs = runner.buffers.inputs, runner.buffers.outputs
+        return ({k: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(v)] for k, v in inputs.items()},
+                {k: v.unsafe_buffer_pointer() for k, v in outputs.items()}, runner.last_tokens.unsafe_buffer_pointer(),
+                {k: jnp.copy(v.positions).tolist() for k, v in inputs.items()})   # read from a copy: a CPU array
+    # read on the host holds a view of its buffer, and such a buffer cannot be donated
+    before = snapshot()
+    engine.step()
+    after = snapshot()
+    decode = [k for k in before[0] if k in after[0] and before[3][k] != after[3][k]]
+    assert decode, "no model graph ran again with new positions"
+    assert all(before[0][k] == after[0][k] for k in decode)
+    assert before[1] == after[1] and before[2] == after[2]
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -19,7 +19,7 @@ from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
 from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.engine.step_graphs import GraphKey, PromptLogprobs, StepGraphs, kv_addressing
-from jaxserve.engine.step_inputs import SamplerInputs, StepInputs, pad
+from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, pad
 
 
 @dataclass(slots=True)
@@ -32,6 +32,40 @@ class Unsampled:
     @property
     def num_rows(self) -> int:
         return len(self.inputs.slot_ids)
+
+
+class StableBuffers:
+    """The model graphs' inputs and outputs in device buffers that keep their addresses from step to step. On a GPU
+    XLA runs a graph as one CUDA graph and records it again, with the device idle, whenever a buffer it reads or
+    writes has moved: milliseconds at every step if each step's inputs and outputs were new arrays. So a step's
+    fresh inputs are copied into the buffers its graph read last time (a `stage` graph), and its logits and hidden
+    states are written over the last ones of their shapes (run_model's donated outputs)."""
+
+    def __init__(self, graphs: StepGraphs):
+        self.graphs = graphs
+        self.inputs: dict[tuple, ModelInputs] = {}   # model graph dims -> the inputs it ran last
+        self.outputs: dict[tuple, jax.Array] = {}    # (0: logits | 1: hidden, shape) -> a free output buffer
+
+    def stage(self, key: GraphKey, inp: ModelInputs) -> ModelInputs:
+        old = self.inputs.get(key.dims)
+        if old is inp:   # the same inputs run again (benchmarks) are in place already
+            return inp
+        if old is None:
+            old = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=self.graphs.replicated), inp)
+        self.inputs[key.dims] = self.graphs.get(GraphKey("stage", key.dims))(old, inp)
+        return self.inputs[key.dims]
+
+    def take_outputs(self, key: GraphKey) -> tuple[jax.Array, jax.Array]:
+        """The (logits, hidden) buffers the model graph of key writes over."""
+        tokens, seqs, _, width, _ = key.dims
+        structs = self.graphs.output_structs(tokens, seqs, width)
+        free = [self.outputs.pop((i, x.shape), None) for i, x in enumerate(structs)]
+        return tuple(jnp.zeros(x.shape, x.dtype, device=self.graphs.replicated) if a is None else a
+                     for a, x in zip(free, structs))
+
+    def keep_outputs(self, *arrays: jax.Array) -> None:
+        for i, a in enumerate(arrays):
+            self.outputs[(i, a.shape)] = a
 
 
 @dataclass(slots=True)
@@ -67,6 +101,7 @@ class ModelRunner:
         self.feature_rows: dict[int, tuple[int, int, int]] = {}   # seq_id -> (index, first position, positions)
         self.on_launch: Callable[[DeviceStep], None] | None = None
         self.cascade_steps = 0   # decode steps that attended shared prefixes once per group
+        self.buffers = StableBuffers(graphs)
 
     def observe_launches(self, on_launch: Callable[[DeviceStep], None] | None) -> None:
         """on_launch sees each step before it launches (a multi-host leader publishes it); None: no one."""
@@ -83,20 +118,22 @@ class ModelRunner:
         model, sampler, *prompt = map(self.graphs.get, keys)
         split = self.graphs.draft_split(keys[0])
         cache, features = (self.kv_cache, self.features) if split is None else (self.kv_cache[:split], None)
-        cache, logits, hidden, features = model(self.params, cache, self.last_tokens, inp.model, features)
+        staged, outputs = self.buffers.stage(keys[0], inp.model), self.buffers.take_outputs(keys[0])
+        cache, logits, hidden, features = model(self.params, cache, self.last_tokens, staged, features, outputs)
+        self.buffers.keep_outputs(logits, hidden)
         self.kv_cache = cache if split is None else cache + self.kv_cache[split:]
         self.features = self.features if features is None else features
         prompt_out = prompt[0](self.params, hidden, inp.next_prompt_ids) if prompt else None
         if inp.sampler.constrained:
             return Unsampled(logits, inp.sampler, prompt_out)
-        self.penalty, out, self.last_tokens = sampler(logits, self.penalty, inp.sampler)
+        self.penalty, self.last_tokens, out = sampler(logits, self.penalty, inp.sampler, self.last_tokens)
         return out, prompt_out
 
     def sample(self, step: Unsampled, token_bitmask: np.ndarray) -> tuple[SamplerOutput, PromptLogprobs | None]:
         """The sampler of a constrained step, under its token bitmask [S, ceil(V / 32)]."""
         step.inputs.token_bitmask = token_bitmask
         sampler = self.graphs.get(GraphKey("sampler", step.inputs.key))
-        self.penalty, out, self.last_tokens = sampler(step.logits, self.penalty, step.inputs)
+        self.penalty, self.last_tokens, out = sampler(step.logits, self.penalty, step.inputs, self.last_tokens)
         return out, step.prompt
 
     def execute(self, out: SchedulerOutput, ready: Callable[[], None] | None = None):

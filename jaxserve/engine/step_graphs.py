@@ -132,12 +132,13 @@ class ModelDef(NamedTuple):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_def, params[self.start:self.stop]))
 
 
-def run_model(params, kv_cache, last_tokens, inp: ModelInputs, features=None, *, model_def: ModelDef,
+def run_model(params, kv_cache, last_tokens, inp: ModelInputs, features=None, outputs=None, *, model_def: ModelDef,
               kernels: AttentionKernels, mesh: Mesh, fence: bool = False, draft_def: ModelDef | None = None,
               block_size: int = 0):
     """The model graph: (kv_cache, f32 logits [S, V] of each row's token, hidden states [T, H], features); with a
     draft model, the draft's KV of the same tokens written too; with an EAGLE-3 head (features given: the previous
-    step's), the head's entries and the features of this step's logits positions (engine/drafter.py)."""
+    step's), the head's entries and the features of this step's logits positions (engine/drafter.py). outputs: the
+    (logits, hidden) buffers of the graph's previous run, donated: the new ones are written over them."""
     model = model_def.merge(params)
     draft = None if draft_def is None else draft_def.merge(params)
     # Async scheduling: a decode's input may be the token the previous step sampled, still on the device.
@@ -159,12 +160,22 @@ def run_model(params, kv_cache, last_tokens, inp: ModelInputs, features=None, *,
     logits = model.logits(hidden[inp.logits_indices])
     if fence:   # vattention on GPU: the logits follow every cache read; unmaps wait for this fence
         logits = vmm.fence(logits)
+    if outputs is not None:
+        logits, hidden = overwrite(outputs, (logits, hidden))
     return kv_cache, logits, hidden, features
 
 
-def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_tokens: int):
-    """The sampler graph: (penalty, SamplerOutput, each row's last sample padded to num_last_tokens). A speculative
-    step's (draft_ids given) verifies its rows' drafts: each row's last sample is the one after its accepted drafts."""
+def overwrite(old, new):
+    """new's values in old's (donated) buffers: a graph's buffers keep their device addresses from run to run, so
+    a CUDA graph recorded over them is launched as it is, not re-recorded on every step (XLA re-records the whole
+    step's command buffer when any buffer it uses moves: milliseconds of host time, with the device idle)."""
+    return jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new)
+
+
+def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens):
+    """The sampler graph: (penalty, each row's last sample in last_tokens' donated buffer, zero-padded,
+    SamplerOutput). A speculative step's (draft_ids given) verifies its rows' drafts: each row's last sample is the
+    one after its accepted drafts."""
     if inp.draft_ids is None:
         out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
                               num_logprobs=inp.num_logprobs, mode=inp.mode, token_bitmask=inp.token_bitmask)
@@ -173,7 +184,7 @@ def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, *, num_last_t
         out, penalty = verify(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask, inp.draft_ids,
                               num_logprobs=inp.num_logprobs, mode=inp.mode)
         last = jnp.take_along_axis(out.tokens.reshape(len(inp.draft_ids), -1), out.num_accepted[:, None], axis=1)[:, 0]
-    return penalty, out, jnp.zeros(num_last_tokens, jnp.int32).at[:last.shape[0]].set(last)
+    return penalty, overwrite(last_tokens, jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)), out
 
 
 def run_drafts(params, draft_cache, inp: DraftInputs, features=None, *, draft_def: ModelDef, **kw
@@ -265,8 +276,8 @@ class StepGraphs:
     def _jit(self, model_def: ModelDef) -> None:
         rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
         cache = self.backend.cache_sharding   # every layer's (a prefix of the cache's pytree)
-        model = functools.partial(jax.jit, in_shardings=(params, cache, rep, rep, rep),
-                                  out_shardings=(cache, rep, rep, rep), donate_argnums=(1, 4))
+        model = functools.partial(jax.jit, in_shardings=(params, cache, rep, rep, rep, rep),
+                                  out_shardings=(cache, rep, rep, rep), donate_argnums=(1, 4, 5))
         run = functools.partial(run_model, model_def=model_def, kernels=self.kernels, mesh=self.mesh,
                                 fence=self.backend.fence, block_size=self.cfg.block_size)
         self.model = self.drafting_model = model(run)
@@ -276,8 +287,8 @@ class StepGraphs:
                 run_drafts, draft_def=self.draft_def, num_drafts=self.speculative.num_speculative_tokens,
                 block_size=self.cfg.block_size, kernels=self.kernels, mesh=self.mesh),
                 in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep), donate_argnums=1)
-        self.sampler = jax.jit(functools.partial(run_sampler, num_last_tokens=self.seq_buckets[-1]),
-                               in_shardings=rep, out_shardings=rep, donate_argnums=1)
+        self.sampler = jax.jit(run_sampler, in_shardings=rep, out_shardings=rep, donate_argnums=(1, 3))
+        self.stage = jax.jit(overwrite, in_shardings=rep, out_shardings=rep, donate_argnums=0)
         self.prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, model_def=model_def),
                                        in_shardings=(params, rep, rep), out_shardings=rep)
         self.reset = jax.jit(reset_slots, in_shardings=rep, out_shardings=rep, donate_argnums=0)
@@ -354,13 +365,15 @@ class StepGraphs:
         return sorted(models, key=lambda k: k.dims, reverse=True) + drafts[::-1] + sorted(copies, reverse=True)
 
     def cache_free_keys(self) -> list[GraphKey]:
+        stages = sorted({GraphKey("stage", k.dims) for k in self.cache_bound_keys() if k.kind == "model"},
+                        reverse=True)
         prompts = [GraphKey("prompt", (t,)) for t in reversed(self.token_buckets)]
         samplers = [GraphKey("sampler", (s, mode, n, constrained, 1)) for s in reversed(self.seq_buckets)
                     for constrained in (False, True) for mode in sampler_modes(constrained) for n in (0, MAX_LOGPROBS)]
         verifiers = [GraphKey("sampler", (s, mode, n, False, self.speculative.width))
                      for s in reversed(self.spec_seq_buckets) for mode in SAMPLER_MODES for n in (0, MAX_LOGPROBS)]
-        return prompts + samplers + verifiers + [self.reset_key(s, w) for s in self.seq_buckets
-                                                 for w in self.reset_widths]
+        return stages + prompts + samplers + verifiers + [self.reset_key(s, w) for s in self.seq_buckets
+                                                          for w in self.reset_widths]
 
     # ---- graphs ------------------------------------------------------------------------------------
     def lower(self, key: GraphKey) -> jax.stages.Lowered:
@@ -372,21 +385,26 @@ class StepGraphs:
                 split = self.draft_split(key)
                 model, cache, features = ((self.drafting_model, self.cache_shape, self.features) if split is None
                                           else (self.model, self.cache_shape[:split], None))
-                return model.lower(self.params, cache, self.last_tokens, inp, features)
+                return model.lower(self.params, cache, self.last_tokens, inp, features, self.output_structs(t, s, width))
+            case GraphKey("stage", (t, s, decode_only, width, groups)):
+                inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width,
+                                       cascade_groups=groups).model
+                return self.stage.lower(inp, inp)
             case GraphKey("peak"):   # a stand-in cache: temp memory does not depend on its size (a row: contiguous)
                 stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
                 rows = self.seq_buckets[-1]
                 inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=rows).model
                 features = None if self.features is None else \
                     jax.ShapeDtypeStruct((rows, self.features.shape[1]), self.features.dtype)
-                return self.drafting_model.lower(self.params, stand_in, self.last_tokens, inp, features)
+                return self.drafting_model.lower(self.params, stand_in, self.last_tokens, inp, features,
+                                                 self.output_structs(self.token_buckets[-1], rows, 1))
             case GraphKey("sampler", (s, mode, num_logprobs, constrained, width)):
                 inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
                                        num_logprobs=num_logprobs, constrained=constrained, spec_width=width).sampler
                 if constrained:
                     inp.token_bitmask = jax.ShapeDtypeStruct((s, -(-self.model_config.vocab_size // 32)), jnp.int32)
                 logits = jax.ShapeDtypeStruct((s * width, self.model_config.vocab_size), jnp.float32)
-                return self.sampler.lower(logits, self.penalty, inp)
+                return self.sampler.lower(logits, self.penalty, inp, self.last_tokens)
             case GraphKey("prompt", (t,)):
                 hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype)
                 return self.prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32))
@@ -405,6 +423,11 @@ class StepGraphs:
     def get(self, key: GraphKey) -> jax.stages.Compiled:
         """The executable of key, compiled now if it was not (counted once serving)."""
         return self.manager.get(key, functools.partial(self.lower, key))
+
+    def output_structs(self, num_tokens: int, num_seqs: int, width: int) -> tuple:
+        """A model graph's (logits, hidden) outputs, the buffers it writes over (run_model)."""
+        return (jax.ShapeDtypeStruct((num_seqs * width, self.model_config.vocab_size), jnp.float32),
+                jax.ShapeDtypeStruct((num_tokens, self.model_config.hidden_size), self.dtype))
 
     def compiler_options(self, key: GraphKey) -> dict:
         """XLA's options for the graph of key. On GPU, graphs that run the model's weights (model, prompt logprobs,
