@@ -241,7 +241,8 @@ def test_step_donates_the_cache_and_penalty_state(tiny_llm):
 
 def test_decode_steps_keep_their_buffers_where_they_were(tiny_llm):
     """A model graph's inputs and outputs and the sampled tokens stay at their device addresses from step to step,
-    the new values written into them: on a GPU a buffer that moves makes XLA re-record the step's CUDA graph."""
+    the new values written into them, and the sampler's outputs rotate through the same few buffers: on a GPU a
+    buffer that moves makes XLA re-record the step's CUDA graph."""
     engine, runner = tiny_llm.engine, tiny_llm.engine.runner
     for prompt in token_prompts(5, 7, 9):
         engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -253,8 +254,11 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny_llm):
         inputs, outputs = runner.buffers.inputs, runner.buffers.outputs
         return ({k: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(v)] for k, v in inputs.items()},
                 {k: v.unsafe_buffer_pointer() for k, v in outputs.items()}, runner.last_tokens.unsafe_buffer_pointer(),
-                {k: jnp.copy(v.positions).tolist() for k, v in inputs.items()})   # read from a copy: a CPU array
+                {k: jnp.copy(v.positions).tolist() for k, v in inputs.items()},   # read from a copy: a CPU array
+                {k: {o.tokens.unsafe_buffer_pointer() for o in ring} for k, ring in runner.buffers.sampled.items()})
     # read on the host holds a view of its buffer, and such a buffer cannot be donated
+    for _ in range(runner.buffers.SAMPLED_RING):
+        engine.step()
     before = snapshot()
     engine.step()
     after = snapshot()
@@ -262,6 +266,7 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny_llm):
     assert decode, "no model graph ran again with new positions"
     assert all(before[0][k] == after[0][k] for k in decode)
     assert before[1] == after[1] and before[2] == after[2]
+    assert before[4] == after[4] and any(len(ring) == runner.buffers.SAMPLED_RING for ring in after[4].values())
     while engine.has_unfinished_requests():
         engine.step()
 

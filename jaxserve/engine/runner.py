@@ -39,19 +39,23 @@ class StableBuffers:
     XLA runs a graph as one CUDA graph and records it again, with the device idle, whenever a buffer it reads or
     writes has moved: milliseconds at every step if each step's inputs and outputs were new arrays. So a step's
     fresh inputs are copied into the buffers its graph read last time (a `stage` graph), and its logits and hidden
-    states are written over the last ones of their shapes (run_model's donated outputs)."""
+    states are written over the last ones of their shapes (run_model's donated outputs). The sampler's outputs
+    rotate through SAMPLED_RING buffers a graph: the host reads a step's samples while the next steps run, and a new
+    array left alive across a step would move the next step's scratch memory (XLA's temp buffer)."""
+    SAMPLED_RING = 3
 
     def __init__(self, graphs: StepGraphs):
         self.graphs = graphs
         self.inputs: dict[tuple, ModelInputs] = {}   # model graph dims -> the inputs it ran last
         self.outputs: dict[tuple, jax.Array] = {}    # (0: logits | 1: hidden, shape) -> a free output buffer
+        self.sampled: dict[tuple, list[SamplerOutput]] = {}   # sampler graph dims -> its outputs, oldest first
 
     def stage(self, key: GraphKey, inp: ModelInputs) -> ModelInputs:
         old = self.inputs.get(key.dims)
         if old is inp:   # the same inputs run again (benchmarks) are in place already
             return inp
         if old is None:
-            old = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=self.graphs.replicated), inp)
+            old = jax.tree.map(self.zeros, inp)
         self.inputs[key.dims] = self.graphs.get(GraphKey("stage", key.dims))(old, inp)
         return self.inputs[key.dims]
 
@@ -60,8 +64,19 @@ class StableBuffers:
         tokens, seqs, _, width, _ = key.dims
         structs = self.graphs.output_structs(tokens, seqs, width)
         free = [self.outputs.pop((i, x.shape), None) for i, x in enumerate(structs)]
-        return tuple(jnp.zeros(x.shape, x.dtype, device=self.graphs.replicated) if a is None else a
-                     for a, x in zip(free, structs))
+        return tuple(self.zeros(x) if a is None else a for a, x in zip(free, structs))
+
+    def sample(self, sampler: jax.stages.Compiled, key: GraphKey, logits, penalty, inp: SamplerInputs, last_tokens):
+        """The sampler graph run over the oldest of its output buffers: (penalty, last tokens, SamplerOutput)."""
+        ring = self.sampled.setdefault(key.dims, [])
+        outputs = ring.pop(0) if len(ring) == self.SAMPLED_RING else jax.tree.map(self.zeros, sampler.out_info[2])
+        penalty, last_tokens, out = sampler(logits, penalty, inp, last_tokens, outputs)
+        ring.append(out)
+        return penalty, last_tokens, out
+
+    def zeros(self, like) -> jax.Array:
+        """A new buffer of like's shape and dtype, from the host: no graph to compile while serving."""
+        return jax.device_put(np.zeros(like.shape, like.dtype), self.graphs.replicated)
 
     def keep_outputs(self, *arrays: jax.Array) -> None:
         for i, a in enumerate(arrays):
@@ -126,14 +141,16 @@ class ModelRunner:
         prompt_out = prompt[0](self.params, hidden, inp.next_prompt_ids) if prompt else None
         if inp.sampler.constrained:
             return Unsampled(logits, inp.sampler, prompt_out)
-        self.penalty, self.last_tokens, out = sampler(logits, self.penalty, inp.sampler, self.last_tokens)
+        self.penalty, self.last_tokens, out = self.buffers.sample(sampler, keys[1], logits, self.penalty, inp.sampler,
+                                                                  self.last_tokens)
         return out, prompt_out
 
     def sample(self, step: Unsampled, token_bitmask: np.ndarray) -> tuple[SamplerOutput, PromptLogprobs | None]:
         """The sampler of a constrained step, under its token bitmask [S, ceil(V / 32)]."""
         step.inputs.token_bitmask = token_bitmask
-        sampler = self.graphs.get(GraphKey("sampler", step.inputs.key))
-        self.penalty, self.last_tokens, out = sampler(step.logits, self.penalty, step.inputs, self.last_tokens)
+        key = GraphKey("sampler", step.inputs.key)
+        self.penalty, self.last_tokens, out = self.buffers.sample(self.graphs.get(key), key, step.logits, self.penalty,
+                                                                  step.inputs, self.last_tokens)
         return out, step.prompt
 
     def execute(self, out: SchedulerOutput, ready: Callable[[], None] | None = None):

@@ -32,7 +32,8 @@ from jaxserve.config import SAMPLER_MODES, EngineConfig, graph_knobs
 from jaxserve.engine.compilation import CompilationManager, ExecutableCache, fingerprint
 from jaxserve.engine.drafter import (DraftInputs, draft_inputs, draft_tokens, eagle_draft_tokens, write_draft_kv,
                                      write_eagle_kv)
-from jaxserve.engine.sampler import PenaltyState, init_penalty_state, reset_slots, sample, sampler_modes, verify
+from jaxserve.engine.sampler import (PenaltyState, SamplerOutput, init_penalty_state, reset_slots, sample,
+                                     sampler_modes, verify)
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs, share_prefixes
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
@@ -172,10 +173,11 @@ def overwrite(old, new):
     return jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new)
 
 
-def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens):
+def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens,
+                outputs: SamplerOutput | None = None):
     """The sampler graph: (penalty, each row's last sample in last_tokens' donated buffer, zero-padded,
-    SamplerOutput). A speculative step's (draft_ids given) verifies its rows' drafts: each row's last sample is the
-    one after its accepted drafts."""
+    SamplerOutput, written over outputs' buffers when given). A speculative step's (draft_ids given) verifies its
+    rows' drafts: each row's last sample is the one after its accepted drafts."""
     if inp.draft_ids is None:
         out, penalty = sample(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask,
                               num_logprobs=inp.num_logprobs, mode=inp.mode, token_bitmask=inp.token_bitmask)
@@ -184,7 +186,8 @@ def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens):
         out, penalty = verify(logits, inp.sampling, penalty, inp.slot_ids, inp.sample_mask, inp.draft_ids,
                               num_logprobs=inp.num_logprobs, mode=inp.mode)
         last = jnp.take_along_axis(out.tokens.reshape(len(inp.draft_ids), -1), out.num_accepted[:, None], axis=1)[:, 0]
-    return penalty, overwrite(last_tokens, jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)), out
+    last_tokens = overwrite(last_tokens, jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last))
+    return penalty, last_tokens, out if outputs is None else overwrite(outputs, out)
 
 
 def run_drafts(params, draft_cache, inp: DraftInputs, features=None, *, draft_def: ModelDef, **kw
@@ -287,7 +290,7 @@ class StepGraphs:
                 run_drafts, draft_def=self.draft_def, num_drafts=self.speculative.num_speculative_tokens,
                 block_size=self.cfg.block_size, kernels=self.kernels, mesh=self.mesh),
                 in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep), donate_argnums=1)
-        self.sampler = jax.jit(run_sampler, in_shardings=rep, out_shardings=rep, donate_argnums=(1, 3))
+        self.sampler = jax.jit(run_sampler, in_shardings=rep, out_shardings=rep, donate_argnums=(1, 3, 4))
         self.stage = jax.jit(overwrite, in_shardings=rep, out_shardings=rep, donate_argnums=0)
         self.prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, model_def=model_def),
                                        in_shardings=(params, rep, rep), out_shardings=rep)
@@ -385,7 +388,8 @@ class StepGraphs:
                 split = self.draft_split(key)
                 model, cache, features = ((self.drafting_model, self.cache_shape, self.features) if split is None
                                           else (self.model, self.cache_shape[:split], None))
-                return model.lower(self.params, cache, self.last_tokens, inp, features, self.output_structs(t, s, width))
+                outputs = self.output_structs(t, s, width)
+                return model.lower(self.params, cache, self.last_tokens, inp, features, outputs)
             case GraphKey("stage", (t, s, decode_only, width, groups)):
                 inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width,
                                        cascade_groups=groups).model
@@ -403,8 +407,9 @@ class StepGraphs:
                                        num_logprobs=num_logprobs, constrained=constrained, spec_width=width).sampler
                 if constrained:
                     inp.token_bitmask = jax.ShapeDtypeStruct((s, -(-self.model_config.vocab_size // 32)), jnp.int32)
-                logits = jax.ShapeDtypeStruct((s * width, self.model_config.vocab_size), jnp.float32)
-                return self.sampler.lower(logits, self.penalty, inp, self.last_tokens)
+                args = jax.ShapeDtypeStruct((s * width, self.model_config.vocab_size), jnp.float32), self.penalty, \
+                    inp, self.last_tokens
+                return self.sampler.lower(*args, jax.eval_shape(run_sampler, *args)[2])
             case GraphKey("prompt", (t,)):
                 hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype)
                 return self.prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32))
