@@ -135,8 +135,9 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
     """The device side's start-up, in its one order: the KV backend's layout (the kernels address it) -> the step
     graphs -> the cache's size (from the activation peak when memory sizes it) -> the graphs bound to that size
     (every key final) -> precompile (before the cache takes the memory: compiling, autotuning, needs room) -> the
-    cache allocated and the runner over it -> the host block manager. A multi-host worker runs it too: sizing is
-    a collective. max_model_len: the model's unless cfg gives one (fit_to_model), in graphs.cfg."""
+    cache allocated and the runner over it (with every graph's input and output buffers) -> the host block manager.
+    A multi-host worker runs it too: sizing is a collective. max_model_len: the model's unless cfg gives one
+    (fit_to_model), in graphs.cfg."""
     cfg = fit_to_model(cfg, loaded.config.max_position_embeddings)
     mesh = tensor_parallel_mesh(loaded, cfg)
     kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, loaded.dtype)
@@ -155,6 +156,8 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
     if cfg.precompile:
         graphs.precompile()
     runner = ModelRunner(graphs, backend.allocate(num_blocks))
+    if cfg.precompile:
+        runner.buffers.allocate(graphs.graph_keys())
     backend.release_at_exit(runner)
     return graphs, runner, backend.host_manager(num_blocks)
 

@@ -50,6 +50,16 @@ class StableBuffers:
         self.outputs: dict[tuple, jax.Array] = {}    # (0: logits | 1: hidden, shape) -> a free output buffer
         self.sampled: dict[tuple, list[SamplerOutput]] = {}   # sampler graph dims -> its outputs, oldest first
 
+    def allocate(self, keys: list[GraphKey]) -> None:
+        """The buffers of every graph of keys, before serving: a step's first graph of a size would wait for them."""
+        for key in keys:
+            if key.kind == "model":
+                self.inputs.setdefault(key.dims, jax.tree.map(self.zeros, self.graphs.model_inputs(key)))
+                self.keep_outputs(*self.take_outputs(key))
+            elif key.kind == "sampler":
+                ring = self.sampled.setdefault(key.dims, [])
+                ring += [self.sampled_buffers(self.graphs.get(key)) for _ in range(self.SAMPLED_RING - len(ring))]
+
     def stage(self, key: GraphKey, inp: ModelInputs) -> ModelInputs:
         old = self.inputs.get(key.dims)
         if old is inp:   # the same inputs run again (benchmarks) are in place already
@@ -69,10 +79,13 @@ class StableBuffers:
     def sample(self, sampler: jax.stages.Compiled, key: GraphKey, logits, penalty, inp: SamplerInputs, last_tokens):
         """The sampler graph run over the oldest of its output buffers: (penalty, last tokens, SamplerOutput)."""
         ring = self.sampled.setdefault(key.dims, [])
-        outputs = ring.pop(0) if len(ring) == self.SAMPLED_RING else jax.tree.map(self.zeros, sampler.out_info[2])
+        outputs = ring.pop(0) if len(ring) == self.SAMPLED_RING else self.sampled_buffers(sampler)
         penalty, last_tokens, out = sampler(logits, penalty, inp, last_tokens, outputs)
         ring.append(out)
         return penalty, last_tokens, out
+
+    def sampled_buffers(self, sampler: jax.stages.Compiled) -> SamplerOutput:
+        return jax.tree.map(self.zeros, sampler.out_info[2])
 
     def zeros(self, like) -> jax.Array:
         """A new buffer of like's shape and dtype, from the host: no graph to compile while serving."""

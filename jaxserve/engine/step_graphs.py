@@ -382,17 +382,15 @@ class StepGraphs:
     def lower(self, key: GraphKey) -> jax.stages.Lowered:
         """The graph of key, traced and lowered against abstract inputs of its sizes."""
         match key:
-            case GraphKey("model", (t, s, decode_only, width, groups)):
-                inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width,
-                                       cascade_groups=groups).model
+            case GraphKey("model", (t, s, _, width, _)):
+                inp = self.model_inputs(key)
                 split = self.draft_split(key)
                 model, cache, features = ((self.drafting_model, self.cache_shape, self.features) if split is None
                                           else (self.model, self.cache_shape[:split], None))
                 outputs = self.output_structs(t, s, width)
                 return model.lower(self.params, cache, self.last_tokens, inp, features, outputs)
-            case GraphKey("stage", (t, s, decode_only, width, groups)):
-                inp = self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width,
-                                       cascade_groups=groups).model
+            case GraphKey("stage"):
+                inp = self.model_inputs(key)
                 return self.stage.lower(inp, inp)
             case GraphKey("peak"):   # a stand-in cache: temp memory does not depend on its size (a row: contiguous)
                 stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
@@ -428,6 +426,12 @@ class StepGraphs:
     def get(self, key: GraphKey) -> jax.stages.Compiled:
         """The executable of key, compiled now if it was not (counted once serving)."""
         return self.manager.get(key, functools.partial(self.lower, key))
+
+    def model_inputs(self, key: GraphKey) -> ModelInputs:
+        """Host inputs of the sizes of a model (or stage) graph's key."""
+        t, s, decode_only, width, groups = key.dims
+        return self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width,
+                                cascade_groups=groups).model
 
     def output_structs(self, num_tokens: int, num_seqs: int, width: int) -> tuple:
         """A model graph's (logits, hidden) outputs, the buffers it writes over (run_model)."""
