@@ -244,8 +244,6 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny_llm):
     the new values written into them, and the sampler's outputs rotate through the same few buffers: on a GPU a
     buffer that moves makes XLA re-record the step's CUDA graph."""
     engine, runner = tiny_llm.engine, tiny_llm.engine.runner
-    graphs = {k.dims for k in engine.graphs.graph_keys() if k.kind == "model"}
-    assert graphs <= set(runner.buffers.inputs)   # allocated at start, not by a step's first graph of a size
     for prompt in token_prompts(5, 7, 9):
         engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -269,7 +267,6 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny_llm):
     assert all(before[0][k] == after[0][k] for k in decode)
     assert before[1] == after[1] and before[2] == after[2]
     assert before[4] == after[4] and any(len(ring) == runner.buffers.SAMPLED_RING for ring in after[4].values())
-    assert set(runner.buffers.inputs) == graphs
     while engine.has_unfinished_requests():
         engine.step()
 
