@@ -239,11 +239,12 @@ def test_step_donates_the_cache_and_penalty_state(tiny_llm):
         engine.step()
 
 
-def test_decode_steps_keep_their_buffers_where_they_were(tiny_llm):
+def test_decode_steps_keep_their_buffers_where_they_were(tiny):
     """A model graph's inputs and outputs and the sampled tokens stay at their device addresses from step to step,
     the new values written into them, and the sampler's outputs rotate through the same few buffers: on a GPU a
-    buffer that moves makes XLA re-record the step's CUDA graph."""
-    engine, runner = tiny_llm.engine, tiny_llm.engine.runner
+    buffer that moves makes XLA re-record the step's CUDA graph. (Inputs are staged on GPUs only: turned on here.)"""
+    engine = LLM(tiny[0], **BASE).engine
+    engine.graphs.stage_inputs, runner = True, engine.runner
     for prompt in token_prompts(5, 7, 9):
         engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:

@@ -54,7 +54,8 @@ class StableBuffers:
         """The buffers of every graph of keys, before serving: a step's first graph of a size would wait for them."""
         for key in keys:
             if key.kind == "model":
-                self.inputs.setdefault(key.dims, jax.tree.map(self.zeros, self.graphs.model_inputs(key)))
+                if self.graphs.stage_inputs:
+                    self.inputs.setdefault(key.dims, jax.tree.map(self.zeros, self.graphs.model_inputs(key)))
                 self.keep_outputs(*self.take_outputs(key))
             elif key.kind == "sampler":
                 ring = self.sampled.setdefault(key.dims, [])
@@ -62,7 +63,7 @@ class StableBuffers:
 
     def stage(self, key: GraphKey, inp: ModelInputs) -> ModelInputs:
         old = self.inputs.get(key.dims)
-        if old is inp:   # the same inputs run again (benchmarks) are in place already
+        if old is inp or not self.graphs.stage_inputs:   # the same inputs run again (benchmarks) are in place
             return inp
         if old is None:
             old = jax.tree.map(self.zeros, inp)

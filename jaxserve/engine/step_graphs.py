@@ -243,6 +243,7 @@ class StepGraphs:
         self.eos_token_ids = loaded.eos_token_ids
         cpu = mesh.devices.flat[0].platform == "cpu"
         self.ladders = self.token_buckets, self.seq_buckets = bucket_ladders(cfg, cpu)
+        self.stage_inputs = not cpu   # runner.StableBuffers: a CPU runs no CUDA graph to keep, a stage graph is waste
         # an EAGLE-3 head's features at the logits positions of the last step that ran it, from graph to graph
         self.features = None if self.speculative is None or self.speculative.method != "eagle3" else \
             jax.ShapeDtypeStruct((self.spec_seq_buckets[-1] * self.speculative.width, draft.config.hidden_size),
@@ -368,8 +369,8 @@ class StepGraphs:
         return sorted(models, key=lambda k: k.dims, reverse=True) + drafts[::-1] + sorted(copies, reverse=True)
 
     def cache_free_keys(self) -> list[GraphKey]:
-        stages = sorted({GraphKey("stage", k.dims) for k in self.cache_bound_keys() if k.kind == "model"},
-                        reverse=True)
+        stages = sorted({GraphKey("stage", k.dims) for k in self.cache_bound_keys()
+                         if k.kind == "model" and self.stage_inputs}, reverse=True)
         prompts = [GraphKey("prompt", (t,)) for t in reversed(self.token_buckets)]
         samplers = [GraphKey("sampler", (s, mode, n, constrained, 1)) for s in reversed(self.seq_buckets)
                     for constrained in (False, True) for mode in sampler_modes(constrained) for n in (0, MAX_LOGPROBS)]
