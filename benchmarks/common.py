@@ -107,14 +107,18 @@ def kernel_profile(fn, *args, repeats: int = 10, top: int = 10) -> list[tuple[st
     run = events[-per_run:]
     gaps = sorted(((b[0] - a[0] - a[1]) / 1e6, a[2]) for a, b in zip(run, run[1:]))[::-1]
     span = ((run[-1][0] + run[-1][1] - run[0][0]) / 1e6, sum(g for g, _ in gaps if g > 0))
+    return [(f"<span, {span[1]:.3f} ms idle>", span[0], 1), *((f"<gap after {name}>", ms, 1) for ms, name in gaps[:3]),
+            *((name, ms, count // repeats) for name, ms, count in costliest(events, repeats, top))]
+
+
+def costliest(events: list[tuple[int, int, str]], runs: int, top: int) -> list[tuple[str, float, int]]:
+    """The `top` operation names of device_events by summed time: (name, ms per run, launches in all runs)."""
     totals: dict[str, list] = {}
     for _, duration, name in events:
         entry = totals.setdefault(name, [0.0, 0])
-        entry[0] += duration / 1e6 / repeats
+        entry[0] += duration / 1e6 / runs
         entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-    return [(f"<span, {span[1]:.3f} ms idle>", span[0], 1), *((f"<gap after {name}>", ms, 1) for ms, name in gaps[:3]),
-            *((name, ms, count // repeats) for name, (ms, count) in ranked)]
+    return [(name, ms, count) for name, (ms, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
 def copy_bandwidth_gbps(nbytes: int | None = None) -> float:

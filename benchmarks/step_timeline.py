@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import device_events  # noqa: E402
+from benchmarks.common import costliest, device_events  # noqa: E402
 from benchmarks.offline import override  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
@@ -115,11 +115,7 @@ def print_device_profile(engine, top: int, steps: int = 16) -> None:
     busy = sum(d for _, d, _ in events) / 1e6 / steps
     print(f"GPU per step: span {span:.2f} ms, busy {busy:.2f} ms, idle {span - busy:.2f} ms, "
           f"{len(events) / steps:.0f} launches", flush=True)
-    totals: dict[str, list] = {}
-    for _, duration, name in events:
-        entry = totals.setdefault(name, [0.0, 0])
-        entry[0], entry[1] = entry[0] + duration / 1e6 / steps, entry[1] + 1
-    for name, (ms, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+    for name, ms, count in costliest(events, steps, top):
         print(f"    {ms:8.3f} ms x{count / steps:6.1f} {name[:100]}", flush=True)
 
 
