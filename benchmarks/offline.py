@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import Bytes, copy_bandwidth_gbps, matmul_tflops, write_rows  # noqa: E402
 
-from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from jaxserve.config import QUANTIZATIONS, load_run_config, model_config_from_hf  # noqa: E402
 from jaxserve.models.loader import load_run  # noqa: E402
 
@@ -101,7 +101,8 @@ def override(engine_cfg, assignments):
 
 def run_jaxserve(loaded, engine_cfg, prompts, output_len, sampling: dict, n: int = 1):
     llm = LLM(loaded, config=engine_cfg)
-    params = SamplingParams(**sampling, n=n, max_tokens=output_len, ignore_eos=True, seed=0)
+    params = SamplingParams(**sampling, n=n, max_tokens=output_len, ignore_eos=True, seed=0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)   # as LLM.generate: no output until done
     llm.generate(prompts[:min(8, len(prompts))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)   # warm-up beyond precompile: first transfers, allocator
     engine = llm.engine
@@ -111,10 +112,8 @@ def run_jaxserve(loaded, engine_cfg, prompts, output_len, sampling: dict, n: int
     first, done = {}, {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            now = time.monotonic()
-            first.setdefault(out.request_id, now)
             if out.finished:
-                done[out.request_id] = now
+                first[out.request_id], done[out.request_id] = out.metrics["first_token_time"], time.monotonic()
     wall = time.perf_counter() - start
     ntok = len(prompts) * n * output_len
     ttft = np.array([first[r] - arrival for r in ids])

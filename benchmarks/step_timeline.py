@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import costliest, device_events  # noqa: E402
 from benchmarks.offline import override  # noqa: E402
 
-from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from jaxserve.config import QUANTIZATIONS  # noqa: E402
 from jaxserve.engine.llm_engine import Launched  # noqa: E402
 from jaxserve.models.loader import load_run  # noqa: E402
@@ -87,7 +87,8 @@ def main(argv=None):
     prefix = rng.integers(0, loaded.config.vocab_size, args.shared_prefix_len).tolist()
     prompts = [prefix + rng.integers(0, loaded.config.vocab_size, args.input_len).tolist()
                for _ in range(args.num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)   # as offline.py and LLM.generate
     engine = llm.engine
     for p in prompts:
         engine.add_request(p, params)

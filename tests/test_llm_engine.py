@@ -2,6 +2,7 @@
 (CPU, f32)."""
 import dataclasses
 import random
+import time
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import transformers
 
 import custom_calls
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, RequestOutputKind, SamplingParams
 from jaxserve.models.attention import AttentionKernels, resolve_attention_kernels
 from jaxserve.models.loader import load_model
 
@@ -315,6 +316,23 @@ def test_async_step_hands_back_the_previous_steps_tokens(tiny_llm):
     assert [len(o.outputs[0].token_ids) for o in engine.step()] == [1]
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_final_only_requests_give_one_output_when_they_finish(tiny_llm):
+    """FINAL_ONLY (what generate uses): no output for the steps in between, the last one the same as a CUMULATIVE
+    request's, with the time of its first token; n > 1 waits for every sibling."""
+    engine, seen = tiny_llm.engine, {"cumulative": [], "final": []}
+    for name, kind, n in (("cumulative", RequestOutputKind.CUMULATIVE, 1), ("final", RequestOutputKind.FINAL_ONLY, 2)):
+        engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5 + n, ignore_eos=True, n=n,
+                                                      output_kind=kind), request_id=name)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["cumulative"]) == 6 and [o.finished for o in seen["final"]] == [True]
+    final = seen["final"][0]
+    assert [len(c.token_ids) for c in final.outputs] == [7, 7]
+    assert final.outputs[0].token_ids[:6] == seen["cumulative"][-1].outputs[0].token_ids   # greedy: one prefix
+    assert final.metrics["arrival_time"] < final.metrics["first_token_time"] < time.monotonic()
 
 
 def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache(tiny, tiny_llm):

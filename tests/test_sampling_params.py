@@ -39,7 +39,7 @@ def test_edges_accepted():
     ("stop", 5), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 3),
     ("stop_token_ids", [True]), ("seed", 1.5), ("seed", "7"), ("temperature", "hot"), ("n", 2.0), ("n", True),
     ("top_k", 1.5), ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
-    ("max_tokens", 4.0), ("top_p", "high"), ("min_p", True), ("repetition_penalty", "1"),
+    ("max_tokens", 4.0), ("top_p", "high"), ("min_p", True), ("repetition_penalty", "1"), ("output_kind", 2),
 ])
 def test_bad_value_names_field(field, value):
     with pytest.raises(ValueError, match=field):

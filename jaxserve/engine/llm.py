@@ -1,6 +1,7 @@
 """The Python batch-generation API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)`."""
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
@@ -9,7 +10,7 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, default_max_tokens
+from jaxserve.engine.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, SamplingParams, default_max_tokens
 from jaxserve.engine.sequence import RequestOutput
 from jaxserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxserve.sharding import make_mesh
@@ -21,6 +22,13 @@ class StreamDelta:
     text: str             # new text since the last delta
     token_ids: list[int]  # new tokens since the last delta
     finish_reason: str | None
+
+
+def final_only(params: SamplingParams) -> SamplingParams:
+    """params whose request gives one output, when it finishes (a copy: replace would count unset fields as set)."""
+    params = copy.copy(params)
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -69,7 +77,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp or self.get_default_sampling_params()) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, final_only(sp or self.get_default_sampling_params()))
+               for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -20,7 +20,8 @@ from jaxserve.config import MODEL_DRAFTERS, EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.drafter import load_draft
 from jaxserve.engine.runner import ModelRunner, Unsampled
-from jaxserve.engine.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams, check_text, short
+from jaxserve.engine.sampling_params import (INT32_MAX, RequestOutputKind, SamplingParams, StructuredOutputsParams,
+                                             check_text, short)
 from jaxserve.engine.scheduler import Scheduler, StepRow
 from jaxserve.engine.speculation import SpeculationStats, Speculator
 from jaxserve.engine.step_graphs import StepGraphs
@@ -397,8 +398,10 @@ class LLMEngine:
                 self._commit_drafts(seq, len(row.draft_ids), accepted)
             if not grammars_go_on.get(i, True) and not seq.finished:
                 self._finish(seq, "stop")
-            touched[seq.request_id] = self.requests[seq.request_id]
-        return [self._request_output(r) for r in touched.values()]
+            if seq.finished or seq.params.output_kind is RequestOutputKind.CUMULATIVE:
+                touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._request_output(r) for r in touched.values()
+                if r.params.output_kind is RequestOutputKind.CUMULATIVE or r.finished]
 
     def _emit(self, seq: Sequence, pos: int, out, positions: range) -> int:
         """A row's sampled tokens (one, or a speculative row's accepted drafts and the token after them) into its
@@ -493,8 +496,9 @@ class LLMEngine:
         finished = req.finished
         if finished:
             self._forget(req.request_id)
+        first = min((s.first_token_time for s in req.seqs if s.first_token_time is not None), default=None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             req.seqs[0].prompt_logprobs)
+                             req.seqs[0].prompt_logprobs, {"arrival_time": req.arrival_time, "first_token_time": first})
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = seq.detokenizer.text if seq.detokenizer is not None else ""

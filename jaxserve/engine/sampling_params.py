@@ -2,6 +2,7 @@
 `StructuredOutputsParams`)."""
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -97,6 +98,14 @@ def parse_schema(schema) -> dict:
     return schema
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request gets from the engine's steps (vLLM's names): CUMULATIVE, one per step that gave it
+    tokens, with everything so far (streaming); FINAL_ONLY, one when it finishes (batch generation: no output is
+    built for the steps in between)."""
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """temperature, top_p, top_k, min_p and repetition_penalty left None take the serving model's defaults (its
@@ -122,6 +131,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     unset: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -134,6 +144,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {short(self.output_kind)}")
         check_ranges(self)
 
     def with_defaults(self, defaults: dict, room: int) -> SamplingParams:

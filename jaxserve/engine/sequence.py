@@ -109,4 +109,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    metrics: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)   # arrival_time, first_token_time (time.monotonic; None before it)
