@@ -83,6 +83,7 @@ class StableBuffers:
         outputs = ring.pop(0) if len(ring) == self.SAMPLED_RING else self.sampled_buffers(sampler)
         penalty, last_tokens, out = sampler(logits, penalty, inp, last_tokens, outputs)
         ring.append(out)
+        copy_to_host_soon(out)
         return penalty, last_tokens, out
 
     def sampled_buffers(self, sampler: jax.stages.Compiled) -> SamplerOutput:
@@ -95,6 +96,17 @@ class StableBuffers:
     def keep_outputs(self, *arrays: jax.Array) -> None:
         for i, a in enumerate(arrays):
             self.outputs[(i, a.shape)] = a
+
+
+def copy_to_host_soon(tree):
+    """Start the outputs' copies to the host, to land as soon as they are computed: the host reads them a step later,
+    and reading each array then would wait for its own copy. (A CPU's arrays are host memory: a host view of one
+    would keep its buffer from being donated again.)"""
+    leaves = jax.tree.leaves(tree)
+    if leaves and next(iter(leaves[0].devices())).platform != "cpu":
+        for x in leaves:
+            x.copy_to_host_async()
+    return tree
 
 
 @dataclass(slots=True)
@@ -152,7 +164,7 @@ class ModelRunner:
         self.buffers.keep_outputs(logits, hidden)
         self.kv_cache = cache if split is None else cache + self.kv_cache[split:]
         self.features = self.features if features is None else features
-        prompt_out = prompt[0](self.params, hidden, inp.next_prompt_ids) if prompt else None
+        prompt_out = copy_to_host_soon(prompt[0](self.params, hidden, inp.next_prompt_ids)) if prompt else None
         if inp.sampler.constrained:
             return Unsampled(logits, inp.sampler, prompt_out)
         self.penalty, self.last_tokens, out = self.buffers.sample(sampler, keys[1], logits, self.penalty, inp.sampler,
