@@ -269,6 +269,10 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny):
     assert all(before[0][k] == after[0][k] for k in decode)
     assert before[1] == after[1] and before[2] == after[2]
     assert before[4] == after[4] and any(len(ring) == runner.buffers.SAMPLED_RING for ring in after[4].values())
+    # each of the last two steps' inputs, the model's and the sampler's, sent as one transfer and still held
+    assert [len(step) for step in runner.buffers.held] == [1, 1]
+    for (model, sampler) in (step[0] for step in runner.buffers.held):
+        assert all(isinstance(x, jax.Array) for x in jax.tree.leaves((model, sampler)))
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -4,6 +4,7 @@ batch), and running a step through the step graphs. `execute` consumes one `Sche
 one `DeviceStep`, which `launch` runs (so does every worker process of a multi-host engine, engine/distributed.py)."""
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,14 +42,21 @@ class StableBuffers:
     fresh inputs are copied into the buffers its graph read last time (a `stage` graph), and its logits and hidden
     states are written over the last ones of their shapes (run_model's donated outputs). The sampler's outputs
     rotate through SAMPLED_RING buffers a graph: the host reads a step's samples while the next steps run, and a new
-    array left alive across a step would move the next step's scratch memory (XLA's temp buffer)."""
+    array left alive across a step would move the next step's scratch memory (XLA's temp buffer). The step's fresh
+    inputs, the model's and the sampler's, are sent together before anything else of the step is allocated, and held
+    until the step before it is done (HELD_STEPS): they then take the places of the inputs of two steps before, each
+    step finds the allocator as the last one left it, and the temp buffer stays where it was. (Sent separately or
+    dropped at once, a transfer's buffer was freed whenever its copy finished, between a step's allocations, and the
+    temp buffer moved in a third to a half of the steps.)"""
     SAMPLED_RING = 3
+    HELD_STEPS = 2   # the step being launched and the one in flight: older ones are done when the next launches
 
     def __init__(self, graphs: StepGraphs):
         self.graphs = graphs
         self.inputs: dict[tuple, ModelInputs] = {}   # model graph dims -> the inputs it ran last
         self.outputs: dict[tuple, jax.Array] = {}    # (0: logits | 1: hidden, shape) -> a free output buffer
         self.sampled: dict[tuple, list[SamplerOutput]] = {}   # sampler graph dims -> its outputs, oldest first
+        self.held: deque[list] = deque([[]], maxlen=self.HELD_STEPS)   # per recent step, its sent inputs
 
     def allocate(self, keys: list[GraphKey]) -> None:
         """The buffers of every graph of keys, before serving: a step's first graph of a size would wait for them."""
@@ -61,14 +69,24 @@ class StableBuffers:
                 ring = self.sampled.setdefault(key.dims, [])
                 ring += [self.sampled_buffers(self.graphs.get(key)) for _ in range(self.SAMPLED_RING - len(ring))]
 
-    def stage(self, key: GraphKey, inp: ModelInputs) -> ModelInputs:
+    def stage(self, key: GraphKey, inp: StepInputs) -> tuple[ModelInputs, SamplerInputs]:
+        """The step's model inputs in the buffers its graph read last time, and its sampler inputs, on the device."""
+        self.held.append([])
         old = self.inputs.get(key.dims)
-        if old is inp or not self.graphs.stage_inputs:   # the same inputs run again (benchmarks) are in place
-            return inp
+        if not self.graphs.stage_inputs:   # a CPU: no CUDA graph to keep, its arrays are taken as they are
+            return inp.model, inp.sampler
+        if old is inp.model:   # the same inputs run again (benchmarks) are in place
+            return old, self.send(inp.sampler)
+        model, sampler = self.send((inp.model, inp.sampler))
         if old is None:
-            old = jax.tree.map(self.zeros, inp)
-        self.inputs[key.dims] = self.graphs.get(GraphKey("stage", key.dims))(old, inp)
-        return self.inputs[key.dims]
+            old = jax.tree.map(self.zeros, model)
+        self.inputs[key.dims] = self.graphs.get(GraphKey("stage", key.dims))(old, model)
+        return self.inputs[key.dims], sampler
+
+    def send(self, tree):
+        """tree's host arrays on the device, held for HELD_STEPS steps."""
+        self.held[-1].append(tree := jax.device_put(tree, self.graphs.replicated))
+        return tree
 
     def take_outputs(self, key: GraphKey) -> tuple[jax.Array, jax.Array]:
         """The (logits, hidden) buffers the model graph of key writes over."""
@@ -159,16 +177,16 @@ class ModelRunner:
         model, sampler, *prompt = map(self.graphs.get, keys)
         split = self.graphs.draft_split(keys[0])
         cache, features = (self.kv_cache, self.features) if split is None else (self.kv_cache[:split], None)
-        staged, outputs = self.buffers.stage(keys[0], inp.model), self.buffers.take_outputs(keys[0])
+        (staged, sampler_inputs), outputs = self.buffers.stage(keys[0], inp), self.buffers.take_outputs(keys[0])
         cache, logits, hidden, features = model(self.params, cache, self.last_tokens, staged, features, outputs)
         self.buffers.keep_outputs(logits, hidden)
         self.kv_cache = cache if split is None else cache + self.kv_cache[split:]
         self.features = self.features if features is None else features
         prompt_out = copy_to_host_soon(prompt[0](self.params, hidden, inp.next_prompt_ids)) if prompt else None
         if inp.sampler.constrained:
-            return Unsampled(logits, inp.sampler, prompt_out)
-        self.penalty, self.last_tokens, out = self.buffers.sample(sampler, keys[1], logits, self.penalty, inp.sampler,
-                                                                  self.last_tokens)
+            return Unsampled(logits, sampler_inputs, prompt_out)
+        self.penalty, self.last_tokens, out = self.buffers.sample(sampler, keys[1], logits, self.penalty,
+                                                                  sampler_inputs, self.last_tokens)
         return out, prompt_out
 
     def sample(self, step: Unsampled, token_bitmask: np.ndarray) -> tuple[SamplerOutput, PromptLogprobs | None]:
