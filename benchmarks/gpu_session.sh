@@ -30,13 +30,14 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade     # cascade attention: GPU tests, kernel points
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-timeline  # a shared-prefix decode step: host vs device
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
 CONFIG=configs/llama3-8b-random.yaml
 TUNED="seq_buckets=[256] token_buckets=[256,512,1024,2048,3072,4096]"   # the throughput-only ladder
 SAMPLED="--temperature 0.8 --top-p 0.95 --top-k 50"
-LOG=$OUT/gpu_session_${1:?engine, offline, batch1, grpc, http, load, coldstart, attention, serve, tests, sweep, structured, speculative*, cascade*, vattention*, scale* or fp8*}.log
+LOG=$OUT/gpu_session_${1:?engine, offline, batch1, grpc, http, load, coldstart, attention, serve, tests, sweep, structured, speculative*, cascade*, cmdbuf, vattention*, scale* or fp8*}.log
 run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped) appended to the log
     local limit=$1; shift
     echo "\$ $*" | tee -a "$LOG"
@@ -66,6 +67,14 @@ case $1 in
     run 100 $TIMELINE --set cascade_attention=off
     XLA_FLAGS="--xla_gpu_enable_command_buffer=" run 200 $TIMELINE --set cascade_attention=off
     mkdir -p "$OUT/xla_dump" && cp /tmp/xla_dump/*thunk_sequence*.txt "$OUT/xla_dump/" ;;
+  cmdbuf)   # the CUDA graphs XLA records again in steady shared-prefix decode steps (a buffer of theirs moved):
+    # per graph (by its command count) how many of the 96 logged steps recorded it and the mean cost
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 run 280 python benchmarks/step_timeline.py \
+      --config $CONFIG --shared-prefix-len 1024 --input-len 64 --steps 48
+    awk '/^schedule/{p=1} p' "$LOG" | grep -o "Updated command buffer in [0-9]* μs; num_commands=[0-9]*" \
+      | awk '{n[$NF]++; us[$NF]+=$5} END {for (k in n) printf "%s: %d updates, %.0f us each\n", k, n[k], us[k]/n[k]}' \
+      | tee -a "$LOG"
+    gzip -f "$LOG" ;;
   engine)
     run 540 python benchmarks/offline.py --config $CONFIG --peer transformers-cb --out "$OUT/offline_gpu.json" ;;
   offline)   # the 256 x 512/128 workload: default config and the tuned ladder, greedy and sampled
