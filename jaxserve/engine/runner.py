@@ -84,7 +84,10 @@ class StableBuffers:
         return self.inputs[key.dims], sampler
 
     def send(self, tree):
-        """tree's host arrays on the device, held for HELD_STEPS steps."""
+        """tree's host arrays on the device, held for HELD_STEPS steps. (Across processes device_put would check
+        that every process holds the same values, a collective a step: there the graphs take them as they are.)"""
+        if not self.graphs.replicated.is_fully_addressable:
+            return tree
         self.held[-1].append(tree := jax.device_put(tree, self.graphs.replicated))
         return tree
 
