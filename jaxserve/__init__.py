@@ -7,4 +7,5 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "StreamDelta"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput", "StreamDelta"]

@@ -45,9 +45,8 @@ class StableBuffers:
     array left alive across a step would move the next step's scratch memory (XLA's temp buffer). The step's fresh
     inputs, the model's and the sampler's, are sent together before anything else of the step is allocated, and held
     until the step before it is done (HELD_STEPS): they then take the places of the inputs of two steps before, each
-    step finds the allocator as the last one left it, and the temp buffer stays where it was. (Sent separately or
-    dropped at once, a transfer's buffer was freed whenever its copy finished, between a step's allocations, and the
-    temp buffer moved in a third to a half of the steps.)"""
+    step finds the allocator as the last one left it, and the temp buffer stays where it was. (A transfer's buffer
+    dropped at once is freed whenever its copy finishes, in between a step's allocations: the temp buffer moves.)"""
     SAMPLED_RING = 3
     HELD_STEPS = 2   # the step being launched and the one in flight: older ones are done when the next launches
 
