@@ -56,6 +56,8 @@ class StableBuffers:
         self.outputs: dict[tuple, jax.Array] = {}    # (0: logits | 1: hidden, shape) -> a free output buffer
         self.sampled: dict[tuple, list[SamplerOutput]] = {}   # sampler graph dims -> its outputs, oldest first
         self.held: deque[list] = deque([[]], maxlen=self.HELD_STEPS)   # per recent step, its sent inputs
+        # a CPU's arrays are host memory already: a host view of one would keep its buffer from being donated again
+        self.copies_to_host = graphs.mesh.devices.flat[0].platform != "cpu"
 
     def allocate(self, keys: list[GraphKey]) -> None:
         """The buffers of every graph of keys, before serving: a step's first graph of a size would wait for them."""
@@ -103,8 +105,15 @@ class StableBuffers:
         outputs = ring.pop(0) if len(ring) == self.SAMPLED_RING else self.sampled_buffers(sampler)
         penalty, last_tokens, out = sampler(logits, penalty, inp, last_tokens, outputs)
         ring.append(out)
-        copy_to_host_soon(out)
-        return penalty, last_tokens, out
+        return penalty, last_tokens, self.copy_to_host_soon(out)
+
+    def copy_to_host_soon(self, tree):
+        """Start the outputs' copies to the host, to land as soon as they are computed: the host reads them a step
+        later, and reading each array then would wait for its own copy."""
+        if self.copies_to_host:
+            for x in jax.tree.leaves(tree):
+                x.copy_to_host_async()
+        return tree
 
     def sampled_buffers(self, sampler: jax.stages.Compiled) -> SamplerOutput:
         return jax.tree.map(self.zeros, sampler.out_info[2])
@@ -116,17 +125,6 @@ class StableBuffers:
     def keep_outputs(self, *arrays: jax.Array) -> None:
         for i, a in enumerate(arrays):
             self.outputs[(i, a.shape)] = a
-
-
-def copy_to_host_soon(tree):
-    """Start the outputs' copies to the host, to land as soon as they are computed: the host reads them a step later,
-    and reading each array then would wait for its own copy. (A CPU's arrays are host memory: a host view of one
-    would keep its buffer from being donated again.)"""
-    leaves = jax.tree.leaves(tree)
-    if leaves and next(iter(leaves[0].devices())).platform != "cpu":
-        for x in leaves:
-            x.copy_to_host_async()
-    return tree
 
 
 @dataclass(slots=True)
@@ -184,7 +182,8 @@ class ModelRunner:
         self.buffers.keep_outputs(logits, hidden)
         self.kv_cache = cache if split is None else cache + self.kv_cache[split:]
         self.features = self.features if features is None else features
-        prompt_out = copy_to_host_soon(prompt[0](self.params, hidden, inp.next_prompt_ids)) if prompt else None
+        prompt_out = self.buffers.copy_to_host_soon(prompt[0](self.params, hidden, inp.next_prompt_ids)) \
+            if prompt else None
         if inp.sampler.constrained:
             return Unsampled(logits, sampler_inputs, prompt_out)
         self.penalty, self.last_tokens, out = self.buffers.sample(sampler, keys[1], logits, self.penalty,
