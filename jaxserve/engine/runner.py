@@ -68,7 +68,7 @@ class StableBuffers:
                 self.keep_outputs(*self.take_outputs(key))
             elif key.kind == "sampler":
                 ring = self.sampled.setdefault(key.dims, [])
-                ring += [self.sampled_buffers(self.graphs.get(key)) for _ in range(self.SAMPLED_RING - len(ring))]
+                ring += [self.sampled_buffers(key) for _ in range(self.SAMPLED_RING - len(ring))]
 
     def stage(self, key: GraphKey, inp: StepInputs) -> tuple[ModelInputs, SamplerInputs]:
         """The step's model inputs in the buffers its graph read last time, and its sampler inputs, on the device."""
@@ -102,7 +102,7 @@ class StableBuffers:
     def sample(self, sampler: jax.stages.Compiled, key: GraphKey, logits, penalty, inp: SamplerInputs, last_tokens):
         """The sampler graph run over the oldest of its output buffers: (penalty, last tokens, SamplerOutput)."""
         ring = self.sampled.setdefault(key.dims, [])
-        outputs = ring.pop(0) if len(ring) == self.SAMPLED_RING else self.sampled_buffers(sampler)
+        outputs = ring.pop(0) if len(ring) == self.SAMPLED_RING else self.sampled_buffers(key)
         penalty, last_tokens, out = sampler(logits, penalty, inp, last_tokens, outputs)
         ring.append(out)
         return penalty, last_tokens, self.copy_to_host_soon(out)
@@ -115,8 +115,9 @@ class StableBuffers:
                 x.copy_to_host_async()
         return tree
 
-    def sampled_buffers(self, sampler: jax.stages.Compiled) -> SamplerOutput:
-        return jax.tree.map(self.zeros, sampler.out_info[2])
+    def sampled_buffers(self, key: GraphKey) -> SamplerOutput:
+        rows, _, num_logprobs, _, width = key.dims
+        return jax.tree.map(self.zeros, SamplerOutput.structs(rows, num_logprobs, width))
 
     def zeros(self, like) -> jax.Array:
         """A new buffer of like's shape and dtype, from the host: no graph to compile while serving."""

@@ -72,6 +72,14 @@ class SamplerOutput:
     top_logprobs: jax.Array  # f32 [S, K]
     num_accepted: jax.Array | None = None  # i32 [rows]: speculative steps (verify), each row's accepted drafts
 
+    @staticmethod
+    def structs(rows: int, num_logprobs: int, width: int = 1) -> "SamplerOutput":
+        """The outputs' shapes and dtypes for `rows` rows sampling at `width` positions each (S = rows x width)."""
+        n, i32, f32 = rows * width, jnp.int32, jnp.float32
+        return SamplerOutput(*(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
+                               (((n,), i32), ((n,), f32), ((n, num_logprobs), i32), ((n, num_logprobs), f32))),
+                             None if width == 1 else jax.ShapeDtypeStruct((rows,), i32))
+
 
 def init_penalty_state(max_num_seqs: int, vocab_size: int) -> PenaltyState:
     shape = (max_num_seqs + 1, vocab_size)  # + the scratch slot that padding rows point at

@@ -406,9 +406,9 @@ class StepGraphs:
                                        num_logprobs=num_logprobs, constrained=constrained, spec_width=width).sampler
                 if constrained:
                     inp.token_bitmask = jax.ShapeDtypeStruct((s, -(-self.model_config.vocab_size // 32)), jnp.int32)
-                args = jax.ShapeDtypeStruct((s * width, self.model_config.vocab_size), jnp.float32), self.penalty, \
-                    inp, self.last_tokens
-                return self.sampler.lower(*args, jax.eval_shape(run_sampler, *args)[2])
+                logits = jax.ShapeDtypeStruct((s * width, self.model_config.vocab_size), jnp.float32)
+                return self.sampler.lower(logits, self.penalty, inp, self.last_tokens,
+                                          SamplerOutput.structs(s, num_logprobs, width))
             case GraphKey("prompt", (t,)):
                 hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype)
                 return self.prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32))
