@@ -4,10 +4,13 @@ and the bare e4m3 GEMM with an f32 or a bf16 result (what the scaling epilogue c
 
   python benchmarks/fp8_gemm.py                 # GPU (sm_89+)
   python benchmarks/fp8_gemm.py --layers 4      # the linear layers of 4 decoder layers, as a step runs them
+  python benchmarks/fp8_gemm.py --decode        # the W8A16 decode GEMM: the CUDA kernel against XLA's
 Rows: bench "fp8_gemm", impl bf16 | fp8_linear | fp8_gemm_f32 | fp8_gemm_bf16, params {tokens, in, out},
 ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json. With --layers: bench "fp8_layers", impl
 "<weights>/<XLA options>", params {tokens, layers}, ms per layer, gbps of weight bytes, and the step's costliest
-GPU kernels printed.
+GPU kernels printed. With --decode: bench "fp8_decode_gemm", impl kernel/splits=<n|auto> | xla | bf16, params
+{tokens, in, out}, ms of device time per GEMM and gbps of weight bytes (each timed over enough distinct weights
+to pass the L2 cache), rows fp8_decode_gemm_<backend>.json.
 """
 from __future__ import annotations
 
@@ -17,10 +20,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import kernel_profile, time_ms, write_rows  # noqa: E402
+import custom_calls  # noqa: E402
+from benchmarks.common import device_busy_ms, kernel_profile, time_ms, write_rows  # noqa: E402
 
 from jaxserve.config import load_run_config, model_config_from_hf  # noqa: E402
 from jaxserve.models import fp8  # noqa: E402
@@ -53,11 +58,13 @@ def cases(tokens: int, k: int, n: int):
 # operand (q, k, v; gate, up) below a size threshold, and Triton GEMM fusions compete with cuBLAS below 64 rows
 XLA_OPTIONS = {"default": {}, "no_merge": {"xla_gpu_dot_merger_threshold_mb": 0},
                "no_merge_no_triton": {"xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False}}
-# (weights, XLA options, FP8 path: W8A16 below this many rows else W8A8, q/k/v and gate/up fused into one weight)
-LAYER_CASES = (("bf16", "default", 0, False), ("bf16", "no_merge_no_triton", 0, False),
-               ("fp8", "no_merge_no_triton", 0, False), ("fp8", "no_merge_no_triton", 0, True),
-               ("fp8", "no_merge", 4096, False), ("fp8", "no_merge", 4096, True),
-               ("fp8", "no_merge_no_triton", 4096, False))
+# (weights, XLA options, FP8 path: W8A16 below this many rows else W8A8, q/k/v and gate/up fused into one weight,
+# W8A16 through the CUDA kernel where it runs)
+LAYER_CASES = (("bf16", "default", 0, False, False), ("bf16", "no_merge_no_triton", 0, False, False),
+               ("fp8", "no_merge_no_triton", 0, False, False), ("fp8", "no_merge_no_triton", 0, True, False),
+               ("fp8", "no_merge", 4096, False, False), ("fp8", "no_merge", 4096, True, False),
+               ("fp8", "no_merge", 16, False, True), ("fp8", "no_merge", 16, True, True),
+               ("fp8", "no_merge_no_triton", 4096, False, False))
 
 
 def layer_stack(quantization, layers: int, fused: bool):
@@ -99,15 +106,18 @@ def bench_layers(layers: int) -> list[dict]:
     for tokens in (16, 64, 256):
         x = jax.random.normal(jax.random.key(1), (tokens, 4096), jnp.bfloat16)
         positions = jnp.arange(tokens, dtype=jnp.int32)
-        for weights, option, w8a16_rows, fused in LAYER_CASES:
-            fp8.W8A16_MAX_ROWS = w8a16_rows   # read when the layers trace, below
+        for weights, option, w8a16_rows, fused, kernel in LAYER_CASES:
+            if kernel and tokens > w8a16_rows:
+                continue
+            fp8.W8A16_MAX_ROWS, fp8.W8A16_KERNEL = w8a16_rows, kernel   # read when the layers trace, below
             run, state = layer_stack(None if weights == "bf16" else weights, layers, fused)
             fn = jax.jit(run, compiler_options=XLA_OPTIONS[option])
             ms = time_ms(fn, state, x, positions) / layers
             kernels = [k for k in kernel_profile(fn, state, x, positions, top=1000) if not k[0].startswith("<")]
             busy_ms = sum(k_ms for _, k_ms, _ in kernels) / layers
             nbytes = sum(a.nbytes for a in jax.tree.leaves(state)) / layers
-            impl = f"{weights}{'/w8a16' if weights == 'fp8' and w8a16_rows else ''}{'/fused' if fused else ''}/{option}"
+            path = ("/w8a16_kernel" if kernel else "/w8a16") if weights == "fp8" and w8a16_rows else ""
+            impl = f"{weights}{path}{'/fused' if fused else ''}/{option}"
             rows.append({"bench": "fp8_layers", "impl": impl, "params": {"tokens": tokens, "layers": layers},
                          "ms": ms, "device_ms": busy_ms, "launches": sum(c for *_, c in kernels) / layers,
                          "gbps": nbytes / busy_ms / 1e6 if busy_ms else None})
@@ -120,13 +130,72 @@ def bench_layers(layers: int) -> list[dict]:
     return rows
 
 
+DECODE_STREAM_BYTES = 512 << 20   # weights streamed per timed run: ten times the H100's L2
+# Llama-3-8B's decode GEMMs as a step launches them: (name, K, N of each weight that reads the same input)
+DECODE_GROUPS = (("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096, (14336, 14336)),
+                 ("down", 14336, (4096,)), ("q", 4096, (4096,)), ("k", 4096, (1024,)), ("gate", 4096, (14336,)))
+
+
+def decode_cases(ns: tuple[int, ...]):
+    """(impl, fn(x, groups of weights, groups of scales)): XLA's GEMMs (one a weight), bf16's, and the kernel (one
+    launch a group) at its default launch and at every launch it takes."""
+    dims = (((1,), (1,)), ((), ()))
+    xla = jax.jit(lambda x, gws, gss: [custom_calls.fp8_linear_reference(x, w, s)
+                                       for ws, ss in zip(gws, gss) for w, s in zip(ws, ss)],
+                  compiler_options=XLA_OPTIONS["no_merge"])
+    bf16 = jax.jit(lambda x, gws, gss: [jax.lax.dot_general(x, w, dims) for ws in gws for w in ws])
+    cases = [("xla", xla), ("bf16", bf16)]
+    launches = [None] + [(splits, warps_n, tiles) for splits in (1, 2, 4, 8)
+                         for warps_n in custom_calls.FP8_LINEAR_WARPS_N for tiles in custom_calls.FP8_LINEAR_WARP_TILES
+                         if all(n % (16 * tiles * warps_n) == 0 for n in ns)]
+    for launch in launches:
+        name = "kernel/auto" if launch is None else "kernel/splits={}/warps_n={}/warp_tiles={}".format(*launch)
+        cases.append((name, jax.jit(lambda x, gws, gss, launch=launch: [
+            custom_calls.fp8_linear(x, ws, ss, launch=launch) for ws, ss in zip(gws, gss)])))
+    return cases
+
+
+def bench_decode(tokens: int = 16) -> list[dict]:
+    """The W8A16 GEMMs of a decode step of `tokens` rows (the smallest bucket's), device time per group, each run
+    streaming DECODE_STREAM_BYTES of distinct weights (bf16: as many bf16 weights); the kernel's largest error
+    against XLA's, and its best launch, printed."""
+    rows = []
+    for name, k, ns in DECODE_GROUPS:
+        copies = max(1, DECODE_STREAM_BYTES // (k * sum(ns)))
+        gws, gss = zip(*(zip(*(fp8.quantize_weight(jax.random.normal(jax.random.key(i * 8 + j), (n, k), jnp.bfloat16)
+                                                   * 0.02) for j, n in enumerate(ns))) for i in range(copies)))
+        x = jax.random.normal(jax.random.key(1), (tokens, k), jnp.bfloat16)
+        errs = [jnp.max(jnp.abs(y.astype(jnp.float32) - custom_calls.fp8_linear_reference(x, w, s)))
+                / jnp.max(jnp.abs(custom_calls.fp8_linear_reference(x, w, s).astype(jnp.float32)))
+                for y, w, s in zip(custom_calls.fp8_linear(x, gws[0], gss[0]), gws[0], gss[0])]
+        cases = decode_cases(ns)
+        for impl, fn in cases:
+            weights = [[w.astype(jnp.bfloat16) for w in ws] for ws in gws] if impl == "bf16" else list(gws)
+            ms = float(np.median(device_busy_ms(fn, x, weights, list(gss)))) / copies
+            del weights
+            nbytes = k * sum(ns) * (2 if impl == "bf16" else 1)
+            rows.append({"bench": "fp8_decode_gemm", "impl": impl,
+                         "params": {"tokens": tokens, "group": name, "in": k, "out": list(ns)},
+                         "ms": ms, "gbps": nbytes / ms / 1e6})
+            if not impl.startswith("kernel/splits"):
+                print(f"T={tokens:3d} {name:8s} {impl:12s} {ms * 1e3:7.2f} us {rows[-1]['gbps']:6.0f} GB/s"
+                      f"{f'  (kernel: max err / max |y| {max(map(float, errs)):.1e})' if impl == 'xla' else ''}",
+                      flush=True)
+        best = min((r for r in rows[-len(cases):] if r["impl"].startswith("kernel/splits")), key=lambda r: r["ms"])
+        print(f"T={tokens:3d} {name:8s} best {best['impl']} {best['ms'] * 1e3:7.2f} us {best['gbps']:6.0f} GB/s",
+              flush=True)
+        del gws, gss
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--layers", type=int, default=0, help="time the linear layers of this many decoder layers")
+    ap.add_argument("--decode", action="store_true", help="time the W8A16 decode GEMM: CUDA kernel against XLA")
     args = ap.parse_args(argv)
-    rows = bench_layers(args.layers) if args.layers else []
-    for tokens in () if args.layers else TOKENS:
+    rows = bench_layers(args.layers) if args.layers else bench_decode() if args.decode else []
+    for tokens in () if args.layers or args.decode else TOKENS:
         for k, n in SHAPES:
             for impl, fn, fn_args in cases(tokens, k, n):
                 ms = time_ms(fn, *fn_args)
@@ -135,7 +204,8 @@ def main(argv=None):
                 print(f"T={tokens:5d} {k:5d}x{n:5d} {impl:14s} {ms:8.4f} ms {rows[-1]['tflops']:7.1f} TFLOP/s",
                       flush=True)
     command = "python benchmarks/fp8_gemm.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_rows(args.out or f"benchmarks/results/fp8_gemm_{jax.default_backend()}.json", rows, command)
+    name = "fp8_decode_gemm" if args.decode else "fp8_gemm"
+    write_rows(args.out or f"benchmarks/results/{name}_{jax.default_backend()}.json", rows, command)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-collectives|scale-70b   # #19 on nvidia-h200-x2
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tests   # the FP8 paths' tests on the GPU
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-layers  # a step's linear layers by XLA options, profiled
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear  # the W8A16 decode kernel: tests, vs XLA, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tune    # decode attention's tuning over an FP8 cache
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8         # bf16 beside FP8: batch 1, 256 x 512/128
@@ -162,6 +163,13 @@ case $1 in
       tests/test_custom_calls.py tests/test_ragged_paged_attention.py -m "not slow" ;;
   fp8-layers)
     run 540 python benchmarks/fp8_gemm.py --layers 4 --out "$OUT/fp8_layers_gpu.json" ;;
+  fp8-linear)   # the CUDA W8A16 kernel: its GPU tests, alone against XLA's GEMM, then batch 1 bf16 beside FP8
+    run 240 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_fp8_weights.py \
+      -k "fp8_linear or gpu or llama3_8b"
+    run 120 python benchmarks/fp8_gemm.py --decode --out "$OUT/fp8_decode_gemm_gpu.json"
+    B1="--num-prompts 1 --input-len 128 --output-len 512"
+    for q in "" "--quantization fp8"; do run 100 python benchmarks/offline.py --config $CONFIG $B1 $q \
+      --out "$OUT/fp8_batch1_gpu.json"; done ;;
   fp8-tune)
     run 300 python benchmarks/attention.py --tune --kv-dtype fp8 --out "$OUT/attention_tune_fp8.json" ;;
   fp8-profile)

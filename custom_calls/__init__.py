@@ -1,4 +1,5 @@
-"""CUDA custom calls through the XLA FFI: paged decode attention and in-place KV-cache updates.
+"""CUDA custom calls through the XLA FFI: paged decode attention, in-place KV-cache updates and the W8A16 linear
+layer of decode-sized steps.
 
 Cache layout (shared with the Pallas kernels and the engine): per layer K and V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; block 0 is a null block for padding
@@ -28,6 +29,7 @@ TARGETS = {
     "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention",
     "jaxserve_reshape_and_cache": "JaxserveReshapeAndCache",
     "jaxserve_copy_blocks": "JaxserveCopyBlocks",
+    "jaxserve_fp8_linear": "JaxserveFp8Linear",
 }
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)   # q's, and a cache's in q's dtype
 CACHE_DTYPES = (*DTYPES, jnp.float8_e4m3fn)
@@ -39,6 +41,16 @@ TARGET_CTAS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 MAX_GROUP_TILE = 8  # query heads per CTA in the kernel
+# fp8_linear: rows (tokens) a call takes; k per chunk (K must be a multiple); the launch's choices: CTA columns of
+# warps (warps_n) and m16 tiles of output channels per warp (warp_tiles), N a multiple of 16 * warp_tiles * warps_n
+FP8_LINEAR_MAX_ROWS, FP8_LINEAR_MAX_GROUPS = 16, 3   # weights of one input a launch reads (q, k, v)
+FP8_LINEAR_CHUNK_K = 64
+FP8_LINEAR_WARPS_N, FP8_LINEAR_WARP_TILES = (1, 2), (2, 4)
+# fp8_linear's launch (splits of K, warps_n, warp_tiles): one warp column of two tiles (the best or within 3% of
+# it at every Llama-3-8B decode shape on an H100, `benchmarks/fp8_gemm.py --decode`), with K split until the
+# CTAs cover FP8_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5)
+FP8_LINEAR_DEFAULT_LAUNCH = (None, 1, 2)
+FP8_LINEAR_CTAS_PER_SM = 1
 
 
 def has_nvidia_gpu() -> bool:
@@ -252,3 +264,76 @@ def copy_blocks(k_cache, v_cache, src, dst):
     if not available():
         return copy_blocks_reference(k_cache, v_cache, src, dst)
     return call_in_place("jaxserve_copy_blocks", k_cache, v_cache, src, dst)
+
+
+def fp8_linear_unsupported(x, weights, scales) -> str | None:
+    """Why fp8_linear cannot take x [M, K] and the weights w_g [N_g, K] with scales [N_g] (None when it can)."""
+    if not 1 <= len(weights) <= FP8_LINEAR_MAX_GROUPS or len(scales) != len(weights):
+        return f"takes 1 to {FP8_LINEAR_MAX_GROUPS} weights with a scale each, got {len(weights)} and {len(scales)}"
+    if x.ndim != 2 or x.dtype != jnp.bfloat16 or not 1 <= x.shape[0] <= FP8_LINEAR_MAX_ROWS:
+        return f"x must be bfloat16 [1 to {FP8_LINEAR_MAX_ROWS}, K], got {x.dtype} {x.shape}"
+    if x.shape[1] % FP8_LINEAR_CHUNK_K:
+        return f"K must be a multiple of {FP8_LINEAR_CHUNK_K}, got {x.shape[1]}"
+    for w, scale in zip(weights, scales):
+        if w.dtype != jnp.float8_e4m3fn or w.ndim != 2 or w.shape[1] != x.shape[1] or scale.shape != w.shape[:1]:
+            return f"each w must be float8_e4m3fn [N, {x.shape[1]}] with a scale [N], got {w.dtype} {w.shape} " \
+                   f"and {scale.shape}"
+        if w.shape[0] % 32:
+            return f"each w's N must be a multiple of 32, got {w.shape[0]}"
+    return None
+
+
+def fp8_linear_reference(x, w, scale):
+    """y [M, N] = (x [M, K] . w [N, K]^T) * scale [N] in x's dtype: the e4m3 weight widened to x's dtype, products
+    summed in f32."""
+    y = jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)
+
+
+def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int]:
+    """(splits, warps_n, warp_tiles) for weights [n, k] (n in ns) of one launch: FP8_LINEAR_DEFAULT_LAUNCH's tile
+    (narrowed until it divides each n), K split to fill the SMs while each split keeps 8 chunks."""
+    _, warps_n, warp_tiles = FP8_LINEAR_DEFAULT_LAUNCH
+    while any(n % (16 * warp_tiles * warps_n) for n in ns):
+        warps_n, warp_tiles = (warps_n // 2, warp_tiles) if warps_n > 1 else (warps_n, warp_tiles // 2)
+    tiles, chunks = sum(ns) // (16 * warp_tiles * warps_n), k // FP8_LINEAR_CHUNK_K
+    return max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
+
+
+def fp8_linear(x, weights, scales, *, launch=None) -> list:
+    """[fp8_linear_reference(x, w, s) for w, s in zip(weights, scales)] through the CUDA kernel, in one launch:
+    one read of each e4m3 weight on the tensor cores, for the decode-sized steps (up to FP8_LINEAR_MAX_ROWS rows)
+    that such reads bound; fp8_linear_unsupported names what it does not take. Without the library it runs the
+    reference. launch (splits of K, warps_n, warp_tiles) defaults to choose_linear_launch."""
+    if why := fp8_linear_unsupported(x, weights, scales):
+        raise ValueError(f"fp8_linear: {why}")
+    ns = tuple(w.shape[0] for w in weights)
+    if launch is not None:
+        check_linear_launch(launch, ns, x.shape[1])
+    if not available():
+        return [fp8_linear_reference(x, w, s) for w, s in zip(weights, scales)]
+    return call_fp8_linear(x, weights, scales, launch=launch or choose_linear_launch(ns, x.shape[1], sm_count()))
+
+
+def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
+    splits, warps_n, warp_tiles = launch
+    if not 1 <= splits <= k // FP8_LINEAR_CHUNK_K:
+        raise ValueError(f"fp8_linear: splits must be in [1, {k // FP8_LINEAR_CHUNK_K}], got {splits}")
+    if warps_n not in FP8_LINEAR_WARPS_N or warp_tiles not in FP8_LINEAR_WARP_TILES:
+        raise ValueError(f"fp8_linear: warps_n must be one of {FP8_LINEAR_WARPS_N} and warp_tiles one of "
+                         f"{FP8_LINEAR_WARP_TILES}, got {warps_n} and {warp_tiles}")
+    if any(n % (16 * warp_tiles * warps_n) for n in ns):
+        raise ValueError(f"fp8_linear: each N ({ns}) must be a multiple of 16 * warp_tiles * warps_n = "
+                         f"{16 * warp_tiles * warps_n}")
+
+
+def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int]) -> list:
+    """The FFI call itself (the library must be registered). Splits of K meet in a cluster's shared memory on
+    sm_90, elsewhere as f32 partials in the workspace."""
+    splits, warps_n, warp_tiles = launch
+    workspace = splits * x.shape[0] * sum(w.shape[0] for w in weights) if splits > 1 else 1
+    outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype) for w in weights]
+    *ys, _ = jax.ffi.ffi_call("jaxserve_fp8_linear", (*outs, jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
+        x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))), splits=np.int32(splits),
+        warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles))
+    return ys

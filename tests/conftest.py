@@ -5,6 +5,10 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # on a GPU: vattention's page pools need room
+# CPU computations run on the calling thread: the Mosaic GPU interpreter runs each simulated CTA and warpgroup as a
+# thread that executes its own computation and meets the others at barriers; dispatched to XLA:CPU's few worker
+# threads (two on a two-core machine) they could all be taken by threads waiting at a barrier, a deadlock
+os.environ.setdefault("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
 
 import pytest  # noqa: E402
 

@@ -23,7 +23,7 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU; CPU CI c
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 FP8 = jnp.float8_e4m3fn
 CACHE_DTYPES = [pytest.param(None, id="cache=q"), pytest.param(FP8, id="cache=fp8")]   # None: q's dtype
-SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks")
+SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks", "JaxserveFp8Linear")
 
 
 def fresh_rng():
@@ -209,6 +209,54 @@ def test_cache_ops_reject_bad_arguments():
                            jnp.zeros((1,), jnp.int32))
 
 
+def fp8_linear_case(rng, rows: int, k: int, n: int):
+    """bf16 x [rows, k], every finite e4m3 bit pattern in w [n, k], positive f32 scales [n]."""
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, n) * 2.0 ** rng.integers(-12, 4, n), jnp.float32)
+    return x, jnp.asarray(random_values(rng, (n, k), FP8)), scale
+
+
+def fp8_linear_bound(x, w, scale) -> tuple[np.ndarray, np.ndarray]:
+    """(x w^T scale in f64, the error allowed in bf16 out): the output's rounding to bf16 (2^-8 of itself, two
+    roundings' worth) plus f32 summation in any order over K ((K + 2) 2^-24 sum |x w| scale)."""
+    xd, wd, sd = (np.asarray(a, np.float64) for a in (x, w, scale))
+    ref = (xd @ wd.T) * sd
+    return ref, 2.0 ** -8 * np.abs(ref) + (xd.shape[1] + 2) * 2.0 ** -24 * (np.abs(xd) @ np.abs(wd).T) * sd
+
+
+def test_fp8_linear_reference_matches_f64():
+    seed, rng = fresh_rng()
+    x, w, scale = fp8_linear_case(rng, 5, 128, 96)
+    ref, bound = fp8_linear_bound(x, w, scale)
+    out = np.asarray(cc.fp8_linear_reference(x, w, scale), np.float64)
+    assert out.shape == (5, 96) and np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), f"seed {seed}"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
+def test_fp8_linear_without_the_library_runs_the_reference_per_weight():
+    seed, rng = fresh_rng()
+    x, w, scale = fp8_linear_case(rng, 3, 128, 64)
+    _, w2, scale2 = fp8_linear_case(rng, 3, 128, 32)
+    outs = cc.fp8_linear(x, [w, w2], [scale, scale2])
+    for out, ref in zip(outs, (cc.fp8_linear_reference(x, w, scale), cc.fp8_linear_reference(x, w2, scale2))):
+        assert_same_bits(out, ref, seed)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(x=jnp.zeros((2, 128), jnp.float32)), "bfloat16"), (dict(w=jnp.zeros((64, 128), jnp.bfloat16)), "e4m3fn"),
+    (dict(x=jnp.zeros((17, 128), jnp.bfloat16)), "1 to 16, K"),
+    (dict(w=jnp.zeros((48, 128), FP8), scale=jnp.ones(48)), "multiple of 32"),
+    (dict(x=jnp.zeros((2, 96), jnp.bfloat16), w=jnp.zeros((64, 96), FP8)), "K must be a multiple of 64"),
+    (dict(scale=jnp.ones(32)), "scale"), (dict(w=jnp.zeros((64, 64), FP8)), "N, 128"),
+    (dict(launch=(3, 1, 2)), "splits must be in"), (dict(launch=(1, 2, 4)), "multiple of 16 \\* warp_tiles"),
+    (dict(launch=(1, 4, 2)), "warps_n must be"), (dict(launch=(1, 1, 3)), "warp_tiles one of")])
+def test_fp8_linear_rejects_what_the_kernel_cannot_take(change, field):
+    args = dict(x=jnp.zeros((2, 128), jnp.bfloat16), w=jnp.zeros((64, 128), FP8), scale=jnp.ones(64), launch=None)
+    args.update(change)
+    with pytest.raises(ValueError, match=field):
+        cc.fp8_linear(args.pop("x"), [args.pop("w")], [args.pop("scale")], **args)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_fallback_logs_once_and_returns_reference_results(caplog, cache_dtype):
@@ -277,14 +325,16 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
     seed, rng = fresh_rng()
     case = make_paged_case(rng, lens=[5, 9], q_heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
 
-    def step(k_cache, v_cache, new_k, new_v, slots, q, kv_lens, block_tables):
+    def step(k_cache, v_cache, new_k, new_v, slots, q, kv_lens, block_tables, x, w, scale):
         k_cache, v_cache = cc.call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, new_k, new_v, slots)
         k_cache, v_cache = cc.call_in_place("jaxserve_copy_blocks", k_cache, v_cache, slots[:1], slots[1:])
         out = cc.call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=0.5,
                                              sliding_window=64, soft_cap=30.0, num_splits=3)
-        return k_cache, v_cache, out
+        return k_cache, v_cache, out, cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]],
+                                                                  launch=(2, 1, 2))
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
+    args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32)]
     text = jax.jit(step, donate_argnums=(0, 1)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     for target in cc.TARGETS:
         assert f"stablehlo.custom_call @{target}(" in text
@@ -294,6 +344,9 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
                  "soft_cap = 3.000000e+01 : f32"):
         assert attr in text, attr
     assert "tensor<2x8x128xbf16>, tensor<6240xf32>" in text  # out + workspace B*Hq*S*(D+2)
+    assert "tensor<3x64xbf16>, tensor<3x32xbf16>, tensor<576xf32>" in text  # the ys + workspace S*M*sum(N)
+    for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32"):
+        assert attr in text, attr
 
 
 # ---------------------------------------------------------------- GPU: CUDA ops vs references
@@ -371,3 +424,30 @@ def test_copy_blocks_in_place_matches_reference(dtype):
     k_out, v_out = step(jnp.array(k_cache, copy=True), jnp.array(v_cache, copy=True), src, dst)
     assert_same_bits(k_out, ref_k, seed)
     assert_same_bits(v_out, ref_v, seed)
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 16])
+@pytest.mark.parametrize("k,ns", [(576, (192,)), (4096, (1024,)), (1024, (4096,)), (576, (576, 192, 192))],
+                         ids=["smollm_kv", "8b_kv", "k1024", "smollm_qkv"])
+@pytest.mark.parametrize("launch", [None, (1, 1, 2), (3, 1, 4), (9, 2, 2), (2, 2, 4)],
+                         ids=["auto", "one_split", "cluster_splits", "merged_splits", "wide"])
+def test_fp8_linear_matches_f64(rows, k, ns, launch):
+    """The kernel over every e4m3 bit pattern (subnormals and -0 included) within fp8_linear_bound, for one weight
+    and for three of one input, its output memory NaN-poisoned first; splits of K meet in a cluster (up to 8) or
+    through the workspace (more)."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    cases = [fp8_linear_case(rng, rows, k, n)[1:] for n in ns]
+    ws, scales = [w for w, _ in cases], [s for _, s in cases]
+    if launch and any(n % (16 * launch[1] * launch[2]) for n in ns):   # N = 192 in tiles of 128
+        with pytest.raises(ValueError, match="must be a multiple"):
+            cc.fp8_linear(x, ws, scales, launch=launch)
+        return
+    poison_device_memory((rows, sum(ns)), jnp.bfloat16)
+    outs = jax.jit(lambda x, ws, ss: cc.fp8_linear(x, ws, ss, launch=launch))(x, ws, scales)
+    for out, w, scale in zip(outs, ws, scales):
+        ref, bound = fp8_linear_bound(x, w, scale)
+        out = np.asarray(out, np.float64)
+        assert np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.fp8 import FP8, W8A16_MAX_ROWS, Fp8Linear, quantize_rows, quantize_weight
+from jaxserve.models.fp8 import FP8, W8A16_MAX_ROWS, Fp8Linear, linears, quantize_rows, quantize_weight
 from jaxserve.models.loader import load_model, load_run, random_model, save_converted
 from jaxserve.sharding import make_mesh, param_spec
 
@@ -95,11 +95,23 @@ def test_fp8_linear_matches_the_dequantized_reference(rows):
     rng = np.random.default_rng()
     layer, _, b = fp8_linear(rng, 256, 96)
     x = activations(rng, rows, 256)
-    out = np.asarray(layer(jnp.asarray(x)))
+    with jax.default_matmul_precision("float32"):   # a GPU's f32 dots default to TF32's 10-bit mantissa
+        out = np.asarray(layer(jnp.asarray(x)))
     xd, wd = dequantized(layer, x)
     bound = (256 + 4) * F32_EPS * (np.abs(xd) @ np.abs(wd).T + np.abs(b))
     assert np.isfinite(out).all() and (np.abs(out - (xd @ wd.T + b)) <= bound).all()
     np.testing.assert_array_equal(out[rows // 2], b)   # the zero row: exactly the bias
+
+
+@pytest.mark.parametrize("rows", [1, W8A16_MAX_ROWS])
+def test_layers_of_one_input_give_what_each_gives(rows):
+    """linears (q/k/v, gate/up: one W8A16 launch on a GPU) against each layer alone, biases included: the same
+    products in each output, so the same bits. (Above W8A16_MAX_ROWS linears calls each layer.)"""
+    rng = np.random.default_rng()
+    layers = [fp8_linear(rng, 256, n, jnp.bfloat16)[0] for n in (128, 64, 64)]
+    x = jnp.asarray(activations(rng, rows, 256), jnp.bfloat16)
+    for together, alone in zip(nnx.jit(linears)(layers, x), [nnx.jit(layer)(x) for layer in layers]):
+        np.testing.assert_array_equal(np.asarray(together, np.float32), np.asarray(alone, np.float32))
 
 
 @pytest.mark.parametrize("rows", [W8A16_MAX_ROWS, W8A16_MAX_ROWS + 1], ids=["w8a16", "w8a8"])
@@ -455,8 +467,9 @@ def test_llama3_8b_layers_compile_to_fp8_gemms_on_the_weights_as_stored(fp8_gpu)
 
 
 def test_llama3_8b_decode_steps_read_the_e4m3_weights_inside_their_gemms(fp8_gpu):
-    """A step of W8A16_MAX_ROWS rows, compiled with the engine's options for it, converts each weight inside a
-    GEMM fusion: no float array of a weight's shape is made between the entry computation's kernels."""
+    """A step of W8A16_MAX_ROWS rows, compiled with the engine's options for it, hands each e4m3 weight to the
+    CUDA W8A16 kernel (custom_calls.fp8_linear; q/k/v and gate/up one launch each): no float array of a weight's
+    shape is made between the entry computation's kernels."""
     cfg = LLAMA3_8B_LAYERS
     loaded = random_model(cfg, jnp.bfloat16, quantization="fp8")
     fn = nnx.jit(lambda m, ids: m(ids, jnp.arange(ids.shape[0]))[0])
@@ -465,6 +478,7 @@ def test_llama3_8b_decode_steps_read_the_e4m3_weights_inside_their_gemms(fp8_gpu
     entry = hlo[hlo.index("\nENTRY"):]
     float_arrays = {(int(a), int(b)) for a, b in re.findall(r"\b(?:bf16|f16|f32)\[(\d+),(\d+)\]", entry)}
     assert "f8e4m3fn[" in entry and not float_arrays & weight_shapes(cfg), float_arrays & weight_shapes(cfg)
+    assert entry.count('custom_call_target="jaxserve_fp8_linear"') == 4 * cfg.num_layers   # qkv, o, gate_up, down
 
 
 @pytest.mark.parametrize("rows", [W8A16_MAX_ROWS, PREFILL_TOKENS], ids=["w8a16", "w8a8"])

@@ -1,7 +1,8 @@
 """FP8 linear layers: weights in float8 e4m3 with a scale per output channel. Steps of many rows run W8A8:
 activations quantized per token at run time, one FP8 GEMM with an f32 result; on sm_89+ GPUs XLA lowers the dot of
 two e4m3 operands to cuBLASLt's FP8 GEMM (custom call `__cublas$lt$matmul$f8`): half the weight bytes of bf16 and
-twice its tensor-core rate. Decode steps run W8A16 (W8A16_MAX_ROWS)."""
+twice its tensor-core rate. Decode steps run W8A16 (W8A16_MAX_ROWS): on one NVIDIA GPU through the CUDA kernel
+custom_calls.fp8_linear, elsewhere through XLA (its reference)."""
 from __future__ import annotations
 
 import jax
@@ -9,13 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import custom_calls
 from jaxserve.cache.kv_cache import FP8_MAX
 
 FP8 = jnp.float8_e4m3fn
-# Steps of at most this many rows (decode) read the e4m3 weight into a bf16 GEMM (W8A16): XLA fuses the conversion
-# into a Triton GEMM's operand loads, so the weight is read once, as e4m3. Such steps are bound by weight reads,
-# and quantizing their activations costs kernels and accuracy. Larger steps run W8A8 on the FP8 tensor cores.
-W8A16_MAX_ROWS = 16
+# Steps of at most this many rows (decode) read the e4m3 weight into a bf16 GEMM (W8A16), the weight read once, as
+# e4m3: such steps are bound by weight reads, and quantizing their activations costs kernels and accuracy. Larger
+# steps run W8A8 on the FP8 tensor cores.
+W8A16_MAX_ROWS = custom_calls.FP8_LINEAR_MAX_ROWS
+# W8A16 through the CUDA kernel where it runs (benchmarks turn it off to time XLA's GEMM beside it)
+W8A16_KERNEL = True
 # The smallest normal f32: an all-zero row (padding tokens, a pruned channel) gets a finite scale and quantizes to
 # zeros, and no other row's scale (its amax / FP8_MAX) is this small
 MIN_SCALE = float(np.finfo(np.float32).tiny)
@@ -70,7 +74,29 @@ class Fp8Linear(nnx.Module):
         return y * x_scale * self.weight_scale[...]
 
     def w8a16(self, x):
-        """x [N, in] -> f32 [N, out]: the weight converted to x's dtype inside the GEMM."""
-        w = self.weight[...].astype(x.dtype)
-        y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return y * self.weight_scale[...]
+        """x [N, in] -> [N, out] in x's dtype, the weight widened to x's dtype inside the GEMM."""
+        return linears_w8a16([self], x)[0]
+
+
+def linears_w8a16(layers, x) -> list:
+    """x [N, in] through Fp8Linear layers that read it (q, k, v; gate, up), W8A16, without their biases. On one
+    NVIDIA GPU one launch of the CUDA kernel reads all their weights (custom_calls.fp8_linear: faster than XLA's
+    fused GEMM, and a launch's fixed cost is paid once); it runs on one device only (a sharded weight would be
+    gathered whole for it). Elsewhere XLA's GEMM for each."""
+    ws, scales = [layer.weight[...] for layer in layers], [layer.weight_scale[...] for layer in layers]
+    if (W8A16_KERNEL and jax.device_count() == 1 and not custom_calls.fp8_linear_unsupported(x, ws, scales)
+            and custom_calls.available()):
+        return custom_calls.fp8_linear(x, ws, scales)
+    return [custom_calls.fp8_linear_reference(x, w, s) for w, s in zip(ws, scales)]
+
+
+def linears(layers, x) -> list:
+    """[layer(x) for layer in layers] for linear layers that read the same x; FP8 decode rows in one W8A16 launch
+    (linears_w8a16)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if len(layers) == 1 or not all(isinstance(layer, Fp8Linear) for layer in layers) or \
+            x2.shape[0] > W8A16_MAX_ROWS:
+        return [layer(x) for layer in layers]
+    ys = linears_w8a16(layers, x2)
+    return [(y if layer.bias is None else y + layer.bias[...]).reshape(*x.shape[:-1], -1)
+            for layer, y in zip(layers, ys)]

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
-from jaxserve.models.fp8 import Fp8Linear
+from jaxserve.models.fp8 import Fp8Linear, linears
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -95,9 +95,9 @@ class Attention(nnx.Module):
     def project(self, x, positions):
         """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], as attention sees them (normed, rotated)."""
         cfg, t = self.cfg, x.shape[0]
-        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = linears((self.q_proj, self.k_proj, self.v_proj), x)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k, v = (a.reshape(t, cfg.num_kv_heads, cfg.head_dim) for a in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(cfg)
@@ -119,7 +119,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(i, h, dtype, rngs, quantization=quantization)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears((self.gate_proj, self.up_proj), x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):

@@ -1,0 +1,338 @@
+// W8A16 linears for decode-sized steps: y_g [M, N_g] = (x [M, K] bf16 . w_g [N_g, K]^T e4m3) * scale_g [N_g] for
+// up to kMaxGroups weights that read the same x (q/k/v, gate/up) in one launch, M <= 16.
+//
+// Such a step is bound by reading the weights, so each e4m3 byte is read once, widened to bf16 in registers and
+// fed to the tensor cores (mma.sync m16n8k16, f32 accumulation) as the A operand, 16 output channels a tile, with
+// the tokens as B, 8 a tile: 16 rows cost what one does. Within one k16 step of an mma the order of k is free, so
+// a lane reads 16 contiguous bytes of a weight row (four k16 steps) and the 16 activations they multiply, not
+// the mma's interleaved fragment layout. A launch costs a few microseconds of ramp and tail whatever it reads,
+// so the weights of one input share one.
+//
+// Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 16 * warp_tiles * warps_n output channels of one weight
+// and one of `splits` slices of K. Its warps form warps_n columns of 16 * warp_tiles channels by kWarps / warps_n
+// rows that take the slice's kChunkK-wide chunks in turn, each chunk's loads issued before the chunk before it
+// is multiplied. At 16 rows the activations are as many bytes as the weight tiles they multiply: a warp's
+// warp_tiles m16 tiles share them in registers, the warps of a row share them through L1. The warps' sums meet
+// in shared memory. Splits of one tile meet in a thread-block cluster's distributed shared memory on sm_90 (no
+// second kernel), elsewhere as f32 partials in the workspace that a second kernel sums.
+#include <cooperative_groups.h>
+
+#include "common.h"
+
+namespace jaxserve {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunkK = 64;   // k per chunk: 4 lanes x 16 bytes of a weight row
+constexpr int kMaxRows = 16;  // tokens: two n8 tiles
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size
+constexpr int kMergeThreads = 256;
+constexpr int kMaxGroups = 3;
+
+struct LinearParams {
+  const __nv_bfloat16* x;             // [M, K]
+  const uint8_t* w[kMaxGroups];       // [N_g, K] e4m3
+  const float* scale[kMaxGroups];     // [N_g]
+  __nv_bfloat16* y[kMaxGroups];       // [M, N_g]
+  int n[kMaxGroups];
+  int tile_begin[kMaxGroups + 1];     // each weight's first CTA column, then the grid's width
+  int col_begin[kMaxGroups + 1];      // each weight's first column in the partials, then their width
+  float* partial;                     // [splits, M, sum N_g] when splits > 1 outside a cluster
+  int groups, m, k, chunks_per_split;
+  bool cluster;                       // splits meet in the cluster's shared memory
+};
+
+// a[i] for a small runtime i without indexing the parameter space
+template <typename T, int N>
+__device__ __forceinline__ T Pick(const T (&a)[N], int i) {
+  return i == 0 ? a[0] : i == 1 ? a[1] : a[2];
+}
+
+// The weight (group) that owns CTA column `column`.
+__device__ __forceinline__ int GroupOf(const LinearParams& p, int column) {
+  int g = 0;
+#pragma unroll
+  for (int i = 1; i < kMaxGroups; ++i) g += i < p.groups && column >= p.tile_begin[i];
+  return g;
+}
+
+// Two e4m3 bytes of `word` (picked by a __byte_perm selector that puts each in the high byte of a 16-bit half)
+// -> bf16x2. Sign, exponent and mantissa moved into place give value * 2^-120 exactly, subnormals included;
+// one bf16x2 FMA by 2^120 (0x7B80; + -0 keeps a zero's sign) restores the value, exactly. e4m3's NaN patterns
+// (never written by the quantizer) come out finite.
+__device__ __forceinline__ uint32_t WidenPair(uint32_t word, uint32_t selector) {
+  const uint32_t t = __byte_perm(word, 0u, selector);
+  const uint32_t scaled = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+  uint32_t out;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(scaled), "r"(0x7B807B80u), "r"(0x80008000u));
+  return out;
+}
+constexpr uint32_t kLowPair = 0x1404;   // bytes 0, 1
+constexpr uint32_t kHighPair = 0x3424;  // bytes 2, 3
+
+__device__ __forceinline__ void Mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void Unpack(const uint4& v, uint32_t* w) {
+  w[0] = v.x;
+  w[1] = v.y;
+  w[2] = v.z;
+  w[3] = v.w;
+}
+
+// One kChunkK-wide chunk of a warp's weight rows and activations, in registers; see the layout below.
+template <int kTiles, int kRowTiles>
+struct Chunk {
+  uint32_t w[kTiles][2][4], x[kRowTiles][8];
+
+  __device__ __forceinline__ void Load(const uint8_t* const (&w_rows)[kTiles][2],
+                                       const __nv_bfloat16* const (&x_rows)[kRowTiles],
+                                       const bool (&x_live)[kRowTiles], int c) {
+#pragma unroll
+    for (int a = 0; a < kTiles; ++a)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) Unpack(__ldcs(reinterpret_cast<const uint4*>(w_rows[a][h] + c * kChunkK)), w[a][h]);
+#pragma unroll
+    for (int b = 0; b < kRowTiles; ++b)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        Unpack(x_live[b] ? __ldg(reinterpret_cast<const uint4*>(x_rows[b] + c * kChunkK) + i) : make_uint4(0, 0, 0, 0),
+               x[b] + 4 * i);
+  }
+
+  __device__ __forceinline__ void Multiply(float (&acc)[kTiles][kRowTiles][4]) const {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int a = 0; a < kTiles; ++a) {
+        const uint32_t frag[4] = {WidenPair(w[a][0][j], kLowPair), WidenPair(w[a][1][j], kLowPair),
+                                  WidenPair(w[a][0][j], kHighPair), WidenPair(w[a][1][j], kHighPair)};
+#pragma unroll
+        for (int b = 0; b < kRowTiles; ++b) Mma(acc[a][b], frag, x[b][2 * j], x[b][2 * j + 1]);
+      }
+  }
+};
+
+// Lane (g = lane / 4, t = lane % 4) of a warp. mma fragments: A row g (and g + 8) holds columns 2t, 2t + 1 (and
+// 2t + 8, 2t + 9); B column g holds rows 2t, 2t + 1, 2t + 8, 2t + 9; C row g (g + 8), columns 2t, 2t + 1. For k16
+// step j of a chunk, logical columns {2t, 2t + 1 | 2t + 8, 2t + 9} are physical k 16t + 4j + {0, 1 | 2, 3}: the
+// low and high byte pairs of word j of the lane's weight load, words 2j and 2j + 1 of its activation loads.
+template <int kRowTiles, int kWarpsN, int kTiles>
+__global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
+  constexpr int kWarpsK = kWarps / kWarpsN, kWarpN = 16 * kTiles, kTileN = kWarpN * kWarpsN;
+  constexpr int kPerThread = CeilDiv(kTileN * kMaxRows, kThreads);
+  // the warps' sums ([row] padded against bank conflicts), then the CTA's ([row][channel]) for its cluster
+  __shared__ float sums[kWarps][kWarpN][kMaxRows + 1];
+  float* tile = &sums[0][0][0];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int group = GroupOf(p, blockIdx.x), n = Pick(p.n, group);
+  const int wn = warp % kWarpsN, wk = warp / kWarpsN, n0 = (blockIdx.x - Pick(p.tile_begin, group)) * kTileN;
+  const uint8_t* const w = Pick(p.w, group);
+  const float* const scale = Pick(p.scale, group);
+  __nv_bfloat16* const y = Pick(p.y, group);
+  const int begin = blockIdx.y * p.chunks_per_split;
+  const int end = min(begin + p.chunks_per_split, p.k / kChunkK);
+
+  const uint8_t* w_rows[kTiles][2];  // [m16 tile][row g, row g + 8]
+#pragma unroll
+  for (int a = 0; a < kTiles; ++a)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      w_rows[a][h] = w + static_cast<int64_t>(n0 + kWarpN * wn + 16 * a + 8 * h + g) * p.k + 16 * t;
+  const __nv_bfloat16* x_rows[kRowTiles];
+  bool x_live[kRowTiles];  // tokens past M read as zeros
+#pragma unroll
+  for (int b = 0; b < kRowTiles; ++b) {
+    x_live[b] = 8 * b + g < p.m;
+    x_rows[b] = p.x + static_cast<int64_t>(min(8 * b + g, p.m - 1)) * p.k + 16 * t;
+  }
+
+  // Two chunks' registers: the next chunk's loads are in flight while the current one is multiplied.
+  float acc[kTiles][kRowTiles][4] = {};
+  Chunk<kTiles, kRowTiles> even, odd;
+  int c = begin + wk;
+  if (c < end) even.Load(w_rows, x_rows, x_live, c);
+  while (c < end) {
+    if (c + kWarpsK < end) odd.Load(w_rows, x_rows, x_live, c + kWarpsK);
+    even.Multiply(acc);
+    if ((c += kWarpsK) >= end) break;
+    if (c + kWarpsK < end) even.Load(w_rows, x_rows, x_live, c + kWarpsK);
+    odd.Multiply(acc);
+    c += kWarpsK;
+  }
+
+#pragma unroll
+  for (int a = 0; a < kTiles; ++a)
+#pragma unroll
+    for (int b = 0; b < kRowTiles; ++b)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) sums[warp][16 * a + g + 8 * (r / 2)][8 * b + 2 * t + r % 2] = acc[a][b][r];
+  __syncthreads();
+  const int outputs = kTileN * p.m;
+  float out[kPerThread];
+#pragma unroll
+  for (int o = 0; o < kPerThread; ++o) {
+    const int i = threadIdx.x + o * kThreads, row = i / kTileN, col = i % kTileN;
+    out[o] = 0.f;
+    if (i < outputs)
+#pragma unroll
+      for (int w = 0; w < kWarpsK; ++w) out[o] += sums[w * kWarpsN + col / kWarpN][col % kWarpN][row];
+  }
+  if (gridDim.y > 1 && p.cluster) __syncthreads();  // every sum read before `tile` (over them) is written
+#pragma unroll
+  for (int o = 0; o < kPerThread; ++o) {
+    const int i = threadIdx.x + o * kThreads, row = i / kTileN, col = i % kTileN;
+    if (i >= outputs) break;
+    if (gridDim.y == 1)
+      y[static_cast<int64_t>(row) * n + n0 + col] = __float2bfloat16(out[o] * scale[n0 + col]);
+    else if (p.cluster)
+      tile[i] = out[o];
+    else
+      p.partial[(static_cast<int64_t>(blockIdx.y) * p.m + row) * p.col_begin[kMaxGroups] + Pick(p.col_begin, group) +
+                n0 + col] = out[o];
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (gridDim.y > 1 && p.cluster) {  // CTA r of the cluster finishes outputs r, r + splits, ...
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    const int splits = gridDim.y;
+    for (int i = blockIdx.y + splits * threadIdx.x; i < outputs; i += splits * kThreads) {
+      float s = 0.f;
+      for (int r = 0; r < splits; ++r) s += cluster.map_shared_rank(tile, r)[i];
+      const int row = i / kTileN, col = i % kTileN;
+      y[static_cast<int64_t>(row) * n + n0 + col] = __float2bfloat16(s * scale[n0 + col]);
+    }
+    cluster.sync();  // no CTA leaves while another reads its shared memory
+  }
+#endif
+}
+
+__global__ void __launch_bounds__(kMergeThreads) MergeSplitsKernel(LinearParams p, int splits) {
+  const int width = p.col_begin[kMaxGroups];
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kMergeThreads + threadIdx.x, size = int64_t{p.m} * width;
+  if (i >= size) return;
+  float s = 0.f;
+  for (int split = 0; split < splits; ++split) s += p.partial[split * size + i];
+  const int row = i / width, col = i % width;
+  int group = 0;
+#pragma unroll
+  for (int g = 1; g < kMaxGroups; ++g) group += g < p.groups && col >= p.col_begin[g];
+  const int c = col - Pick(p.col_begin, group);
+  Pick(p.y, group)[static_cast<int64_t>(row) * Pick(p.n, group) + c] = __float2bfloat16(s * Pick(p.scale, group)[c]);
+}
+
+bool HasClusters() {
+  static const bool has = [] {
+    int device = 0, major = 0;
+    return cudaGetDevice(&device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+  }();
+  return has;
+}
+
+template <int kRowTiles, int kWarpsN, int kTiles>
+cudaError_t LaunchLinear(const LinearParams& p, int splits, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(p.tile_begin[kMaxGroups], splits);
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  if (p.cluster) {
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = 1;
+    cluster[0].val.clusterDim.y = splits;
+    cluster[0].val.clusterDim.z = 1;
+    config.attrs = cluster;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, Fp8LinearKernel<kRowTiles, kWarpsN, kTiles>, p);
+}
+
+template <int kRowTiles>
+cudaError_t DispatchTile(const LinearParams& p, int warps_n, int warp_tiles, int splits, cudaStream_t stream) {
+  switch (warps_n * 10 + warp_tiles) {
+    case 12: return LaunchLinear<kRowTiles, 1, 2>(p, splits, stream);
+    case 14: return LaunchLinear<kRowTiles, 1, 4>(p, splits, stream);
+    case 22: return LaunchLinear<kRowTiles, 2, 2>(p, splits, stream);
+    case 24: return LaunchLinear<kRowTiles, 2, 4>(p, splits, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// args: (w_g, scale_g) for each weight; rets: y_g for each, then the workspace.
+ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                     int32_t splits, int32_t warps_n, int32_t warp_tiles) {
+  const auto xd = x.dimensions();
+  const int groups = args.size() / 2;
+  if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2)
+    return ffi::Error::InvalidArgument("fp8_linear takes bf16 x [M, K]");
+  if (groups < 1 || groups > kMaxGroups || args.size() != 2 * groups || rets.size() != groups + 1)
+    return ffi::Error::InvalidArgument("fp8_linear takes 1 to 3 (weight, scale) pairs and gives one y each");
+  if (warps_n != 1 && warps_n != 2) return ffi::Error::InvalidArgument("warps_n must be 1 or 2");
+  if (warp_tiles != 2 && warp_tiles != 4) return ffi::Error::InvalidArgument("warp_tiles must be 2 or 4");
+  const int m = xd[0], k = xd[1], tile_n = 16 * warp_tiles * warps_n;
+  if (m < 1 || m > kMaxRows || k % kChunkK) return ffi::Error::InvalidArgument("fp8_linear needs 1 <= M <= 16, K % 64 == 0");
+  LinearParams p{static_cast<const __nv_bfloat16*>(x.untyped_data())};
+  for (int g = 0; g < groups; ++g) {
+    auto w = args.get<ffi::AnyBuffer>(2 * g);
+    auto scale = args.get<ffi::Buffer<ffi::F32>>(2 * g + 1);
+    auto y = rets.get<ffi::AnyBuffer>(g);
+    if (!w.has_value() || !scale.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("fp8_linear: a weight, scale or y of the wrong kind");
+    const auto wd = w->dimensions();
+    if (w->element_type() != ffi::DataType::F8E4M3FN || (*y)->element_type() != ffi::DataType::BF16 ||
+        wd.size() != 2 || wd[1] != k || scale->element_count() != static_cast<size_t>(wd[0]) || wd[0] % tile_n)
+      return ffi::Error::InvalidArgument("fp8_linear needs float8_e4m3fn w [N, K] with N % (16 * warp_tiles * "
+                                         "warps_n) == 0, f32 scale [N], bf16 y [M, N]");
+    p.w[g] = static_cast<const uint8_t*>(w->untyped_data());
+    p.scale[g] = scale->typed_data();
+    p.y[g] = static_cast<__nv_bfloat16*>((*y)->untyped_data());
+    p.n[g] = wd[0];
+    p.tile_begin[g + 1] = p.tile_begin[g] + wd[0] / tile_n;
+    p.col_begin[g + 1] = p.col_begin[g] + wd[0];
+  }
+  for (int g = groups; g < kMaxGroups; ++g) {
+    p.tile_begin[g + 1] = p.tile_begin[g];
+    p.col_begin[g + 1] = p.col_begin[g];
+  }
+  auto workspace = rets.get<ffi::Buffer<ffi::F32>>(groups);
+  if (!workspace.has_value()) return ffi::Error::InvalidArgument("fp8_linear: the workspace must be f32");
+  const int chunks = k / kChunkK;
+  const bool cluster = splits > 1 && splits <= kMaxClusterSplits && HasClusters();
+  if (splits < 1 || splits > chunks ||
+      (splits > 1 && !cluster && (*workspace)->element_count() < size_t{1} * splits * m * p.col_begin[kMaxGroups]))
+    return ffi::Error::InvalidArgument("fp8_linear: splits must be in [1, K / 64] with a workspace of splits * M * N");
+  p.partial = (*workspace)->typed_data();
+  p.groups = groups;
+  p.m = m;
+  p.k = k;
+  p.chunks_per_split = CeilDiv(chunks, splits);
+  p.cluster = cluster;
+  const cudaError_t err = m <= 8 ? DispatchTile<1>(p, warps_n, warp_tiles, splits, stream)
+                                 : DispatchTile<2>(p, warps_n, warp_tiles, splits, stream);
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("fp8_linear launch: ") + cudaGetErrorString(err));
+  if (splits > 1 && !cluster)
+    MergeSplitsKernel<<<CeilDiv(m * p.col_begin[kMaxGroups], kMergeThreads), kMergeThreads, 0, stream>>>(p, splits);
+  return LaunchStatus("fp8_linear launch");
+}
+
+}  // namespace
+}  // namespace jaxserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8Linear, jaxserve::Fp8Linear,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("splits")
+                                  .Attr<int32_t>("warps_n")
+                                  .Attr<int32_t>("warp_tiles"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
