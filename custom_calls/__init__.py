@@ -46,10 +46,10 @@ MAX_GROUP_TILE = 8  # query heads per CTA in the kernel
 FP8_LINEAR_MAX_ROWS, FP8_LINEAR_MAX_GROUPS = 16, 3   # weights of one input a launch reads (q, k, v)
 FP8_LINEAR_CHUNK_K = 64
 FP8_LINEAR_WARPS_N, FP8_LINEAR_WARP_TILES = (1, 2), (2, 4)
-# fp8_linear's launch (splits of K, warps_n, warp_tiles): one warp column of two tiles (the best or within 3% of
-# it at every Llama-3-8B decode shape on an H100, `benchmarks/fp8_gemm.py --decode`), with K split until the
-# CTAs cover FP8_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5)
-FP8_LINEAR_DEFAULT_LAUNCH = (None, 1, 2)
+# fp8_linear's default launch: (warps_n, warp_tiles) one warp column of two tiles, 32 channels a CTA, which every N
+# it takes divides (the best or within 3% of it at every Llama-3-8B decode shape on an H100, `benchmarks/fp8_gemm.py
+# --decode`), with K split until the CTAs cover FP8_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5)
+FP8_LINEAR_DEFAULT_TILE = (1, 2)
 FP8_LINEAR_CTAS_PER_SM = 1
 
 
@@ -291,11 +291,9 @@ def fp8_linear_reference(x, w, scale):
 
 
 def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int]:
-    """(splits, warps_n, warp_tiles) for weights [n, k] (n in ns) of one launch: FP8_LINEAR_DEFAULT_LAUNCH's tile
-    (narrowed until it divides each n), K split to fill the SMs while each split keeps 8 chunks."""
-    _, warps_n, warp_tiles = FP8_LINEAR_DEFAULT_LAUNCH
-    while any(n % (16 * warp_tiles * warps_n) for n in ns):
-        warps_n, warp_tiles = (warps_n // 2, warp_tiles) if warps_n > 1 else (warps_n, warp_tiles // 2)
+    """(splits, warps_n, warp_tiles) for weights [n, k] (n in ns) of one launch: FP8_LINEAR_DEFAULT_TILE, K split
+    to fill the SMs while each split keeps 8 chunks."""
+    warps_n, warp_tiles = FP8_LINEAR_DEFAULT_TILE
     tiles, chunks = sum(ns) // (16 * warp_tiles * warps_n), k // FP8_LINEAR_CHUNK_K
     return max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
 

@@ -48,7 +48,10 @@ def test_calibration_sets_each_heads_scale_from_its_largest_value(tiny):
         _, k, v = layer.self_attn.project(layer.input_layernorm(x), positions)
         for var, t in ((layer.self_attn.k_scale, k), (layer.self_attn.v_scale, v)):
             expected = np.abs(np.asarray(t)).max(axis=(0, 2)) * KV_SCALE_HEADROOM / FP8_MAX
-            np.testing.assert_allclose(np.asarray(var[...]), expected, rtol=1e-6)
+            # the calibration's graph and these eager projections may sum a dot's products in other orders (a
+            # GPU's kernels differ by shape and fusion): f32 reassociation, ~hidden_size * 2^-24 = 3.8e-6 a dot
+            # (3.7e-6 measured on an H100), compounded by the layers before
+            np.testing.assert_allclose(np.asarray(var[...]), expected, rtol=1e-5)
         x = layer(x, positions, None, None)[0]
 
 
