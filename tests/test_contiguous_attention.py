@@ -103,8 +103,8 @@ def test_references_match_float64(mix, options, cache):
         check_close(out, expected, batch.paged, jnp.float32, reference.__name__)
 
 
-@pytest.mark.parametrize("dtype, cache, options", [
-    (jnp.float32, None, {"sliding_window": 20, "soft_cap": 5.0}),
+@pytest.mark.parametrize("dtype, cache, options", [   # soft cap in the quick loop: test_one_launch_decode
+    pytest.param(jnp.float32, None, {"sliding_window": 20, "soft_cap": 5.0}, marks=pytest.mark.slow),
     (jnp.bfloat16, None, {}),
     (jnp.bfloat16, None, {"sliding_window": 33}),
     (jnp.bfloat16, FP8, {"sliding_window": 33}),
@@ -118,8 +118,8 @@ def test_kernel_mixed_batches(dtype, cache, options):
 
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, block_size", [
     (2, 2, 128, 16),  # GQA ratio 1, head_dim 128
-    (6, 2, 64, 8),  # ratio 3: q rows padded to a power of two
-    (8, 1, 64, 32),  # ratio 8, blocks larger than a kv tile
+    pytest.param(6, 2, 64, 8, marks=pytest.mark.slow),  # ratio 3: q rows padded to a power of two
+    pytest.param(8, 1, 64, 32, marks=pytest.mark.slow),  # ratio 8, blocks larger than a kv tile
 ])
 def test_kernel_gqa_and_shapes(q_heads, kv_heads, head_dim, block_size):
     shape = {"q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size,
@@ -210,6 +210,7 @@ def test_rejects_bad_input(change, field):
 HOPPER = on_hopper()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ON_GPU and not HOPPER, reason="the Mosaic GPU prefill kernel needs sm_90 (H100/H200)")
 def test_mosaic_prefill():
     """The Hopper prefill kernel on kv_rows: page ids computed from the row, decodes merged beside it."""

@@ -79,6 +79,7 @@ def reference_greedy(loaded, prompt: list[int], n: int, length: int = 128) -> li
     return ids[len(prompt):]
 
 
+@pytest.mark.slow
 def test_engine_greedy_tokens_equal_the_paged_reference_over_the_same_fp8_cache(tiny):
     """Chunked prefill, decode, batching and prefix hits read the cache's e4m3 values as the one-step reference
     does: a token's K/V quantize alike whenever they are written (static scales), so the tokens are equal."""

@@ -212,6 +212,7 @@ MOSAIC_MIXES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ON_GPU and not HOPPER, reason="the Mosaic GPU prefill kernel needs sm_90 (H100/H200)")
 @pytest.mark.parametrize("dtype, q_heads, kv_heads, head_dim, block_size, options", [
     (jnp.bfloat16, 4, 2, 64, 16, {}),  # 4 pages per step: two per copying warp

@@ -180,6 +180,7 @@ def check_same(got: dict, expected: dict) -> None:
                 np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_every_kind_of_request_decodes_the_same_with_right_and_wrong_drafts(plain, always, monkeypatch):
     """Greedy, sampled, penalties, logprobs, prompt logprobs, n = 3, stop ids under min_tokens, a chunked prompt:
     token-identical to speculation off, preempted for lack of blocks on the way (six long outputs beside them), every
@@ -360,6 +361,7 @@ def drafted_and_accepted(llm, run) -> tuple[int, int]:
     return tuple(after[k] - before[k] for k in ("spec_num_draft_tokens", "spec_num_accepted_tokens"))
 
 
+@pytest.mark.slow
 def test_the_model_as_its_own_draft_has_every_draft_accepted(plain, self_draft):
     """Greedy requests through chunked prefill, preemption (recomputed KV), prefix-cache hits (blocks another
     request computed) and n = 3 (forked blocks, copy-on-write): token-identical to speculation off and every draft
@@ -380,6 +382,7 @@ def test_the_model_as_its_own_draft_has_every_draft_accepted(plain, self_draft):
     assert engine.stats()["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+@pytest.mark.slow
 def test_every_kind_of_request_decodes_the_same_with_a_draft_model_of_other_shapes(plain, small_draft):
     prompts, params = mixed_requests()
     prompts += [[5 + i] * 20 for i in range(6)]
@@ -449,6 +452,7 @@ def reference_drafts(target, head, tokens: list[int], num_drafts: int) -> tuple[
     return drafts, margins
 
 
+@pytest.mark.slow
 def test_eagle3_drafts_are_the_heads_own_through_chunked_prefill_and_verify_steps(tiny_model, eagle_dir):
     """Every draft of a greedy request (its prompt in chunks, then verify steps accepting 0 or more drafts) is what
     the head computes densely from the whole sequence: its cache entries of every position and the features
@@ -476,6 +480,7 @@ def test_eagle3_drafts_are_the_heads_own_through_chunked_prefill_and_verify_step
     assert len(events) > 5 and compared > 0.8 * sum(len(d) for _, d in events)
 
 
+@pytest.mark.slow
 def test_every_kind_of_request_decodes_the_same_with_an_eagle3_head(plain, tiny_model, eagle_dir):
     """Greedy, sampled, penalties, logprobs, n = 3, chunked prompts, preempted for lack of blocks: speculation
     off's tokens, 0 compiles after start, every block back."""

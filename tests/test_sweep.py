@@ -203,6 +203,7 @@ def test_ladder_rows_price_candidates_consistently():
     assert rows["every 16"]["token_waste_frac"] < chosen["token_waste_frac"] < rows["single"]["token_waste_frac"]
 
 
+@pytest.mark.slow
 def test_cli_bench_sweep_writes_rows_and_plots(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(json.dumps({"model": "random", "dtype": "f32", "random_model": {
