@@ -4,13 +4,14 @@ and the bare e4m3 GEMM with an f32 or a bf16 result (what the scaling epilogue c
 
   python benchmarks/fp8_gemm.py                 # GPU (sm_89+)
   python benchmarks/fp8_gemm.py --layers 4      # the linear layers of 4 decoder layers, as a step runs them
-  python benchmarks/fp8_gemm.py --decode        # the W8A16 decode GEMM: the CUDA kernel against XLA's
+  python benchmarks/fp8_gemm.py --decode        # the W8A16 decode GEMMs: the CUDA kernel against XLA's
 Rows: bench "fp8_gemm", impl bf16 | fp8_linear | fp8_gemm_f32 | fp8_gemm_bf16, params {tokens, in, out},
 ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json. With --layers: bench "fp8_layers", impl
 "<weights>/<XLA options>", params {tokens, layers}, ms per layer, gbps of weight bytes, and the step's costliest
-GPU kernels printed. With --decode: bench "fp8_decode_gemm", impl kernel/splits=<n|auto> | xla | bf16, params
-{tokens, in, out}, ms of device time per GEMM and gbps of weight bytes (each timed over enough distinct weights
-to pass the L2 cache), rows fp8_decode_gemm_<backend>.json.
+GPU kernels printed. With --decode: bench "fp8_decode_gemm", impl xla | bf16 | kernel/auto |
+kernel/splits=<s>/warps_n=<w>/warp_tiles=<t>, params {tokens, group, in, out: [N of each weight]}, ms of device
+time per launch group (DECODE_GROUPS, timed over enough distinct weights to pass the L2 cache) and gbps of weight
+bytes, rows fp8_decode_gemm_<backend>.json.
 """
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
     out[o] = 0.f;
     if (i < outputs)
 #pragma unroll
-      for (int w = 0; w < kWarpsK; ++w) out[o] += sums[w * kWarpsN + col / kWarpN][col % kWarpN][row];
+      for (int k_row = 0; k_row < kWarpsK; ++k_row) out[o] += sums[k_row * kWarpsN + col / kWarpN][col % kWarpN][row];
   }
   if (gridDim.y > 1 && p.cluster) __syncthreads();  // every sum read before `tile` (over them) is written
 #pragma unroll
@@ -278,7 +278,8 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
   if (warps_n != 1 && warps_n != 2) return ffi::Error::InvalidArgument("warps_n must be 1 or 2");
   if (warp_tiles != 2 && warp_tiles != 4) return ffi::Error::InvalidArgument("warp_tiles must be 2 or 4");
   const int m = xd[0], k = xd[1], tile_n = 16 * warp_tiles * warps_n;
-  if (m < 1 || m > kMaxRows || k % kChunkK) return ffi::Error::InvalidArgument("fp8_linear needs 1 <= M <= 16, K % 64 == 0");
+  if (m < 1 || m > kMaxRows || k % kChunkK)
+    return ffi::Error::InvalidArgument("fp8_linear needs 1 <= M <= 16, K % 64 == 0");
   LinearParams p{static_cast<const __nv_bfloat16*>(x.untyped_data())};
   for (int g = 0; g < groups; ++g) {
     auto w = args.get<ffi::AnyBuffer>(2 * g);
