@@ -12,7 +12,8 @@ Measured interleaved, `--repeats` rounds (a shared machine's noise hits every im
   decode step reads (every layer's weights and the LM head, once); decode reads only, so the read one is the bound;
 - batched: `--batch-prompts` random prompts x `--batch-input-len` tokens, `--batch-output-len` out, greedy
   (offline.py's CPU row), so batched throughput is seen beside batch 1;
-- a first `jaxserve generate` in a fresh process on this warm machine (XLA's persistent cache filled), twice.
+- a first `jaxserve generate` in a fresh process on this warm machine (executables and the prepared model on disk),
+  twice.
 
   .venv/bin/python benchmarks/cpu_decode.py        # rows in benchmarks/results/cpu_decode.json
 """

@@ -278,6 +278,7 @@ class EngineConfig:
     # per group (cascade attention): "auto" where the Pallas decode kernel runs, for groups that save enough reads
     # (step_graphs.CASCADE_MIN_SAVED_KEYS); "on": every group sharing a block, on any platform; "off"
     cascade_attention: str = knob("auto", group="compilation", check=one_of(CASCADE_ATTENTION))
+    # what a warm start reuses: the engine's executables, XLA's compilation cache (GPU), GGUF models as loaded
     compile_cache_dir: str | None = knob("~/.cache/jaxserve/xla", group="compilation", graphs=False,
                                          check=OPTIONAL_PATH)
     precompile: bool = knob(True, group="compilation", graphs=False, check=BOOL)

@@ -9,7 +9,6 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LOG2E = math.log2(math.e)
 
@@ -21,7 +20,9 @@ def interpret_params(interpret: bool) -> bool:
 
 def mosaic_interpret_params(interpret: bool):
     """Mosaic GPU backend, `plgpu.kernel(interpret=...)`: its warpgroup-level interpreter when asked, else None
-    (compile for the GPU)."""
+    (compile for the GPU). Imported here: Mosaic GPU's modules take ~0.5 s to import, which a start that runs no
+    Mosaic GPU kernel (every CPU start) need not pay."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.InterpretGPUParams() if interpret else None
 
 

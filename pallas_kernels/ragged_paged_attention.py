@@ -47,10 +47,12 @@ dtype: float16 under a bf16 or f16 q (e4m3 -> f16 is one instruction per pair on
 and bounds the loop; q, clipped to f16's range, loses none of bf16's 8 mantissa bits), float32 under an f32 q.
 Triton converts e4m3 on sm_89+ only; "auto" takes the reference below that. The Mosaic prefill does not read them.
 """
+from __future__ import annotations
+
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -58,11 +60,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import paged_prefill_attention_mgpu as mgpu_prefill
 from pallas_kernels.common import (LOG2E, exp2_shift, init_carry, interpret_params, normalize,
                                    online_softmax_step, per_row)
 from pallas_kernels.block_tables import row_starts, strided_block_tables
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
+
+if TYPE_CHECKING:
+    from pallas_kernels.paged_prefill_attention_mgpu import PrefillTuning
 
 IMPLS = ("auto", "pallas", "reference")
 PREFILL_BACKENDS = ("auto", "triton", "mosaic")
@@ -257,8 +261,9 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
 
 
 def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backend: str,
-                      interpret: bool) -> mgpu_prefill.PrefillTuning | None:
+                      interpret: bool) -> PrefillTuning | None:
     """The Mosaic GPU prefill tuning when that kernel serves the prefill rows, else None (Triton does)."""
+    mgpu_prefill = mosaic_prefill()
     prefill_tuning = mgpu_prefill.PrefillTuning(block_kv=tuning.mosaic_block_kv)
     why_not = mgpu_prefill.supported(q, k_cache, scores.soft_cap, prefill_tuning)
     if backend == "mosaic" and why_not:
@@ -400,8 +405,15 @@ def is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def mosaic_prefill():
+    """The Mosaic GPU prefill kernel's module, imported on first use: Mosaic GPU's modules take ~0.5 s to import,
+    which a start that never runs the kernel (every CPU start) need not pay."""
+    from pallas_kernels import paged_prefill_attention_mgpu
+    return paged_prefill_attention_mgpu
+
+
 def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
-                       tuning: Tuning, interpret: bool, mosaic: mgpu_prefill.PrefillTuning | None,
+                       tuning: Tuning, interpret: bool, mosaic: PrefillTuning | None,
                        blocks_per_row: int | None = None, block_stride: int = 1):
     geo = Geometry.of(q, k_cache, blocks, blocks_per_row, block_stride)
     meta = (num_seqs, cu_q_lens, kv_lens, blocks.reshape(-1))
@@ -410,7 +422,7 @@ def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs
     if mosaic is None:
         out = prefill_call(geo, scores, tuning, interpret, q.dtype)(*meta, *rows, parts, lse)
         return out.reshape(q.shape)
-    out = mgpu_prefill.paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
+    out = mosaic_prefill().paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
                                                sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
                                                tuning=mosaic, interpret=interpret, blocks_per_row=blocks_per_row,
                                                block_stride=block_stride)

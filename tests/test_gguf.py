@@ -73,3 +73,71 @@ def test_a_type_gguf_cannot_dequantize_is_a_load_error_naming_tensor_and_type(tm
         load_model(str(path), dtype="f32")
     assert str(error.value) == (f"{path}: tensor blk.0.ffn_up.weight has GGUF type I32, "
                                 "which the gguf package cannot dequantize")
+
+
+def flat_values(loaded) -> dict:
+    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(loaded.model))}
+
+
+@pytest.mark.parametrize("dtype, quantization", [("f32", None), ("bf16", None), ("f32", "fp8")])
+def test_a_gguf_is_kept_as_loaded_and_the_next_load_reads_only_the_copy(tmp_path, monkeypatch, dtype, quantization):
+    """A first load keeps the model as loaded under cache_dir; the next one reads that copy (the GGUF is not even
+    opened), with every weight, the config and the sampling defaults as the first load had them."""
+    write_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q4_1")
+    first = load_model(str(tmp_path / "tiny.gguf"), dtype, quantization=quantization, cache_dir=str(tmp_path / "c"))
+    kept = list((tmp_path / "c" / "models").iterdir())
+    assert len(kept) == 1 and (kept[0] / "weights.safetensors").exists()
+
+    def refuse(*_):
+        raise AssertionError("the GGUF was opened again")
+    monkeypatch.setattr("jaxserve.models.gguf.open_gguf", refuse)
+    again = load_model(str(tmp_path / "tiny.gguf"), dtype, quantization=quantization, cache_dir=str(tmp_path / "c"))
+    assert (again.config, again.quantization, again.sampling_defaults, again.source) == \
+        (first.config, first.quantization, first.sampling_defaults, first.source)
+    want, got = flat_values(first), flat_values(again)
+    assert want.keys() == got.keys() and any(v.dtype == np.dtype("float8_e4m3fn") for v in got.values()) == \
+        (quantization == "fp8")
+    for path, value in want.items():
+        assert got[path].dtype == value.dtype and np.array_equal(got[path], value, equal_nan=False), path
+    ids = list(range(1, 20))
+    assert greedy(again, ids, 6) == greedy(first, ids, 6)
+
+
+def test_an_edited_gguf_or_a_damaged_copy_loads_from_the_file(tmp_path):
+    """The copy is keyed by the file's size and time: an edited file is loaded (and kept) anew, its old copy
+    removed; a copy that does not hold the model's tensors is removed and the file loaded instead."""
+    cache, path = str(tmp_path / "c"), tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_llama(), "Q4_1")
+    load_model(str(path), "f32", cache_dir=cache)
+    torch.manual_seed(1)
+    edited = write_gguf(path, transformers.LlamaForCausalLM(transformers.LlamaConfig(**K_TINY)).eval(), "F32")
+    loaded = load_model(str(path), "f32", cache_dir=cache)
+    np.testing.assert_array_equal(kernel(loaded, 0, "mlp", "up_proj"), edited["model.layers.0.mlp.up_proj.weight"].T)
+    [kept] = (tmp_path / "c" / "models").iterdir()
+    from jaxserve.models.tensor_file import map_safetensors, write_safetensors
+    tensors = {k: np.array(v) for k, v in map_safetensors(kept / "weights.safetensors").items()}
+    tensors.pop("layers.0.mlp.up_proj.kernel")
+    write_safetensors(kept / "weights.safetensors", tensors)
+    again = load_model(str(path), "f32", cache_dir=cache)
+    np.testing.assert_array_equal(kernel(again, 0, "mlp", "up_proj"), edited["model.layers.0.mlp.up_proj.weight"].T)
+    [rewritten] = (tmp_path / "c" / "models").iterdir()
+    assert "layers.0.mlp.up_proj.kernel" in map_safetensors(rewritten / "weights.safetensors")
+
+
+@pytest.mark.slow
+def test_the_embedded_models_copy_keeps_its_tokenizer_and_chat_template(tmp_path, monkeypatch):
+    """The tokenizer built from the GGUF's vocabulary is kept with the weights: the copy's encodes, decodes and
+    applies the chat template as the original does."""
+    first = load_model(dtype="f32", cache_dir=str(tmp_path))
+    monkeypatch.setattr("jaxserve.models.gguf.open_gguf", lambda *_: pytest.fail("the GGUF was opened again"))
+    again = load_model(dtype="f32", cache_dir=str(tmp_path))
+    assert again.eos_token_ids == first.eos_token_ids and again.config == first.config
+    text = "<|im_start|>user\nThe 12 capitals of 1999, déjà vu?<|im_end|>"
+    assert again.tokenizer.encode(text) == first.tokenizer.encode(text)
+    ids = first.tokenizer.encode(text)
+    assert again.tokenizer.decode(ids) == first.tokenizer.decode(ids) == text
+    chat = [{"role": "user", "content": "Hi"}]
+    assert again.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        first.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    np.testing.assert_array_equal(np.asarray(again.model.embed_tokens.embedding.get_value()),
+                                  np.asarray(first.model.embed_tokens.embedding.get_value()))

@@ -45,13 +45,10 @@ class ExecutableCache:
     graph depends on beyond its key (the runner's: jax version, process, device ids and kinds, model and engine
     config, cache size, source digest). A file that cannot be read back is ignored: the graph compiles again."""
 
-    def __init__(self, directory: str | None, fingerprint: str, backend: str | None = None):
-        # Not on CPU: there some executables read back fail to run ("Function select_bitcast_fusion not found",
-        # jaxlib 0.11.2), and CPU graphs are small; XLA's persistent cache still serves a warm CPU start.
-        usable = directory and (backend or jax.default_backend()) != "cpu"
-        self.directory = Path(directory).expanduser() / "executables" if usable else None
+    def __init__(self, directory: str | None, fingerprint: str):
+        self.directory = Path(directory).expanduser() / "executables" if directory else None
         self.fingerprint = fingerprint
-        if usable:   # an executable that calls an FFI target loads only once the target is registered
+        if directory:   # an executable that calls an FFI target loads only once the target is registered
             custom_calls.available()
 
     def path(self, key: tuple) -> Path:
@@ -68,6 +65,26 @@ class ExecutableCache:
             print(f"jaxserve: compiling {key} again: its cached executable {path.name} did not load "
                   f"({type(e).__name__}: {reason})", file=sys.stderr)
             return None
+
+    def note_first_wanted(self, keys: list[tuple]) -> None:
+        """The graphs a lazy start wanted first, in order (a later start of the same engine prefetches them)."""
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.wanted_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text("".join(f"{self.path(key).name}\n" for key in keys))
+            tmp.replace(self.wanted_file)
+
+    def first_wanted(self, keys) -> list[tuple]:
+        """Those of keys the last lazy start wanted first, in its order, that are on disk."""
+        if self.directory is None or not self.wanted_file.exists():
+            return []
+        by_name = {self.path(key).name: key for key in keys}
+        names = self.wanted_file.read_text().split()
+        return [by_name[name] for name in names if name in by_name and (self.directory / name).exists()]
+
+    @property
+    def wanted_file(self) -> Path:
+        return self.directory / (hashlib.sha256(self.fingerprint.encode()).hexdigest()[:40] + ".wanted")
 
     def save(self, key: tuple, executable: jax.stages.Compiled) -> None:
         if self.directory is None:
@@ -96,6 +113,7 @@ class CompilationManager:
         self.started = False           # set once the engine serves: compiles from then on are counted
         self.compiles_after_start = 0
         self.loaded_from_cache = 0     # executables a start took from disk instead of compiling
+        self.first_wanted: list[tuple] = []   # graphs first asked of `get` (not compiled ahead), in order
         self.precompiled = False       # every graph was compiled ahead: one compiling now is worth a line
         # seconds: tracing + lowering (main thread), waiting for the pool (main thread), compiling (summed over
         # threads), the runner's phases (peak_s, precompile_s); per graph kind (key[0]) counts and seconds
@@ -105,19 +123,30 @@ class CompilationManager:
         self.lock = threading.Lock()
 
     def get(self, key: tuple, lower: Lower) -> jax.stages.Compiled:
-        """The executable of key, compiled now if it has not been (counted once the engine has started)."""
+        """The executable of key, compiled now if it has not been (counted once the engine has started). A graph
+        first wanted here (not compiled ahead) is noted in the executable cache, for the next start to prefetch."""
+        if key in self.executables:
+            return self.executables[key]
         if key in self.pending:
-            return self.wait([key])[key]
-        executable = self.executables.get(key)
-        if executable is None:
-            executable = self.cache.load(key)
-            self._count(key, "loaded", executable is not None)
-            executable = self.executables[key] = executable or self._compile(key, self._trace(key, lower))
+            executable = self.wait([key])[key]
+        else:
+            executable = self.executables[key] = self._load_or_compile(key, lower)
             if self.started:
                 self.compiles_after_start += 1
             if self.started and self.precompiled:
                 print(f"jaxserve: compiled {key} while serving (every stream waited for it)", file=sys.stderr)
+        self.first_wanted.append(key)
+        self.cache.note_first_wanted(self.first_wanted)
         return executable
+
+    def prefetch(self, graphs: dict[tuple, Lower]) -> None:
+        """Load graphs from the executable cache on the pool (compiling any that does not load), for `get` to find
+        loaded or under way: what a lazy start's first steps want, deserialized while the start goes on."""
+        todo = [key for key in graphs if key not in self.executables and key not in self.pending]
+        if todo:
+            self.pool = self.pool or ThreadPoolExecutor(self.num_threads, thread_name_prefix="jaxserve-compile")
+        for key in todo:
+            self.pending[key] = self.pool.submit(self._load_or_compile, key, graphs[key])
 
     def submit(self, graphs: dict[tuple, Lower], peek: bool = False) -> None:
         """Start every graph neither had nor under way: from the executable cache, else traced here one by one (in
@@ -176,6 +205,11 @@ class CompilationManager:
         first, last = self.compile_span
         return {"threads": self.num_threads, "compile_wall_s": round(max(last - first, 0.0), 3),
                 **rounded(self.timings)}
+
+    def _load_or_compile(self, key: tuple, lower: Lower) -> jax.stages.Compiled:
+        executable = self.cache.load(key)
+        self._count(key, "loaded", executable is not None)
+        return executable or self._compile(key, self._trace(key, lower))
 
     def _trace(self, key: tuple, lower: Lower) -> jax.stages.Lowered:
         start = time.perf_counter()

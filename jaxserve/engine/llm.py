@@ -64,7 +64,7 @@ class LLM:
             raise ValueError(f"quantization={quantization!r}: the LoadedModel given was loaded with "
                              f"{model.quantization!r}; load it with quantization={quantization!r}")
         loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype, make_mesh(cfg.tensor_parallel_size), quantization=quantization)
+            model, dtype, make_mesh(cfg.tensor_parallel_size), quantization, cfg.compile_cache_dir)
         self.engine = LLMEngine(loaded, cfg)
 
     def get_tokenizer(self):

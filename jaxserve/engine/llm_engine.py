@@ -156,6 +156,8 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
     graphs.bind_cache(num_blocks)
     if cfg.precompile:
         graphs.precompile()
+    else:
+        graphs.prefetch()
     runner = ModelRunner(graphs, backend.allocate(num_blocks))
     if cfg.precompile:
         runner.buffers.allocate(graphs.graph_keys())

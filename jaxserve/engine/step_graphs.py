@@ -500,6 +500,12 @@ class StepGraphs:
             self.manager.compile_all({key: functools.partial(self.lower, key) for key in self.graph_keys()})
         self.manager.precompiled = True
 
+    def prefetch(self) -> None:
+        """A lazy start: the graphs the last lazy start of this engine wanted first, loaded on the compile threads
+        while the cache is allocated and the first requests prepared."""
+        keys = self.manager.cache.first_wanted(self.graph_keys())
+        self.manager.prefetch({key: functools.partial(self.lower, key) for key in keys})
+
     def start_serving(self) -> None:
         """From now on a compile stalls every stream: each is counted."""
         self.manager.started = True

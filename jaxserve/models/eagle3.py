@@ -30,8 +30,8 @@ from flax import nnx
 from jaxserve.config import ModelConfig, model_config_from_hf
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.llama import MLP, Attention, RMSNorm, _linear
-from jaxserve.models.loader import (LoadedModel, _read_json, _safetensors, build_model, check_finite,
-                                    resolve_model_path)
+from jaxserve.models.loader import LoadedModel, _read_json, build_model, check_finite, resolve_model_path
+from jaxserve.models.tensor_file import read_safetensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,7 @@ def eagle3_config(hf: dict, target: ModelConfig) -> Eagle3Config:
 def head_tensors(path: Path):
     """(name, array, shape, bytes) of the checkpoint's tensors: model.safetensors files, else a PyTorch .bin."""
     if files := sorted(path.glob("*.safetensors")):
-        yield from _safetensors(files)
+        yield from read_safetensors(files)
         return
     if not (bins := sorted(path.glob("*.bin"))):
         raise ModelLoadError(path, "no *.safetensors or *.bin weights found")

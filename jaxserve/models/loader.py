@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
-import math
 import os
 import re
 import sys
@@ -19,7 +18,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -29,10 +27,11 @@ from jaxserve.config import (QUANTIZATIONS, EngineConfig, ModelConfig, RunConfig
                              model_config_from_hf)
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.models import gguf
+from jaxserve.models import gguf, prepared
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.fp8 import FP8, dequantize_blocks, quantize_weight
 from jaxserve.models.llama import LlamaForCausalLM, abstract_model
+from jaxserve.models.tensor_file import read_safetensors
 from jaxserve.sharding import make_mesh, param_shardings, replica_meshes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -346,84 +345,9 @@ def load_gguf(path: Path, dtype, mesh=None, quantization: str | None = None) -> 
                        quantization, kv_scales_loaded, sampling)
 
 
-SAFETENSORS_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-                      "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "BOOL": np.bool_}
-MAX_HEADER_BYTES = 100 << 20   # the format's own limit
-READ_CHUNK, READ_THREADS = 16 << 20, 8   # a tensor's bytes are read in chunks on threads
 # The loader's small graphs (layout, finiteness, random weights) are memory-bound copies and reductions: XLA's
 # autotuner would time kernel variants for each on the GPU at a first load, which buys nothing there
 LOADER_XLA_OPTIONS = {"xla_gpu_autotune_level": 0}
-
-
-@dataclass(slots=True)
-class StoredTensor:
-    name: str
-    dtype: np.dtype
-    shape: tuple
-    offset: int   # of its first byte in the file
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def safetensors_header(path: Path) -> list[StoredTensor]:
-    """The file's tensors, in file order, checked against the file's size."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
-            raise ModelLoadError(path, f"corrupt safetensors file (header length {length}, file {size} bytes)")
-        try:
-            header = json.loads(f.read(length))
-            header.pop("__metadata__", None)
-            entries = []
-            for name, meta in header.items():
-                begin, end = map(int, meta["data_offsets"])
-                entries.append((begin, end, name, meta["dtype"], tuple(map(int, meta["shape"]))))
-            entries.sort()
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ModelLoadError(path, f"corrupt safetensors file (header: {e!r})") from e
-    tensors = []
-    for begin, end, name, dtype, shape in entries:
-        if dtype not in SAFETENSORS_DTYPES:
-            raise ModelLoadError(path, f"tensor {name} has dtype {dtype}; supported: {', '.join(SAFETENSORS_DTYPES)}")
-        t = StoredTensor(name, np.dtype(SAFETENSORS_DTYPES[dtype]), shape, 8 + length + begin)
-        if end - begin != t.nbytes or t.offset + t.nbytes > size:
-            raise ModelLoadError(path, f"corrupt safetensors file (tensor {name}: bytes {begin}..{end} do not hold "
-                                       f"{dtype}{list(shape)} inside {size} bytes)")
-        tensors.append(t)
-    return tensors
-
-
-def read_tensor(f, t: StoredTensor, pool: ThreadPoolExecutor) -> np.ndarray:
-    """t's bytes, READ_CHUNK at a time on the pool's threads (preads: the GIL released)."""
-    buf = np.empty(t.nbytes, np.uint8)
-    view = memoryview(buf)
-
-    def read_chunk(start: int) -> None:
-        end = min(start + READ_CHUNK, t.nbytes)
-        while start < end:
-            n = os.preadv(f.fileno(), [view[start:end]], t.offset + start)
-            if n == 0:
-                raise ModelLoadError(f.name, "corrupt safetensors file (shorter than its header says)")
-            start += n
-    list(pool.map(read_chunk, range(0, t.nbytes, READ_CHUNK)))
-    return buf.view(t.dtype).reshape(t.shape)
-
-
-def _safetensors(files: list[Path]):
-    """(name, array, shape, bytes) of every tensor, read here in file order, each by chunks on a few threads (the
-    pool places earlier tensors meanwhile). Not the safetensors package: its slices copy from a memory map under the
-    GIL, page fault by page fault, far below what the disk and the page cache deliver; chunked preads on threads
-    come close to both."""
-    with ThreadPoolExecutor(READ_THREADS) as pool:
-        for path in files:
-            with open(path, "rb", buffering=0) as f:
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                for t in safetensors_header(path):
-                    yield t.name, read_tensor(f, t, pool), t.shape, t.nbytes
 
 
 def _read_json(path: Path):
@@ -500,7 +424,7 @@ def load_hf(path: Path, dtype, mesh=None, quantization: str | None = None) -> Lo
     if not (files := sorted(path.glob("*.safetensors"))):
         raise ModelLoadError(path, "no *.safetensors weights found")
     quantization = "fp8" if layout else quantization
-    model, kv_scales_loaded = build_model(cfg, dtype, _safetensors(files), path, mesh,
+    model, kv_scales_loaded = build_model(cfg, dtype, read_safetensors(files), path, mesh,
                                           sum(f.stat().st_size for f in files), quantization, layout)
     has_tokenizer = (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
     return LoadedModel(cfg, model, AutoTokenizer.from_pretrained(path) if has_tokenizer else None, str(path),
@@ -567,15 +491,23 @@ def check_finite(model: LlamaForCausalLM, source: Path) -> None:
         raise ModelLoadError(source, f"tensor {name} holds NaN or Inf values (a corrupt file?)")
 
 
-def load_model(name_or_path: str | None = None, dtype=None, mesh=None, quantization: str | None = None
-               ) -> LoadedModel:
+def load_model(name_or_path: str | None = None, dtype=None, mesh=None, quantization: str | None = None,
+               cache_dir: str | None = None) -> LoadedModel:
     """A model by name or path, each parameter placed by `jaxserve.sharding` on the mesh (default: one device).
     quantization: None keeps the checkpoint's own weights (FP8 for a pre-quantized one), "fp8" quantizes a float
-    one's linear layers at load."""
+    one's linear layers at load. cache_dir: where a GGUF model is kept as loaded (`prepared`), for the next start."""
     check_quantization(quantization)
     path, dtype = resolve_model_path(name_or_path), parse_dtype(dtype)
+    kept = prepared.prepared_dir(cache_dir, path, dtype, quantization) if cache_dir and path.suffix == ".gguf" \
+        and path.is_file() else None
+    if kept and (found := prepared.load(kept, dtype, mesh or make_mesh(), quantization)):
+        cfg, model, meta, tokenizer = found
+        return LoadedModel(cfg, model, tokenizer, str(path), meta["quantization"], meta["kv_scales_loaded"],
+                           meta["sampling_defaults"])
     loaded = _load_path(path, dtype, mesh, quantization)
     check_finite(loaded.model, path)
+    if kept:
+        prepared.save(kept, loaded)
     return loaded
 
 
@@ -607,7 +539,7 @@ def load_run(model: str | None = None, config: str | None = None, dtype=None,
     enable_compilation_cache(engine.compile_cache_dir)
     mesh = make_mesh(engine.tensor_parallel_size)
     if name != "random":
-        return load_model(name, dtype, mesh, quantization), engine
+        return load_model(name, dtype, mesh, quantization, engine.compile_cache_dir), engine
     if not run.random_model:
         raise ValueError("model: 'random' needs a config with a random_model section (see configs/)")
     return random_model(model_config_from_hf(run.random_model), parse_dtype(dtype), mesh=mesh,
