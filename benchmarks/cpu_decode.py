@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import Bytes, write_rows  # noqa: E402
+from benchmarks.first_generate import ROOT, generate_s  # noqa: E402
 from benchmarks.offline import weight_read_bytes  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
@@ -153,14 +154,6 @@ class LlamaBench:
         pass
 
 
-def first_generate_s(prompt: str, max_tokens: int) -> float:
-    """Wall seconds of a `jaxserve generate` process (start, load, engine, answer)."""
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", "--temperature", "0", "--max-tokens",
-                    str(max_tokens), prompt], check=True, capture_output=True)
-    return time.perf_counter() - start
-
-
 def matching_prefix(a: list[int] | None, b: list[int]) -> int | None:
     if a is None:
         return None
@@ -257,7 +250,7 @@ def main(argv=None):
     rows = decode_rows(args, loaded, engine, prompt_ids, *measure(args, engine, prompt_ids, batch))
     if not args.no_first_generate:
         del llm, engine   # the fresh processes get this one's memory
-        starts = [first_generate_s(args.prompt, 16) for _ in range(2)]
+        starts = [generate_s(ROOT, args.prompt, 16) for _ in range(2)]
         rows.append({"bench": "cpu_first_generate", "impl": "jaxserve", "params": {"max_tokens": 16},
                      "ms": starts[-1] * 1e3, "first_s": starts[0], "warm_s": starts[-1]})
     report(rows)

@@ -58,13 +58,14 @@ def save(directory: Path, loaded) -> None:
         (tmp / META).write_text(json.dumps({"config": asdict(loaded.config), "quantization": loaded.quantization,
                                             "kv_scales_loaded": loaded.kv_scales_loaded,
                                             "sampling_defaults": loaded.sampling_defaults}))
-        tmp.rename(directory)   # refused when another start got there first: its copy stands
+        tmp.rename(directory)
         for old in directory.parent.glob(f"{directory.name.partition('-')[0]}-*"):
             if old.name != directory.name and not old.name.endswith(".tmp"):
                 shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
-        log.warning("jaxserve: could not keep the prepared model in %s (%s); the next start loads the file again",
-                    directory, e)
+        if not (directory / META).exists():   # else another start got there first: its copy stands
+            log.warning("jaxserve: could not keep the prepared model in %s (%s); the next start loads the file "
+                        "again", directory, e)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
