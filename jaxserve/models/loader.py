@@ -500,7 +500,7 @@ def load_model(name_or_path: str | None = None, dtype=None, mesh=None, quantizat
     path, dtype = resolve_model_path(name_or_path), parse_dtype(dtype)
     kept = prepared.prepared_dir(cache_dir, path, dtype, quantization) if cache_dir and path.suffix == ".gguf" \
         and path.is_file() else None
-    if kept and (found := prepared.load(kept, dtype, mesh or make_mesh(), quantization)):
+    if kept and (found := prepared.load(kept, mesh or make_mesh())):
         cfg, model, meta, tokenizer = found
         return LoadedModel(cfg, model, tokenizer, str(path), meta["quantization"], meta["kv_scales_loaded"],
                            meta["sampling_defaults"])

@@ -1,30 +1,33 @@
 """A GGUF model as loaded (dequantized, in the model's own layout and dtype) kept on disk beside the compiled graphs:
 a warm start maps its weights back instead of parsing the file's metadata, dequantizing every tensor and building
 the tokenizer again, most of a CPU start's seconds. Kept under a key of the file (path, size, mtime), the dtype, the
-quantization and the loader's code, so a changed file or loader is never served from an old copy."""
+quantization, the loader's code and the jax and flax versions, so a changed file or loader is never served from an
+old copy. The model's structure (NNX graph definition and abstract state) is pickled beside the weights, as the
+executables beside them are: building it again traces every parameter's initializer (~1 s); like those, the cache
+directory must be the user's own."""
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import flax
 import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.llama import abstract_model
 from jaxserve.models.tensor_file import SAFETENSORS_NAMES, map_safetensors, write_safetensors
 from jaxserve.sharding import param_shardings
 
 log = logging.getLogger(__name__)
-WEIGHTS, META, TOKENIZER = "weights.safetensors", "meta.json", "tokenizer"
+WEIGHTS, META, TOKENIZER, MODULE = "weights.safetensors", "meta.json", "tokenizer", "module.pkl"
 # the modules whose code decides what a prepared copy holds: a change to any makes every copy stale
 KEYED_SOURCES = ("gguf.py", "loader.py", "llama.py", "fp8.py", "prepared.py", "tensor_file.py")
 
@@ -33,7 +36,8 @@ def prepared_dir(root: str, source: Path, dtype, quantization: str | None) -> Pa
     """<root>/models/<digest of the file's path>-<digest of the rest of the key>."""
     stat = source.stat()
     where = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:16]
-    key = repr((stat.st_size, stat.st_mtime_ns, jnp.dtype(dtype).name, quantization)).encode()
+    key = repr((stat.st_size, stat.st_mtime_ns, jnp.dtype(dtype).name, quantization, jax.__version__,
+                flax.__version__)).encode()
     code = b"".join((Path(__file__).parent / name).read_bytes() for name in KEYED_SOURCES)
     return Path(root).expanduser() / "models" / f"{where}-{hashlib.sha256(key + code).hexdigest()[:16]}"
 
@@ -46,13 +50,16 @@ def save(directory: Path, loaded) -> None:
     """loaded (a LoadedModel) into directory: written beside it, then renamed into place, so that a start reads a
     whole copy or none; the same file's older copies (another dtype, an edited file or loader) are removed. Nothing
     is kept of a model with weights on other processes, nor when the disk refuses."""
-    values = {_name(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(loaded.model))}
+    graphdef, state = nnx.split(loaded.model)
+    values = {_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
     if not all(v.is_fully_addressable and v.dtype in SAFETENSORS_NAMES for v in values.values()):
         return
     tmp = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         write_safetensors(tmp / WEIGHTS, {name: np.asarray(v) for name, v in values.items()})
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+        (tmp / MODULE).write_bytes(pickle.dumps((graphdef, abstract)))
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(tmp / TOKENIZER)
         (tmp / META).write_text(json.dumps({"config": asdict(loaded.config), "quantization": loaded.quantization,
@@ -70,14 +77,13 @@ def save(directory: Path, loaded) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load(directory: Path, dtype, mesh, quantization: str | None):
+def load(directory: Path, mesh):
     """(config, model, meta, tokenizer) from directory, each weight placed shard by shard on mesh; None when there
-    is no copy, or a damaged one, or one without the model's every variable at its shape and dtype (then it is
-    removed, for the file's next load to keep a new one)."""
+    is no copy, or a damaged one (then it is removed, for the file's next load to keep a new one)."""
     if not (directory / META).exists():
         return None
     found = _read(directory)
-    model = None if found is None else _place(found[1], found[2], dtype, mesh, quantization)
+    model = None if found is None else _place(*found[1:], mesh)
     if model is None:
         shutil.rmtree(directory, ignore_errors=True)
         return None
@@ -88,17 +94,20 @@ def load(directory: Path, dtype, mesh, quantization: str | None):
     return found[1], model, found[0], tokenizer
 
 
-def _read(directory: Path) -> tuple[dict, ModelConfig, dict[str, np.ndarray]] | None:
+def _read(directory: Path) -> tuple[dict, ModelConfig, tuple, dict[str, np.ndarray]] | None:
     try:
         meta = json.loads((directory / META).read_text())
         cfg = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
-        return meta, cfg, map_safetensors(directory / WEIGHTS)
-    except (OSError, ValueError, KeyError, TypeError, ModelLoadError):
+        module = pickle.loads((directory / MODULE).read_bytes())
+        return meta, cfg, module, map_safetensors(directory / WEIGHTS)
+    except Exception:   # whatever a damaged or foreign copy raises (unpickling can raise anything): load the file
         return None
 
 
-def _place(cfg: ModelConfig, stored: dict[str, np.ndarray], dtype, mesh, quantization: str | None):
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, quantization))
+def _place(cfg: ModelConfig, module: tuple, stored: dict[str, np.ndarray], mesh):
+    """The model of module's graph definition and abstract state, its weights from stored; None unless stored
+    holds every variable at its shape and dtype."""
+    graphdef, state = module
     flat = nnx.to_flat_state(state)
     if any(_name(p) not in stored or stored[_name(p)].shape != tuple(v.shape) or stored[_name(p)].dtype != v.dtype
            for p, v in flat):
