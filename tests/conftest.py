@@ -9,7 +9,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # on a GPU: va
 # thread that executes its own computation and meets the others at barriers; dispatched to XLA:CPU's few worker
 # threads (two on a two-core machine) they could all be taken by threads waiting at a barrier, a deadlock
 os.environ.setdefault("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
+# XLA's persistent cache, which jaxserve leaves off on a CPU (compilation_cache.py says why), on for the suite and the
+# processes it starts: most tests compile the same small graphs, and each compiles once per machine
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxserve/xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+XLA_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxserve.models.loader import embedded_model_path, load_model  # noqa: E402
@@ -24,6 +30,17 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError("these tests use the embedded model (smollm, smollm_hf) but are not marked "
                                 "@pytest.mark.slow:\n  " + "\n  ".join(unmarked))
+
+
+@pytest.fixture
+def without_xla_cache():
+    """XLA's persistent cache off for one test, as a jaxserve engine runs on a CPU."""
+    from jax._src import compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 
 import jax
@@ -21,6 +22,7 @@ from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.loader import random_model
 
+from conftest import XLA_CACHE_ENV
 from helpers import KNOBS, TINY, mixed_requests   # tests/multihost_worker.py and tp_worker.py import them from here
 
 
@@ -149,9 +151,9 @@ def test_a_warm_restart_compiles_nothing(tmp_path):
     from dataclasses import asdict
     knobs = {**KNOBS, "token_buckets": [16, 64], "seq_buckets": [4, 8], "num_blocks": 64,
              "compile_cache_dir": str(tmp_path / "xla")}
+    env = {k: v for k, v in os.environ.items() if k not in XLA_CACHE_ENV} | {"JAX_PLATFORMS": "cpu"}
     runs = [subprocess.run([sys.executable, "-c", WARM_START, json.dumps(asdict(TINY)), json.dumps(knobs)],
-                           capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-            for _ in range(2)]
+                           capture_output=True, text=True, timeout=300, env=env) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
     cold, warm = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert cold["compiled_graphs"] > 0 and cold["graphs_from_cache"] == 0
@@ -161,7 +163,7 @@ def test_a_warm_restart_compiles_nothing(tmp_path):
     assert cold["cache_hits"] == cold["cache_misses"] == warm["cache_hits"] == warm["cache_misses"] == 0
 
 
-def test_a_lazy_start_prefetches_what_the_last_lazy_start_wanted_first(tmp_path):
+def test_a_lazy_start_prefetches_what_the_last_lazy_start_wanted_first(tmp_path, without_xla_cache):
     """A start that compiles nothing ahead loads, while it goes on, the graphs the last such start of the same
     engine wanted first (kept on disk with them), and they serve its steps as compiled."""
     knobs = {**KNOBS, "num_blocks": 64, "precompile": False, "compile_cache_dir": str(tmp_path)}
@@ -179,7 +181,7 @@ def test_a_lazy_start_prefetches_what_the_last_lazy_start_wanted_first(tmp_path)
     assert manager.loaded_from_cache == len(wanted) and not manager.pending and manager.first_wanted == wanted
 
 
-def test_executable_cache_round_trip(tmp_path):
+def test_executable_cache_round_trip(tmp_path, without_xla_cache):
     """Executables saved by one manager load in another with the same fingerprint (and donate as compiled), not
     with another fingerprint; an unreadable file means compiling again."""
     f = jax.jit(lambda a, b: (a * 2, b + 1.0), donate_argnums=0)
@@ -199,6 +201,21 @@ def test_executable_cache_round_trip(tmp_path):
     for path in (tmp_path / "executables").iterdir():
         path.write_bytes(b"truncated")
     assert manager("a").loaded_from_cache == 0
+
+
+def test_what_a_cache_served_is_not_kept_on_a_cpu(tmp_path):
+    """XLA:CPU cannot serialize again an executable its persistent cache served (conftest turns that cache on): on a
+    CPU the executable cache keeps what XLA compiled in the call, not what XLA's cache or jax's own memo (which may
+    hold what XLA's cache served) handed back."""
+    salt = float(time.time_ns() % 1_000_003)   # a graph no earlier run put in XLA's cache
+    f = jax.jit(lambda a: a * salt)
+    graphs = {("f", 4): lambda: f.lower(jnp.zeros(4))}
+    for name, served, forget in (("compiled", False, True), ("xla", True, True), ("memo", True, False)):
+        if forget:
+            jax.clear_caches()   # the compile reaches XLA (its persistent cache), not this process's memo
+        CompilationManager(ExecutableCache(str(tmp_path / name), "fp")).compile_all(graphs)
+        kept = len(list((tmp_path / name / "executables").glob("*.bin")))
+        assert kept == (0 if served and jax.default_backend() == "cpu" else 1), name
 
 
 def test_the_cache_size_is_in_the_keys_of_the_graphs_that_take_the_cache():

@@ -30,6 +30,21 @@ Lower = Callable[[], jax.stages.Lowered]
 # Whatever the graphs are built from; a change to any of these files makes every cached executable stale.
 SOURCE_PACKAGES = ("jaxserve", "pallas_kernels", "custom_calls")
 SOURCE_SUFFIXES = (".py", ".so", ".cu", ".cc", ".h")
+_compiling = threading.local()   # per compiling thread: whether XLA compiled its last graph, or a cache served it
+
+
+def _note_xla_cache_hit(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _compiling.served = True
+
+
+def _note_backend_compile(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":   # a compile or a persistent-cache hit, not jax's memo
+        _compiling.reached_backend = True
+
+
+jax.monitoring.register_event_listener(_note_xla_cache_hit)
+jax.monitoring.register_event_duration_secs_listener(_note_backend_compile)
 
 
 @functools.cache
@@ -48,6 +63,11 @@ class ExecutableCache:
     def __init__(self, directory: str | None, fingerprint: str):
         self.directory = Path(directory).expanduser() / "executables" if directory else None
         self.fingerprint = fingerprint
+        # XLA:CPU serializes wrongly an executable it read back from its persistent cache (the copy fails when run:
+        # "Function select_bitcast_fusion not found", jaxlib 0.11.2). jaxserve leaves that cache off on a CPU, but a
+        # process may turn it on itself (JAX_COMPILATION_CACHE_DIR): there only executables XLA compiled in the call
+        # are kept, not one a cache handed back (jax's in-memory one may hold what the persistent one served)
+        self.keeps_served = jax.default_backend() != "cpu"
         if directory:   # an executable that calls an FFI target loads only once the target is registered
             custom_calls.available()
 
@@ -86,8 +106,9 @@ class ExecutableCache:
     def wanted_file(self) -> Path:
         return self.directory / (hashlib.sha256(self.fingerprint.encode()).hexdigest()[:40] + ".wanted")
 
-    def save(self, key: tuple, executable: jax.stages.Compiled) -> None:
-        if self.directory is None:
+    def save(self, key: tuple, executable: jax.stages.Compiled, compiled: bool = True) -> None:
+        """compiled: XLA compiled it in the call that gave it, rather than a cache handing it back."""
+        if self.directory is None or not (compiled or self.keeps_served):
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
@@ -219,9 +240,10 @@ class CompilationManager:
 
     def _compile(self, key: tuple, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         start = time.perf_counter()
+        _compiling.reached_backend = _compiling.served = False
         executable = lowered.compile(self.options(key) or None)
         end = time.perf_counter()
-        self.cache.save(key, executable)
+        self.cache.save(key, executable, _compiling.reached_backend and not _compiling.served)
         self._count(key, "compile_s", end - start)
         self._count(key, "compiled", 1)
         if not self.started:
