@@ -34,8 +34,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def without_xla_cache():
-    """XLA's persistent cache off for one test, as a jaxserve engine runs on a CPU."""
+    """XLA's persistent cache off for one test, and jax's memo of earlier tests' executables emptied: each graph
+    compiles as in a fresh jaxserve process on a CPU."""
     from jax._src import compilation_cache
+    jax.clear_caches()
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     yield
