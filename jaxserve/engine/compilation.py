@@ -106,7 +106,7 @@ class ExecutableCache:
     def wanted_file(self) -> Path:
         return self.directory / (hashlib.sha256(self.fingerprint.encode()).hexdigest()[:40] + ".wanted")
 
-    def save(self, key: tuple, executable: jax.stages.Compiled, compiled: bool = True) -> None:
+    def save(self, key: tuple, executable: jax.stages.Compiled, compiled: bool) -> None:
         """compiled: XLA compiled it in the call that gave it, rather than a cache handing it back."""
         if self.directory is None or not (compiled or self.keeps_served):
             return
