@@ -21,6 +21,7 @@ per call (benchmarks/NOTES_attention.md, v5).
   python benchmarks/attention.py                 # full sweep -> benchmarks/results/attention_h100.json + .png
   python benchmarks/attention.py --tune          # tuning variants at key points -> attention_tune.json
   python benchmarks/attention.py --plans         # decode paths and the CUDA call's splits, with the peers
+  python benchmarks/attention.py --mosaic-decode # decode-only on each backend (Mosaic GPU, Triton), cuDNN
   python benchmarks/attention.py --kv-dtype fp8  # any of the above with fp8-cache rows beside the bf16 ones
 """
 import argparse
@@ -455,6 +456,32 @@ def run_plans(rec: Recorder):
     bench_mosaic_variants(rec, 8192, variants=({}, {"alternate_rounds": False}))
 
 
+MOSAIC_DECODE_VARIANTS = [{"mosaic_decode_steps": 2}, {"mosaic_decode_steps": 6},
+                          {"mosaic_decode_block_kv": 128, "mosaic_decode_steps": 2},
+                          {"mosaic_decode_programs": 528}, {"mosaic_decode_programs": 132}]
+
+
+def run_mosaic_decode(rec: Recorder, free_bytes):
+    """The decode-only launch on each backend (Mosaic GPU beside Triton) and cuDNN at every sweep point; the Mosaic
+    kernel's tuning variants at the tuning points."""
+    measure_copy(rec)
+    for batch_size, context in DECODE_SWEEP:
+        if not fits(batch_size, context, free_bytes):
+            continue
+        batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
+        expected = reference(batch)
+        params = {"batch": batch_size, "context": context, "kv_dtype": "bf16", "path": "decode-only"}
+        sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
+        variants = [{}] + (MOSAIC_DECODE_VARIANTS if (batch_size, context) in TUNE_POINTS else [])
+        for backend, variant in [("triton", {})] + [("mosaic", v) for v in variants]:
+            rec.measure("decode", f"jaxserve-{backend}", {**params, "tuning": variant or "default"},
+                        ours({**TUNING, **variant, "decode_backend": backend}, decode_only=True), sets, batch,
+                        expected, info)
+        paged = cudnn_paged(jnp.ones((batch_size,), jnp.int32), batch.kv_lens, batch.block_tables, causal=False)
+        rec.measure("decode", "cudnn-paged", params, lambda *a: paged(a[0][:, None], a[1], a[2])[:, 0], sets, batch,
+                    expected, info)
+
+
 def run_tune(rec: Recorder):
     measure_copy(rec)
     for batch_size, context in TUNE_POINTS:
@@ -539,6 +566,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="run PROFILE_POINTS untimed (under ncu)")
     parser.add_argument("--prefill", action="store_true", help="prefill backends and the mixed batch only")
     parser.add_argument("--plans", action="store_true", help="decode-only plans and the CUDA call's splits")
+    parser.add_argument("--mosaic-decode", action="store_true", help="decode-only on Mosaic GPU beside Triton")
     parser.add_argument("--max-calls", type=int, default=MAX_CALLS, help="most calls per timed program")
     parser.add_argument("--target-ms", type=float, default=TARGET_RUN_S * 1e3, help="GPU time per timed program")
     parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
@@ -563,6 +591,8 @@ def main():
         run_prefill(rec)
     elif args.plans:
         run_plans(rec)
+    elif args.mosaic_decode:
+        run_mosaic_decode(rec, free)
     else:
         run_full(rec, free)
         plot(rec.rows, os.path.splitext(args.out)[0] + ".png")

@@ -66,10 +66,11 @@ from pallas_kernels.block_tables import row_starts, strided_block_tables
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 if TYPE_CHECKING:
+    from pallas_kernels.paged_decode_attention_mgpu import DecodeTuning
     from pallas_kernels.paged_prefill_attention_mgpu import PrefillTuning
 
 IMPLS = ("auto", "pallas", "reference")
-PREFILL_BACKENDS = ("auto", "triton", "mosaic")
+BACKENDS = ("auto", "triton", "mosaic")  # prefill_backend and decode_backend
 INT32_MAX = 2**31 - 1
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # q's (and the output's), on the pallas impl
 FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)  # the one cache dtype that may differ from q's (q in KERNEL_DTYPES)
@@ -92,6 +93,9 @@ class Tuning:
     prefill_num_stages: int = 3
     cascade_programs: int = 264  # cascade's shared pass: kv heads x member tiles x splits of the shared keys
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
+    mosaic_decode_block_kv: int = 64  # the Mosaic GPU decode kernel's keys per pipeline step
+    mosaic_decode_steps: int = 4  # its pipeline steps in flight
+    mosaic_decode_programs: int = 264  # CTAs its launch aims for (small batches split their contexts)
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory. Chosen by the dots' dtype: an fp8
@@ -189,8 +193,8 @@ class PagedKV:
 
 def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                           impl: str = "auto", prefill_backend: str = "auto", decode_only: bool = False,
-                           interpret: bool = False, **tuning) -> jax.Array:
+                           impl: str = "auto", prefill_backend: str = "auto", decode_backend: str = "auto",
+                           decode_only: bool = False, interpret: bool = False, **tuning) -> jax.Array:
     """Causal GQA attention of each sequence's new tokens over its paged KV (new tokens already cached).
 
     q [num_tokens, num_q_heads, head_dim]; cu_q_lens [max_seqs + 1]; kv_lens [max_seqs] (context including
@@ -202,11 +206,13 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
     prefill_backend, for the pallas impl's non-decode rows: "mosaic" (the Hopper wgmma/TMA kernel; not over an
     fp8 cache), "triton", or "auto" (mosaic on sm_90 when it supports the call, else triton). decode_only: the
     caller guarantees every sequence has one query (token i is sequence i's; anything else is undefined), so the
-    pallas impl runs one launch without split-K. `tuning`: fields of `Tuning`.
+    pallas impl runs one launch; decode_backend picks its kernel as prefill_backend does ("mosaic": the Hopper
+    wgmma/TMA kernel, bf16/f16 caches of q's dtype). `tuning`: fields of `Tuning`.
     """
     return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, None,
                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
-                            prefill_backend=prefill_backend, decode_only=decode_only, interpret=interpret, **tuning)
+                            prefill_backend=prefill_backend, decode_backend=decode_backend, decode_only=decode_only,
+                            interpret=interpret, **tuning)
 
 
 def contiguous_ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, kv_rows, num_seqs, *, blocks_per_row: int,
@@ -234,12 +240,13 @@ def check_layers(num_layers: int, layer) -> None:
 
 def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, blocks_per_row: int | None, *,
                      sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                     impl: str = "auto", prefill_backend: str = "auto", decode_only: bool = False,
-                     interpret: bool = False, block_stride: int = 1, **tuning) -> jax.Array:
+                     impl: str = "auto", prefill_backend: str = "auto", decode_backend: str = "auto",
+                     decode_only: bool = False, interpret: bool = False, block_stride: int = 1,
+                     **tuning) -> jax.Array:
     """Both public entry points: `blocks` is the block table (blocks_per_row None) or each sequence's first block
     (contiguous, its row's blocks block_stride apart)."""
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row, num_seqs,
-                            sm_scale, sliding_window, soft_cap, impl, prefill_backend, block_stride)
+                            sm_scale, sliding_window, soft_cap, impl, prefill_backend, block_stride, decode_backend)
     scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
     if resolve_impl(impl, interpret, k_cache.dtype) == "reference":
         if tuning:
@@ -252,6 +259,10 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
     addressing = dict(blocks_per_row=blocks_per_row, block_stride=block_stride)
     if decode_only:
+        mosaic = decode_on_mosaic(q, k_cache, tuning, decode_backend, interpret)
+        if mosaic is not None:
+            return mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, scores=scores, tuning=mosaic,
+                                 interpret=interpret, **addressing)
         return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing)
     mosaic = prefill_on_mosaic(q, k_cache, blocks, scores, tuning, prefill_backend, interpret)
     # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
@@ -279,6 +290,32 @@ def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backen
         return None
     # one CTA per SM; the CPU interpreter (no core count) simulates a few, each taking several work items
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
+
+
+def decode_on_mosaic(q, k_cache, tuning: Tuning, backend: str, interpret: bool) -> DecodeTuning | None:
+    """The Mosaic GPU decode tuning when that kernel serves a decode-only call, else None (Triton does)."""
+    mgpu_decode = mosaic_decode_kernel()
+    decode_tuning = mgpu_decode.DecodeTuning(block_kv=tuning.mosaic_decode_block_kv,
+                                             max_concurrent_steps=tuning.mosaic_decode_steps,
+                                             programs=tuning.mosaic_decode_programs,
+                                             max_splits=tuning.decode_max_splits)
+    why_not = mgpu_decode.supported(q, k_cache, decode_tuning)
+    if backend == "mosaic" and why_not:
+        raise ValueError(f"decode_backend='mosaic' cannot serve this call: {why_not}; decode_backend='triton' "
+                         "(or 'auto', which falls back to it) can")
+    if backend == "triton" or why_not:
+        return None
+    if backend == "auto" and (interpret or getattr(jax.devices()[0], "compute_capability", None) != "9.0"):
+        return None
+    return decode_tuning
+
+
+def mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, *, scores: Scores,
+                  tuning: DecodeTuning, interpret: bool, blocks_per_row: int | None = None, block_stride: int = 1):
+    return mosaic_decode_kernel().paged_decode_attention(
+        q, k_cache, v_cache, kv_lens, blocks, jnp.asarray(num_seqs).reshape(()), sm_scale=scores.sm_scale,
+        sliding_window=scores.sliding_window, soft_cap=scores.soft_cap, tuning=tuning, interpret=interpret,
+        blocks_per_row=blocks_per_row, block_stride=block_stride)
 
 
 def resolve_impl(impl: str, interpret: bool, cache_dtype=None) -> str:
@@ -329,12 +366,14 @@ def load_q(q_ref, rows, ok, cache_dtype) -> jax.Array:
 
 
 def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row, num_seqs, sm_scale,
-                 sliding_window, soft_cap, impl, prefill_backend, block_stride=1):
+                 sliding_window, soft_cap, impl, prefill_backend, block_stride=1, decode_backend="auto"):
     """Validate shapes, dtypes and options; return num_seqs as int32 [1]."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if prefill_backend not in PREFILL_BACKENDS:
-        raise ValueError(f"prefill_backend must be one of {PREFILL_BACKENDS}, got {prefill_backend!r}")
+    if prefill_backend not in BACKENDS:
+        raise ValueError(f"prefill_backend must be one of {BACKENDS}, got {prefill_backend!r}")
+    if decode_backend not in BACKENDS:
+        raise ValueError(f"decode_backend must be one of {BACKENDS}, got {decode_backend!r}")
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
@@ -410,6 +449,12 @@ def mosaic_prefill():
     which a start that never runs the kernel (every CPU start) need not pay."""
     from pallas_kernels import paged_prefill_attention_mgpu
     return paged_prefill_attention_mgpu
+
+
+def mosaic_decode_kernel():
+    """The Mosaic GPU decode kernel's module, imported on first use (as `mosaic_prefill`)."""
+    from pallas_kernels import paged_decode_attention_mgpu
+    return paged_decode_attention_mgpu
 
 
 def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,

@@ -1,0 +1,298 @@
+"""Paged decode attention for Hopper (sm_90a): Pallas Mosaic GPU, TMA page copies into wgmma.
+
+The decode-only launch of `ragged_paged_attention` without Pallas's Triton backend: every sequence has one query
+(token i is sequence i's), the cache layout and metadata are the ragged kernel's.
+
+- Grid (kv heads, slots): slot = sequence * splits + split. `splits` is fixed by the shape (the engine's bucket),
+  so a small batch spreads each context over several CTAs (flash-decoding) and every CTA knows its keys from its
+  grid position. Splits write float32 partials and their log2-sum-exp, merged by one XLA fusion after the launch.
+- The q heads of one kv head (GQA) are the first rows of a 64-row wgmma tile, the rest zeros: decode is bound by
+  the K/V reads, and the tensor cores' idle rows cost less than moving the dots off them.
+- Two warpgroups per CTA: the memory warpgroup TMA-copies each step's pages (block_kv // block_size for K and for
+  V) into a ring `max_concurrent_steps` deep; the compute warpgroup runs QK, the online softmax and PV as the
+  pages land, and frees each slot after its PV.
+- Keys past the context (the last step's tail: the null block) are masked and their V rows zeroed, since
+  0 x NaN would leak; pages before a sliding window's start are not read.
+"""
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import LOG2E, mosaic_interpret_params, normalize, online_softmax_step, per_row
+from pallas_kernels.paged_prefill_attention_mgpu import page_addressing, wgmma_carry, zero_rows_from
+
+TILE_ROWS = 64  # wgmma's M: the q heads of a kv head fill the first rows
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTuning:
+    """Defaults tuned on H100, bf16, head_dim 128."""
+    block_kv: int = 64  # keys per pipeline step: a multiple of 64 and of the block size
+    max_concurrent_steps: int = 4
+    programs: int = 264  # CTAs a launch aims for: small batches split their contexts until they fill it
+    max_splits: int = 16
+
+
+def supported(q, k_cache, tuning: DecodeTuning = DecodeTuning()) -> str | None:
+    """None when this kernel can serve the shapes, else why not."""
+    head_dim, block_size = q.shape[2], k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {q.dtype} (needs bfloat16/float16)"
+    if k_cache.dtype != q.dtype:
+        return f"KV cache dtype {k_cache.dtype} (needs q's, {q.dtype}: K and V go from TMA straight into wgmma)"
+    if head_dim not in (64, 128):
+        return f"head_dim {head_dim} (needs 64 or 128)"
+    if block_size % 8 or tuning.block_kv % block_size or tuning.block_kv % TILE_ROWS:
+        return f"block_size {block_size} (needs a multiple of 8 dividing block_kv={tuning.block_kv})"
+    if group > TILE_ROWS:
+        return f"{group} q heads per kv head (at most {TILE_ROWS})"
+    return None
+
+
+def num_splits(rows: int, kv_heads: int, tuning: DecodeTuning) -> int:
+    """CTAs per (sequence, kv head): enough for `rows` sequences to fill `tuning.programs`, at most max_splits."""
+    return max(1, min(pl.cdiv(tuning.programs, kv_heads) // rows, tuning.max_splits))
+
+
+def paged_decode_attention(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *, sm_scale,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           tuning: DecodeTuning = DecodeTuning(), interpret=False,
+                           blocks_per_row: int | None = None, block_stride: int = 1):
+    """Token i < num_decodes is decode i (one query at position kv_lens[i] - 1) over its paged keys; other rows
+    come out as zeros. q [num_tokens, num_q_heads, head_dim]; blocks: the block table [max_seqs, max_blocks], or
+    (blocks_per_row given) each sequence's first block, its row's blocks block_stride apart."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    rows = min(blocks.shape[0], num_tokens)
+    splits = num_splits(rows, kv_heads, tuning)
+    slots = rows * splits if splits > 1 else num_tokens
+    if splits > 1:  # normalised float32 partials, and per kv head a log2-sum-exp per tile row
+        out_type = (jax.ShapeDtypeStruct((slots, num_q_heads, head_dim), jnp.float32),
+                    jax.ShapeDtypeStruct((slots, kv_heads, TILE_ROWS), jnp.float32))
+    else:
+        out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    kernel = functools.partial(
+        decode_kernel, tuning=tuning, splits=splits, sm_scale=float(sm_scale), sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap), blocks_per_row=blocks_per_row,
+        block_stride=block_stride)
+    out = plgpu.kernel(
+        kernel, out_type=out_type,
+        scratch_types=(scratch(q.dtype, head_dim, tuning, k_cache.shape[1], splits > 1, interpret),),
+        grid=(kv_heads, slots), grid_names=("kv_head", "slot"), num_threads=2, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mosaic_interpret_params(interpret),
+    )(jnp.asarray(num_decodes, jnp.int32).reshape(1), kv_lens, q, k_cache, v_cache, blocks)
+    if splits == 1:
+        return out
+    return merge_splits(*out, rows=rows, splits=splits, num_tokens=num_tokens).astype(q.dtype)
+
+
+def merge_splits(parts, lse, *, rows, splits, num_tokens):
+    """[num_tokens, q heads, head_dim]: each decode's split partials weighed by their log2-sum-exps; zeros past
+    the decodes (all weights 0)."""
+    _, num_q_heads, head_dim = parts.shape
+    group = num_q_heads // lse.shape[1]
+    lse = lse[..., :group].reshape(rows, splits, num_q_heads)
+    m = lse.max(axis=1, keepdims=True)
+    weights = jnp.exp2(lse - jnp.where(m == -jnp.inf, 0.0, m))
+    total = weights.sum(axis=1)
+    out = jnp.einsum("rsh,rshd->rhd", weights, parts.reshape(rows, splits, num_q_heads, head_dim))
+    out = out / jnp.where(total == 0, 1.0, total)[..., None]
+    return jnp.pad(out, ((0, num_tokens - rows), (0, 0), (0, 0)))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Ring:
+    """K or V pages in SMEM: one buffer per step in flight, and a barrier per buffer its page copies arrive on."""
+    buffers: Any  # [max_concurrent_steps, block_kv, head_dim], swizzled for wgmma
+    ready: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Scratch:
+    q_tile: Any  # [64, head_dim] swizzled: the wgmma operand
+    staging: Any  # q in, the output out (plain: its rows start anywhere in HBM)
+    k: Ring
+    v: Ring
+    free: Any  # per ring slot: the compute warpgroup is done with its K and V
+    q_ready: Any
+    p_tile: Any  # softmax probabilities for the interpreter's wgmma (SMEM operands only); None on the GPU
+    parts: Any  # float32 partial and its log2-sum-exp when the contexts are split; else None
+    lse: Any
+
+
+def scratch(dtype, head_dim, tuning: DecodeTuning, block_size, split, interpret) -> Scratch:
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    steps, pages = tuning.max_concurrent_steps, tuning.block_kv // block_size
+
+    def ring():
+        return Ring(plgpu.SMEM((steps, tuning.block_kv, head_dim), dtype, transforms=swizzled),
+                    plgpu.Barrier(num_arrivals=pages, num_barriers=steps))
+
+    return Scratch(
+        q_tile=plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=swizzled),
+        staging=plgpu.SMEM((TILE_ROWS, head_dim), dtype),
+        k=ring(), v=ring(),
+        free=plgpu.Barrier(num_barriers=steps),
+        q_ready=plgpu.Barrier(),
+        p_tile=plgpu.SMEM((TILE_ROWS, tuning.block_kv), dtype, transforms=swizzled) if interpret else None,
+        parts=plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32) if split else None,
+        lse=plgpu.SMEM((TILE_ROWS,), jnp.float32) if split else None)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One CTA's share: decode `seq`'s keys [first, kv_len), of which KV steps [lo, hi) are this split's."""
+    seq: jax.Array
+    kv_len: jax.Array
+    first: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+
+
+def locate(num_ref, kv_lens_ref, *, splits, block_kv, sliding_window) -> Work:
+    slot = lax.axis_index("slot")
+    seq, split = slot // splits, slot % splits
+    kv_len = jnp.where(seq < num_ref[0], kv_lens_ref[jnp.minimum(seq, kv_lens_ref.shape[0] - 1)], 0)
+    first = jnp.zeros_like(kv_len) if sliding_window is None else jnp.maximum(kv_len - sliding_window, 0)
+    lo, hi = first // block_kv, pl.cdiv(kv_len, block_kv)
+    per_split = pl.cdiv(hi - lo, splits)
+    lo = jnp.minimum(lo + split * per_split, hi)
+    return Work(seq, kv_len, first, lo, jnp.minimum(lo + per_split, hi))
+
+
+def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, tuning, splits, sm_scale,
+                  sliding_window, soft_cap, blocks_per_row, block_stride):
+    *outs, scratch = refs
+    group = q_ref.shape[1] // k_ref.shape[2]
+    work = locate(num_ref, kv_lens_ref, splits=splits, block_kv=tuning.block_kv, sliding_window=sliding_window)
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.set_max_registers(232, action="increase")
+        acc, m, l = attend(work, q_ref, scratch, group=group, tuning=tuning, sm_scale=sm_scale, soft_cap=soft_cap)
+        store(work, acc, m, l, outs, scratch, group)
+
+    @pl.when(wg == 1)
+    def _():
+        plgpu.set_max_registers(40, action="decrease")
+        stream(work, k_ref, v_ref, page_addressing(blocks_ref, blocks_per_row, block_stride), scratch, tuning)
+
+
+def stream(work: Work, k_ref, v_ref, pages, scratch: Scratch, tuning: DecodeTuning):
+    """Memory warpgroup: the pages of steps [lo, hi) into the ring, a slot reused once its PV is done."""
+    block_size, kv_head = k_ref.shape[1], lax.axis_index("kv_head")
+    per_step, depth = tuning.block_kv // block_size, tuning.max_concurrent_steps
+    seq_pages = pages.of(jnp.minimum(work.seq, blocks_rows(pages) - 1))
+
+    def one(s, _):
+        slot = (s - work.lo) % depth
+        # pages past the context may not be in the table: the null block stands in (its V rows are zeroed)
+        ids = [jnp.where((s * per_step + i) * block_size < work.kv_len, pages.page(seq_pages, s * per_step + i), 0)
+               for i in range(per_step)]
+        pl.when(s - work.lo >= depth)(lambda: plgpu.barrier_wait(scratch.free.at[slot]))
+        for ring, cache in ((scratch.k, k_ref), (scratch.v, v_ref)):
+            for i, page in enumerate(ids):
+                plgpu.copy_gmem_to_smem(cache.at[page, :, kv_head],
+                                        ring.buffers.at[slot, pl.ds(i * block_size, block_size)],
+                                        ring.ready.at[slot])
+        return _
+
+    lax.fori_loop(work.lo, work.hi, one, None)
+    for i in range(depth):  # observe the last releases before the barriers go
+        s = work.hi - depth + i
+        pl.when(s >= work.lo)(lambda: plgpu.barrier_wait(scratch.free.at[(s - work.lo) % depth]))
+
+
+def blocks_rows(pages) -> int:
+    return pages.ref.shape[0]
+
+
+def attend(work: Work, q_ref, scratch: Scratch, *, group, tuning, sm_scale, soft_cap):
+    """Compute warpgroup: the online softmax of the group's q heads over steps [lo, hi); (acc, m, l)."""
+    kv_head, bkv = lax.axis_index("kv_head"), tuning.block_kv
+    token = jnp.minimum(work.seq, q_ref.shape[0] - 1)
+    scratch.staging[...] = jnp.zeros(scratch.staging.shape, scratch.staging.dtype)  # rows past the group
+    plgpu.commit_smem()
+    plgpu.copy_gmem_to_smem(q_ref.at[token, pl.ds(kv_head * group, group)], scratch.staging.at[pl.ds(0, group)],
+                            scratch.q_ready)
+    plgpu.barrier_wait(scratch.q_ready)
+    scratch.q_tile[...] = scratch.staging[...]
+    plgpu.commit_smem()
+
+    # steps inside [full_lo, full_hi) need no mask: every key visible
+    full_lo = jnp.clip(pl.cdiv(work.first, bkv), work.lo, work.hi)
+    full_hi = jnp.clip(work.kv_len // bkv, full_lo, work.hi)
+    step = functools.partial(attend_step, work=work, scratch=scratch, tuning=tuning, sm_scale=sm_scale,
+                             soft_cap=soft_cap)
+    carry = wgmma_carry(scratch.q_tile.shape)
+    carry = lax.fori_loop(work.lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full_hi, work.hi, functools.partial(step, masked=True), carry)
+
+
+def attend_step(s, carry, *, masked, work: Work, scratch: Scratch, tuning, sm_scale, soft_cap):
+    acc, m, l = carry
+    slot = (s - work.lo) % tuning.max_concurrent_steps
+    k_tile, v_tile = scratch.k.buffers.at[slot], scratch.v.buffers.at[slot]
+    bkv = tuning.block_kv
+    plgpu.barrier_wait(scratch.k.ready.at[slot])
+
+    def qk(ref):
+        plgpu.wgmma(ref, scratch.q_tile, k_tile.T)
+        return ref[...]
+
+    s_tile = pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
+    if soft_cap is None:
+        logits = s_tile * (sm_scale * LOG2E)
+    else:
+        logits = jnp.tanh(s_tile * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+    if masked:
+        key = s * bkv + plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
+        logits = jnp.where((key >= work.first) & (key < work.kv_len), logits, -jnp.inf)
+    m, p, alpha = online_softmax_step(m, logits)
+    acc *= per_row(alpha, acc.shape)
+    l = l * alpha + p.sum(axis=1)
+    p = p.astype(v_tile.dtype)
+    plgpu.barrier_wait(scratch.v.ready.at[slot])
+    if masked:  # V rows past the context (the null block's, or stale) may hold NaN
+        pl.when((s + 1) * bkv > work.kv_len)(lambda: zero_rows_from(v_tile, work.kv_len - s * bkv))
+    if scratch.p_tile is not None:  # the interpreter's wgmma takes SMEM operands only
+        scratch.p_tile[...] = p
+        plgpu.commit_smem()
+        p = scratch.p_tile
+
+    def pv(ref):
+        plgpu.wgmma(ref, p, v_tile)
+        return ref[...]
+
+    acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+    plgpu.barrier_arrive(scratch.free.at[slot])
+    return acc, m, l
+
+
+def store(work: Work, acc, m, l, outs, scratch: Scratch, group):
+    """The group's rows: normalised into the output (one split), or a float32 partial and its log2-sum-exp."""
+    kv_head, slot = lax.axis_index("kv_head"), lax.axis_index("slot")
+    out_ref = outs[0]
+    if scratch.parts is None:
+        scratch.staging[...] = normalize(acc, l).astype(scratch.staging.dtype)  # no keys: zeros
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(scratch.staging.at[pl.ds(0, group)], out_ref.at[slot, pl.ds(kv_head * group, group)])
+    else:
+        scratch.parts[...] = normalize(acc, l)
+        scratch.lse[...] = m + jnp.log(l) * LOG2E  # -inf for an empty split: weight 0
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(scratch.parts.at[pl.ds(0, group)], out_ref.at[slot, pl.ds(kv_head * group, group)])
+        plgpu.copy_smem_to_gmem(scratch.lse, outs[1].at[slot, kv_head])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -1,0 +1,77 @@
+"""The Mosaic GPU decode kernel against the reference: interpreted on the CPU (Mosaic GPU's warpgroup interpreter),
+compiled on an H100/H200.
+
+Batches as in test_ragged_paged_attention: NaN in every cache slot no live token wrote, garbage block-table entries
+past each sequence's end and garbage lengths past num_seqs, so a key read past a context, an unmasked tail or an
+unwritten output row shows up as NaN. Every call goes through `ragged_paged_attention(decode_only=True,
+decode_backend="mosaic")`, the engine's entry point.
+"""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_decode_attention_mgpu as mgpu_decode
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
+
+from helpers import GEOMETRY, cached_as, check_close, make_batch, on_gpu, on_hopper, poison_allocator
+
+ON_GPU = on_gpu()
+pytestmark = pytest.mark.skipif(ON_GPU and not on_hopper(), reason="the Mosaic GPU decode kernel needs sm_90")
+# The interpreter runs every CTA's warpgroups as threads: a few CTAs a call keep it to seconds.
+SPLIT = {"mosaic_decode_programs": 64}  # 8 decode slots x 2 kv heads: 4 splits of each context
+WHOLE = {"mosaic_decode_programs": 2}  # one CTA per (decode, kv head)
+
+
+def check_decode(batch, tuning, label, **options):
+    expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125, **options)
+    poison_allocator(batch)
+    out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=not ON_GPU,
+                                 decode_only=True, decode_backend="mosaic", **options, **tuning)
+    check_close(out, expected, batch, jnp.bfloat16, label)  # float16 is held to bfloat16's (looser) tolerance
+
+
+@pytest.mark.parametrize("tuning, options", [
+    (SPLIT, {"sliding_window": 33}),  # splits merged after the launch; a window starting inside a step
+    (WHOLE, {}),  # one CTA a context: the output written by the kernel itself
+])
+def test_decode_matches_reference(tuning, options):
+    """Contexts of 1 key, one page, a page and one key, a whole 64-key step, several steps with a ragged tail;
+    a row past the decodes (token 7) and padding tokens past the sequence slots come out zeros."""
+    shape = {**GEOMETRY, "num_tokens": 16, "max_blocks": 16}
+    batch = make_batch(np.random.default_rng(5), [1] * 7, [1, 16, 17, 64, 99, 250, 3], **shape, dtype=jnp.bfloat16)
+    check_decode(batch, tuning, str(tuning), **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, block_size, dtype, options", [
+    (9, 3, 64, 16, jnp.bfloat16, {"soft_cap": 5.0}),  # SmolLM2's GQA 3: a q slab of 3 rows; logit soft cap
+    (8, 1, 128, 32, jnp.float16, {}),  # GQA 8, head_dim 128, 32-key pages
+    (4, 4, 64, 64, jnp.bfloat16, {"sliding_window": 70}),  # no GQA; one page a step; window across steps
+])
+def test_decode_shapes(q_heads, kv_heads, head_dim, block_size, dtype, options):
+    shape = {**GEOMETRY, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size,
+             "num_tokens": 8, "max_seqs": 4, "max_blocks": 10, "num_blocks": 40}
+    batch = make_batch(np.random.default_rng(6), [1] * 3, [5, 130, 64], **shape, dtype=dtype)
+    for tuning in (SPLIT, WHOLE):
+        check_decode(batch, tuning, str(tuning), **options)
+
+
+@pytest.mark.parametrize("dtype, cache, reason", [
+    (jnp.float32, None, "dtype float32"),
+    (jnp.bfloat16, jnp.float8_e4m3fn, "KV cache dtype float8_e4m3fn"),
+])
+def test_mosaic_decode_refuses_what_it_cannot_serve(dtype, cache, reason):
+    """Asked for by name it refuses with the reason and names the Triton kernel, which "auto" takes for such calls."""
+    batch = cached_as(make_batch(np.random.default_rng(7), [1] * 3, [5, 20, 40], **GEOMETRY, dtype=dtype), cache)
+    with pytest.raises(ValueError, match=f"decode_backend='mosaic'.*{reason}.*decode_backend='triton'"):
+        ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=not ON_GPU,
+                               decode_only=True, decode_backend="mosaic")
+
+
+def test_splits_follow_the_shape():
+    """A small batch splits its contexts to fill the launch, a full one does not, and never past max_splits."""
+    tuning = mgpu_decode.DecodeTuning(programs=264, max_splits=16)
+    assert mgpu_decode.num_splits(8, 8, tuning) == 4
+    assert mgpu_decode.num_splits(256, 8, tuning) == 1
+    assert mgpu_decode.num_splits(1, 8, tuning) == 16
