@@ -32,6 +32,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-timeline  # a shared-prefix decode step: host vs device
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-decode   # Mosaic GPU decode: GPU tests, beside Triton
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -49,9 +50,16 @@ run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
 case $1 in
   mosaic-decode)   # the Mosaic GPU decode kernel compiled against the reference, then beside Triton and cuDNN
-    run 150 python -m pytest -q -x -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
-      tests/test_ragged_paged_attention.py -k "not mosaic_prefill and not random_mixes"
-    run 420 python benchmarks/attention.py --mosaic-decode --out "$OUT/attention_mosaic_decode_gpu.json" ;;
+    run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
+      tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
+    run 440 python benchmarks/attention.py --mosaic-decode --out "$OUT/attention_mosaic_decode_gpu.json" ;;
+  mosaic-engine)   # the engine's decode-only steps on each backend: 256 x 512/128, then batch 1 (the first compiles)
+    for backend in mosaic triton; do
+      run 150 python benchmarks/offline.py --config $CONFIG --set decode_attention=$backend \
+        --out "$OUT/offline_mosaic_decode_gpu.json"
+      run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
+        --set decode_attention=$backend --out "$OUT/offline_mosaic_decode_gpu.json"
+    done ;;
   cascade)   # the kernels compiled against the reference, then cascade beside plain decode at kernel level
     run 170 python -m pytest -q -x -p no:cacheprovider tests/test_cascade_attention.py \
       tests/test_ragged_paged_attention.py -k "split_k or one_launch or kernel_matches or float64 or share or rule"

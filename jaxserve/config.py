@@ -121,7 +121,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
 
 
 # The names a knob may take (models/attention.py and engine/sampler.py give them meaning).
-DECODE_ATTENTION = ("auto", "cuda")
+DECODE_ATTENTION = ("auto", "triton", "mosaic", "cuda")
 PREFILL_ATTENTION = ("triton", "mosaic")
 CASCADE_ATTENTION = ("auto", "on", "off")
 SAMPLER_MODES = ("greedy", "sample", "filter")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
@@ -269,7 +269,8 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = knob(None, group="compilation", check=BUCKETS)
     seq_buckets: tuple[int, ...] | None = knob(None, group="compilation", check=BUCKETS)
     # models/attention.py resolves both once per engine (AttentionKernels).
-    # decode-only steps: "auto" (the Pallas decode-only launch), "cuda"
+    # decode-only steps: "auto" (the Pallas decode-only launch: Mosaic GPU on sm_90 where it serves the cache,
+    # else Triton), "triton", "mosaic" (the Hopper kernel), "cuda" (the custom call)
     decode_attention: str = knob("auto", group="compilation", check=one_of(DECODE_ATTENTION))
     # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: faster on long prompts; off by default until
     # its compile time inside a whole model's step is known)
@@ -352,6 +353,9 @@ def check_engine_config(c: EngineConfig) -> None:
              "slots in the block tables)")
     need(not (c.kv_cache_dtype == "fp8" and c.prefill_attention == "mosaic"), "prefill_attention",
          "must be triton with kv_cache_dtype: fp8 (the Mosaic prefill kernel reads a cache of q's dtype only)")
+    need(not (c.kv_cache_dtype == "fp8" and c.decode_attention == "mosaic"), "decode_attention",
+         "must be auto, triton or cuda with kv_cache_dtype: fp8 (the Mosaic decode kernel reads a cache of q's "
+         "dtype only)")
     need(c.max_num_seqs + c.min_prefill_chunk <= c.max_num_batched_tokens, "max_num_batched_tokens",
          f"must be >= max_num_seqs ({c.max_num_seqs}) + min_prefill_chunk ({c.min_prefill_chunk}) so that decodes "
          "never starve prefill")

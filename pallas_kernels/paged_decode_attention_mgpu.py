@@ -3,14 +3,17 @@
 The decode-only launch of `ragged_paged_attention` without Pallas's Triton backend: every sequence has one query
 (token i is sequence i's), the cache layout and metadata are the ragged kernel's.
 
-- Grid (kv heads, slots): slot = sequence * splits + split. `splits` is fixed by the shape (the engine's bucket),
-  so a small batch spreads each context over several CTAs (flash-decoding) and every CTA knows its keys from its
-  grid position. Splits write float32 partials and their log2-sum-exp, merged by one XLA fusion after the launch.
+- Work items (slot, kv head), slot = sequence * splits + split. `splits` is fixed by the shape (the engine's
+  bucket), so a small batch spreads each context over several items (flash-decoding) and every item knows its
+  keys from its index. Splits write float32 partials and their log2-sum-exp, merged by one XLA fusion after the
+  launch.
+- A persistent grid (one CTA per SM) deals the items round-robin: a batch of many short contexts pays the
+  pipeline's ramp once per CTA, not once per item, and no wave is left a few CTAs long.
 - The q heads of one kv head (GQA) are the first rows of a 64-row wgmma tile, the rest zeros: decode is bound by
   the K/V reads, and the tensor cores' idle rows cost less than moving the dots off them.
 - Two warpgroups per CTA: the memory warpgroup TMA-copies each step's pages (block_kv // block_size for K and for
-  V) into a ring `max_concurrent_steps` deep; the compute warpgroup runs QK, the online softmax and PV as the
-  pages land, and frees each slot after its PV.
+  V) into a ring `max_concurrent_steps` deep, running on into the next item's; the compute warpgroup runs QK,
+  the online softmax and PV as the pages land, and frees each slot after its PV.
 - Keys past the context (the last step's tail: the null block) are masked and their V rows zeroed, since
   0 x NaN would leak; pages before a sliding window's start are not read.
 """
@@ -35,8 +38,9 @@ class DecodeTuning:
     """Defaults tuned on H100, bf16, head_dim 128."""
     block_kv: int = 64  # keys per pipeline step: a multiple of 64 and of the block size
     max_concurrent_steps: int = 4
-    programs: int = 264  # CTAs a launch aims for: small batches split their contexts until they fill it
+    programs: int = 132  # work items a launch aims for: small batches split their contexts until they fill it
     max_splits: int = 16
+    num_ctas: int = 132  # persistent grid, one CTA per SM (H100); the caller passes the device's core count
 
 
 def supported(q, k_cache, tuning: DecodeTuning = DecodeTuning()) -> str | None:
@@ -57,7 +61,8 @@ def supported(q, k_cache, tuning: DecodeTuning = DecodeTuning()) -> str | None:
 
 
 def num_splits(rows: int, kv_heads: int, tuning: DecodeTuning) -> int:
-    """CTAs per (sequence, kv head): enough for `rows` sequences to fill `tuning.programs`, at most max_splits."""
+    """Work items per (sequence, kv head): enough for `rows` sequences to fill `tuning.programs`, at most
+    max_splits."""
     return max(1, min(pl.cdiv(tuning.programs, kv_heads) // rows, tuning.max_splits))
 
 
@@ -78,14 +83,15 @@ def paged_decode_attention(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *,
                     jax.ShapeDtypeStruct((slots, kv_heads, TILE_ROWS), jnp.float32))
     else:
         out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    num_ctas = min(tuning.num_ctas, slots * kv_heads)
     kernel = functools.partial(
-        decode_kernel, tuning=tuning, splits=splits, sm_scale=float(sm_scale), sliding_window=sliding_window,
-        soft_cap=None if soft_cap is None else float(soft_cap), blocks_per_row=blocks_per_row,
-        block_stride=block_stride)
+        decode_kernel, tuning=tuning, splits=splits, num_ctas=num_ctas, sm_scale=float(sm_scale),
+        sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
+        blocks_per_row=blocks_per_row, block_stride=block_stride)
     out = plgpu.kernel(
         kernel, out_type=out_type,
         scratch_types=(scratch(q.dtype, head_dim, tuning, k_cache.shape[1], splits > 1, interpret),),
-        grid=(kv_heads, slots), grid_names=("kv_head", "slot"), num_threads=2, thread_name="wg",
+        grid=(num_ctas,), grid_names=("cta",), num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params(interpret),
     )(jnp.asarray(num_decodes, jnp.int32).reshape(1), kv_lens, q, k_cache, v_cache, blocks)
@@ -151,7 +157,10 @@ def scratch(dtype, head_dim, tuning: DecodeTuning, block_size, split, interpret)
 
 @dataclass(frozen=True)
 class Work:
-    """One CTA's share: decode `seq`'s keys [first, kv_len), of which KV steps [lo, hi) are this split's."""
+    """One work item: kv head `kv_head` of decode `seq`'s keys [first, kv_len), of which KV steps [lo, hi) are
+    this split's; its partial (or output) goes to row `slot`."""
+    kv_head: jax.Array
+    slot: jax.Array
     seq: jax.Array
     kv_len: jax.Array
     first: jax.Array
@@ -159,73 +168,87 @@ class Work:
     hi: jax.Array
 
 
-def locate(num_ref, kv_lens_ref, *, splits, block_kv, sliding_window) -> Work:
-    slot = lax.axis_index("slot")
+def locate(n, num_ref, kv_lens_ref, *, kv_heads, num_ctas, splits, block_kv, sliding_window) -> Work:
+    """The CTA's n-th work item: items are (slot, kv head) pairs, kv heads fastest, dealt round-robin."""
+    w = lax.axis_index("cta") + n * num_ctas
+    slot, kv_head = w // kv_heads, w % kv_heads
     seq, split = slot // splits, slot % splits
     kv_len = jnp.where(seq < num_ref[0], kv_lens_ref[jnp.minimum(seq, kv_lens_ref.shape[0] - 1)], 0)
     first = jnp.zeros_like(kv_len) if sliding_window is None else jnp.maximum(kv_len - sliding_window, 0)
     lo, hi = first // block_kv, pl.cdiv(kv_len, block_kv)
     per_split = pl.cdiv(hi - lo, splits)
     lo = jnp.minimum(lo + split * per_split, hi)
-    return Work(seq, kv_len, first, lo, jnp.minimum(lo + per_split, hi))
+    return Work(kv_head, slot, seq, kv_len, first, lo, jnp.minimum(lo + per_split, hi))
 
 
-def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, tuning, splits, sm_scale,
+def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, tuning, splits, num_ctas, sm_scale,
                   sliding_window, soft_cap, blocks_per_row, block_stride):
+    """A persistent CTA: its two warpgroups walk the same work items in the same order, the memory warpgroup
+    running ahead into the next item's pages while the compute warpgroup finishes one."""
     *outs, scratch = refs
-    group = q_ref.shape[1] // k_ref.shape[2]
-    work = locate(num_ref, kv_lens_ref, splits=splits, block_kv=tuning.block_kv, sliding_window=sliding_window)
+    kv_heads = k_ref.shape[2]
+    group = q_ref.shape[1] // kv_heads
+    num_items = pl.cdiv(outs[0].shape[0] * kv_heads - lax.axis_index("cta"), num_ctas)
+    item = functools.partial(locate, num_ref=num_ref, kv_lens_ref=kv_lens_ref, kv_heads=kv_heads, num_ctas=num_ctas,
+                             splits=splits, block_kv=tuning.block_kv, sliding_window=sliding_window)
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
     def _():
         plgpu.set_max_registers(232, action="increase")
-        acc, m, l = attend(work, q_ref, scratch, group=group, tuning=tuning, sm_scale=sm_scale, soft_cap=soft_cap)
-        store(work, acc, m, l, outs, scratch, group)
+
+        def one(n, step):
+            work = item(n)
+            acc, m, l = attend(work, step, q_ref, scratch, group=group, tuning=tuning, sm_scale=sm_scale,
+                               soft_cap=soft_cap)
+            store(work, acc, m, l, outs, scratch, group)
+            return step + work.hi - work.lo
+
+        lax.fori_loop(0, num_items, one, 0)
 
     @pl.when(wg == 1)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        stream(work, k_ref, v_ref, page_addressing(blocks_ref, blocks_per_row, block_stride), scratch, tuning)
+        pages = page_addressing(blocks_ref, blocks_per_row, block_stride)
+        steps = lax.fori_loop(0, num_items, lambda n, step: stream(item(n), step, k_ref, v_ref, pages, scratch,
+                                                                   tuning), 0)
+        depth = tuning.max_concurrent_steps
+        for i in range(depth):  # observe the last releases before the barriers go
+            last = steps - depth + i
+            pl.when(last >= 0)(lambda: plgpu.barrier_wait(scratch.free.at[last % depth]))
 
 
-def stream(work: Work, k_ref, v_ref, pages, scratch: Scratch, tuning: DecodeTuning):
-    """Memory warpgroup: the pages of steps [lo, hi) into the ring, a slot reused once its PV is done."""
-    block_size, kv_head = k_ref.shape[1], lax.axis_index("kv_head")
+def stream(work: Work, step, k_ref, v_ref, pages, scratch: Scratch, tuning: DecodeTuning):
+    """Memory warpgroup: the pages of the item's steps [lo, hi) into the ring, each slot reused once its PV is
+    done; returns the running step count."""
+    block_size = k_ref.shape[1]
     per_step, depth = tuning.block_kv // block_size, tuning.max_concurrent_steps
-    seq_pages = pages.of(jnp.minimum(work.seq, blocks_rows(pages) - 1))
+    seq_pages = pages.of(jnp.minimum(work.seq, pages.ref.shape[0] - 1))
 
-    def one(s, _):
-        slot = (s - work.lo) % depth
+    def one(s, step):
+        slot = step % depth
         # pages past the context may not be in the table: the null block stands in (its V rows are zeroed)
         ids = [jnp.where((s * per_step + i) * block_size < work.kv_len, pages.page(seq_pages, s * per_step + i), 0)
                for i in range(per_step)]
-        pl.when(s - work.lo >= depth)(lambda: plgpu.barrier_wait(scratch.free.at[slot]))
+        pl.when(step >= depth)(lambda: plgpu.barrier_wait(scratch.free.at[slot]))
         for ring, cache in ((scratch.k, k_ref), (scratch.v, v_ref)):
             for i, page in enumerate(ids):
-                plgpu.copy_gmem_to_smem(cache.at[page, :, kv_head],
+                plgpu.copy_gmem_to_smem(cache.at[page, :, work.kv_head],
                                         ring.buffers.at[slot, pl.ds(i * block_size, block_size)],
                                         ring.ready.at[slot])
-        return _
+        return step + 1
 
-    lax.fori_loop(work.lo, work.hi, one, None)
-    for i in range(depth):  # observe the last releases before the barriers go
-        s = work.hi - depth + i
-        pl.when(s >= work.lo)(lambda: plgpu.barrier_wait(scratch.free.at[(s - work.lo) % depth]))
+    return lax.fori_loop(work.lo, work.hi, one, step)
 
 
-def blocks_rows(pages) -> int:
-    return pages.ref.shape[0]
-
-
-def attend(work: Work, q_ref, scratch: Scratch, *, group, tuning, sm_scale, soft_cap):
-    """Compute warpgroup: the online softmax of the group's q heads over steps [lo, hi); (acc, m, l)."""
-    kv_head, bkv = lax.axis_index("kv_head"), tuning.block_kv
+def attend(work: Work, step, q_ref, scratch: Scratch, *, group, tuning, sm_scale, soft_cap):
+    """Compute warpgroup: the online softmax of the item's q heads over its steps; (acc, m, l)."""
+    bkv = tuning.block_kv
     token = jnp.minimum(work.seq, q_ref.shape[0] - 1)
     scratch.staging[...] = jnp.zeros(scratch.staging.shape, scratch.staging.dtype)  # rows past the group
     plgpu.commit_smem()
-    plgpu.copy_gmem_to_smem(q_ref.at[token, pl.ds(kv_head * group, group)], scratch.staging.at[pl.ds(0, group)],
-                            scratch.q_ready)
+    plgpu.copy_gmem_to_smem(q_ref.at[token, pl.ds(work.kv_head * group, group)],
+                            scratch.staging.at[pl.ds(0, group)], scratch.q_ready)
     plgpu.barrier_wait(scratch.q_ready)
     scratch.q_tile[...] = scratch.staging[...]
     plgpu.commit_smem()
@@ -233,17 +256,18 @@ def attend(work: Work, q_ref, scratch: Scratch, *, group, tuning, sm_scale, soft
     # steps inside [full_lo, full_hi) need no mask: every key visible
     full_lo = jnp.clip(pl.cdiv(work.first, bkv), work.lo, work.hi)
     full_hi = jnp.clip(work.kv_len // bkv, full_lo, work.hi)
-    step = functools.partial(attend_step, work=work, scratch=scratch, tuning=tuning, sm_scale=sm_scale,
-                             soft_cap=soft_cap)
+    attend_one = functools.partial(attend_step, base=step - work.lo, work=work, scratch=scratch, tuning=tuning,
+                                   sm_scale=sm_scale, soft_cap=soft_cap)
     carry = wgmma_carry(scratch.q_tile.shape)
-    carry = lax.fori_loop(work.lo, full_lo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-    return lax.fori_loop(full_hi, work.hi, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(work.lo, full_lo, functools.partial(attend_one, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend_one, masked=False), carry)
+    return lax.fori_loop(full_hi, work.hi, functools.partial(attend_one, masked=True), carry)
 
 
-def attend_step(s, carry, *, masked, work: Work, scratch: Scratch, tuning, sm_scale, soft_cap):
+def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning, sm_scale, soft_cap):
+    """KV step s: ring slot (base + s) % depth, as the memory warpgroup counts."""
     acc, m, l = carry
-    slot = (s - work.lo) % tuning.max_concurrent_steps
+    slot = (base + s) % tuning.max_concurrent_steps
     k_tile, v_tile = scratch.k.buffers.at[slot], scratch.v.buffers.at[slot]
     bkv = tuning.block_kv
     plgpu.barrier_wait(scratch.k.ready.at[slot])
@@ -283,7 +307,7 @@ def attend_step(s, carry, *, masked, work: Work, scratch: Scratch, tuning, sm_sc
 
 def store(work: Work, acc, m, l, outs, scratch: Scratch, group):
     """The group's rows: normalised into the output (one split), or a float32 partial and its log2-sum-exp."""
-    kv_head, slot = lax.axis_index("kv_head"), lax.axis_index("slot")
+    kv_head, slot = work.kv_head, work.slot
     out_ref = outs[0]
     if scratch.parts is None:
         scratch.staging[...] = normalize(acc, l).astype(scratch.staging.dtype)  # no keys: zeros

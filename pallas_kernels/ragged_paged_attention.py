@@ -95,7 +95,7 @@ class Tuning:
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
     mosaic_decode_block_kv: int = 64  # the Mosaic GPU decode kernel's keys per pipeline step
     mosaic_decode_steps: int = 4  # its pipeline steps in flight
-    mosaic_decode_programs: int = 264  # CTAs its launch aims for (small batches split their contexts)
+    mosaic_decode_programs: int = 132  # work items its launch aims for (small batches split their contexts)
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory. Chosen by the dots' dtype: an fp8
@@ -305,9 +305,11 @@ def decode_on_mosaic(q, k_cache, tuning: Tuning, backend: str, interpret: bool) 
                          "(or 'auto', which falls back to it) can")
     if backend == "triton" or why_not:
         return None
-    if backend == "auto" and (interpret or getattr(jax.devices()[0], "compute_capability", None) != "9.0"):
+    device = jax.devices()[0]
+    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"):
         return None
-    return decode_tuning
+    # one CTA per SM; the CPU interpreter (no core count) runs a few, each taking several work items
+    return dataclasses.replace(decode_tuning, num_ctas=getattr(device, "core_count", None) or 4)
 
 
 def mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, *, scores: Scores,

@@ -106,7 +106,7 @@ def test_one_launch_decode(dtype, cache, options, max_splits):
         expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125, **options)
         poison_allocator(batch)
         out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
-                                     decode_only=True, **options, **tuning)
+                                     decode_only=True, decode_backend="triton", **options, **tuning)
         check_close(out, expected, batch, dtype, str(kv_lens))
 
 
@@ -118,7 +118,7 @@ def test_fp8_cache_reads_as_its_values(dtype, decode_only, q_lens, kv_lens):
     """The kernels over an fp8 cache give what they give over the same e4m3 values stored in the dots' dtype (f16
     under a 16-bit q), q in that dtype, the same tuning: each tile converts exactly, then the same dots run on the
     same values. A bf16 q's output then differs by its last rounding at most (f32 -> f16 -> bf16 may round twice).
-    Both take the Triton prefill ("auto" would give q's dtype the Mosaic one on Hopper: other dots, other
+    Both take the Triton kernels ("auto" would give q's dtype the Mosaic ones on Hopper: other dots, other
     roundings)."""
     shape = {**GEOMETRY, "num_tokens": 16, "max_blocks": 16} if decode_only else GEOMETRY
     fp8 = cached_as(make_batch(np.random.default_rng(12), q_lens, kv_lens, **shape, dtype=dtype), FP8)
@@ -128,7 +128,8 @@ def test_fp8_cache_reads_as_its_values(dtype, decode_only, q_lens, kv_lens):
     for batch in (fp8, dataclasses.replace(cached_as(fp8, compute), q=fp8.q.astype(compute))):
         poison_allocator(batch)
         outs.append(ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=INTERPRET,
-                                           decode_only=decode_only, prefill_backend="triton", **tuning))
+                                           decode_only=decode_only, prefill_backend="triton",
+                                           decode_backend="triton", **tuning))
     # finite live rows and zero padding first (equality alone passes NaN == NaN)
     check_close(outs[0], ragged_paged_attention_reference(*fp8.args(), sm_scale=0.125), fp8, jnp.bfloat16)
     got, same = (np.asarray(o.astype(dtype).astype(jnp.float32)) for o in outs)

@@ -25,7 +25,8 @@ from jaxserve.cache.kv_cache import (from_layer_blocks, is_quantized_kv, layer_b
 from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
 from jaxserve.sharding import HEADS, KV_CACHE, per_shard
 from pallas_kernels.cascade_attention import CascadeGroups, cascade_attention
-from pallas_kernels.ragged_paged_attention import contiguous_ragged_attention, ragged_paged_attention, resolve_impl
+from pallas_kernels.ragged_paged_attention import (contiguous_ragged_attention, gpu_capability, ragged_paged_attention,
+                                                 resolve_impl)
 from pallas_kernels.block_tables import identity_block_tables
 
 
@@ -49,12 +50,14 @@ class AttentionKernels:
     """The kernels of one engine, resolved once from its config; a static argument of the jitted step.
     decode: the kernel of decode-only steps — "pallas" (the one-launch Pallas decode), "cuda" (the custom call)
     or "reference" (no GPU kernel runs here: pure JAX, and decode-only steps need no graph of their own).
+    decode_backend: the Pallas decode's backend — "auto", "triton" or "mosaic" (pallas_kernels' decode_backend).
     prefill: the GPU kernel of prefill rows — "triton" or "mosaic" (pallas_kernels' prefill_backend).
     blocks_per_row: None (blocks addressed by the batch's block tables) or, for vattention's contiguous kernels,
     the blocks of a cache row: block i of a sequence is kv_slot * blocks_per_row + i."""
     decode: str = "reference"
     prefill: str = "triton"
     blocks_per_row: int | None = None
+    decode_backend: str = "auto"
 
     @property
     def has_decode_kernel(self) -> bool:
@@ -65,8 +68,9 @@ class AttentionKernels:
 def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int,
                               blocks_per_row: int | None = None, cache_dtype=None) -> AttentionKernels:
     """decode_attention "auto" takes the Pallas launch where it runs over a cache of cache_dtype (faster than the
-    CUDA call across batch sizes and context lengths); "cuda" forces the call, an error naming why when it cannot
-    run. A bad name is an error naming the knob. blocks_per_row: see AttentionKernels."""
+    CUDA call across batch sizes and context lengths), on the backend pallas_kernels picks; "triton" and "mosaic"
+    name the backend, "cuda" forces the call; each an error naming why when it cannot run. A bad name is an error
+    naming the knob. blocks_per_row: see AttentionKernels."""
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
     if prefill_attention not in PREFILL_ATTENTION:
@@ -78,7 +82,15 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
             raise ValueError(f"decode_attention='cuda' but the CUDA custom calls are unavailable: {why}")
         return AttentionKernels("cuda", prefill_attention, blocks_per_row)
     pallas = resolve_impl("auto", interpret=False, cache_dtype=cache_dtype) == "pallas"
-    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_row)
+    if decode_attention == "mosaic" and gpu_capability() != 9.0:
+        raise ValueError("decode_attention='mosaic' needs an sm_90 GPU (H100/H200); this device has compute "
+                         f"capability {gpu_capability() or 'none'}: set decode_attention to 'auto'")
+    if decode_attention == "triton" and not pallas:
+        raise ValueError("decode_attention='triton' needs an NVIDIA GPU whose Pallas kernels read this cache "
+                         f"(sm_80+, sm_89+ for fp8); this device has compute capability {gpu_capability() or 'none'}"
+                         ": set decode_attention to 'auto'")
+    backend = decode_attention if decode_attention in ("triton", "mosaic") else "auto"
+    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_row, backend)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +168,7 @@ def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: Attent
         return cascade_attention(q, k_cache, v_cache, batch.kv_lens,
                                  layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs, batch.cascade,
                                  sm_scale=kw["sm_scale"])
-    kw.update(prefill_backend=kernels.prefill, decode_only=batch.decode_only)
+    kw.update(prefill_backend=kernels.prefill, decode_backend=kernels.decode_backend, decode_only=batch.decode_only)
     lens = (q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens)
     if kernels.blocks_per_row is None:
         return ragged_paged_attention(*lens, layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs,
