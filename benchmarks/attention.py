@@ -460,11 +460,11 @@ MOSAIC_DECODE_VARIANTS = [{"mosaic_decode_steps": 2}, {"mosaic_decode_block_kv":
 MOSAIC_TUNE_POINTS = ((64, 512), (8, 4096))
 
 
-def run_mosaic_decode(rec: Recorder, free_bytes):
-    """The decode-only launch on each backend (Mosaic GPU beside Triton) and cuDNN at every sweep point; the Mosaic
+def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP):
+    """The decode-only launch on each backend (Mosaic GPU beside Triton) and cuDNN at each point; the Mosaic
     kernel's tuning variants at the tuning points."""
     measure_copy(rec)
-    for batch_size, context in sorted(DECODE_SWEEP, key=lambda p: -p[0]):  # large batches first
+    for batch_size, context in sorted(points, key=lambda p: -p[0]):  # large batches first
         if not fits(batch_size, context, free_bytes):
             continue
         batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
@@ -566,6 +566,8 @@ def main():
     parser.add_argument("--prefill", action="store_true", help="prefill backends and the mixed batch only")
     parser.add_argument("--plans", action="store_true", help="decode-only plans and the CUDA call's splits")
     parser.add_argument("--mosaic-decode", action="store_true", help="decode-only on Mosaic GPU beside Triton")
+    parser.add_argument("--points", nargs="+", metavar="BxCTX", help="--mosaic-decode at these points (default: "
+                        "the sweep's)")
     parser.add_argument("--max-calls", type=int, default=MAX_CALLS, help="most calls per timed program")
     parser.add_argument("--target-ms", type=float, default=TARGET_RUN_S * 1e3, help="GPU time per timed program")
     parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
@@ -591,7 +593,8 @@ def main():
     elif args.plans:
         run_plans(rec)
     elif args.mosaic_decode:
-        run_mosaic_decode(rec, free)
+        points = [tuple(map(int, p.split("x"))) for p in args.points] if args.points else DECODE_SWEEP
+        run_mosaic_decode(rec, free, points)
     else:
         run_full(rec, free)
         plot(rec.rows, os.path.splitext(args.out)[0] + ".png")

@@ -32,6 +32,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-timeline  # a shared-prefix decode step: host vs device
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-decode   # Mosaic GPU decode: GPU tests, beside Triton
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
 set -uo pipefail
@@ -53,6 +54,15 @@ case $1 in
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
     run 440 python benchmarks/attention.py --mosaic-decode --out "$OUT/attention_mosaic_decode_gpu.json" ;;
+  mosaic-check)   # after a kernel change: its GPU tests, the short-context points, batch 1 in the engine on each backend
+    run 110 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
+      tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
+    run 180 python benchmarks/attention.py --mosaic-decode --points 256x512 64x512 8x512 256x4096 \
+      --out "$OUT/attention_mosaic_decode_gpu.json"
+    for backend in mosaic triton; do
+      run 120 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
+        --set decode_attention=$backend --out "$OUT/offline_mosaic_decode_gpu.json"
+    done ;;
   mosaic-engine)   # the engine's decode-only steps on each backend: 256 x 512/128, then batch 1 (the first compiles)
     for backend in mosaic triton; do
       run 150 python benchmarks/offline.py --config $CONFIG --set decode_attention=$backend \

@@ -126,11 +126,12 @@ class Ring:
 @dataclass(frozen=True)
 class Scratch:
     q_tile: Any  # [64, head_dim] swizzled: the wgmma operand
-    staging: Any  # q in, the output out (plain: its rows start anywhere in HBM)
+    staging: Any  # [2]: item n's q lands in staging[n % 2], and its output leaves from there (plain SMEM: the rows
+    # start anywhere in HBM)
     k: Ring
     v: Ring
     free: Any  # per ring slot: the compute warpgroup is done with its K and V
-    q_ready: Any
+    q_ready: Any  # [2], one per staging buffer
     p_tile: Any  # softmax probabilities for the interpreter's wgmma (SMEM operands only); None on the GPU
     parts: Any  # float32 partial and its log2-sum-exp when the contexts are split; else None
     lse: Any
@@ -146,15 +147,16 @@ def scratch(dtype, head_dim, tuning: DecodeTuning, block_size, split, interpret)
 
     return Scratch(
         q_tile=plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=swizzled),
-        staging=plgpu.SMEM((TILE_ROWS, head_dim), dtype),
+        staging=plgpu.SMEM((2, TILE_ROWS, head_dim), dtype),
         k=ring(), v=ring(),
         free=plgpu.Barrier(num_barriers=steps),
-        q_ready=plgpu.Barrier(),
+        q_ready=plgpu.Barrier(num_barriers=2),
         p_tile=plgpu.SMEM((TILE_ROWS, tuning.block_kv), dtype, transforms=swizzled) if interpret else None,
         parts=plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32) if split else None,
         lse=plgpu.SMEM((TILE_ROWS,), jnp.float32) if split else None)
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Work:
     """One work item: kv head `kv_head` of decode `seq`'s keys [first, kv_len), of which KV steps [lo, hi) are
@@ -197,14 +199,21 @@ def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, 
     def _():
         plgpu.set_max_registers(232, action="increase")
 
-        def one(n, step):
-            work = item(n)
-            acc, m, l = attend(work, step, q_ref, scratch, group=group, tuning=tuning, sm_scale=sm_scale,
-                               soft_cap=soft_cap)
-            store(work, acc, m, l, outs, scratch, group)
-            return step + work.hi - work.lo
+        def one(n, carry):
+            step, work = carry
+            nxt = item(n + 1)  # its length loads now, its q once this item's q is in place
+            buffer = n % 2
+            plgpu.barrier_wait(scratch.q_ready.at[buffer])
+            scratch.q_tile[...] = scratch.staging[buffer]  # rows past the group: harmless leftovers, row by row
+            plgpu.commit_smem()
+            pl.when(n + 1 < num_items)(lambda: load_q(nxt, 1 - buffer, q_ref, scratch, group))
+            acc, m, l = attend(work, step, scratch, tuning=tuning, sm_scale=sm_scale, soft_cap=soft_cap)
+            store(work, acc, m, l, outs, scratch, group, scratch.staging.at[buffer])
+            return step + work.hi - work.lo, nxt
 
-        lax.fori_loop(0, num_items, one, 0)
+        first = item(0)
+        pl.when(num_items > 0)(lambda: load_q(first, 0, q_ref, scratch, group))
+        lax.fori_loop(0, num_items, one, (0, first))
 
     @pl.when(wg == 1)
     def _():
@@ -241,18 +250,16 @@ def stream(work: Work, step, k_ref, v_ref, pages, scratch: Scratch, tuning: Deco
     return lax.fori_loop(work.lo, work.hi, one, step)
 
 
-def attend(work: Work, step, q_ref, scratch: Scratch, *, group, tuning, sm_scale, soft_cap):
-    """Compute warpgroup: the online softmax of the item's q heads over its steps; (acc, m, l)."""
-    bkv = tuning.block_kv
+def load_q(work: Work, buffer, q_ref, scratch: Scratch, group):
+    """The item's q heads into staging[buffer] (rows [0, group)), by TMA."""
     token = jnp.minimum(work.seq, q_ref.shape[0] - 1)
-    scratch.staging[...] = jnp.zeros(scratch.staging.shape, scratch.staging.dtype)  # rows past the group
-    plgpu.commit_smem()
     plgpu.copy_gmem_to_smem(q_ref.at[token, pl.ds(work.kv_head * group, group)],
-                            scratch.staging.at[pl.ds(0, group)], scratch.q_ready)
-    plgpu.barrier_wait(scratch.q_ready)
-    scratch.q_tile[...] = scratch.staging[...]
-    plgpu.commit_smem()
+                            scratch.staging.at[buffer, pl.ds(0, group)], scratch.q_ready.at[buffer])
 
+
+def attend(work: Work, step, scratch: Scratch, *, tuning, sm_scale, soft_cap):
+    """Compute warpgroup: the online softmax of the item's q heads (in q_tile) over its steps; (acc, m, l)."""
+    bkv = tuning.block_kv
     # steps inside [full_lo, full_hi) need no mask: every key visible
     full_lo = jnp.clip(pl.cdiv(work.first, bkv), work.lo, work.hi)
     full_hi = jnp.clip(work.kv_len // bkv, full_lo, work.hi)
@@ -305,14 +312,15 @@ def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning,
     return acc, m, l
 
 
-def store(work: Work, acc, m, l, outs, scratch: Scratch, group):
-    """The group's rows: normalised into the output (one split), or a float32 partial and its log2-sum-exp."""
+def store(work: Work, acc, m, l, outs, scratch: Scratch, group, staging):
+    """The group's rows: normalised into the output (one split, through `staging`), or a float32 partial and its
+    log2-sum-exp."""
     kv_head, slot = work.kv_head, work.slot
     out_ref = outs[0]
     if scratch.parts is None:
-        scratch.staging[...] = normalize(acc, l).astype(scratch.staging.dtype)  # no keys: zeros
+        staging[...] = normalize(acc, l).astype(staging.dtype)  # no keys: zeros
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(scratch.staging.at[pl.ds(0, group)], out_ref.at[slot, pl.ds(kv_head * group, group)])
+        plgpu.copy_smem_to_gmem(staging.at[pl.ds(0, group)], out_ref.at[slot, pl.ds(kv_head * group, group)])
     else:
         scratch.parts[...] = normalize(acc, l)
         scratch.lse[...] = m + jnp.log(l) * LOG2E  # -inf for an empty split: weight 0
