@@ -7,6 +7,8 @@ params.kv_dtype, and GB/s counts the bytes each cache holds. Impls:
                     on a decode-only step (`decode_only=True`: one launch, split-K merged in it when the batch
                     is small); jaxserve-pallas-alt the mixed-batch path (split-K partials, a merge launch)
   jaxserve-cuda     custom_calls.paged_decode_attention (decode rows, when custom_calls.available())
+  jaxserve-triton   (--mosaic-decode) the decode-only launch on each backend: Triton, and Mosaic GPU
+  jaxserve-mosaic   (pallas_kernels.paged_decode_attention_mgpu) with its tuning variants
   cudnn-contiguous  jax.nn.dot_product_attention(implementation="cudnn") on a [B, ctx, kv, d] cache
   cudnn-paged       jax._src.cudnn.fused_attention_stablehlo.paged_attention on our cache (private API)
   jax-pallas-paged  jax.experimental.pallas.ops.gpu.paged_attention ([kv, pages, page, d] layout)

@@ -4,9 +4,11 @@ Cache layout per layer: K and V each `[num_blocks, block_size, num_kv_heads, hea
 null block that padding writes land in.
 
 Backends, per role:
-- decode: Pallas' Triton lowering, kept although JAX 0.11 deprecates it: decode has 1-8 query rows per KV
-  head (Triton's mma pads them to 16 rows, Mosaic's wgmma to 64), each KV tile is gathered from pages at
-  random addresses as one pointer-tensor load, and it runs on sm_80+ with exact float32 dots.
+- decode: Pallas' Triton lowering (JAX 0.11 deprecates it): decode has 1-8 query rows per KV head (Triton's mma
+  pads them to 16 rows, Mosaic's wgmma to 64), each KV tile is gathered from pages at random addresses as one
+  pointer-tensor load, and it runs on sm_80+ with exact float32 dots and over fp8 caches. On Hopper a decode-only
+  call may take `paged_decode_attention_mgpu` instead (Mosaic GPU: TMA page copies, wgmma, a persistent grid):
+  asked for by `decode_backend="mosaic"`, and taken by "auto" for small batches, where it measured faster.
 - prefill: on Hopper (sm_90) with bf16/f16 (q and cache), `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page
   copies, wgmma, warp specialisation), the faster of the two there; elsewhere the Triton prefill kernel below.
 Nothing in the API names the backend (`prefill_backend` only overrides the choice).
@@ -96,6 +98,7 @@ class Tuning:
     mosaic_decode_block_kv: int = 64  # the Mosaic GPU decode kernel's keys per pipeline step
     mosaic_decode_steps: int = 4  # its pipeline steps in flight
     mosaic_decode_programs: int = 132  # work items its launch aims for (small batches split their contexts)
+    mosaic_decode_max_rows: int = 16  # "auto" takes it for decode-only shapes up to this many rows (see decode_on_mosaic)
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory. Chosen by the dots' dtype: an fp8
@@ -259,7 +262,7 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
     addressing = dict(blocks_per_row=blocks_per_row, block_stride=block_stride)
     if decode_only:
-        mosaic = decode_on_mosaic(q, k_cache, tuning, decode_backend, interpret)
+        mosaic = decode_on_mosaic(q, k_cache, min(q.shape[0], blocks.shape[0]), tuning, decode_backend, interpret)
         if mosaic is not None:
             return mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, scores=scores, tuning=mosaic,
                                  interpret=interpret, **addressing)
@@ -292,24 +295,29 @@ def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backen
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
 
 
-def decode_on_mosaic(q, k_cache, tuning: Tuning, backend: str, interpret: bool) -> DecodeTuning | None:
-    """The Mosaic GPU decode tuning when that kernel serves a decode-only call, else None (Triton does)."""
+def decode_on_mosaic(q, k_cache, rows: int, tuning: Tuning, backend: str, interpret: bool) -> DecodeTuning | None:
+    """The Mosaic GPU decode tuning when that kernel serves a decode-only call of `rows` decodes (at most), else
+    None (Triton does)."""
+    if backend == "triton":
+        return None
+    device = jax.devices()[0]
+    # auto: Hopper, and small batches only, where it measured ahead of Triton (a batch of 8: 1.04-1.20x; batch 1 in
+    # the engine's 16-row bucket: even); from 64 rows Triton's is 3-4% faster (NOTES_attention.md).
+    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
+                              or rows > tuning.mosaic_decode_max_rows):
+        return None
     mgpu_decode = mosaic_decode_kernel()
+    # one CTA per SM; the CPU interpreter (no core count) runs a few, each taking several work items
     decode_tuning = mgpu_decode.DecodeTuning(block_kv=tuning.mosaic_decode_block_kv,
                                              max_concurrent_steps=tuning.mosaic_decode_steps,
                                              programs=tuning.mosaic_decode_programs,
-                                             max_splits=tuning.decode_max_splits)
+                                             max_splits=tuning.decode_max_splits,
+                                             num_ctas=getattr(device, "core_count", None) or 4)
     why_not = mgpu_decode.supported(q, k_cache, decode_tuning)
-    if backend == "mosaic" and why_not:
+    if why_not and backend == "mosaic":
         raise ValueError(f"decode_backend='mosaic' cannot serve this call: {why_not}; decode_backend='triton' "
                          "(or 'auto', which falls back to it) can")
-    if backend == "triton" or why_not:
-        return None
-    device = jax.devices()[0]
-    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"):
-        return None
-    # one CTA per SM; the CPU interpreter (no core count) runs a few, each taking several work items
-    return dataclasses.replace(decode_tuning, num_ctas=getattr(device, "core_count", None) or 4)
+    return None if why_not else decode_tuning
 
 
 def mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, *, scores: Scores,

@@ -17,7 +17,7 @@ from jaxserve import LLM, RequestOutputKind, SamplingParams
 from jaxserve.models.attention import AttentionKernels, resolve_attention_kernels
 from jaxserve.models.loader import load_model
 
-from helpers import TEXT_PROMPTS, hf_greedy as _hf_greedy, token_prompts
+from helpers import TEXT_PROMPTS, hf_greedy as _hf_greedy, on_gpu, on_hopper, token_prompts
 
 _HF_MEMO = {}
 
@@ -397,19 +397,30 @@ def test_attention_kernels_are_what_runs_here():
         assert resolve_attention_kernels("cuda", "mosaic", head_dim=64) == AttentionKernels("cuda", "mosaic")
         with pytest.raises(ValueError, match="head_dim 32"):
             resolve_attention_kernels("cuda", "triton", head_dim=32)
+        assert resolve_attention_kernels("triton", "triton", head_dim=64).decode_backend == "triton"
+        if on_hopper():
+            assert resolve_attention_kernels("mosaic", "triton", head_dim=64) == AttentionKernels(
+                "pallas", "triton", decode_backend="mosaic")
         return
     assert resolve_attention_kernels("auto", "triton", head_dim=64) == AttentionKernels("reference", "triton")
     with pytest.raises(ValueError, match="CUDA custom calls are unavailable: no NVIDIA GPU"):
         resolve_attention_kernels("cuda", "triton", head_dim=64)
+    for backend in ("triton", "mosaic"):  # a backend named for a device that cannot run it: why, and what to set
+        with pytest.raises(ValueError, match=f"decode_attention='{backend}' needs .*capability none.*'auto'"):
+            resolve_attention_kernels(backend, "triton", head_dim=64)
 
 
-@pytest.mark.parametrize("kernel", ["cuda", "pallas"])
-def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, monkeypatch):
+@pytest.mark.parametrize("kernel, backend", [
+    ("cuda", "auto"), ("pallas", "triton"),
+    pytest.param("pallas", "mosaic", marks=pytest.mark.skipif(on_gpu() and not on_hopper(), reason="needs sm_90")),
+])
+def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend, monkeypatch):
     """Decode-only steps run the decode kernel's graph (mixed steps the ragged kernel's) and HF's tokens come
-    out. On the GPU these are the Pallas decode-only launch (its small buckets split contexts and merge in the
-    launch) and the CUDA call; on CPU both fall back to the reference, which checks the plumbing only."""
+    out. On the GPU these are the Pallas decode-only launch on each backend (its small buckets split contexts)
+    and the CUDA call; on CPU all fall back to the reference, which checks the plumbing only."""
     import jaxserve.engine.step_graphs as step_graphs
-    monkeypatch.setattr(step_graphs, "resolve_attention_kernels", lambda *_: AttentionKernels(kernel, "triton"))
+    monkeypatch.setattr(step_graphs, "resolve_attention_kernels",
+                        lambda *_: AttentionKernels(kernel, "triton", decode_backend=backend))
     prompts, expected = tiny_expected
     llm = LLM(tiny[0], **BASE)
     assert llm.engine.graphs.kernels.decode == kernel

@@ -6,6 +6,8 @@ past each sequence's end and garbage lengths past num_seqs, so a key read past a
 unwritten output row shows up as NaN. Every call goes through `ragged_paged_attention(decode_only=True,
 decode_backend="mosaic")`, the engine's entry point.
 """
+import importlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,3 +78,26 @@ def test_splits_follow_the_shape():
     assert mgpu_decode.num_splits(8, 8, tuning) == 2
     assert mgpu_decode.num_splits(256, 8, tuning) == 1
     assert mgpu_decode.num_splits(1, 8, tuning) == 16
+
+
+class FakeHopper:
+    platform, compute_capability, core_count = "gpu", "9.0", 132
+
+
+@pytest.mark.parametrize("rows, backend, cache, picked", [
+    (16, "auto", None, True),  # a small batch on Hopper: Mosaic, one CTA per SM
+    (64, "auto", None, False),  # above mosaic_decode_max_rows: Triton, measured faster there
+    (16, "auto", jnp.float8_e4m3fn, False),  # a cache it cannot read: Triton, quietly
+    (16, "triton", None, False),
+    (256, "mosaic", None, True),  # asked for by name: any batch
+])
+def test_which_decode_kernel_serves(monkeypatch, rows, backend, cache, picked):
+    import jax
+    kernels = importlib.import_module("pallas_kernels.ragged_paged_attention")  # the package exports its function
+    monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
+    q = jnp.zeros((rows, 8, 64), jnp.bfloat16)
+    k_cache = jnp.zeros((4, 16, 2, 64), cache or jnp.bfloat16)
+    tuning = kernels.decode_on_mosaic(q, k_cache, rows, kernels.Tuning(), backend, interpret=False)
+    assert (tuning is not None) == picked
+    if picked:
+        assert tuning.num_ctas == FakeHopper.core_count
