@@ -26,7 +26,8 @@ cu_q_lens/kv_lens/block_tables):
    sequence with no keys, so padding rows come out as zeros.
 Fixed per-launch costs dominate small batches, hence the merge riding along.
 With the Mosaic prefill, launch 2 is that kernel and a third, merge-only launch writes the decode rows into
-its output in place.
+its output in place; when the Mosaic decode kernel serves the call too (`decode_on_mosaic`), it writes them instead
+and no Triton kernel runs (`mosaic_launches`).
 A decode-only step does better when the caller knows it (`decode_only=True`, as the engine does): one launch.
 Its split is fixed by the shape (the engine's bucket), so every program knows its decode and
 tiles from its grid position and issues its first block-table and K/V loads before any length arrives
@@ -268,8 +269,13 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
                                  interpret=interpret, **addressing)
         return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing)
     mosaic = prefill_on_mosaic(q, k_cache, blocks, scores, tuning, prefill_backend, interpret)
+    decode = None if mosaic is None else decode_on_mosaic(q, k_cache, min(q.shape[0], blocks.shape[0]), tuning,
+                                                          decode_backend, interpret)
     # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
     # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
+    if decode is not None:
+        run = mosaic_launches if interpret else pallas_mosaic_attention
+        return run(*args, scores=scores, prefill=mosaic, decode=decode, interpret=interpret, **addressing)
     run = attention_launches if mosaic is not None and interpret else pallas_attention
     return run(*args, scores=scores, tuning=tuning, interpret=interpret, mosaic=mosaic, **addressing)
 
@@ -459,6 +465,34 @@ def mosaic_prefill():
     which a start that never runs the kernel (every CPU start) need not pay."""
     from pallas_kernels import paged_prefill_attention_mgpu
     return paged_prefill_attention_mgpu
+
+
+def mosaic_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
+                    prefill: PrefillTuning, decode: DecodeTuning, interpret: bool, blocks_per_row: int | None = None,
+                    block_stride: int = 1):
+    """A mixed batch on Mosaic GPU alone: the prefill kernel writes the prefill rows and zeros the padding tail,
+    the decode kernel the leading decodes' rows (token i is decode i), written over the first rows."""
+    addressing = dict(interpret=interpret, blocks_per_row=blocks_per_row, block_stride=block_stride)
+    out = mosaic_prefill().paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
+                                                   sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
+                                                   tuning=prefill, **addressing)
+    rows = min(q.shape[0], blocks.shape[0])
+    num_decodes = leading_decodes(cu_q_lens, num_seqs)
+    decoded = mosaic_decode(q[:rows], k_cache, v_cache, kv_lens, blocks, num_decodes, scores=scores, tuning=decode,
+                            **addressing)
+    is_decode = (jnp.arange(rows) < num_decodes)[:, None, None]
+    return out.at[:rows].set(jnp.where(is_decode, decoded, out[:rows]))
+
+
+pallas_mosaic_attention = jax.jit(mosaic_launches, static_argnames=("scores", "prefill", "decode", "interpret",
+                                                                    "blocks_per_row", "block_stride"))
+
+
+def leading_decodes(cu_q_lens, num_seqs):
+    """Length of the leading run of one-token sequences: sequence i is in it exactly when cu_q_lens[i + 1] == i + 1
+    (every live sequence has a token)."""
+    i = jnp.arange(cu_q_lens.shape[0] - 1)
+    return jnp.sum((cu_q_lens[1:] == i + 1) & (i < jnp.asarray(num_seqs).reshape(())), dtype=jnp.int32)
 
 
 def mosaic_decode_kernel():

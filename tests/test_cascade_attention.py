@@ -153,6 +153,10 @@ def test_cascade_rule_by_mode_and_kernels():
         cascade_rule("on", pallas, 4096)
     with pytest.raises(ValueError, match="vattention's contiguous kernels"):
         cascade_rule("on", AttentionKernels("pallas", blocks_per_row=8), None)
+    mosaic = AttentionKernels("pallas", decode_backend="mosaic")  # no Triton kernel asked for: cascade extends one
+    assert cascade_rule("auto", mosaic, None) is None
+    with pytest.raises(ValueError, match="decode_attention='mosaic'"):
+        cascade_rule("on", mosaic, None)
 
 
 def test_the_rule_keeps_large_groups_that_save_enough():

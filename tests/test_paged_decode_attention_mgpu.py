@@ -101,3 +101,43 @@ def test_which_decode_kernel_serves(monkeypatch, rows, backend, cache, picked):
     assert (tuning is not None) == picked
     if picked:
         assert tuning.num_ctas == FakeHopper.core_count
+
+
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 37}])
+def test_mixed_batch_on_mosaic_alone(options):
+    """Both backends "mosaic": the prefill kernel's rows, the decode kernel's rows written over the leading decodes
+    (three here, then a chunk over cached context and a prompt), padding tokens zero."""
+    shape = {**GEOMETRY, "num_tokens": 96, "max_blocks": 16, "num_blocks": 64}
+    batch = make_batch(np.random.default_rng(8), [1, 1, 1, 30, 41], [33, 5, 80, 71, 41], **shape, dtype=jnp.bfloat16)
+    expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125, **options)
+    poison_allocator(batch)
+    out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=not ON_GPU,
+                                 prefill_backend="mosaic", decode_backend="mosaic", mosaic_block_kv=64, **options,
+                                 **SPLIT)
+    check_close(out, expected, batch, jnp.bfloat16, str(options))
+
+
+def test_leading_decodes():
+    kernels = importlib.import_module("pallas_kernels.ragged_paged_attention")
+    cu = jnp.asarray([0, 1, 2, 5, 6, 6, 6], jnp.int32)  # q_lens 1, 1, 3, 1: the third ends the run
+    assert int(kernels.leading_decodes(cu, 4)) == 2
+    assert int(kernels.leading_decodes(cu, 1)) == 1
+    assert int(kernels.leading_decodes(jnp.asarray([0, 4, 5, 5], jnp.int32), 2)) == 0
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_both_backends_mosaic_launch_no_triton_kernel(decode_only):
+    """Lowered for an NVIDIA GPU (here without one), decode-only and mixed steps with both backends "mosaic" hold
+    Mosaic GPU kernels only: a Triton kernel would show as its own custom call (or, with no GPU here, fail to
+    lower at all)."""
+    import functools
+    import re
+
+    import jax
+    shapes = [((64, 8, 64), jnp.bfloat16), ((64, 16, 2, 64), jnp.bfloat16), ((64, 16, 2, 64), jnp.bfloat16),
+              ((9,), jnp.int32), ((8,), jnp.int32), ((8, 16), jnp.int32), ((1,), jnp.int32)]
+    attend = functools.partial(ragged_paged_attention, sm_scale=0.125, impl="pallas", prefill_backend="mosaic",
+                               decode_backend="mosaic", decode_only=decode_only)
+    text = jax.jit(attend).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}
