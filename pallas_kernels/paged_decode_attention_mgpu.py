@@ -16,6 +16,9 @@ The decode-only launch of `ragged_paged_attention` without Pallas's Triton backe
   the online softmax and PV as the pages land, and frees each slot after its PV.
 - Keys past the context (the last step's tail: the null block) are masked and their V rows zeroed, since
   0 x NaN would leak; pages before a sliding window's start are not read.
+- FP8 (e4m3) caches are read as their values (any scale is the caller's): each K and V tile is converted in
+  registers to float16 into a swizzled tile for wgmma (e4m3 -> bf16 takes a newer PTX than CUDA 13's), and q is
+  clipped to float16's range, as the Triton kernels do.
 """
 import functools
 from dataclasses import dataclass
@@ -28,6 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import LOG2E, mosaic_interpret_params, normalize, online_softmax_step, per_row
+
+FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)
+F16_MAX = float(jnp.finfo(jnp.float16).max)
 from pallas_kernels.paged_prefill_attention_mgpu import page_addressing, wgmma_carry, zero_rows_from
 
 TILE_ROWS = 64  # wgmma's M: the q heads of a kv head fill the first rows
@@ -49,8 +55,8 @@ def supported(q, k_cache, tuning: DecodeTuning = DecodeTuning()) -> str | None:
     group = q.shape[1] // k_cache.shape[2]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (needs bfloat16/float16)"
-    if k_cache.dtype != q.dtype:
-        return f"KV cache dtype {k_cache.dtype} (needs q's, {q.dtype}: K and V go from TMA straight into wgmma)"
+    if k_cache.dtype not in (q.dtype, FP8_CACHE):
+        return f"KV cache dtype {k_cache.dtype} (needs q's, {q.dtype}, or float8_e4m3fn)"
     if head_dim not in (64, 128):
         return f"head_dim {head_dim} (needs 64 or 128)"
     if block_size % 8 or tuning.block_kv % block_size or tuning.block_kv % TILE_ROWS:
@@ -90,7 +96,7 @@ def paged_decode_attention(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *,
         blocks_per_row=blocks_per_row, block_stride=block_stride)
     out = plgpu.kernel(
         kernel, out_type=out_type,
-        scratch_types=(scratch(q.dtype, head_dim, tuning, k_cache.shape[1], splits > 1, interpret),),
+        scratch_types=(scratch(q.dtype, k_cache.dtype, head_dim, tuning, k_cache.shape[1], splits > 1, interpret),),
         grid=(num_ctas,), grid_names=("cta",), num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params(interpret),
@@ -135,25 +141,33 @@ class Scratch:
     p_tile: Any  # softmax probabilities for the interpreter's wgmma (SMEM operands only); None on the GPU
     parts: Any  # float32 partial and its log2-sum-exp when the contexts are split; else None
     lse: Any
+    k_tile: Any  # an fp8 cache's K and V tiles converted for wgmma; None when the ring holds q's dtype
+    v_tile: Any
 
 
-def scratch(dtype, head_dim, tuning: DecodeTuning, block_size, split, interpret) -> Scratch:
+def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, split, interpret) -> Scratch:
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     steps, pages = tuning.max_concurrent_steps, tuning.block_kv // block_size
+    fp8 = jnp.dtype(cache_dtype) == FP8_CACHE
+    compute = jnp.float16 if fp8 else dtype
 
-    def ring():
-        return Ring(plgpu.SMEM((steps, tuning.block_kv, head_dim), dtype, transforms=swizzled),
+    def ring():  # an fp8 ring is only read into registers: plain
+        return Ring(plgpu.SMEM((steps, tuning.block_kv, head_dim), cache_dtype, transforms=() if fp8 else swizzled),
                     plgpu.Barrier(num_arrivals=pages, num_barriers=steps))
 
+    def converted():
+        return plgpu.SMEM((tuning.block_kv, head_dim), compute, transforms=swizzled) if fp8 else None
+
     return Scratch(
-        q_tile=plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=swizzled),
+        q_tile=plgpu.SMEM((TILE_ROWS, head_dim), compute, transforms=swizzled),
         staging=plgpu.SMEM((2, TILE_ROWS, head_dim), dtype),
         k=ring(), v=ring(),
         free=plgpu.Barrier(num_barriers=steps),
         q_ready=plgpu.Barrier(num_barriers=2),
-        p_tile=plgpu.SMEM((TILE_ROWS, tuning.block_kv), dtype, transforms=swizzled) if interpret else None,
+        p_tile=plgpu.SMEM((TILE_ROWS, tuning.block_kv), compute, transforms=swizzled) if interpret else None,
         parts=plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32) if split else None,
-        lse=plgpu.SMEM((TILE_ROWS,), jnp.float32) if split else None)
+        lse=plgpu.SMEM((TILE_ROWS,), jnp.float32) if split else None,
+        k_tile=converted(), v_tile=converted())
 
 
 @jax.tree_util.register_dataclass
@@ -204,7 +218,8 @@ def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, 
             nxt = item(n + 1)  # its length loads now, its q once this item's q is in place
             buffer = n % 2
             plgpu.barrier_wait(scratch.q_ready.at[buffer])
-            scratch.q_tile[...] = scratch.staging[buffer]  # rows past the group: harmless leftovers, row by row
+            scratch.q_tile[...] = as_compute(scratch.staging[buffer], scratch.q_tile.dtype)  # rows past the group:
+            # leftovers, harmless: wgmma's rows are independent and only the group's are stored
             plgpu.commit_smem()
             pl.when(n + 1 < num_items)(lambda: load_q(nxt, 1 - buffer, q_ref, scratch, group))
             acc, m, l = attend(work, step, scratch, tuning=tuning, sm_scale=sm_scale, soft_cap=soft_cap)
@@ -271,13 +286,29 @@ def attend(work: Work, step, scratch: Scratch, *, tuning, sm_scale, soft_cap):
     return lax.fori_loop(full_hi, work.hi, functools.partial(attend_one, masked=True), carry)
 
 
+def as_compute(q, dtype):
+    """q in the dots' dtype: as it is, or (under an fp8 cache) float16, clipped to its range."""
+    if q.dtype == dtype:
+        return q
+    return jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dtype)
+
+
+def landed(ring: Ring, converted, slot):
+    """The ring slot's tile once its pages landed, as wgmma reads it: itself, or converted into `converted`."""
+    plgpu.barrier_wait(ring.ready.at[slot])
+    if converted is None:
+        return ring.buffers.at[slot]
+    converted[...] = ring.buffers[slot].astype(converted.dtype)
+    plgpu.commit_smem()
+    return converted
+
+
 def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning, sm_scale, soft_cap):
     """KV step s: ring slot (base + s) % depth, as the memory warpgroup counts."""
     acc, m, l = carry
     slot = (base + s) % tuning.max_concurrent_steps
-    k_tile, v_tile = scratch.k.buffers.at[slot], scratch.v.buffers.at[slot]
     bkv = tuning.block_kv
-    plgpu.barrier_wait(scratch.k.ready.at[slot])
+    k_tile = landed(scratch.k, scratch.k_tile, slot)
 
     def qk(ref):
         plgpu.wgmma(ref, scratch.q_tile, k_tile.T)
@@ -294,8 +325,10 @@ def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning,
     m, p, alpha = online_softmax_step(m, logits)
     acc *= per_row(alpha, acc.shape)
     l = l * alpha + p.sum(axis=1)
-    p = p.astype(v_tile.dtype)
-    plgpu.barrier_wait(scratch.v.ready.at[slot])
+    p = p.astype(scratch.q_tile.dtype)
+    v_tile = landed(scratch.v, scratch.v_tile, slot)
+    if scratch.v_tile is not None:  # converted: the ring slot can take the next pages
+        plgpu.barrier_arrive(scratch.free.at[slot])
     if masked:  # V rows past the context (the null block's, or stale) may hold NaN
         pl.when((s + 1) * bkv > work.kv_len)(lambda: zero_rows_from(v_tile, work.kv_len - s * bkv))
     if scratch.p_tile is not None:  # the interpreter's wgmma takes SMEM operands only
@@ -308,7 +341,8 @@ def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning,
         return ref[...]
 
     acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
-    plgpu.barrier_arrive(scratch.free.at[slot])
+    if scratch.v_tile is None:
+        plgpu.barrier_arrive(scratch.free.at[slot])
     return acc, m, l
 
 

@@ -48,7 +48,8 @@ FP8 caches (float8_e4m3fn, same layout, a byte per element) are read as they are
 q and the V scale into the output, so the Triton kernels load e4m3 tiles and convert them exactly to the dots'
 dtype: float16 under a bf16 or f16 q (e4m3 -> f16 is one instruction per pair on sm_89+; -> bf16 takes several
 and bounds the loop; q, clipped to f16's range, loses none of bf16's 8 mantissa bits), float32 under an f32 q.
-Triton converts e4m3 on sm_89+ only; "auto" takes the reference below that. The Mosaic prefill does not read them.
+Triton converts e4m3 on sm_89+ only; "auto" takes the reference below that. The Mosaic prefill does not read them;
+the Mosaic decode converts each tile to float16 in SMEM (taken when asked for: "auto" keeps Triton's measured path).
 """
 from __future__ import annotations
 
@@ -307,10 +308,11 @@ def decode_on_mosaic(q, k_cache, rows: int, tuning: Tuning, backend: str, interp
     if backend == "triton":
         return None
     device = jax.devices()[0]
-    # auto: Hopper, and small batches only, where it measured ahead of Triton (a batch of 8: 1.04-1.20x; batch 1 in
-    # the engine's 16-row bucket: even); from 64 rows Triton's is 3-4% faster (NOTES_attention.md).
+    # auto: Hopper, and small batches over caches of q's dtype only, where it measured ahead of Triton (a batch of
+    # 8: 1.04-1.20x; batch 1 in the engine's 16-row bucket: even); from 64 rows Triton's is 3-4% faster, and its
+    # fp8 path is not yet measured (NOTES_attention.md).
     if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
-                              or rows > tuning.mosaic_decode_max_rows):
+                              or rows > tuning.mosaic_decode_max_rows or k_cache.dtype != q.dtype):
         return None
     mgpu_decode = mosaic_decode_kernel()
     # one CTA per SM; the CPU interpreter (no core count) runs a few, each taking several work items

@@ -135,8 +135,9 @@ def test_kernel_gqa_and_shapes(q_heads, kv_heads, head_dim, block_size):
     (jnp.float32, None, {"soft_cap": 5.0}, "triton"),
     (jnp.bfloat16, None, {"sliding_window": 33}, "triton"),
     (jnp.bfloat16, FP8, {"sliding_window": 33}, "triton"),
-    pytest.param(jnp.bfloat16, None, {"sliding_window": 33}, "mosaic",
-                 marks=pytest.mark.skipif(ON_GPU and not on_hopper(), reason="Mosaic GPU decode needs sm_90")),
+    *(pytest.param(jnp.bfloat16, cache, {"sliding_window": 33}, "mosaic",
+                   marks=pytest.mark.skipif(ON_GPU and not on_hopper(), reason="Mosaic GPU decode needs sm_90"))
+      for cache in (None, FP8)),
 ])
 def test_one_launch_decode(dtype, cache, options, backend, max_splits):
     """decode_only=True: 4 programs (Triton) or work items (Mosaic) per context, or 1; Triton's first tile's loads

@@ -19,6 +19,7 @@ from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attenti
 from helpers import GEOMETRY, cached_as, check_close, make_batch, on_gpu, on_hopper, poison_allocator
 
 ON_GPU = on_gpu()
+FP8 = jnp.float8_e4m3fn
 pytestmark = pytest.mark.skipif(ON_GPU and not on_hopper(), reason="the Mosaic GPU decode kernel needs sm_90")
 # Interpreted, the persistent grid has 4 CTAs (no core count): each walks several work items, so the pipeline's
 # barriers carry their phases from one item into the next.
@@ -34,16 +35,19 @@ def check_decode(batch, tuning, label, **options):
     check_close(out, expected, batch, jnp.bfloat16, label)  # float16 is held to bfloat16's (looser) tolerance
 
 
-@pytest.mark.parametrize("tuning, options", [
-    (SPLIT, {"sliding_window": 33}),  # splits merged after the launch; a window starting inside a step
-    (WHOLE, {}),  # one CTA a context: the output written by the kernel itself
+@pytest.mark.parametrize("tuning, options, cache", [
+    (SPLIT, {"sliding_window": 33}, None),  # splits merged after the launch; a window starting inside a step
+    (WHOLE, {}, None),  # one item a context: the output written by the kernel itself
+    (SPLIT, {}, FP8),  # e4m3 tiles converted to float16 for wgmma
 ])
-def test_decode_matches_reference(tuning, options):
+def test_decode_matches_reference(tuning, options, cache):
     """Contexts of 1 key, one page, a page and one key, a whole 64-key step, several steps with a ragged tail;
-    a row past the decodes (token 7) and padding tokens past the sequence slots come out zeros."""
+    a row past the decodes (token 7) and padding tokens past the sequence slots come out zeros. An fp8 cache is
+    checked against the reference over the same cache: e4m3 values are exact in float16, so bf16 q's tolerance holds."""
     shape = {**GEOMETRY, "num_tokens": 16, "max_blocks": 16}
-    batch = make_batch(np.random.default_rng(5), [1] * 7, [1, 16, 17, 64, 99, 250, 3], **shape, dtype=jnp.bfloat16)
-    check_decode(batch, tuning, str(tuning), **options)
+    batch = cached_as(make_batch(np.random.default_rng(5), [1] * 7, [1, 16, 17, 64, 99, 250, 3], **shape,
+                                 dtype=jnp.bfloat16), cache)
+    check_decode(batch, tuning, f"{tuning} {cache}", **options)
 
 
 @pytest.mark.slow
@@ -60,13 +64,14 @@ def test_decode_shapes(q_heads, kv_heads, head_dim, block_size, dtype, options):
         check_decode(batch, tuning, str(tuning), **options)
 
 
-@pytest.mark.parametrize("dtype, cache, reason", [
-    (jnp.float32, None, "dtype float32"),
-    (jnp.bfloat16, jnp.float8_e4m3fn, "KV cache dtype float8_e4m3fn"),
+@pytest.mark.parametrize("dtype, head_dim, reason", [
+    (jnp.float32, 64, "dtype float32"),
+    (jnp.bfloat16, 32, "head_dim 32"),
 ])
-def test_mosaic_decode_refuses_what_it_cannot_serve(dtype, cache, reason):
+def test_mosaic_decode_refuses_what_it_cannot_serve(dtype, head_dim, reason):
     """Asked for by name it refuses with the reason and names the Triton kernel, which "auto" takes for such calls."""
-    batch = cached_as(make_batch(np.random.default_rng(7), [1] * 3, [5, 20, 40], **GEOMETRY, dtype=dtype), cache)
+    shape = {**GEOMETRY, "head_dim": head_dim}
+    batch = make_batch(np.random.default_rng(7), [1] * 3, [5, 20, 40], **shape, dtype=dtype)
     with pytest.raises(ValueError, match=f"decode_backend='mosaic'.*{reason}.*decode_backend='triton'"):
         ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=not ON_GPU,
                                decode_only=True, decode_backend="mosaic")
@@ -87,7 +92,8 @@ class FakeHopper:
 @pytest.mark.parametrize("rows, backend, cache, picked", [
     (16, "auto", None, True),  # a small batch on Hopper: Mosaic, one CTA per SM
     (64, "auto", None, False),  # above mosaic_decode_max_rows: Triton, measured faster there
-    (16, "auto", jnp.float8_e4m3fn, False),  # a cache it cannot read: Triton, quietly
+    (16, "auto", FP8, False),  # fp8: Triton's path, the measured one
+    (16, "mosaic", FP8, True),
     (16, "triton", None, False),
     (256, "mosaic", None, True),  # asked for by name: any batch
 ])
