@@ -100,7 +100,7 @@ class Tuning:
     mosaic_decode_block_kv: int = 64  # the Mosaic GPU decode kernel's keys per pipeline step
     mosaic_decode_steps: int = 4  # its pipeline steps in flight
     mosaic_decode_programs: int = 132  # work items its launch aims for (small batches split their contexts)
-    mosaic_decode_max_rows: int = 16  # "auto" takes it for decode-only shapes up to this many rows (see decode_on_mosaic)
+    mosaic_decode_max_rows: int = 16  # "auto" takes it up to this many decode rows (see decode_on_mosaic)
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory. Chosen by the dots' dtype: an fp8
