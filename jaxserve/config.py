@@ -269,8 +269,8 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = knob(None, group="compilation", check=BUCKETS)
     seq_buckets: tuple[int, ...] | None = knob(None, group="compilation", check=BUCKETS)
     # models/attention.py resolves both once per engine (AttentionKernels).
-    # decode-only steps: "auto" (the Pallas decode-only launch: Mosaic GPU on sm_90 where it serves the cache,
-    # else Triton), "triton", "mosaic" (the Hopper kernel), "cuda" (the custom call)
+    # decode-only steps: "auto" (the Pallas decode-only launch: on sm_90 Mosaic GPU for buckets of up to 16 rows
+    # over a cache of q's dtype, else Triton), "triton", "mosaic" (the Hopper kernel), "cuda" (the custom call)
     decode_attention: str = knob("auto", group="compilation", check=one_of(DECODE_ATTENTION))
     # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: faster on long prompts; off by default until
     # its compile time inside a whole model's step is known)
