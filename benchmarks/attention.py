@@ -463,24 +463,26 @@ MOSAIC_TUNE_POINTS = ((64, 512), (8, 4096))
 
 
 def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP):
-    """The decode-only launch on each backend (Mosaic GPU beside Triton) and cuDNN at each point; the Mosaic
-    kernel's tuning variants at the tuning points."""
+    """The decode-only launch on each backend (Mosaic GPU beside Triton) over each of KV_RUNS' caches, and cuDNN,
+    at each point; the Mosaic kernel's tuning variants at the tuning points."""
     measure_copy(rec)
     for batch_size, context in sorted(points, key=lambda p: -p[0]):  # large batches first
         if not fits(batch_size, context, free_bytes):
             continue
-        batch = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
-        expected = reference(batch)
-        params = {"batch": batch_size, "context": context, "kv_dtype": "bf16", "path": "decode-only"}
-        sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-        variants = [{}] + (MOSAIC_DECODE_VARIANTS if (batch_size, context) in MOSAIC_TUNE_POINTS else [])
-        for backend, variant in [("triton", {})] + [("mosaic", v) for v in variants]:
-            rec.measure("decode", f"jaxserve-{backend}", {**params, "tuning": variant or "default"},
-                        ours({**TUNING, **variant, "decode_backend": backend}, decode_only=True), sets, batch,
-                        expected, info)
-        paged = cudnn_paged(jnp.ones((batch_size,), jnp.int32), batch.kv_lens, batch.block_tables, causal=False)
-        rec.measure("decode", "cudnn-paged", params, lambda *a: paged(a[0][:, None], a[1], a[2])[:, 0], sets, batch,
-                    expected, info)
+        bf16 = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
+        for kv_dtype, batch, expected in kv_variants(bf16):
+            params = {"batch": batch_size, "context": context, "kv_dtype": kv_dtype, "path": "decode-only"}
+            sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
+            variants = [{}] + (MOSAIC_DECODE_VARIANTS if (batch_size, context) in MOSAIC_TUNE_POINTS else [])
+            for backend, variant in [("triton", {})] + [("mosaic", v) for v in variants]:
+                rec.measure("decode", f"jaxserve-{backend}", {**params, "tuning": variant or "default"},
+                            ours({**TUNING, **variant, "decode_backend": backend}, decode_only=True), sets, batch,
+                            expected, info)
+            if kv_dtype == "bf16":
+                paged = cudnn_paged(jnp.ones((batch_size,), jnp.int32), batch.kv_lens, batch.block_tables,
+                                    causal=False)
+                rec.measure("decode", "cudnn-paged", params, lambda *a: paged(a[0][:, None], a[1], a[2])[:, 0],
+                            sets, batch, expected, info)
 
 
 def run_tune(rec: Recorder):
