@@ -23,7 +23,7 @@ per call (benchmarks/NOTES_attention.md, v5).
   python benchmarks/attention.py                 # full sweep -> benchmarks/results/attention_h100.json + .png
   python benchmarks/attention.py --tune          # tuning variants at key points -> attention_tune.json
   python benchmarks/attention.py --plans         # decode paths and the CUDA call's splits, with the peers
-  python benchmarks/attention.py --mosaic-decode # decode-only on each backend (Mosaic GPU, Triton), cuDNN
+  python benchmarks/attention.py --mosaic-decode # decode-only on each backend (Mosaic GPU, Triton), cuDNN, CUDA
   python benchmarks/attention.py --kv-dtype fp8  # any of the above with fp8-cache rows beside the bf16 ones
 """
 import argparse
@@ -463,8 +463,8 @@ MOSAIC_TUNE_POINTS = ((64, 512), (8, 4096))
 
 
 def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP):
-    """The decode-only launch on each backend (Mosaic GPU beside Triton) over each of KV_RUNS' caches, and cuDNN,
-    at each point; the Mosaic kernel's tuning variants at the tuning points."""
+    """The decode-only launch on each backend (Mosaic GPU beside Triton) over each of KV_RUNS' caches, cuDNN and the
+    CUDA custom call, at each point; the Mosaic kernel's tuning variants at the tuning points."""
     measure_copy(rec)
     for batch_size, context in sorted(points, key=lambda p: -p[0]):  # large batches first
         if not fits(batch_size, context, free_bytes):
@@ -483,6 +483,7 @@ def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP):
                                     causal=False)
                 rec.measure("decode", "cudnn-paged", params, lambda *a: paged(a[0][:, None], a[1], a[2])[:, 0],
                             sets, batch, expected, info)
+                bench_cuda_decode(rec, params, sets, batch, expected, info)
 
 
 def run_tune(rec: Recorder):
