@@ -8,9 +8,10 @@ from pathlib import Path
 
 import yaml
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+            "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,14 @@ class ModelConfig:
     qk_norm: bool = False                  # Qwen3: RMSNorm on q and k per head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Mixtral, Qwen3-MoE): each token's MLP is the router's top num_experts_per_tok of
+    # num_experts experts of moe_intermediate_size, weighed by their softmax probabilities (renormalised over the
+    # chosen when norm_topk_prob); dense_layers keep a dense MLP of intermediate_size. num_experts 0: dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __hash__(self):   # a static part of the jitted layer (models/llama.run_layer): rope_scaling is a dict
         return hash(tuple(tuple(sorted((self.rope_scaling or {}).items())) if f.name == "rope_scaling"
@@ -53,13 +62,30 @@ class ModelConfig:
             raise ValueError(f"eos_token_ids must be ints, got {list(self.eos_token_ids)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.num_experts:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                _require_positive_int(name, getattr(self, name))
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
+                                 f"{self.num_experts}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def num_params(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        mlps = sum(self.mlp_params(i, every_expert=True) for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size + head
+        return self.num_layers * attn + mlps + self.vocab_size * self.hidden_size + head
+
+    def mlp_params(self, layer: int, every_expert: bool) -> int:
+        """Layer's MLP parameters: all of them, or (every_expert False) those one token reads: its router and the
+        experts it is routed to."""
+        if not self.is_moe_layer(layer):
+            return 3 * self.hidden_size * self.intermediate_size
+        experts = self.num_experts if every_expert else self.num_experts_per_tok
+        return self.hidden_size * (self.num_experts + 3 * experts * self.moe_intermediate_size)
 
 
 # The sizes a model is built from: each must be a positive int (ModelConfig names, then config.json names).
@@ -94,6 +120,22 @@ def _eos_ids(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
+def _moe_fields(cfg: dict, arch: str) -> dict:
+    """ModelConfig's MoE fields from config.json: Mixtral (num_local_experts, experts of intermediate_size, top-k
+    always renormalised) and Qwen3-MoE (num_experts, or num_local_experts as transformers 5 writes it;
+    moe_intermediate_size; norm_topk_prob; dense MLPs in mlp_only_layers and off the decoder_sparse_step)."""
+    if arch == "mixtral":
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if arch != "qwen3_moe":
+        return {}
+    step, layers = cfg.get("decoder_sparse_step") or 1, cfg["num_hidden_layers"]
+    dense = set(cfg.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
+    return dict(num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                num_experts_per_tok=cfg["num_experts_per_tok"], moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=tuple(sorted(dense)))
+
+
 def model_config_from_hf(cfg: dict) -> ModelConfig:
     """Build a ModelConfig from a HF `config.json` dict (transformers 4.x and 5.x field names); a malformed
     one is a ValueError naming the field."""
@@ -106,8 +148,8 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, llama3)")
     heads = cfg["num_attention_heads"]
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
-    return ModelConfig(
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch in ("mistral", "mixtral")) else None
+    return ModelConfig(**_moe_fields(cfg, arch),
         arch=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -116,7 +158,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         rope_scaling=rope if rope_type == "llama3" else None,
         max_position_embeddings=cfg.get("max_position_embeddings") or 8192,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), sliding_window=window,
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)), qk_norm=arch == "qwen3",
+        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)), qk_norm=arch in ("qwen3", "qwen3_moe"),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos_ids(cfg.get("eos_token_id")))
 
 

@@ -1,5 +1,6 @@
 """Llama-family decoder in Flax NNX: Llama 2/3 (llama3 rope scaling), SmolLM2, Mistral (sliding window),
-Qwen2 (qkv bias), Qwen3 (q/k RMSNorm). Tokens are flattened `[T]`; attention goes through `attend`."""
+Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), and the mixtures of experts Mixtral and Qwen3-MoE (`MoE`). Tokens are
+flattened `[T]`; attention goes through `attend`."""
 from __future__ import annotations
 
 import functools
@@ -123,12 +124,58 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
+EXPERT_DOT = jax.lax.RaggedDotDimensionNumbers(   # rows sorted by expert [N, in] . weights [E, out, in] -> [N, out]
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+
+
+class Experts(nnx.Module):
+    """Every expert's MLP weights stacked, as checkpoints store each expert's: [E, out, in]."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = nnx.initializers.lecun_normal(in_axis=2, out_axis=1, batch_axis=0)
+        self.gate_proj = nnx.Param(init(rngs.params(), (e, i, h), dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (e, i, h), dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, h, i), dtype))
+
+    def __call__(self, rows, group_sizes):
+        """rows [N, H] sorted by expert, group_sizes [E] rows each -> [N, H]: one grouped GEMM per projection."""
+        def dot(x, w):
+            return jax.lax.ragged_dot_general(x, w[...], group_sizes, EXPERT_DOT,
+                                              preferred_element_type=jnp.float32).astype(x.dtype)
+        return dot(jax.nn.silu(dot(rows, self.gate_proj)) * dot(rows, self.up_proj), self.down_proj)
+
+
+class MoE(nnx.Module):
+    """Sparse MLP: each token goes to the router's top-k experts, weighed by their softmax probabilities
+    (renormalised over the chosen when cfg.norm_topk_prob). The token-expert pairs are sorted by expert so that each
+    projection is one grouped GEMM over [T * k] rows (static shapes: one graph per bucket, no host round trip)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
+                           rngs=rngs)
+        self.experts = Experts(cfg, dtype, rngs)
+        self.top_k, self.norm_topk_prob, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.num_experts
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)   # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        order = jnp.argsort(experts.reshape(-1), stable=True)   # pairs (token, choice) by expert
+        tokens = order // self.top_k
+        group_sizes = jnp.bincount(experts.reshape(-1), length=self.num_experts).astype(jnp.int32)
+        out = self.experts(x[tokens], group_sizes)
+        weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        return jnp.zeros(x.shape, jnp.float32).at[tokens].add(weighted).astype(x.dtype)
+
+
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization=None):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization=None, layer: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs, quantization)
+        self.mlp = MoE(cfg, dtype, rngs) if cfg.is_moe_layer(layer) else MLP(cfg, dtype, rngs, quantization)
 
     def __call__(self, x, positions, kv_layer, paged):
         h, kv_layer = self.self_attn(self.input_layernorm(x), positions, kv_layer, paged)
@@ -140,7 +187,7 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, quantization: str | None = None, rngs: nnx.Rngs):
         """quantization="fp8": the decoder layers' linear layers in FP8; embeddings and the LM head stay in dtype."""
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
         self.cfg = cfg

@@ -155,16 +155,47 @@ def hf_snapshot(repo_id: str) -> Path:
                                   "name the cache), or give a local path")
 
 
+MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+EXPERT_TENSOR = re.compile(r"^(?P<stack>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
 def _nnx_path(hf_name: str) -> tuple:
     """HF tensor name -> its module's NNX state path, then the tensor's own name (("layers", 3, "self_attn",
-    "q_proj", "weight")); nnx.Embed's table is its "embedding". transformers' weight_scale_inv (FP8 block scales) is
-    the dequantization multiplier that compressed-tensors calls weight_scale, whatever its name says."""
-    parts = hf_name.removeprefix("model.").split(".")
+    "q_proj", "weight")); nnx.Embed's table is its "embedding"; Mixtral's MoE names are Qwen3-MoE's. transformers'
+    weight_scale_inv (FP8 block scales) is the dequantization multiplier that compressed-tensors calls weight_scale,
+    whatever its name says."""
+    parts = [MIXTRAL_NAMES.get(p, p) for p in hf_name.removeprefix("model.").split(".")]
     if parts[0] == "embed_tokens":
         return "embed_tokens", "embedding"
     if parts[0] == "layers":
         parts[1] = int(parts[1])
     return *parts[:-1], "weight_scale" if parts[-1] == "weight_scale_inv" else parts[-1]
+
+
+def stack_experts(tensors, num_experts: int, source):
+    """Checkpoints store each expert's projection alone ("...mlp.experts.7.up_proj.weight"); the model holds one
+    projection of every expert as a [E, out, in] parameter ("...mlp.experts.up_proj"). An expert's tensor is held
+    until the last of its stack arrives (at most a layer's projections in memory); other tensors pass through."""
+    pending: dict[tuple, dict[int, np.ndarray]] = {}
+    for name, w, shape, nbytes in tensors:
+        match = EXPERT_TENSOR.match(name) if num_experts else None
+        if match is None:
+            yield name, w, shape, nbytes
+            continue
+        expert, key = int(match["expert"]), (match["stack"], match["proj"])
+        if expert >= num_experts:
+            raise ModelLoadError(source, f"tensor {name}: expert {expert} of a model with {num_experts} experts")
+        got = pending.setdefault(key, {})
+        got[expert] = np.asarray(w)
+        if len(got) == num_experts:
+            stacked = np.stack([got[e] for e in range(num_experts)])
+            del pending[key]
+            yield f"{key[0]}.{key[1]}", stacked, stacked.shape, stacked.nbytes
+    if pending:
+        (stack, proj), got = next(iter(pending.items()))
+        missing = sorted(set(range(num_experts)) - set(got))
+        raise ModelLoadError(source, f"missing tensors: {stack}.{missing[0]}.{proj}.weight"
+                                     f"{f' (and {len(missing) - 1} more experts)' if len(missing) > 1 else ''}")
 
 
 def place(w, shape: tuple, sharding: NamedSharding, dtype, transposed: bool) -> jax.Array:
@@ -424,8 +455,8 @@ def load_hf(path: Path, dtype, mesh=None, quantization: str | None = None) -> Lo
     if not (files := sorted(path.glob("*.safetensors"))):
         raise ModelLoadError(path, "no *.safetensors weights found")
     quantization = "fp8" if layout else quantization
-    model, kv_scales_loaded = build_model(cfg, dtype, read_safetensors(files), path, mesh,
-                                          sum(f.stat().st_size for f in files), quantization, layout)
+    model, kv_scales_loaded = build_model(cfg, dtype, stack_experts(read_safetensors(files), cfg.num_experts, path),
+                                          path, mesh, sum(f.stat().st_size for f in files), quantization, layout)
     has_tokenizer = (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
     return LoadedModel(cfg, model, AutoTokenizer.from_pretrained(path) if has_tokenizer else None, str(path),
                        quantization, kv_scales_loaded, sampling)
