@@ -50,9 +50,10 @@ def replica_meshes(data_parallel_size: int, tensor_parallel_size: int = 1, devic
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """The shapes Megatron-style splitting needs: whole q heads and MLP columns per shard, and kv heads that
-    either split evenly or each serve whole shards."""
-    for name in ("num_heads", "intermediate_size"):
+    """The shapes Megatron-style splitting needs: whole q heads and MLP columns per shard, kv heads that either
+    split evenly or each serve whole shards, and whole experts per shard (a mixture of experts' experts split over
+    the devices: expert parallelism)."""
+    for name in ("num_heads", "intermediate_size", "num_experts"):
         if getattr(cfg, name) % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={getattr(cfg, name)}")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
@@ -80,6 +81,8 @@ def param_spec(path: tuple, ndim: int, shard_kv: bool, shard_vocab: bool) -> P:
         return {"kernel": P(TP, None), "weight": P(None, TP)}.get(leaf, P())
     if module == "embed_tokens":
         return P(TP, None)
+    if module == "experts":   # expert parallelism: whole experts per device, [E, out, in] split on E
+        return P(TP, None, None)
     return P(*([None] * ndim))
 
 

@@ -59,6 +59,14 @@ def test_tp2_greedy_tokens_and_logprobs_match_one_device(tp2):
 
 
 @pytest.mark.slow
+def test_tp2_mixture_of_experts_matches_one_device(tp2):
+    """Expert parallelism: attention split on heads, the experts on experts (each device runs the tokens' pairs
+    routed to its own, an all-reduce sums them); every parameter placed as param_spec says."""
+    assert_same_outputs(tp2["moe"]["1"], tp2["moe"]["2"])
+    assert tp2["moe_placement"]["wrong_params"] == []
+
+
+@pytest.mark.slow
 def test_tp2_with_fewer_kv_heads_than_devices_matches_one_device(tp2):
     """4 q heads, 1 kv head: the projections stay whole and each device keeps its own copy of the kv head."""
     assert_same_outputs(tp2["mqa"]["1"], tp2["mqa"]["2"])
@@ -140,6 +148,10 @@ def test_models_tp_cannot_split_are_refused_naming_the_shape():
         check_tensor_parallel(replace(TINY, num_heads=9, num_kv_heads=3), 2)
     with pytest.raises(ValueError, match="must divide the model's num_kv_heads=3 or be a multiple of it"):
         check_tensor_parallel(replace(TINY, num_heads=6, num_kv_heads=3), 2)
+    moe = replace(TINY, arch="qwen3_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
+    check_tensor_parallel(moe, 2)
+    with pytest.raises(ValueError, match="does not divide the model's num_experts=6"):   # whole experts per device
+        check_tensor_parallel(moe, 4)
 
 
 def test_param_spec_is_megatron_style():
@@ -151,4 +163,7 @@ def test_param_spec_is_megatron_style():
     assert param_spec(("embed_tokens", "embedding"), 2, True, True) == P("tp", None)
     assert param_spec(("lm_head", "kernel"), 2, True, False) == P()         # vocab tp does not divide
     assert param_spec(("norm", "weight"), 1, True, True) == P(None)
+    moe = ("layers", 1, "mlp")
+    assert param_spec((*moe, "experts", "down_proj"), 3, True, True) == P("tp", None, None)   # whole experts
+    assert param_spec((*moe, "gate", "kernel"), 2, True, True) == P(None, None)   # the router: every device's
     assert cache_kv_heads(8, 2) == 8 and cache_kv_heads(2, 8) == 8

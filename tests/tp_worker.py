@@ -36,6 +36,8 @@ LAZY = {**KNOBS, "num_blocks": 64, "precompile": False}
 # Rows of every kind: short and long prompts, one longer than the token budget (chunked prefill), then decodes.
 PROMPTS = [[2 + (i * 7 + j) % 120 for j in range(n)] for i, n in enumerate((5, 17, 33, 9, 90))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, prompt_logprobs=1)
+# A Qwen3-MoE-shaped TINY: a dense first layer, then top-2 of 4 experts
+MOE = dict(arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=(0,))
 
 
 def engine(loaded, tp: int) -> LLM:
@@ -131,7 +133,9 @@ def run(num_devices: int) -> dict:
     if num_devices == 2:
         llm = engine(random_model(TINY, jnp.float32, mesh=make_mesh(2)), 2)
         greedy(llm)
-        return {"tiny": random_pair(2), "mqa": random_pair(2, num_kv_heads=1), "placement": placement(llm),
+        moe = engine(random_model(dataclasses.replace(TINY, **MOE), jnp.float32, mesh=make_mesh(2)), 2)
+        return {"tiny": random_pair(2), "mqa": random_pair(2, num_kv_heads=1), "moe": random_pair(2, **MOE),
+                "placement": placement(llm), "moe_placement": placement(moe),
                 "collectives": collectives(llm), "cow": copy_on_write(2), "precompiled": precompiled(2),
                 "speculative": speculative(2)}
     smollm = {str(n): greedy(engine(load_model(dtype="f32", mesh=make_mesh(n)), n), PROMPTS[:3]) for n in (1, 3)}

@@ -10,11 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 from jaxserve.models.fp8 import Fp8Linear, linears
+from jaxserve.sharding import TP, per_shard
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -129,7 +131,8 @@ EXPERT_DOT = jax.lax.RaggedDotDimensionNumbers(   # rows sorted by expert [N, in
 
 
 class Experts(nnx.Module):
-    """Every expert's MLP weights stacked, as checkpoints store each expert's: [E, out, in]."""
+    """Every expert's MLP weights stacked, as checkpoints store each expert's: [E, out, in]; split on E over a
+    "tp" mesh (expert parallelism, sharding.param_spec)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -138,36 +141,53 @@ class Experts(nnx.Module):
         self.up_proj = nnx.Param(init(rngs.params(), (e, i, h), dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (e, h, i), dtype))
 
-    def __call__(self, rows, group_sizes):
-        """rows [N, H] sorted by expert, group_sizes [E] rows each -> [N, H]: one grouped GEMM per projection."""
-        def dot(x, w):
-            return jax.lax.ragged_dot_general(x, w[...], group_sizes, EXPERT_DOT,
-                                              preferred_element_type=jnp.float32).astype(x.dtype)
-        return dot(jax.nn.silu(dot(rows, self.gate_proj)) * dot(rows, self.up_proj), self.down_proj)
-
 
 class MoE(nnx.Module):
     """Sparse MLP: each token goes to the router's top-k experts, weighed by their softmax probabilities
     (renormalised over the chosen when cfg.norm_topk_prob). The token-expert pairs are sorted by expert so that each
-    projection is one grouped GEMM over [T * k] rows (static shapes: one graph per bucket, no host round trip)."""
+    projection is one grouped GEMM over [T * k] rows (static shapes: one graph per bucket, no host round trip).
+    Over a "tp" mesh each device holds whole experts and every token (tokens are replicated between layers): it
+    runs the pairs routed to its own experts and an all-reduce sums the devices' shares, as the row-parallel
+    projections' does."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
                            rngs=rngs)
         self.experts = Experts(cfg, dtype, rngs)
-        self.top_k, self.norm_topk_prob, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.num_experts
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
-    def __call__(self, x):
+    def __call__(self, x, mesh=None):
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)   # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        order = jnp.argsort(experts.reshape(-1), stable=True)   # pairs (token, choice) by expert
-        tokens = order // self.top_k
-        group_sizes = jnp.bincount(experts.reshape(-1), length=self.num_experts).astype(jnp.int32)
-        out = self.experts(x[tokens], group_sizes)
-        weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        return jnp.zeros(x.shape, jnp.float32).at[tokens].add(weighted).astype(x.dtype)
+        split = mesh is not None and mesh.shape[TP] > 1
+        run = per_shard(functools.partial(routed_experts, split=split), mesh, (P(),) * 3 + (P(TP),) * 3, P())
+        w = self.experts
+        return run(x, weights, experts, w.gate_proj[...], w.up_proj[...], w.down_proj[...])
+
+
+def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, split: bool):
+    """x [T, H] through the experts held here (all of them, or with `split` this device's share of a "tp" mesh,
+    summed over the devices): sum over each token's chosen experts e of weight x down_e(silu(gate_e x) * up_e x)."""
+    local = gate_proj.shape[0]
+    slot = experts.reshape(-1) - (jax.lax.axis_index(TP) * local if split else 0)
+    mine = (slot >= 0) & (slot < local)
+    slot = jnp.where(mine, slot, local)   # pairs routed elsewhere sort last, in no group
+    order = jnp.argsort(slot, stable=True)
+    group_sizes = jnp.bincount(slot, length=local + 1)[:local].astype(jnp.int32)
+    tokens = order // experts.shape[1]
+
+    def dot(rows, w):
+        return jax.lax.ragged_dot_general(rows, w, group_sizes, EXPERT_DOT,
+                                          preferred_element_type=jnp.float32).astype(rows.dtype)
+
+    rows = x[tokens]
+    out = dot(jax.nn.silu(dot(rows, gate_proj)) * dot(rows, up_proj), down_proj).astype(jnp.float32)
+    held = mine[order][:, None]   # rows in no group hold whatever the grouped GEMM left there
+    out = jnp.where(held, out, 0.0) * jnp.where(held[:, 0], weights.reshape(-1)[order], 0.0)[:, None]
+    y = jnp.zeros(x.shape, jnp.float32).at[tokens].add(out)
+    return (jax.lax.psum(y, TP) if split else y).astype(x.dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -180,7 +200,9 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, kv_layer, paged):
         h, kv_layer = self.self_attn(self.input_layernorm(x), positions, kv_layer, paged)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_layer
+        y = self.post_attention_layernorm(x)
+        mlp = self.mlp(y, None if paged is None else paged.mesh) if isinstance(self.mlp, MoE) else self.mlp(y)
+        return x + mlp, kv_layer
 
 
 class LlamaForCausalLM(nnx.Module):
