@@ -44,10 +44,14 @@ from jaxserve.config import QUANTIZATIONS, load_run_config, model_config_from_hf
 from jaxserve.models.loader import load_run  # noqa: E402
 
 
-def weight_read_bytes(cfg, b: Bytes) -> int:
-    """The weights a decode step reads: every linear layer and the LM head (embeddings: one row per token)."""
+def weight_read_bytes(cfg, b: Bytes, rows: int = 1) -> float:
+    """The weights a decode step of `rows` tokens reads: every linear layer (of a mixture of experts, the experts
+    its tokens are routed to, uniform routing assumed) and the LM head (embeddings: one row per token)."""
     lm_head = cfg.vocab_size * cfg.hidden_size
-    return (cfg.num_params - lm_head * (1 if cfg.tie_word_embeddings else 2)) * b.linear + lm_head * b.other
+    experts = cfg.expected_experts(rows) if cfg.num_experts else None
+    unread = sum(cfg.mlp_params(i) - cfg.mlp_params(i, experts) for i in range(cfg.num_layers))
+    linear = cfg.num_params - unread - lm_head * (1 if cfg.tie_word_embeddings else 2)
+    return linear * b.linear + lm_head * b.other
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +77,18 @@ class Workload:
         return self.num_prompts * self.n * (self.shared_prefix_len + self.input_len + j)
 
 
-def decode_step_bytes(cfg, kv_tokens, b: Bytes):
-    """One decode step's least traffic: every weight once, the K/V of kv_tokens cached tokens."""
-    return weight_read_bytes(cfg, b) + kv_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * b.kv
+def decode_step_bytes(cfg, kv_tokens, b: Bytes, rows: int = 1):
+    """One decode step's least traffic: every weight it reads once, the K/V of kv_tokens cached tokens."""
+    return weight_read_bytes(cfg, b, rows) + kv_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * b.kv
 
 
 def roofline_s(cfg, w: Workload, gbps, tflops, b: Bytes, prefix_once: bool = True):
     """tflops: the matmul rate of the linear layers' dtype (FP8 doubles bf16's)."""
-    decode_bytes = sum(decode_step_bytes(cfg, w.kv_tokens(j, prefix_once), b) for j in range(1, w.output_len))
-    prefill_flops = 2 * cfg.num_params * w.prefill_tokens
+    rows = w.num_prompts * w.n
+    decode_bytes = sum(decode_step_bytes(cfg, w.kv_tokens(j, prefix_once), b, rows) for j in range(1, w.output_len))
+    per_token = cfg.num_params - sum(cfg.mlp_params(i) - cfg.mlp_params(i, cfg.num_experts_per_tok)
+                                     for i in range(cfg.num_layers))   # a token's own weights: its k experts
+    prefill_flops = 2 * per_token * w.prefill_tokens
     return decode_bytes / (gbps * 1e9) + prefill_flops / (tflops * 1e12)
 
 
@@ -204,7 +211,7 @@ def main(argv=None):
     roof_every_row = roofline_s(cfg, work, gbps, tflops, dtype_bytes, prefix_once=False) / tp
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     wall, ntok, ttft, tpot, stats = run_jaxserve(loaded, engine_cfg, prompts, args.output_len, sampling, args.n)
-    mid_step = decode_step_bytes(cfg, work.kv_tokens(args.output_len // 2), dtype_bytes)
+    mid_step = decode_step_bytes(cfg, work.kv_tokens(args.output_len // 2), dtype_bytes, args.num_prompts * args.n)
     tpot_roof_ms = mid_step / (gbps * 1e9) * 1e3 / tp
     params = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "shared_prefix_len": args.shared_prefix_len, "n": args.n, **sampling,

@@ -75,17 +75,21 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlps = sum(self.mlp_params(i, every_expert=True) for i in range(self.num_layers))
+        mlps = sum(self.mlp_params(i) for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.num_layers * attn + mlps + self.vocab_size * self.hidden_size + head
 
-    def mlp_params(self, layer: int, every_expert: bool) -> int:
-        """Layer's MLP parameters: all of them, or (every_expert False) those one token reads: its router and the
-        experts it is routed to."""
+    def mlp_params(self, layer: int, experts: float | None = None) -> float:
+        """Layer's MLP parameters: all of them, or in a mixture of experts its router and `experts` experts (those
+        a step's tokens are routed to)."""
         if not self.is_moe_layer(layer):
             return 3 * self.hidden_size * self.intermediate_size
-        experts = self.num_experts if every_expert else self.num_experts_per_tok
+        experts = self.num_experts if experts is None else experts
         return self.hidden_size * (self.num_experts + 3 * experts * self.moe_intermediate_size)
+
+    def expected_experts(self, rows: int) -> float:
+        """Distinct experts a layer's `rows` tokens are routed to, if the router spreads choices uniformly."""
+        return self.num_experts * (1 - (1 - self.num_experts_per_tok / self.num_experts) ** rows)
 
 
 # The sizes a model is built from: each must be a positive int (ModelConfig names, then config.json names).
@@ -158,7 +162,8 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         rope_scaling=rope if rope_type == "llama3" else None,
         max_position_embeddings=cfg.get("max_position_embeddings") or 8192,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), sliding_window=window,
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)), qk_norm=arch in ("qwen3", "qwen3_moe"),
+        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos_ids(cfg.get("eos_token_id")))
 
 

@@ -23,7 +23,8 @@ def test_qwen3_moe_config_and_its_sizes():
                                                                                                768)
     assert cfg.norm_topk_prob and cfg.qk_norm and cfg.dense_layers == ()
     assert 30.4e9 < cfg.num_params < 30.6e9   # "30B"
-    active = sum(cfg.mlp_params(i, every_expert=False) for i in range(cfg.num_layers))
+    assert cfg.expected_experts(1) == 8 and 127 < cfg.expected_experts(256) <= 128
+    active = sum(cfg.mlp_params(i, cfg.num_experts_per_tok) for i in range(cfg.num_layers))
     assert 1.8e9 < active < 1.85e9   # the MLP share of "A3B" (attention 0.9B and embeddings 0.6B the rest)
 
 
