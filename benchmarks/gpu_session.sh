@@ -32,6 +32,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-timeline  # a shared-prefix decode step: host vs device
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-decode   # Mosaic GPU decode: GPU tests, beside Triton
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe           # Qwen3-30B-A3B shapes: batch 1, 256 x 512/128, dense 8B beside
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
@@ -54,6 +55,12 @@ case $1 in
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
     run 440 python benchmarks/attention.py --mosaic-decode --out "$OUT/attention_mosaic_decode_gpu.json" ;;
+  moe)   # the mixture of experts at batch 1 (roofline: the weights a token reads) and at 256 x 512/128 beside the dense 8B
+    MOE=configs/qwen3-30b-a3b-random.yaml
+    run 150 python benchmarks/offline.py --config $MOE --num-prompts 1 --input-len 128 --output-len 256 \
+      --out "$OUT/offline_moe_gpu.json"
+    run 200 python benchmarks/offline.py --config $MOE --out "$OUT/offline_moe_gpu.json"
+    run 150 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_moe_gpu.json" ;;
   mosaic-check)   # after a kernel change: its GPU tests, the short-context points, batch 1 in the engine on each backend
     run 110 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
