@@ -184,14 +184,15 @@ def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, split:
 
     rows = x[tokens]
     out = dot(jax.nn.silu(dot(rows, gate_proj)) * dot(rows, up_proj), down_proj).astype(jnp.float32)
-    held = mine[order][:, None]   # rows in no group hold whatever the grouped GEMM left there
-    out = jnp.where(held, out, 0.0) * jnp.where(held[:, 0], weights.reshape(-1)[order], 0.0)[:, None]
+    held = mine[order]   # rows in no group hold whatever the grouped GEMM left there
+    weight = jnp.where(held, weights.reshape(-1)[order], 0.0)
+    out = jnp.where(held[:, None], out, 0.0) * weight[:, None]
     y = jnp.zeros(x.shape, jnp.float32).at[tokens].add(out)
     return (jax.lax.psum(y, TP) if split else y).astype(x.dtype)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization=None, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization, layer: int):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
