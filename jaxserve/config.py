@@ -48,6 +48,8 @@ class ModelConfig:
                           else getattr(self, f.name) for f in dataclasses.fields(self)))
 
     def __post_init__(self):
+        for name in ("eos_token_ids", "dense_layers"):   # JSON (a saved config) gives lists: hashed as tuples
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unknown architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
         for name in MODEL_SIZES:

@@ -486,7 +486,7 @@ def load_converted(path: Path, dtype, mesh=None, quantization: str | None = None
     from transformers import AutoTokenizer
     meta = _read_json(path / CONVERTED_META)
     with blamed_on(path / CONVERTED_META):
-        cfg = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
+        cfg = ModelConfig(**meta["config"])
         saved = meta.get("quantization")
         check_quantization(saved)
     sampling = checked_sampling(meta.get("sampling_defaults", {}), path / CONVERTED_META)

@@ -97,7 +97,7 @@ def load(directory: Path, mesh):
 def _read(directory: Path) -> tuple[dict, ModelConfig, tuple, dict[str, np.ndarray]] | None:
     try:
         meta = json.loads((directory / META).read_text())
-        cfg = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
+        cfg = ModelConfig(**meta["config"])
         module = pickle.loads((directory / MODULE).read_bytes())
         return meta, cfg, module, map_safetensors(directory / WEIGHTS)
     except Exception:   # whatever a damaged or foreign copy raises (unpickling can raise anything): load the file
