@@ -23,7 +23,7 @@ from jaxserve.sharding import cache_kv_heads, check_tensor_parallel, param_spec
 from helpers import KNOBS, TINY
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
-WORKER_TIMEOUT_S = 240
+WORKER_TIMEOUT_S = 360   # a hang guard: the 2-device worker takes ~130 s cold alone on 2 cores, more beside another
 COLLECTIVE = re.compile(r"all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter")
 
 
@@ -63,7 +63,7 @@ def test_tp2_mixture_of_experts_matches_one_device(tp2):
     """Expert parallelism: attention split on heads, the experts on experts (each device runs the tokens' pairs
     routed to its own, an all-reduce sums them); every parameter placed as param_spec says."""
     assert_same_outputs(tp2["moe"]["1"], tp2["moe"]["2"])
-    assert tp2["moe_placement"]["wrong_params"] == []
+    assert tp2["moe"]["placement"]["wrong_params"] == []
 
 
 @pytest.mark.slow

@@ -56,9 +56,12 @@ def greedy(llm: LLM, prompts=PROMPTS, params=GREEDY) -> dict:
 
 
 def random_pair(tp: int, **shapes) -> dict:
-    """The same random model on one device and on tp devices."""
-    cfg = dataclasses.replace(TINY, **shapes)
-    return {str(n): greedy(engine(random_model(cfg, jnp.float32, mesh=make_mesh(n)), n)) for n in (1, tp)}
+    """The same random model on one device and on tp devices; where the tp engine placed its parameters."""
+    cfg, out = dataclasses.replace(TINY, **shapes), {}
+    for n in (1, tp):
+        llm = engine(random_model(cfg, jnp.float32, mesh=make_mesh(n)), n)
+        out[str(n)] = greedy(llm)
+    return {**out, "placement": placement(llm)}
 
 
 def placement(llm: LLM) -> dict:
@@ -133,9 +136,8 @@ def run(num_devices: int) -> dict:
     if num_devices == 2:
         llm = engine(random_model(TINY, jnp.float32, mesh=make_mesh(2)), 2)
         greedy(llm)
-        moe = engine(random_model(dataclasses.replace(TINY, **MOE), jnp.float32, mesh=make_mesh(2)), 2)
         return {"tiny": random_pair(2), "mqa": random_pair(2, num_kv_heads=1), "moe": random_pair(2, **MOE),
-                "placement": placement(llm), "moe_placement": placement(moe),
+                "placement": placement(llm),
                 "collectives": collectives(llm), "cow": copy_on_write(2), "precompiled": precompiled(2),
                 "speculative": speculative(2)}
     smollm = {str(n): greedy(engine(load_model(dtype="f32", mesh=make_mesh(n)), n), PROMPTS[:3]) for n in (1, 3)}
