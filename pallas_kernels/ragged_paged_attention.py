@@ -11,7 +11,7 @@ Backends, per role:
   asked for by `decode_backend="mosaic"`, and taken by "auto" for small batches, where it measured faster.
 - prefill: on Hopper (sm_90) with bf16/f16 (q and cache), `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page
   copies, wgmma, warp specialisation), the faster of the two there; elsewhere the Triton prefill kernel below.
-Nothing in the API names the backend (`prefill_backend` only overrides the choice).
+Nothing in the API names the backend (`prefill_backend` and `decode_backend` only override the choice).
 
 Two launches, with no host- or XLA-side metadata preparation (each program reads the raw
 cu_q_lens/kv_lens/block_tables):
@@ -212,7 +212,8 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
     fp8 cache), "triton", or "auto" (mosaic on sm_90 when it supports the call, else triton). decode_only: the
     caller guarantees every sequence has one query (token i is sequence i's; anything else is undefined), so the
     pallas impl runs one launch; decode_backend picks its kernel as prefill_backend does ("mosaic": the Hopper
-    wgmma/TMA kernel, bf16/f16 caches of q's dtype). `tuning`: fields of `Tuning`.
+    wgmma/TMA kernel, q in bf16/f16; "auto" takes it on sm_90 for up to `mosaic_decode_max_rows` decodes over a cache
+    of q's dtype). `tuning`: fields of `Tuning`.
     """
     return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, None,
                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
