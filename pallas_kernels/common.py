@@ -32,6 +32,13 @@ def init_carry(shape):
     return jnp.zeros(shape, jnp.float32), jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32)
 
 
+def log2_logits(s, sm_scale: float, soft_cap: float | None):
+    """Raw scores q . k (float32) scaled, and soft-capped (tanh) where asked, into the log2 domain exp2 wants."""
+    if soft_cap is None:
+        return s * (sm_scale * LOG2E)
+    return jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+
+
 def exp2_shift(m):
     """The row max to subtract before exp2: m, except 0 on rows that have seen no key (m = -inf), so that exp2
     gives those rows 0 instead of NaN."""

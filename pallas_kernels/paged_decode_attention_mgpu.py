@@ -30,7 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import LOG2E, mosaic_interpret_params, normalize, online_softmax_step, per_row
+from pallas_kernels.common import (LOG2E, log2_logits, mosaic_interpret_params, normalize, online_softmax_step,
+                                   per_row)
 
 FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)
 F16_MAX = float(jnp.finfo(jnp.float16).max)
@@ -315,11 +316,7 @@ def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning,
         plgpu.wgmma(ref, scratch.q_tile, k_tile.T)
         return ref[...]
 
-    s_tile = pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
-    if soft_cap is None:
-        logits = s_tile * (sm_scale * LOG2E)
-    else:
-        logits = jnp.tanh(s_tile * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+    logits = log2_logits(pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, bkv), jnp.float32)), sm_scale, soft_cap)
     if masked:
         key = s * bkv + plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
         logits = jnp.where((key >= work.first) & (key < work.kv_len), logits, -jnp.inf)

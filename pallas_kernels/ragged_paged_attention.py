@@ -64,7 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (LOG2E, exp2_shift, init_carry, interpret_params, normalize,
+from pallas_kernels.common import (exp2_shift, init_carry, interpret_params, log2_logits, normalize,
                                    online_softmax_step, per_row)
 from pallas_kernels.block_tables import row_starts, strided_block_tables
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
@@ -869,10 +869,7 @@ def attend_tile(t, carry, *, masked, q, q_pos, seq_blocks, kv_len, kv_head, cach
 
 def logits(q, k, scores: Scores):
     """q @ k.T in float32, scaled (and soft-capped) into the log2 domain that exp2 wants."""
-    s = dot(q, k, ((1,), (1,)))
-    if scores.soft_cap is None:
-        return s * (scores.sm_scale * LOG2E)
-    return jnp.tanh(s * (scores.sm_scale / scores.soft_cap)) * (scores.soft_cap * LOG2E)
+    return log2_logits(dot(q, k, ((1,), (1,))), scores.sm_scale, scores.soft_cap)
 
 
 def dot(a, b, dims):
