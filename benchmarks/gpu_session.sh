@@ -33,6 +33,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-timeline  # a shared-prefix decode step: host vs device
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-decode   # Mosaic GPU decode: GPU tests, beside Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe           # Qwen3-30B-A3B shapes: batch 1, 256 x 512/128, dense 8B beside
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-gemm      # its grouped GEMM against a dense GEMM of the same FLOPs
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
@@ -61,6 +62,8 @@ case $1 in
       --out "$OUT/offline_moe_gpu.json"
     run 200 python benchmarks/offline.py --config $MOE --out "$OUT/offline_moe_gpu.json"
     run 150 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_moe_gpu.json" ;;
+  moe-gemm)   # the experts' grouped GEMM (XLA's ragged dot) beside a dense GEMM of the same FLOPs, and the whole block
+    run 200 python benchmarks/moe_gemm.py --out "$OUT/moe_gemm_gpu.json" ;;
   mosaic-check)   # after a kernel change: its GPU tests, the short-context points, batch 1 in the engine on each backend
     run 110 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
