@@ -1,6 +1,6 @@
 """The Mosaic GPU grouped matmul against XLA's ragged dot: interpreted on the CPU (Mosaic GPU's warpgroup
 interpreter, 4 CTAs, each walking several work units), compiled on an H100/H200; its row plan; its lowering for
-CUDA.
+CUDA; the experts' MLP through it.
 
 Interpreted, every buffer the kernel allocates starts as NaN (the interpreter's default), on a GPU the allocator is
 handed NaN buffers first: an unwritten tile or a tile read from the wrong rows shows up as NaN, which never passes.
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import grouped_matmul_mgpu as gmm
+from jaxserve.models.llama import EXPERT_DOT, mosaic_mlp, ragged_dot_mlp, routed_experts
 
 from helpers import on_gpu, on_hopper
 
@@ -130,3 +131,37 @@ def test_refuses_shapes_it_cannot_serve():
     lhs, rhs = operands(np.random.default_rng(0), 8, 128, 96, 2)
     with pytest.raises(ValueError, match="N=96"):
         gmm.grouped_matmul(lhs, rhs, jnp.asarray([4, 4], jnp.int32), tuning=TUNING, interpret=True)
+
+
+def test_expert_mlp_matches_ragged_dot():
+    """gate, up, down in the padded layout equal XLA's ragged dot on the rows in groups; the rows past them (the
+    pairs another device's experts hold) come out as zeros, not NaN."""
+    rng = np.random.default_rng(4)
+    sizes = jnp.asarray([3, 0, 9, 0, 0, 2], jnp.int32)
+    rows, gate = operands(rng, 18, 128, 128, 6)
+    up, down = (operands(rng, 1, 128, 128, 6)[1] for _ in range(2))
+    expected = np.asarray(ragged_dot_mlp(rows, sizes, gate, up, down), np.float32)[:14]
+    out = np.asarray(mosaic_mlp(rows, sizes, gate, up, down, tuning=TUNING, interpret=not ON_GPU), np.float32)
+    # the bf16 intermediates may round a bf16 ulp apart, which down carries on: 2^-7 relative
+    check_close(out[:14], expected, "experts' MLP", rtol=2 ** -7)
+    assert not out[14:].any()
+
+
+def test_routed_experts_on_mosaic():
+    """The whole expert block, 5 tokens' top 2 of 8 experts, through the kernel and through XLA's ragged dot."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    gate, up, down = (jnp.asarray(rng.standard_normal((8, 128, 128)) / np.sqrt(128), jnp.bfloat16) for _ in range(3))
+    experts = jnp.asarray([rng.choice(8, 2, replace=False) for _ in range(5)], jnp.int32)
+    weights = jax.nn.softmax(jnp.asarray(rng.standard_normal((5, 2)), jnp.float32), axis=-1)
+    block = functools.partial(routed_experts, x, weights, experts, gate, up, down, split=False)
+    expected = np.asarray(block(backend="xla"), np.float32)
+    out = block(backend="mosaic", interpret=not ON_GPU)
+    check_close(out, expected, "expert block", rtol=2 ** -7)  # bf16 intermediates and output, as above
+
+
+def test_auto_keeps_ragged_dot_off_hopper():
+    from jaxserve.models.llama import grouped_gemm_tuning
+    lhs, rhs = operands(np.random.default_rng(0), 8, 128, 128, 2)
+    assert (grouped_gemm_tuning("auto", False, lhs, rhs, rhs) is None) == (not on_hopper())
+    assert EXPERT_DOT == gmm.GROUPED_DOT
