@@ -85,9 +85,10 @@ def plan_rows(group_sizes, num_rows: int, block_m: int) -> RowPlan:
     group = jnp.minimum(group, sizes.shape[0] - 1)
     slots = jnp.where(in_group, tile_start[group] * block_m + row - row_start[group], tiles * block_m)
     pos = jnp.arange(tiles * block_m)
-    offset = pos - tile_start[tile_groups[pos // block_m]] * block_m
-    holds_row = (pos < tile_end[-1] * block_m) & (offset < sizes[tile_groups[pos // block_m]])
-    sources = jnp.where(holds_row, row_start[tile_groups[pos // block_m]] + offset, num_rows)
+    pos_group = tile_groups[pos // block_m]
+    offset = pos - tile_start[pos_group] * block_m
+    holds_row = (pos < tile_end[-1] * block_m) & (offset < sizes[pos_group])
+    sources = jnp.where(holds_row, row_start[pos_group] + offset, num_rows)
     return RowPlan(tile_groups, tile_end[-1:], slots.astype(jnp.int32), sources.astype(jnp.int32))
 
 
