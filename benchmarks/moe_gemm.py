@@ -7,12 +7,17 @@ expert block (sort, three grouped GEMMs, scatter-add), on Qwen3-30B-A3B's expert
 Each point runs LAYERS layers' distinct weights in one jit (a token's experts at batch 1 fit in L2; a step's
 layers do not), chained gate -> down. Rows: bench "moe_gemm", impl grouped | dense_same_flops | expert_block,
 params {tokens, experts, top_k, hidden, intermediate, layers}, ms per layer (GPU busy time where the profiler
-has it, else wall), tflops, and gbps of the weights the routed experts hold (grouped, expert_block).
+has it, else wall), tflops, and gbps of the weights the routed experts hold (all but dense_same_flops).
+On Hopper also impl mosaic_grouped (pallas_kernels/grouped_matmul_mgpu.py, gate -> down as grouped),
+jax_ragged_dot_mgpu (JAX's Pallas library kernel, the same chain) and expert_block_mosaic (the block on
+mosaic_grouped, as the engine runs it there; expert_block is XLA's); a Mosaic impl that fails to build or run
+records a row with its error. Elsewhere they are skipped, with the reason printed.
 Results: benchmarks/results/moe_gemm_<backend>.json.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -24,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import device_busy_ms, time_ms, write_rows  # noqa: E402
 
 from jaxserve.models.llama import EXPERT_DOT, routed_experts  # noqa: E402
+from pallas_kernels.ragged_paged_attention import gpu_capability  # noqa: E402
 
 LAYERS = 4
 
@@ -37,6 +43,23 @@ def grouped_chain(rows, gates, downs, group_sizes):
     return rows
 
 
+def mosaic_chain(rows, gates, downs, group_sizes):
+    from pallas_kernels.grouped_matmul_mgpu import GroupedTuning, grouped_matmul
+    tuning = GroupedTuning(num_ctas=getattr(jax.devices()[0], "core_count", None) or 132)
+    for gate, down in zip(gates, downs):
+        rows = grouped_matmul(grouped_matmul(rows, gate, group_sizes, tuning=tuning), down, group_sizes, tuning=tuning)
+    return rows
+
+
+def jax_library_chain(rows, gates, downs, group_sizes):
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+    dot = lambda x, w: ragged_dot(x, w, group_sizes=group_sizes, block_m=64, block_n=128, block_k=64,  # noqa: E731
+                                  max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
+    for gate, down in zip(gates, downs):
+        rows = dot(dot(rows, gate), down)
+    return rows
+
+
 def dense_chain(rows, gates, downs):
     """The same FLOPs as one dense weight pair a layer."""
     for gate, down in zip(gates, downs):
@@ -44,10 +67,19 @@ def dense_chain(rows, gates, downs):
     return rows
 
 
-def block_chain(x, weights, experts, gates, ups, downs):
+def block_chain(x, weights, experts, gates, ups, downs, *, backend):
     for gate, up, down in zip(gates, ups, downs):
-        x = routed_experts(x, weights, experts, gate, up, down, split=False)
+        x = routed_experts(x, weights, experts, gate, up, down, split=False, backend=backend)
     return x
+
+
+MOSAIC_IMPLS = {"mosaic_grouped", "jax_ragged_dot_mgpu", "expert_block_mosaic"}
+
+
+def max_rel_diff(out, expected) -> float:
+    """max |out - expected| over max |expected|; NaN anywhere gives NaN."""
+    out, expected = np.asarray(out, np.float32), np.asarray(expected, np.float32)
+    return float(np.abs(out - expected).max() / np.abs(expected).max())
 
 
 def timed(fn, *args) -> tuple[float, str]:
@@ -71,19 +103,36 @@ def point(tokens: int, e: int, k: int, h: int, i: int, key) -> list[dict]:
     params = {"tokens": tokens, "experts": e, "top_k": k, "hidden": h, "intermediate": i, "layers": LAYERS}
     flops = 2 * pairs * h * i
     expert_bytes = active * h * i * 2   # one projection of the routed experts, bf16
-    cases = (("grouped", jax.jit(grouped_chain), (rows, list(gates), list(downs), group_sizes), 2, 2),
+    grouped_args = (rows, list(gates), list(downs), group_sizes)
+    block_args = (x, weights, experts, list(gates), list(ups), list(downs))
+    cases = (("grouped", jax.jit(grouped_chain), grouped_args, 2, 2),
              ("dense_same_flops", jax.jit(dense_chain), (rows, list(gates[:, 0]), list(downs[:, 0])), 2, 0),
-             ("expert_block", jax.jit(block_chain), (x, weights, experts, list(gates), list(ups), list(downs)), 3, 3))
+             ("expert_block", jax.jit(functools.partial(block_chain, backend="xla")), block_args, 3, 3),
+             ("mosaic_grouped", jax.jit(mosaic_chain), grouped_args, 2, 2),
+             ("jax_ragged_dot_mgpu", jax.jit(jax_library_chain), grouped_args, 2, 2),
+             ("expert_block_mosaic", jax.jit(functools.partial(block_chain, backend="mosaic")), block_args, 3, 3))
     out = []
     for impl, fn, args, projections, read in cases:
-        ms, timer = timed(fn, *args)
+        if impl in MOSAIC_IMPLS and gpu_capability() != 9.0:
+            print(f"{impl}: skipped, Mosaic GPU kernels need a Hopper GPU (sm_90)", flush=True)
+            continue
+        try:
+            ms, timer = timed(fn, *args)
+        except Exception as e:   # a Mosaic kernel that fails to build or run: a row, not the end of the run
+            print(f"{tokens:5d} tokens {impl}: failed: {type(e).__name__}: {e}", flush=True)
+            out.append({"bench": "moe_gemm", "impl": impl, "params": params, "error": f"{type(e).__name__}: {e}"})
+            continue
         ms /= LAYERS
         row = {"bench": "moe_gemm", "impl": impl, "params": {**params, "timer": timer}, "ms": ms,
                "tflops": projections * flops / ms / 1e9}
+        if impl in MOSAIC_IMPLS:   # the kernels' first GPU runs: their outputs beside XLA's
+            peer = dict((c[0], c) for c in cases)["expert_block" if "block" in impl else "grouped"]
+            row["max_rel_diff"] = max_rel_diff(fn(*args), peer[1](*peer[2]))
         if read:
             row["gbps"] = read * expert_bytes / ms / 1e6
-        print(f"{tokens:5d} tokens ({active:3d} experts) {impl:17s} {ms * 1e3:9.1f} us/layer "
-              f"{row['tflops']:7.2f} TFLOP/s" + (f" {row['gbps']:7.0f} GB/s" if read else ""), flush=True)
+        print(f"{tokens:5d} tokens ({active:3d} experts) {impl:19s} {ms * 1e3:9.1f} us/layer "
+              f"{row['tflops']:7.2f} TFLOP/s" + (f" {row['gbps']:7.0f} GB/s" if read else "")
+              + (f" rel diff {row['max_rel_diff']:.1e}" if "max_rel_diff" in row else ""), flush=True)
         out.append(row)
     return out
 

@@ -17,6 +17,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 from jaxserve.models.fp8 import Fp8Linear, linears
 from jaxserve.sharding import TP, per_shard
+from pallas_kernels.ragged_paged_attention import gpu_capability
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -167,9 +168,12 @@ class MoE(nnx.Module):
         return run(x, weights, experts, w.gate_proj[...], w.up_proj[...], w.down_proj[...])
 
 
-def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, split: bool):
+def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, split: bool, backend: str = "auto",
+                   interpret: bool = False):
     """x [T, H] through the experts held here (all of them, or with `split` this device's share of a "tp" mesh,
-    summed over the devices): sum over each token's chosen experts e of weight x down_e(silu(gate_e x) * up_e x)."""
+    summed over the devices): sum over each token's chosen experts e of weight x down_e(silu(gate_e x) * up_e x).
+    backend: the grouped GEMMs' — "mosaic" (the Mosaic GPU kernel; `interpret` runs it on the CPU), "xla"
+    (`ragged_dot_general`) or "auto" (Mosaic on Hopper, else XLA)."""
     local = gate_proj.shape[0]
     slot = experts.reshape(-1) - (jax.lax.axis_index(TP) * local if split else 0)
     mine = (slot >= 0) & (slot < local)
@@ -177,18 +181,49 @@ def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, split:
     order = jnp.argsort(slot, stable=True)
     group_sizes = jnp.bincount(slot, length=local + 1)[:local].astype(jnp.int32)
     tokens = order // experts.shape[1]
-
-    def dot(rows, w):
-        return jax.lax.ragged_dot_general(rows, w, group_sizes, EXPERT_DOT,
-                                          preferred_element_type=jnp.float32).astype(rows.dtype)
-
-    rows = x[tokens]
-    out = dot(jax.nn.silu(dot(rows, gate_proj)) * dot(rows, up_proj), down_proj).astype(jnp.float32)
+    tuning = grouped_gemm_tuning(backend, interpret, x, gate_proj, down_proj)
+    mlp = ragged_dot_mlp if tuning is None else functools.partial(mosaic_mlp, tuning=tuning, interpret=interpret)
+    out = mlp(x[tokens], group_sizes, gate_proj, up_proj, down_proj).astype(jnp.float32)
     held = mine[order]   # rows in no group hold whatever the grouped GEMM left there
     weight = jnp.where(held, weights.reshape(-1)[order], 0.0)
     out = jnp.where(held[:, None], out, 0.0) * weight[:, None]
     y = jnp.zeros(x.shape, jnp.float32).at[tokens].add(out)
     return (jax.lax.psum(y, TP) if split else y).astype(x.dtype)
+
+
+def grouped_gemm_tuning(backend: str, interpret: bool, rows, gate_proj, down_proj):
+    """The Mosaic GPU grouped GEMM's tuning when it runs the experts, else None (XLA's ragged dot does): "auto"
+    takes it on Hopper for the shapes it serves."""
+    if backend == "xla" or (backend == "auto" and gpu_capability() != 9.0):
+        return None
+    from pallas_kernels import grouped_matmul_mgpu as gmm   # Mosaic GPU's import: only where it runs
+    device = jax.devices()[0]
+    # one CTA per SM; the CPU interpreter (no core count) runs a few, each taking several work units
+    tuning = gmm.GroupedTuning(num_ctas=4 if interpret else getattr(device, "core_count", None) or 132)
+    why_not = gmm.supported(rows, gate_proj, tuning) or gmm.supported(rows, down_proj, tuning)
+    if why_not and backend == "mosaic":
+        raise ValueError(f"the experts' grouped GEMM on Mosaic GPU cannot serve these shapes: {why_not}")
+    return None if why_not else tuning
+
+
+def ragged_dot_mlp(rows, group_sizes, gate_proj, up_proj, down_proj):
+    """Rows sorted by expert [N, H] through their expert's MLP by XLA's ragged dot; rows in no group: whatever
+    XLA leaves there."""
+    def dot(rows, w):
+        return jax.lax.ragged_dot_general(rows, w, group_sizes, EXPERT_DOT,
+                                          preferred_element_type=jnp.float32).astype(rows.dtype)
+    return dot(jax.nn.silu(dot(rows, gate_proj)) * dot(rows, up_proj), down_proj)
+
+
+def mosaic_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, *, tuning, interpret):
+    """The same by the Mosaic GPU grouped GEMM, in its padded row layout from the gather in to the gather out;
+    rows in no group: zeros."""
+    from pallas_kernels import grouped_matmul_mgpu as gmm
+    plan = gmm.plan_rows(group_sizes, rows.shape[0], tuning.block_m)
+    dot = functools.partial(gmm.grouped_matmul_padded, plan=plan, tuning=tuning, interpret=interpret)
+    padded = gmm.pad_rows(rows, plan)
+    # tiles past the plan's hold garbage through silu and the product: no planned tile reads them
+    return gmm.unpad_rows(dot(jax.nn.silu(dot(padded, gate_proj)) * dot(padded, up_proj), down_proj), plan)
 
 
 class DecoderLayer(nnx.Module):

@@ -1,0 +1,170 @@
+"""Grouped matmul for Hopper (sm_90a): Pallas Mosaic GPU, TMA tiles into wgmma. The mixture of experts' GEMM:
+lhs [M, K] rows sorted by group (group g's rows are the next group_sizes[g]), rhs [G, N, K] one weight per group
+(as checkpoints store each expert's [out, in]), out [M, N] = each row times its group's weight, transposed.
+
+- Rows are laid out, in XLA before the launch, so that each non-empty group starts on a block_m tile boundary
+  (`plan_rows`, `pad_rows`): every tile then holds one group's rows and is a plain wgmma tile, stored whole by TMA,
+  with no per-group masking in the kernel. The padded layout has a static bound, M_pad = M + min(M, G) *
+  (block_m - 1) rounded up to block_m, so the graph keeps static shapes and needs no host trip.
+- The planner lists the tiles that hold rows first and counts them; the launch walks only those (tile, n-block)
+  work units. Empty groups have no tile, so at decode sizes (8 pairs over 128 experts) only the routed experts'
+  weights are read, where XLA's ragged dot (a dense GEMM over all groups) and a tile per group read them all.
+- A persistent grid (one CTA per SM) deals the work units round-robin, n-blocks of a tile on neighbouring CTAs (the
+  tile's rows are read once into L2). Each unit pipelines K through a TMA ring `max_concurrent_steps` deep into
+  wgmma (f32 accumulator) and stores its block_m x block_n tile through SMEM.
+- Rows past sum(group_sizes) (the pairs another device's experts hold under expert parallelism) are in no tile:
+  they are not computed and come out as zeros.
+
+`grouped_matmul_padded` takes and gives the padded layout, so a chain of grouped GEMMs over the same rows (an
+expert's gate, up and down) pads once and gathers back once. Tiles past the planned count are never written: only
+rows the plan maps are meaningful there.
+"""
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import mosaic_interpret_params
+
+# rows sorted by group [M, K] . weights [G, N, K] -> [M, N]
+GROUPED_DOT = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedTuning:
+    block_m: int = 64  # rows per tile: wgmma's M; also the most padding a group pays
+    block_n: int = 128
+    block_k: int = 64  # 64 bf16 = one 128-byte swizzled row
+    max_concurrent_steps: int = 4
+    num_ctas: int = 132  # persistent grid, one CTA per SM (H100/H200); the caller passes the device's core count
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RowPlan:
+    """Where each row goes in the padded layout, and the tiles the launch walks."""
+    tile_groups: jax.Array  # [num_tiles_max] the group of each padded tile; past num_tiles: 0, never run
+    num_tiles: jax.Array  # [1] tiles that hold rows, listed first
+    slots: jax.Array  # [M] each row's padded position; M_pad for rows in no group
+    sources: jax.Array  # [M_pad] each padded position's row; M for padding
+
+
+def supported(lhs, rhs, tuning: GroupedTuning = GroupedTuning()) -> str | None:
+    """None when this kernel can serve the shapes, else why not."""
+    n, k = rhs.shape[1:]
+    if lhs.dtype not in (jnp.bfloat16, jnp.float16) or rhs.dtype != lhs.dtype:
+        return f"dtypes {lhs.dtype}, {rhs.dtype} (needs bfloat16 or float16, both the same)"
+    if k % tuning.block_k or n % tuning.block_n:
+        return f"K={k}, N={n} (need multiples of block_k={tuning.block_k}, block_n={tuning.block_n})"
+    return None
+
+
+def num_tiles_max(num_rows: int, num_groups: int, block_m: int) -> int:
+    """Tiles the padded layout can need: each non-empty group (at most min(M, G)) rounds up by < block_m rows."""
+    return pl.cdiv(num_rows + min(num_rows, num_groups) * (block_m - 1), block_m)
+
+
+def plan_rows(group_sizes, num_rows: int, block_m: int) -> RowPlan:
+    """The padded layout of `num_rows` rows sorted into groups of `group_sizes`: group g starts at tile
+    tile_start[g], its tiles follow, empty groups take none."""
+    sizes = group_sizes.astype(jnp.int32)
+    row_end = jnp.cumsum(sizes)
+    tile_end = jnp.cumsum(pl.cdiv(sizes, block_m))
+    row_start, tile_start = row_end - sizes, tile_end - pl.cdiv(sizes, block_m)
+    tiles = num_tiles_max(num_rows, sizes.shape[0], block_m)
+    tile_groups = jnp.searchsorted(tile_end, jnp.arange(tiles), side="right")
+    tile_groups = jnp.where(tile_groups < sizes.shape[0], tile_groups, 0).astype(jnp.int32)
+    row = jnp.arange(num_rows)
+    group = jnp.searchsorted(row_end, row, side="right")
+    in_group = group < sizes.shape[0]
+    group = jnp.minimum(group, sizes.shape[0] - 1)
+    slots = jnp.where(in_group, tile_start[group] * block_m + row - row_start[group], tiles * block_m)
+    pos = jnp.arange(tiles * block_m)
+    pos_group = tile_groups[pos // block_m]
+    offset = pos - tile_start[pos_group] * block_m
+    holds_row = (pos < tile_end[-1] * block_m) & (offset < sizes[pos_group])
+    sources = jnp.where(holds_row, row_start[pos_group] + offset, num_rows)
+    return RowPlan(tile_groups, tile_end[-1:], slots.astype(jnp.int32), sources.astype(jnp.int32))
+
+
+def pad_rows(x, plan: RowPlan):
+    """[M, ...] rows into the padded layout [M_pad, ...]; padding rows zeros."""
+    return jnp.take(x, plan.sources, axis=0, mode="fill", fill_value=0)
+
+
+def unpad_rows(y, plan: RowPlan):
+    """[M_pad, ...] padded rows back to [M, ...]; rows in no group zeros."""
+    return jnp.take(y, plan.slots, axis=0, mode="fill", fill_value=0)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
+    """lhs [M, K] sorted by group, rhs [G, N, K], group_sizes [G] -> [M, N] in lhs's dtype (f32 accumulation);
+    rows past sum(group_sizes) are zeros."""
+    plan = plan_rows(group_sizes, lhs.shape[0], tuning.block_m)
+    out = grouped_matmul_padded(pad_rows(lhs, plan), rhs, plan, tuning=tuning, interpret=interpret)
+    return unpad_rows(out, plan)
+
+
+def grouped_matmul_padded(lhs, rhs, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
+    """lhs [M_pad, K] in `plan`'s padded layout -> [M_pad, N], the planned tiles written, the rest left as they
+    were allocated."""
+    why_not = supported(lhs, rhs, tuning)
+    if why_not:
+        raise ValueError(f"grouped_matmul cannot serve this call: {why_not}")
+    kernel = functools.partial(grouped_kernel, tuning=tuning)
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1]), lhs.dtype),
+        grid=(tuning.num_ctas,), grid_names=("cta",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=mosaic_interpret_params(interpret),
+    )(plan.tile_groups, plan.num_tiles, lhs, rhs)
+
+
+def grouped_kernel(tile_groups_ref, num_tiles_ref, lhs_ref, rhs_ref, out_ref, *, tuning: GroupedTuning):
+    """A persistent CTA: work units (tile, n-block), n-blocks fastest, dealt round-robin over the CTAs."""
+    grid_n = rhs_ref.shape[1] // tuning.block_n
+
+    @plgpu.nd_loop((num_tiles_ref[0] * grid_n,), collective_axes="cta")
+    def unit(info: plgpu.NDLoopInfo):
+        tile, n_block = lax.div(info.index[0], grid_n), lax.rem(info.index[0], grid_n)
+        acc = pl.run_scoped(functools.partial(accumulate, lhs_ref=lhs_ref, rhs_ref=rhs_ref.at[tile_groups_ref[tile]],
+                                              tile=tile, n_block=n_block, tuning=tuning),
+                            plgpu.ACC((tuning.block_m, tuning.block_n)))
+        pl.run_scoped(functools.partial(store, acc, out_ref=out_ref, tile=tile, n_block=n_block, tuning=tuning),
+                      plgpu.SMEM((tuning.block_m, tuning.block_n), out_ref.dtype))
+
+
+def accumulate(acc_ref, *, lhs_ref, rhs_ref, tile, n_block, tuning: GroupedTuning):
+    """The unit's [block_m, block_n] f32 product: K in block_k steps, TMA copies `max_concurrent_steps` ahead of
+    wgmma. rhs_ref: the tile's group's weight [N, K]."""
+    bm, bn, bk = tuning.block_m, tuning.block_n, tuning.block_k
+    plgpu.emit_pipeline(
+        lambda _, lhs_smem, rhs_smem: plgpu.wgmma(acc_ref, lhs_smem, rhs_smem.T),
+        grid=(lhs_ref.shape[1] // bk,),
+        # wgmma runs asynchronously: a step's buffers are released one step later, once it has completed
+        in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (tile, k), delay_release=1),
+                  plgpu.BlockSpec((bn, bk), lambda k: (n_block, k), delay_release=1)],
+        max_concurrent_steps=tuning.max_concurrent_steps,
+    )(lhs_ref, rhs_ref)
+    return acc_ref[...]
+
+
+def store(acc, staging, *, out_ref, tile, n_block, tuning: GroupedTuning):
+    """The unit's tile into the padded output, whole, by TMA through `staging`; waits until the copy has read
+    `staging`, which the next unit reuses."""
+    bm, bn = tuning.block_m, tuning.block_n
+    staging[...] = acc.astype(staging.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(staging, out_ref.at[pl.ds(tile * bm, bm), pl.ds(n_block * bn, bn)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def grouped_matmul_reference(lhs, rhs, group_sizes):
+    """The same product by XLA's ragged dot (f32 accumulation); rows past sum(group_sizes) are zeros."""
+    return lax.ragged_dot_general(lhs, rhs, group_sizes, GROUPED_DOT,
+                                  preferred_element_type=jnp.float32).astype(lhs.dtype)

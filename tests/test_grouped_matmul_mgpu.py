@@ -1,0 +1,167 @@
+"""The Mosaic GPU grouped matmul against XLA's ragged dot: interpreted on the CPU (Mosaic GPU's warpgroup
+interpreter, 4 CTAs, each walking several work units), compiled on an H100/H200; its row plan; its lowering for
+CUDA; the experts' MLP through it.
+
+Interpreted, every buffer the kernel allocates starts as NaN (the interpreter's default), on a GPU the allocator is
+handed NaN buffers first: an unwritten tile or a tile read from the wrong rows shows up as NaN, which never passes.
+Tolerance: both sides accumulate bf16/f16 products (exact in f32) in f32, in different orders (~1e-6 relative),
+then round to the output dtype: the kernel's output is held to 2^-8 relative (the rounding, with a margin) of the
+f32 reference, plus 1e-3 absolute for sums that cancel.
+"""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import grouped_matmul_mgpu as gmm
+from jaxserve.models.llama import EXPERT_DOT, mosaic_mlp, ragged_dot_mlp, routed_experts
+
+from helpers import on_gpu, on_hopper
+
+ON_GPU = on_gpu()
+pytestmark = pytest.mark.skipif(ON_GPU and not on_hopper(), reason="the Mosaic GPU grouped matmul needs sm_90")
+TUNING = gmm.GroupedTuning(num_ctas=132 if ON_GPU else 4)
+
+
+def operands(rng, num_rows, k, n, num_groups, dtype=jnp.bfloat16):
+    lhs = jnp.asarray(rng.standard_normal((num_rows, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((num_groups, n, k)) / np.sqrt(k), dtype)
+    return lhs, rhs
+
+
+def reference_f32(lhs, rhs, group_sizes):
+    return np.asarray(jax.lax.ragged_dot_general(lhs, rhs, group_sizes, gmm.GROUPED_DOT,
+                                                 preferred_element_type=jnp.float32))
+
+
+def poison(shape, dtype):
+    """On a GPU, free a few NaN buffers of the output's size so an unwritten tile likely reads NaN."""
+    if ON_GPU:
+        for _ in range(3):
+            jnp.full(shape, jnp.nan, dtype).block_until_ready().delete()
+
+
+def check_close(out, expected, label, rtol=2 ** -8):
+    out = np.asarray(out, np.float32)
+    assert not np.isnan(out).any(), f"{label}: NaN at rows {np.unique(np.nonzero(np.isnan(out))[0])}"
+    np.testing.assert_allclose(out, expected, rtol=rtol, atol=1e-3, err_msg=label)
+
+
+def decode_sizes(rng, rows=8, groups=128):
+    """`rows` rows in distinct groups of `groups`, one each: batch 1's top-8 of 128 experts."""
+    sizes = np.zeros(groups, np.int32)
+    sizes[rng.choice(groups, rows, replace=False)] = 1
+    return sizes
+
+
+@pytest.mark.parametrize("sizes, num_rows, k, n, dtype", [
+    ([30, 0, 65, 0, 3], 100, 128, 256, jnp.bfloat16),  # empty groups; one over a tile; 2 rows in no group; 2 n-blocks
+    ([0, 0, 150, 0], 150, 256, 128, jnp.float16),  # all rows one group; M not a multiple of block_m
+    ("decode", 8, 128, 128, jnp.bfloat16),  # 8 rows over 128 groups, one row each
+    ([0, 0, 0], 20, 128, 128, jnp.bfloat16),  # no group holds a row: nothing runs, all zeros
+])
+def test_matches_reference(sizes, num_rows, k, n, dtype):
+    rng = np.random.default_rng(len(str(sizes)) + num_rows)
+    sizes = jnp.asarray(decode_sizes(rng) if sizes == "decode" else sizes, jnp.int32)
+    lhs, rhs = operands(rng, num_rows, k, n, sizes.shape[0], dtype)
+    expected = reference_f32(lhs, rhs, sizes)
+    poison((num_rows, n), dtype)
+    out = jax.jit(functools.partial(gmm.grouped_matmul, tuning=TUNING, interpret=not ON_GPU))(lhs, rhs, sizes)
+    assert out.dtype == dtype
+    check_close(out, expected, f"sizes {sizes.tolist()}")
+    assert not np.asarray(out[int(sizes.sum()):], np.float32).any()  # rows in no group: zeros
+
+
+def test_random_groups_against_the_library_reference():
+    """Random sizes over 6 groups (some empty), the module's reference (ragged dot, rounded to bf16) as oracle."""
+    rng = np.random.default_rng(11)
+    sizes = rng.multinomial(90, rng.dirichlet(np.full(6, 0.5)))
+    sizes[rng.choice(6, 2, replace=False)] = 0
+    sizes = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = operands(rng, 96, 128, 128, 6)
+    expected = np.asarray(gmm.grouped_matmul_reference(lhs, rhs, sizes), np.float32)
+    out = gmm.grouped_matmul(lhs, rhs, sizes, tuning=TUNING, interpret=not ON_GPU)
+    # both round nearly the same f32 sums to bf16: at most one bf16 ulp (2^-7 relative) apart
+    check_close(out, expected, f"sizes {sizes.tolist()}", rtol=2 ** -7)
+
+
+def test_empty_groups_get_no_tile():
+    """Only groups holding rows are in the plan's tile list (so only their weights are read): 8 rows over 128
+    groups run 8 tiles; a group over a tile takes its ceil(rows / block_m) tiles, in group order."""
+    rng = np.random.default_rng(3)
+    sizes = decode_sizes(rng)
+    plan = gmm.plan_rows(jnp.asarray(sizes), 8, 64)
+    num_tiles = int(plan.num_tiles[0])
+    assert num_tiles == 8 and plan.tile_groups.shape == (8,)  # the static bound: min(M, G) groups, a tile each
+    assert plan.tile_groups[:num_tiles].tolist() == np.nonzero(sizes)[0].tolist()
+    sizes = np.zeros(128, np.int32)
+    sizes[[5, 70]] = [3, 130]
+    plan = gmm.plan_rows(jnp.asarray(sizes), 140, 64)
+    num_tiles = int(plan.num_tiles[0])
+    assert plan.tile_groups[:num_tiles].tolist() == [5, 70, 70, 70]
+    assert int(plan.slots[2]) == 2 and int(plan.slots[3]) == 64  # group 70 starts on the second tile
+    assert (np.asarray(plan.slots[133:]) == plan.sources.shape[0]).all()  # rows in no group: nowhere
+
+
+def test_padding_round_trip():
+    """pad_rows then unpad_rows gives back every row in a group, zeros for the rest."""
+    sizes = jnp.asarray([0, 5, 0, 64, 1], jnp.int32)
+    x = jnp.arange(80 * 2, dtype=jnp.float32).reshape(80, 2) + 1
+    plan = gmm.plan_rows(sizes, 80, 64)
+    back = np.asarray(gmm.unpad_rows(gmm.pad_rows(x, plan), plan))
+    np.testing.assert_array_equal(back[:70], np.asarray(x[:70]))
+    assert not back[70:].any()
+
+
+@pytest.mark.parametrize("k, n", [(2048, 768), (768, 2048)])  # Qwen3-30B-A3B's gate/up and down
+def test_lowers_for_cuda(k, n):
+    """Lowered for an NVIDIA GPU (here without one): Mosaic GPU's layout inference and lowering run, one Mosaic GPU
+    kernel comes out."""
+    shapes = [((64, k), jnp.bfloat16), ((128, n, k), jnp.bfloat16), ((128,), jnp.int32)]
+    fn = functools.partial(gmm.grouped_matmul, tuning=gmm.GroupedTuning())
+    text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]
+
+
+def test_refuses_shapes_it_cannot_serve():
+    lhs, rhs = operands(np.random.default_rng(0), 8, 128, 96, 2)
+    with pytest.raises(ValueError, match="N=96"):
+        gmm.grouped_matmul(lhs, rhs, jnp.asarray([4, 4], jnp.int32), tuning=TUNING, interpret=True)
+
+
+def test_expert_mlp_matches_ragged_dot():
+    """gate, up, down in the padded layout equal XLA's ragged dot on the rows in groups; the rows past them (the
+    pairs another device's experts hold) come out as zeros, not NaN."""
+    rng = np.random.default_rng(4)
+    sizes = jnp.asarray([3, 0, 9, 0, 0, 2], jnp.int32)
+    rows, gate = operands(rng, 18, 128, 128, 6)
+    up, down = (operands(rng, 1, 128, 128, 6)[1] for _ in range(2))
+    expected = np.asarray(ragged_dot_mlp(rows, sizes, gate, up, down), np.float32)[:14]
+    out = np.asarray(mosaic_mlp(rows, sizes, gate, up, down, tuning=TUNING, interpret=not ON_GPU), np.float32)
+    # the bf16 intermediates may round a bf16 ulp apart, which down carries on: 2^-7 relative
+    check_close(out[:14], expected, "experts' MLP", rtol=2 ** -7)
+    assert not out[14:].any()
+
+
+def test_routed_experts_on_mosaic():
+    """The whole expert block, 5 tokens' top 2 of 8 experts, through the kernel and through XLA's ragged dot."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    gate, up, down = (jnp.asarray(rng.standard_normal((8, 128, 128)) / np.sqrt(128), jnp.bfloat16) for _ in range(3))
+    experts = jnp.asarray([rng.choice(8, 2, replace=False) for _ in range(5)], jnp.int32)
+    weights = jax.nn.softmax(jnp.asarray(rng.standard_normal((5, 2)), jnp.float32), axis=-1)
+    block = functools.partial(routed_experts, x, weights, experts, gate, up, down, split=False)
+    expected = np.asarray(block(backend="xla"), np.float32)
+    out = block(backend="mosaic", interpret=not ON_GPU)
+    check_close(out, expected, "expert block", rtol=2 ** -7)  # bf16 intermediates and output, as above
+
+
+def test_auto_keeps_ragged_dot_off_hopper():
+    from jaxserve.models.llama import grouped_gemm_tuning
+    lhs, rhs = operands(np.random.default_rng(0), 8, 128, 128, 2)
+    assert (grouped_gemm_tuning("auto", False, lhs, rhs, rhs) is None) == (not on_hopper())
+    assert EXPERT_DOT == gmm.GROUPED_DOT
