@@ -3,13 +3,12 @@
 The decode-only launch of `ragged_paged_attention` without Pallas's Triton backend: every sequence has one query
 (token i is sequence i's), the cache layout and metadata are the ragged kernel's.
 
-- Balanced work (stream-K): the items (decode, kv head) laid end to end by their KV steps, each CTA of a
-  persistent grid (one per SM) takes an equal share of the steps, cutting items where the shares meet. Every CTA
-  ends together whatever the lengths: a batch that is not a whole number of rounds of items leaves no SM idle
-  through a last round, and a small batch spreads each context over several CTAs (flash-decoding). An item inside
-  one share is written by its CTA; a cut item's pieces write float32 partials and their log2-sum-exp, merged by
-  one XLA fusion after the launch. The plan (each share's first item, the items' step bounds) is a few XLA ops
-  on the lengths: no host trip, static shapes.
+- Work items (slot, kv head), slot = sequence * splits + split. `splits` is fixed by the shape (the engine's
+  bucket), so a small batch spreads each context over several items (flash-decoding) and every item knows its
+  keys from its index. Splits write float32 partials and their log2-sum-exp, merged by one XLA fusion after the
+  launch.
+- A persistent grid (one CTA per SM) deals the items round-robin: a batch of many short contexts pays the
+  pipeline's ramp once per CTA, not once per item, and no wave is left a few CTAs long.
 - The q heads of one kv head (GQA) are the first rows of a 64-row wgmma tile, the rest zeros: decode is bound by
   the K/V reads, and the tensor cores' idle rows cost less than moving the dots off them.
 - Two warpgroups per CTA: the memory warpgroup TMA-copies each step's pages (block_kv // block_size for K and for
@@ -46,7 +45,8 @@ class DecodeTuning:
     """Defaults tuned on H200 (H100-class: 132 SMs), bf16, head_dim 128."""
     block_kv: int = 64  # keys per pipeline step: a multiple of 64 and of the block size
     max_concurrent_steps: int = 4
-    max_pieces: int = 32  # CTAs one item may be cut across: a long context alone still fills the grid
+    programs: int = 132  # work items a launch aims for: small batches split their contexts until they fill it
+    max_splits: int = 16
     num_ctas: int = 132  # persistent grid, one CTA per SM (H100); the caller passes the device's core count
 
 
@@ -67,41 +67,10 @@ def supported(q, k_cache, tuning: DecodeTuning = DecodeTuning()) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Items (decode, kv head), kv heads fastest, laid end to end by KV steps: item i holds steps
-    [bounds[i], bounds[i + 1]); CTA c takes steps [c * share, (c + 1) * share), items first[c] onwards."""
-    bounds: Any  # int32 [items + 1]
-    share: Any  # int32 [1]
-    first: Any  # int32 [num_ctas]
-    count: Any  # int32 [num_ctas]: items the share touches
-
-
-def pieces_per_item(items: int, tuning: DecodeTuning) -> int:
-    """CTAs one item may span: few items split finely, many at most in two (the share floor sees to it)."""
-    return max(2, min(pl.cdiv(tuning.num_ctas, items) + 1, tuning.max_pieces))
-
-
-def first_step(kv_len, block_kv, sliding_window):
-    """The first key a decode attends to (the window's start), and its KV step."""
-    first = jnp.zeros_like(kv_len) if sliding_window is None else jnp.maximum(kv_len - sliding_window, 0)
-    return first, first // block_kv
-
-
-def plan(kv_lens, num_decodes, rows: int, kv_heads: int, *, tuning: DecodeTuning, sliding_window) -> Plan:
-    """Equal shares of all items' steps, none shorter than an item over `pieces_per_item` - 1 (so no item is
-    cut more finely than the merge gathers)."""
-    kv_len = jnp.where(jnp.arange(rows) < num_decodes, kv_lens[:rows], 0)
-    steps = pl.cdiv(kv_len, tuning.block_kv) - first_step(kv_len, tuning.block_kv, sliding_window)[1]
-    ends = jnp.cumsum(jnp.repeat(steps, kv_heads)).astype(jnp.int32)
-    total = ends[-1]
-    pieces = pieces_per_item(rows * kv_heads, tuning)
-    share = jnp.maximum(jnp.maximum(pl.cdiv(total, tuning.num_ctas), pl.cdiv(steps.max(), pieces - 1)), 1)
-    starts = jnp.arange(tuning.num_ctas, dtype=jnp.int32) * share
-    first = jnp.searchsorted(ends, starts, side="right", method="compare_all").astype(jnp.int32)
-    last = jnp.searchsorted(ends, jnp.minimum(starts + share, total) - 1, side="right", method="compare_all")
-    return Plan(jnp.concatenate([jnp.zeros(1, jnp.int32), ends]), share.reshape(1).astype(jnp.int32), first,
-                jnp.where(starts < total, last - first + 1, 0).astype(jnp.int32))
+def num_splits(rows: int, kv_heads: int, tuning: DecodeTuning) -> int:
+    """Work items per (sequence, kv head): enough for `rows` sequences to fill `tuning.programs`, at most
+    max_splits."""
+    return max(1, min(pl.cdiv(tuning.programs, kv_heads) // rows, tuning.max_splits))
 
 
 def paged_decode_attention(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *, sm_scale,
@@ -113,49 +82,44 @@ def paged_decode_attention(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *,
     (blocks_per_row given) each sequence's first block, its row's blocks block_stride apart."""
     num_tokens, num_q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    group = num_q_heads // kv_heads
     rows = min(blocks.shape[0], num_tokens)
-    work = plan(kv_lens, num_decodes, rows, kv_heads, tuning=tuning, sliding_window=sliding_window)
-    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),  # the items whole in one share
-                jax.ShapeDtypeStruct((tuning.num_ctas, 2, group, head_dim), jnp.float32),  # a share's cut first
-                jax.ShapeDtypeStruct((tuning.num_ctas, 2, TILE_ROWS), jnp.float32))  # and last items
+    splits = num_splits(rows, kv_heads, tuning)
+    slots = rows * splits if splits > 1 else num_tokens
+    if splits > 1:  # normalised float32 partials, and per kv head a log2-sum-exp per tile row
+        out_type = (jax.ShapeDtypeStruct((slots, num_q_heads, head_dim), jnp.float32),
+                    jax.ShapeDtypeStruct((slots, kv_heads, TILE_ROWS), jnp.float32))
+    else:
+        out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    num_ctas = min(tuning.num_ctas, slots * kv_heads)
     kernel = functools.partial(
-        decode_kernel, tuning=tuning, sm_scale=float(sm_scale), sliding_window=sliding_window,
-        soft_cap=None if soft_cap is None else float(soft_cap), blocks_per_row=blocks_per_row,
-        block_stride=block_stride)
-    out, parts, lse = plgpu.kernel(
+        decode_kernel, tuning=tuning, splits=splits, num_ctas=num_ctas, sm_scale=float(sm_scale),
+        sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
+        blocks_per_row=blocks_per_row, block_stride=block_stride)
+    out = plgpu.kernel(
         kernel, out_type=out_type,
-        scratch_types=(scratch(q.dtype, k_cache.dtype, head_dim, tuning, k_cache.shape[1], interpret),),
-        grid=(tuning.num_ctas,), grid_names=("cta",), num_threads=2, thread_name="wg",
+        scratch_types=(scratch(q.dtype, k_cache.dtype, head_dim, tuning, k_cache.shape[1], splits > 1, interpret),),
+        grid=(num_ctas,), grid_names=("cta",), num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params(interpret),
-    )(jnp.asarray(num_decodes, jnp.int32).reshape(1), kv_lens, q, k_cache, v_cache, blocks, work.bounds, work.share,
-      work.first, work.count)
-    return merge_pieces(out, parts, lse, work, rows=rows, pieces=pieces_per_item(rows * kv_heads, tuning))
+    )(jnp.asarray(num_decodes, jnp.int32).reshape(1), kv_lens, q, k_cache, v_cache, blocks)
+    if splits == 1:
+        return out
+    return merge_splits(*out, rows=rows, splits=splits, num_tokens=num_tokens).astype(q.dtype)
 
 
-def merge_pieces(out, parts, lse, work: Plan, *, rows, pieces):
-    """[num_tokens, q heads, head_dim]: each cut item's pieces weighed by their log2-sum-exps, the other items as
-    their CTA wrote them, zeros for items without keys and rows past the decodes."""
-    num_tokens, num_q_heads, head_dim = out.shape
-    group = parts.shape[2]
-    items = rows * num_q_heads // group
-    start, end, share = work.bounds[:-1], work.bounds[1:], work.share[0]
-    lo_cta, hi_cta = start // share, (end - 1) // share
-    cta = lo_cta[:, None] + jnp.arange(pieces)   # [items, pieces]: the CTAs holding the item's pieces, in order
-    held = (cta <= hi_cta[:, None]) & (end > start)[:, None]
-    # a piece is its CTA's first item (entry 0), or the item its first CTA ends on (entry 1)
-    entry = jnp.where((cta == lo_cta[:, None]) & (work.first[lo_cta] != jnp.arange(items))[:, None], 1, 0)
-    cta = jnp.minimum(cta, parts.shape[0] - 1)
-    piece_lse = jnp.where(held[..., None], lse[cta, entry, :group], -jnp.inf)   # [items, pieces, group]
-    m = piece_lse.max(axis=1, keepdims=True)
-    weights = jnp.exp2(piece_lse - jnp.where(m == -jnp.inf, 0.0, m))
+def merge_splits(parts, lse, *, rows, splits, num_tokens):
+    """[num_tokens, q heads, head_dim]: each decode's split partials weighed by their log2-sum-exps; zeros past
+    the decodes (all weights 0)."""
+    _, num_q_heads, head_dim = parts.shape
+    group = num_q_heads // lse.shape[1]
+    lse = lse[..., :group].reshape(rows, splits, num_q_heads)
+    m = lse.max(axis=1, keepdims=True)
+    weights = jnp.exp2(lse - jnp.where(m == -jnp.inf, 0.0, m))
+    total = weights.sum(axis=1)
     # elementwise, not a dot: a float32 dot may run in TF32 on the GPU
-    merged = (weights[..., None] * parts[cta, entry]).sum(axis=1) / jnp.maximum(weights.sum(axis=1), 1e-30)[..., None]
-    whole = out[:rows].reshape(items, group, head_dim).astype(jnp.float32)
-    item_out = jnp.where((hi_cta > lo_cta)[:, None, None], merged, jnp.where((end > start)[:, None, None], whole, 0.0))
-    return jnp.pad(item_out.reshape(rows, num_q_heads, head_dim).astype(out.dtype),
-                   ((0, num_tokens - rows), (0, 0), (0, 0)))
+    out = (weights[..., None] * parts.reshape(rows, splits, num_q_heads, head_dim)).sum(axis=1)
+    out = out / jnp.where(total == 0, 1.0, total)[..., None]
+    return jnp.pad(out, ((0, num_tokens - rows), (0, 0), (0, 0)))
 
 
 @jax.tree_util.register_dataclass
@@ -177,13 +141,13 @@ class Scratch:
     free: Any  # per ring slot: the compute warpgroup is done with its K and V
     q_ready: Any  # [2], one per staging buffer
     p_tile: Any  # softmax probabilities for the interpreter's wgmma (SMEM operands only); None on the GPU
-    parts: Any  # a cut item's float32 partial and its log2-sum-exp
+    parts: Any  # float32 partial and its log2-sum-exp when the contexts are split; else None
     lse: Any
     k_tile: Any  # an fp8 cache's K and V tiles converted for wgmma; None when the ring holds q's dtype
     v_tile: Any
 
 
-def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, interpret) -> Scratch:
+def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, split, interpret) -> Scratch:
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     steps, pages = tuning.max_concurrent_steps, tuning.block_kv // block_size
     fp8 = jnp.dtype(cache_dtype) == FP8_CACHE
@@ -203,53 +167,48 @@ def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, inte
         free=plgpu.Barrier(num_barriers=steps),
         q_ready=plgpu.Barrier(num_barriers=2),
         p_tile=plgpu.SMEM((TILE_ROWS, tuning.block_kv), compute, transforms=swizzled) if interpret else None,
-        parts=plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32),
-        lse=plgpu.SMEM((TILE_ROWS,), jnp.float32),
+        parts=plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32) if split else None,
+        lse=plgpu.SMEM((TILE_ROWS,), jnp.float32) if split else None,
         k_tile=converted(), v_tile=converted())
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Work:
-    """A CTA's piece of one item: kv head `kv_head` of decode `seq`'s keys [first, kv_len), of which KV steps
-    [lo, hi) are this CTA's; `whole` when that is all of them, else its partial goes to entry `entry` (0: the
-    share's first item, 1: its last)."""
+    """One work item: kv head `kv_head` of decode `seq`'s keys [first, kv_len), of which KV steps [lo, hi) are
+    this split's; its partial (or output) goes to row `slot`."""
     kv_head: jax.Array
+    slot: jax.Array
     seq: jax.Array
     kv_len: jax.Array
     first: jax.Array
     lo: jax.Array
     hi: jax.Array
-    whole: jax.Array
-    entry: jax.Array
 
 
-def locate(n, num_ref, kv_lens_ref, bounds_ref, share_ref, first_ref, *, kv_heads, block_kv, sliding_window) -> Work:
-    """The CTA's n-th item, clipped to its share of the steps."""
-    cta = lax.axis_index("cta")
-    item = first_ref[cta] + n
-    seq, kv_head = item // kv_heads, item % kv_heads
+def locate(n, num_ref, kv_lens_ref, *, kv_heads, num_ctas, splits, block_kv, sliding_window) -> Work:
+    """The CTA's n-th work item: items are (slot, kv head) pairs, kv heads fastest, dealt round-robin."""
+    w = lax.axis_index("cta") + n * num_ctas
+    slot, kv_head = w // kv_heads, w % kv_heads
+    seq, split = slot // splits, slot % splits
     kv_len = jnp.where(seq < num_ref[0], kv_lens_ref[jnp.minimum(seq, kv_lens_ref.shape[0] - 1)], 0)
-    first_key, base = first_step(kv_len, block_kv, sliding_window)
-    item = jnp.minimum(item, bounds_ref.shape[0] - 2)   # the item after a CTA's last: prefetched, never run
-    start, end = bounds_ref[item], bounds_ref[item + 1]
-    share_start = cta * share_ref[0]
-    lo, hi = jnp.maximum(start, share_start), jnp.minimum(end, share_start + share_ref[0])
-    return Work(kv_head, seq, kv_len, first_key, base + lo - start, base + hi - start, (lo == start) & (hi == end),
-                jnp.minimum(n, 1))
+    first = jnp.zeros_like(kv_len) if sliding_window is None else jnp.maximum(kv_len - sliding_window, 0)
+    lo, hi = first // block_kv, pl.cdiv(kv_len, block_kv)
+    per_split = pl.cdiv(hi - lo, splits)
+    lo = jnp.minimum(lo + split * per_split, hi)
+    return Work(kv_head, slot, seq, kv_len, first, lo, jnp.minimum(lo + per_split, hi))
 
 
-def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, bounds_ref, share_ref, first_ref, count_ref,
-                  *refs, tuning, sm_scale, sliding_window, soft_cap, blocks_per_row, block_stride):
-    """A persistent CTA: its two warpgroups walk the same items in the same order, the memory warpgroup running
-    ahead into the next item's pages while the compute warpgroup finishes one."""
+def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, tuning, splits, num_ctas, sm_scale,
+                  sliding_window, soft_cap, blocks_per_row, block_stride):
+    """A persistent CTA: its two warpgroups walk the same work items in the same order, the memory warpgroup
+    running ahead into the next item's pages while the compute warpgroup finishes one."""
     *outs, scratch = refs
     kv_heads = k_ref.shape[2]
     group = q_ref.shape[1] // kv_heads
-    num_items = count_ref[lax.axis_index("cta")]
-    item = functools.partial(locate, num_ref=num_ref, kv_lens_ref=kv_lens_ref, bounds_ref=bounds_ref,
-                             share_ref=share_ref, first_ref=first_ref, kv_heads=kv_heads, block_kv=tuning.block_kv,
-                             sliding_window=sliding_window)
+    num_items = pl.cdiv(outs[0].shape[0] * kv_heads - lax.axis_index("cta"), num_ctas)
+    item = functools.partial(locate, num_ref=num_ref, kv_lens_ref=kv_lens_ref, kv_heads=kv_heads, num_ctas=num_ctas,
+                             splits=splits, block_kv=tuning.block_kv, sliding_window=sliding_window)
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
@@ -386,24 +345,18 @@ def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning,
 
 
 def store(work: Work, acc, m, l, outs, scratch: Scratch, group, staging):
-    """The group's rows: normalised into the output (a whole item, through `staging`), or a float32 partial and
-    its log2-sum-exp into the CTA's entry."""
-    out_ref, parts_ref, lse_ref = outs
-    rows = pl.ds(work.kv_head * group, group)
-
-    @pl.when(work.whole)
-    def _():
+    """The group's rows: normalised into the output (one split, through `staging`), or a float32 partial and its
+    log2-sum-exp."""
+    kv_head, slot = work.kv_head, work.slot
+    out_ref = outs[0]
+    if scratch.parts is None:
         staging[...] = normalize(acc, l).astype(staging.dtype)  # no keys: zeros
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(staging.at[pl.ds(0, group)], out_ref.at[work.seq, rows])
-
-    @pl.when(~work.whole)
-    def _():
-        cta = lax.axis_index("cta")
+        plgpu.copy_smem_to_gmem(staging.at[pl.ds(0, group)], out_ref.at[slot, pl.ds(kv_head * group, group)])
+    else:
         scratch.parts[...] = normalize(acc, l)
-        scratch.lse[...] = m + jnp.log(l) * LOG2E  # -inf for a piece without keys: weight 0
+        scratch.lse[...] = m + jnp.log(l) * LOG2E  # -inf for an empty split: weight 0
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(scratch.parts.at[pl.ds(0, group)], parts_ref.at[cta, work.entry])
-        plgpu.copy_smem_to_gmem(scratch.lse, lse_ref.at[cta, work.entry])
-
+        plgpu.copy_smem_to_gmem(scratch.parts.at[pl.ds(0, group)], out_ref.at[slot, pl.ds(kv_head * group, group)])
+        plgpu.copy_smem_to_gmem(scratch.lse, outs[1].at[slot, kv_head])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

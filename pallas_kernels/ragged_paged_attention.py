@@ -99,7 +99,7 @@ class Tuning:
     mosaic_block_kv: int = 128  # keys per pipeline step of the Mosaic GPU prefill kernel
     mosaic_decode_block_kv: int = 64  # the Mosaic GPU decode kernel's keys per pipeline step
     mosaic_decode_steps: int = 4  # its pipeline steps in flight
-    mosaic_decode_ctas: int | None = None  # its persistent grid: None, one CTA per SM
+    mosaic_decode_programs: int = 132  # work items its launch aims for (small batches split their contexts)
     mosaic_decode_max_rows: int = 16  # "auto" takes it up to this many decode rows (see decode_on_mosaic)
 
 
@@ -317,9 +317,11 @@ def decode_on_mosaic(q, k_cache, rows: int, tuning: Tuning, backend: str, interp
         return None
     mgpu_decode = mosaic_decode_kernel()
     # one CTA per SM; the CPU interpreter (no core count) runs a few, each taking several work items
-    decode_tuning = mgpu_decode.DecodeTuning(
-        block_kv=tuning.mosaic_decode_block_kv, max_concurrent_steps=tuning.mosaic_decode_steps,
-        num_ctas=tuning.mosaic_decode_ctas or getattr(device, "core_count", None) or 4)
+    decode_tuning = mgpu_decode.DecodeTuning(block_kv=tuning.mosaic_decode_block_kv,
+                                             max_concurrent_steps=tuning.mosaic_decode_steps,
+                                             programs=tuning.mosaic_decode_programs,
+                                             max_splits=tuning.decode_max_splits,
+                                             num_ctas=getattr(device, "core_count", None) or 4)
     why_not = mgpu_decode.supported(q, k_cache, decode_tuning)
     if why_not and backend == "mosaic":
         raise ValueError(f"decode_backend='mosaic' cannot serve this call: {why_not}; decode_backend='triton' "

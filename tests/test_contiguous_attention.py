@@ -140,12 +140,12 @@ def test_kernel_gqa_and_shapes(q_heads, kv_heads, head_dim, block_size):
       for cache in (None, FP8)),
 ])
 def test_one_launch_decode(dtype, cache, options, backend, max_splits):
-    """decode_only=True: 4 programs per context (Triton) or 4 CTAs cutting contexts (Mosaic), or 1; Triton's first tile's loads
+    """decode_only=True: 4 programs (Triton) or work items (Mosaic) per context, or 1; Triton's first tile's loads
     speculative (garbage kv_rows past num_seqs clamped); a full row (128), block multiples and one-past; rows past
     the decodes zero."""
     shape = {"num_tokens": 16, "max_blocks": 16}
     tuning = {"decode_programs": 64, "decode_kv_tile": 16, "decode_max_splits": max_splits,
-              "mosaic_decode_ctas": 4 if max_splits > 1 else 1, "decode_backend": backend}
+              "mosaic_decode_programs": 64, "decode_backend": backend}
     rng = np.random.default_rng(5)
     for kv_lens in ([1, 17, 128, 64, 99, 3], [16, 32, 33, 48, 112, 127]):
         batch = row_batch(rng, [1] * len(kv_lens), kv_lens, dtype, cache, **shape)

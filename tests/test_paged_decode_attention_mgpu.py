@@ -23,8 +23,8 @@ FP8 = jnp.float8_e4m3fn
 pytestmark = pytest.mark.skipif(ON_GPU and not on_hopper(), reason="the Mosaic GPU decode kernel needs sm_90")
 # Interpreted, the persistent grid has 4 CTAs (no core count): each walks several work items, so the pipeline's
 # barriers carry their phases from one item into the next.
-SPLIT = {"mosaic_decode_ctas": 4}  # shares cut items: partials merged after the launch, whole items between
-WHOLE = {"mosaic_decode_ctas": 1}  # one CTA takes every item whole
+SPLIT = {"mosaic_decode_programs": 64}  # 8 decode slots x 2 kv heads: 4 splits of each context, 64 items
+WHOLE = {"mosaic_decode_programs": 2}  # one item per (decode, kv head)
 
 
 def check_decode(batch, tuning, label, **options):
@@ -36,7 +36,7 @@ def check_decode(batch, tuning, label, **options):
 
 
 @pytest.mark.parametrize("tuning, options, cache", [
-    (SPLIT, {"sliding_window": 100}, None),  # cut items merged after the launch; a window starting inside a step
+    (SPLIT, {"sliding_window": 33}, None),  # splits merged after the launch; a window starting inside a step
     (WHOLE, {}, None),  # one item a context: the output written by the kernel itself
     (SPLIT, {}, FP8),  # e4m3 tiles converted to float16 for wgmma
 ])
@@ -77,31 +77,12 @@ def test_mosaic_decode_refuses_what_it_cannot_serve(dtype, head_dim, reason):
                                decode_only=True, decode_backend="mosaic")
 
 
-@pytest.mark.parametrize("lengths, num_ctas, window", [
-    ([4096] * 256, 132, None),  # 2048 items of 64 steps: not a whole number of rounds over 132 CTAs
-    ([16384] + [0] * 15, 132, None),  # one long context (the rest idle rows): cut across many CTAs
-    ([5, 700, 64, 0, 3000, 65, 1], 7, 200),  # ragged, a window, an idle row in between
-])
-def test_plan_shares_every_step_once(lengths, num_ctas, window):
-    """Every item's steps are covered exactly once by the CTAs' shares, which differ by at most one step, and no
-    item is cut into more pieces than the merge gathers."""
-    tuning = mgpu_decode.DecodeTuning(num_ctas=num_ctas)
-    kv_heads, rows = 8, len(lengths)
-    work = mgpu_decode.plan(jnp.asarray(lengths, jnp.int32), rows, rows, kv_heads, tuning=tuning,
-                            sliding_window=window)
-    bounds, share = np.asarray(work.bounds), int(work.share[0])
-    covered = np.zeros(bounds[-1], int)
-    for cta, (first, count) in enumerate(zip(np.asarray(work.first), np.asarray(work.count))):
-        for item in range(first, first + count):
-            lo, hi = max(bounds[item], cta * share), min(bounds[item + 1], (cta + 1) * share)
-            assert hi >= lo, (cta, item)
-            covered[lo:hi] += 1
-    assert (covered == 1).all()
-    steps = np.diff(bounds)
-    pieces = mgpu_decode.pieces_per_item(rows * kv_heads, tuning)
-    assert max(-(-s // share) + 1 for s in steps) <= pieces
-    if lengths[0] == 4096:  # uniform work: every CTA busy to the end
-        assert share == -(-bounds[-1] // num_ctas) and bounds[-1] - (num_ctas - 1) * share > 0
+def test_splits_follow_the_shape():
+    """A small batch splits its contexts to fill the launch, a full one does not, and never past max_splits."""
+    tuning = mgpu_decode.DecodeTuning(programs=132, max_splits=16)
+    assert mgpu_decode.num_splits(8, 8, tuning) == 2
+    assert mgpu_decode.num_splits(256, 8, tuning) == 1
+    assert mgpu_decode.num_splits(1, 8, tuning) == 16
 
 
 class FakeHopper:
