@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 import time
 from dataclasses import dataclass
@@ -222,7 +223,7 @@ def main(argv=None):
               "tensor_parallel_size": engine_cfg.tensor_parallel_size, "quantization": loaded.quantization,
               "kv_cache_dtype": engine_cfg.kv_cache_dtype,
               **({"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}),
-              "model": "llama3-8b-random" if loaded.source == "random" else loaded.source}
+              "model": pathlib.Path(args.config).stem if loaded.source == "random" else loaded.source}
     rows = [{"bench": "offline", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": ntok / wall,
              "wall_s": wall, "roofline_s": roof, "roofline_frac": roof / wall,
              "roofline_every_row_s": roof_every_row, "roofline_every_row_frac": roof_every_row / wall,
