@@ -72,3 +72,21 @@ def test_a_missing_or_extra_expert_is_a_load_error():
         list(stack_experts(expert_tensors([0, 2], ("gate_proj",)), 3, "ckpt"))
     with pytest.raises(ModelLoadError, match="expert 3 of a model with 3 experts"):
         list(stack_experts(expert_tensors([3], ("gate_proj",)), 3, "ckpt"))
+
+
+def test_padding_tokens_route_to_no_expert():
+    """A paged step's padding tokens (past cu_q_lens[num_seqs]) go to no expert: live tokens' outputs are as
+    without the mask, padding's are zeros (any expert computed for them would leave them nonzero)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.models.llama import MoE
+    cfg = model_config_from_hf({**QWEN3_30B_A3B, "hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 16,
+                                "num_experts_per_tok": 4, "num_hidden_layers": 1})
+    moe = MoE(cfg, jnp.float32, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+    live = jnp.arange(8) < 3
+    masked, full = moe(x, live=live), moe(x)
+    np.testing.assert_allclose(masked[:3], full[:3], rtol=1e-6, atol=1e-6)   # the same sums in float32
+    assert (masked[3:] == 0).all() and (full[3:] != 0).any()

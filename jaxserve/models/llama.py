@@ -157,9 +157,13 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, dtype, rngs)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
-    def __call__(self, x, mesh=None):
+    def __call__(self, x, mesh=None, live=None):
+        """live [T]: the step's real tokens; padding's pairs go to no expert, so a small batch in a large bucket
+        reads only its own tokens' experts (its output rows: zeros)."""
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)   # [T, k]
+        if live is not None:
+            experts = jnp.where(live[:, None], experts, self.experts.gate_proj.shape[0])
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         split = mesh is not None and mesh.shape[TP] > 1
@@ -226,6 +230,14 @@ def mosaic_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, *, tuning, inte
     return gmm.unpad_rows(dot(jax.nn.silu(dot(padded, gate_proj)) * dot(padded, up_proj), down_proj), plan)
 
 
+def moe_context(paged, num_tokens: int):
+    """(mesh, live tokens) of a paged step for its MoE layers; (None, None) outside one."""
+    if paged is None:
+        return None, None
+    batch = paged.batch
+    return paged.mesh, jnp.arange(num_tokens) < batch.cu_q_lens[batch.num_seqs[0]]
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization, layer: int):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -237,7 +249,7 @@ class DecoderLayer(nnx.Module):
         h, kv_layer = self.self_attn(self.input_layernorm(x), positions, kv_layer, paged)
         x = x + h
         y = self.post_attention_layernorm(x)
-        mlp = self.mlp(y, None if paged is None else paged.mesh) if isinstance(self.mlp, MoE) else self.mlp(y)
+        mlp = self.mlp(y, *moe_context(paged, y.shape[0])) if isinstance(self.mlp, MoE) else self.mlp(y)
         return x + mlp, kv_layer
 
 
