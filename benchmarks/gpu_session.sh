@@ -56,14 +56,19 @@ case $1 in
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
     run 440 python benchmarks/attention.py --mosaic-decode --out "$OUT/attention_mosaic_decode_gpu.json" ;;
-  moe)   # the mixture of experts at batch 1 (roofline: the weights a token reads) and at 256 x 512/128 beside the dense 8B
+  moe)   # the mixture of experts at batch 1 (roofline: the weights a token reads; one decode bucket, as the 48-layer
+         # graphs take ~40 s each to compile) and at 256 x 512/128 beside the dense 8B
     MOE=configs/qwen3-30b-a3b-random.yaml
     run 150 python benchmarks/offline.py --config $MOE --num-prompts 1 --input-len 128 --output-len 256 \
-      --out "$OUT/offline_moe_gpu.json"
-    run 200 python benchmarks/offline.py --config $MOE --out "$OUT/offline_moe_gpu.json"
+      --set "token_buckets=[16,144]" "seq_buckets=[16]" max_num_seqs=16 max_num_batched_tokens=144 \
+      min_prefill_chunk=128 --out "$OUT/offline_moe_gpu.json"
+    run 220 python benchmarks/offline.py --config $MOE --out "$OUT/offline_moe_gpu.json"
     run 150 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_moe_gpu.json" ;;
-  moe-gemm)   # the experts' grouped GEMM (XLA's ragged dot) beside a dense GEMM of the same FLOPs, and the whole block
-    run 200 python benchmarks/moe_gemm.py --out "$OUT/moe_gemm_gpu.json" ;;
+  moe-gemm)   # the experts' grouped GEMM (XLA's ragged dot) beside a dense GEMM of the same FLOPs, the Mosaic kernels
+    # and the whole block, then the Mosaic kernel's tuning variants
+    run 300 python benchmarks/moe_gemm.py --out "$OUT/moe_gemm_gpu.json"
+    run 200 python benchmarks/moe_gemm.py --tune --impls mosaic_grouped --tokens 1 16 256 4096 \
+      --out "$OUT/moe_gemm_gpu.json" ;;
   mosaic-check)   # after a kernel change: its GPU tests, the short-context points, batch 1 in the engine on each backend
     run 110 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"

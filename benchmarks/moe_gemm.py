@@ -4,6 +4,7 @@ expert block (sort, three grouped GEMMs, scatter-add), on Qwen3-30B-A3B's expert
 
   python benchmarks/moe_gemm.py                      # GPU; Qwen3-30B-A3B: 128 experts of 768, top 8, hidden 2048
   python benchmarks/moe_gemm.py --tokens 1 256       # fewer points
+  python benchmarks/moe_gemm.py --tune --impls mosaic_grouped   # the Mosaic kernel's tuning variants
 Each point runs LAYERS layers' distinct weights in one jit (a token's experts at batch 1 fit in L2; a step's
 layers do not), chained gate -> down. Rows: bench "moe_gemm", impl grouped | dense_same_flops | expert_block,
 params {tokens, experts, top_k, hidden, intermediate, layers}, ms per layer (GPU busy time where the profiler
@@ -43,9 +44,9 @@ def grouped_chain(rows, gates, downs, group_sizes):
     return rows
 
 
-def mosaic_chain(rows, gates, downs, group_sizes):
+def mosaic_chain(rows, gates, downs, group_sizes, *, variant):
     from pallas_kernels.grouped_matmul_mgpu import GroupedTuning, grouped_matmul
-    tuning = GroupedTuning(num_ctas=getattr(jax.devices()[0], "core_count", None) or 132)
+    tuning = GroupedTuning(**variant, num_ctas=getattr(jax.devices()[0], "core_count", None) or 132)
     for gate, down in zip(gates, downs):
         rows = grouped_matmul(grouped_matmul(rows, gate, group_sizes, tuning=tuning), down, group_sizes, tuning=tuning)
     return rows
@@ -74,6 +75,7 @@ def block_chain(x, weights, experts, gates, ups, downs, *, backend):
 
 
 MOSAIC_IMPLS = {"mosaic_grouped", "jax_ragged_dot_mgpu", "expert_block_mosaic"}
+TUNE_VARIANTS = ({"block_n": 64}, {"max_concurrent_steps": 6}, {"block_n": 64, "max_concurrent_steps": 6})
 
 
 def max_rel_diff(out, expected) -> float:
@@ -87,7 +89,7 @@ def timed(fn, *args) -> tuple[float, str]:
     return (float(np.median(busy)), "gpu_busy") if busy else (time_ms(fn, *args), "wall")
 
 
-def point(tokens: int, e: int, k: int, h: int, i: int, key) -> list[dict]:
+def point(tokens: int, e: int, k: int, h: int, i: int, key, impls, variants) -> list[dict]:
     keys = jax.random.split(key, 6)
     w = lambda key, shape: jax.random.normal(key, (LAYERS, *shape), jnp.bfloat16) * 0.02   # noqa: E731
     gates, ups, downs = w(keys[0], (e, i, h)), w(keys[1], (e, i, h)), w(keys[2], (e, h, i))
@@ -108,11 +110,14 @@ def point(tokens: int, e: int, k: int, h: int, i: int, key) -> list[dict]:
     cases = (("grouped", jax.jit(grouped_chain), grouped_args, 2, 2),
              ("dense_same_flops", jax.jit(dense_chain), (rows, list(gates[:, 0]), list(downs[:, 0])), 2, 0),
              ("expert_block", jax.jit(functools.partial(block_chain, backend="xla")), block_args, 3, 3),
-             ("mosaic_grouped", jax.jit(mosaic_chain), grouped_args, 2, 2),
+             *(("mosaic_grouped", jax.jit(functools.partial(mosaic_chain, variant=v)), grouped_args, 2, 2, v)
+               for v in ({}, *variants)),
              ("jax_ragged_dot_mgpu", jax.jit(jax_library_chain), grouped_args, 2, 2),
              ("expert_block_mosaic", jax.jit(functools.partial(block_chain, backend="mosaic")), block_args, 3, 3))
     out = []
-    for impl, fn, args, projections, read in cases:
+    for impl, fn, args, projections, read, *variant in cases:
+        if impls and impl not in impls:
+            continue
         if impl in MOSAIC_IMPLS and gpu_capability() != 9.0:
             print(f"{impl}: skipped, Mosaic GPU kernels need a Hopper GPU (sm_90)", flush=True)
             continue
@@ -123,14 +128,15 @@ def point(tokens: int, e: int, k: int, h: int, i: int, key) -> list[dict]:
             out.append({"bench": "moe_gemm", "impl": impl, "params": params, "error": f"{type(e).__name__}: {e}"})
             continue
         ms /= LAYERS
-        row = {"bench": "moe_gemm", "impl": impl, "params": {**params, "timer": timer}, "ms": ms,
+        tuning = {"tuning": variant[0] or "default"} if variant else {}
+        row = {"bench": "moe_gemm", "impl": impl, "params": {**params, **tuning, "timer": timer}, "ms": ms,
                "tflops": projections * flops / ms / 1e9}
         if impl in MOSAIC_IMPLS:   # the kernels' first GPU runs: their outputs beside XLA's
             peer = dict((c[0], c) for c in cases)["expert_block" if "block" in impl else "grouped"]
             row["max_rel_diff"] = max_rel_diff(fn(*args), peer[1](*peer[2]))
         if read:
             row["gbps"] = read * expert_bytes / ms / 1e6
-        print(f"{tokens:5d} tokens ({active:3d} experts) {impl:19s} {ms * 1e3:9.1f} us/layer "
+        print(f"{tokens:5d} tokens ({active:3d} experts) {impl:19s} {ms * 1e3:9.1f} us/layer {tuning or ''} "
               f"{row['tflops']:7.2f} TFLOP/s" + (f" {row['gbps']:7.0f} GB/s" if read else "")
               + (f" rel diff {row['max_rel_diff']:.1e}" if "max_rel_diff" in row else ""), flush=True)
         out.append(row)
@@ -144,12 +150,16 @@ def main():
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--impls", nargs="+", help="only these impls")
+    p.add_argument("--tune", action="store_true", help="mosaic_grouped's TUNE_VARIANTS beside its defaults")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     print(f"{jax.devices()[0].device_kind}: {LAYERS} layers a point", flush=True)
-    rows = [r for t in a.tokens for r in point(t, a.experts, a.top_k, a.hidden, a.intermediate, jax.random.key(t))]
     out = a.out or f"benchmarks/results/moe_gemm_{jax.default_backend()}.json"
-    write_rows(out, rows, "python " + " ".join(sys.argv))
+    for t in a.tokens:   # written point by point: a run cut short keeps what it measured
+        rows = point(t, a.experts, a.top_k, a.hidden, a.intermediate, jax.random.key(t), a.impls,
+                     TUNE_VARIANTS if a.tune else ())
+        write_rows(out, rows, "python " + " ".join(sys.argv))
 
 
 if __name__ == "__main__":
