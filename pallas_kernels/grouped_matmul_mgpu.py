@@ -16,7 +16,9 @@ lhs [M, K] rows sorted by group (group g's rows are the next group_sizes[g]), rh
   they are not computed and come out as zeros.
 
 `grouped_matmul_padded` takes and gives the padded layout, so a chain of grouped GEMMs over the same rows (an
-expert's gate, up and down) pads once and gathers back once. Tiles past the planned count are never written: only
+expert's gate, up and down) pads once and gathers back once. `grouped_swiglu_padded` is an expert's first half in
+one launch: each work unit accumulates gate and up over the same lhs tiles (read once) and stores
+silu(gate) * up, so the two [M_pad, N] products never reach HBM. Tiles past the planned count are never written: only
 rows the plan maps are meaningful there.
 """
 import functools
@@ -116,42 +118,67 @@ def grouped_matmul_padded(lhs, rhs, plan: RowPlan, *, tuning: GroupedTuning = Gr
     why_not = supported(lhs, rhs, tuning)
     if why_not:
         raise ValueError(f"grouped_matmul cannot serve this call: {why_not}")
+    return launch(lhs, (rhs,), plan, tuning, interpret)
+
+
+def grouped_swiglu_padded(lhs, gate, up, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(),
+                          interpret=False):
+    """silu(lhs . gate_g) * (lhs . up_g) in one launch: lhs [M_pad, K] in `plan`'s padded layout, gate and up
+    [G, N, K] -> [M_pad, N] in lhs's dtype (f32 products and activation), the planned tiles written."""
+    why_not = supported(lhs, gate, tuning) or supported(lhs, up, tuning)
+    if why_not:
+        raise ValueError(f"grouped_swiglu cannot serve this call: {why_not}")
+    return launch(lhs, (gate, up), plan, tuning, interpret)
+
+
+def launch(lhs, weights, plan: RowPlan, tuning: GroupedTuning, interpret):
+    """One grouped launch over `weights` (one: its product; gate and up: silu(gate) * up)."""
     kernel = functools.partial(grouped_kernel, tuning=tuning)
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1]), lhs.dtype),
+        kernel, out_type=jax.ShapeDtypeStruct((lhs.shape[0], weights[0].shape[1]), lhs.dtype),
         grid=(tuning.num_ctas,), grid_names=("cta",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_interpret_params(interpret),
-    )(plan.tile_groups, plan.num_tiles, lhs, rhs)
+    )(plan.tile_groups, plan.num_tiles, lhs, *weights)
 
 
-def grouped_kernel(tile_groups_ref, num_tiles_ref, lhs_ref, rhs_ref, out_ref, *, tuning: GroupedTuning):
-    """A persistent CTA: work units (tile, n-block), n-blocks fastest, dealt round-robin over the CTAs."""
-    grid_n = rhs_ref.shape[1] // tuning.block_n
+def grouped_kernel(tile_groups_ref, num_tiles_ref, lhs_ref, *refs, tuning: GroupedTuning):
+    """A persistent CTA: work units (tile, n-block), n-blocks fastest, dealt round-robin over the CTAs. refs: the
+    weights (one, or gate and up), then the output."""
+    *weight_refs, out_ref = refs
+    grid_n = weight_refs[0].shape[1] // tuning.block_n
+    accs = [plgpu.ACC((tuning.block_m, tuning.block_n))] * len(weight_refs)
 
     @plgpu.nd_loop((num_tiles_ref[0] * grid_n,), collective_axes="cta")
     def unit(info: plgpu.NDLoopInfo):
         tile, n_block = lax.div(info.index[0], grid_n), lax.rem(info.index[0], grid_n)
-        acc = pl.run_scoped(functools.partial(accumulate, lhs_ref=lhs_ref, rhs_ref=rhs_ref.at[tile_groups_ref[tile]],
-                                              tile=tile, n_block=n_block, tuning=tuning),
-                            plgpu.ACC((tuning.block_m, tuning.block_n)))
-        pl.run_scoped(functools.partial(store, acc, out_ref=out_ref, tile=tile, n_block=n_block, tuning=tuning),
+        group = tile_groups_ref[tile]
+        products = pl.run_scoped(functools.partial(
+            accumulate, lhs_ref=lhs_ref, weight_refs=[w.at[group] for w in weight_refs], tile=tile,
+            n_block=n_block, tuning=tuning), *accs)
+        result = products[0] if len(products) == 1 else jax.nn.silu(products[0]) * products[1]
+        pl.run_scoped(functools.partial(store, result, out_ref=out_ref, tile=tile, n_block=n_block, tuning=tuning),
                       plgpu.SMEM((tuning.block_m, tuning.block_n), out_ref.dtype))
 
 
-def accumulate(acc_ref, *, lhs_ref, rhs_ref, tile, n_block, tuning: GroupedTuning):
-    """The unit's [block_m, block_n] f32 product: K in block_k steps, TMA copies `max_concurrent_steps` ahead of
-    wgmma. rhs_ref: the tile's group's weight [N, K]."""
+def accumulate(*acc_refs, lhs_ref, weight_refs, tile, n_block, tuning: GroupedTuning):
+    """The unit's [block_m, block_n] f32 products, one per weight: K in block_k steps, TMA copies
+    `max_concurrent_steps` ahead of wgmma, each lhs tile read once for all weights. weight_refs: the tile's
+    group's weights [N, K]."""
     bm, bn, bk = tuning.block_m, tuning.block_n, tuning.block_k
+
+    def step(_, lhs_smem, *weight_smems):
+        for acc_ref, weight_smem in zip(acc_refs, weight_smems):
+            plgpu.wgmma(acc_ref, lhs_smem, weight_smem.T)
+
     plgpu.emit_pipeline(
-        lambda _, lhs_smem, rhs_smem: plgpu.wgmma(acc_ref, lhs_smem, rhs_smem.T),
-        grid=(lhs_ref.shape[1] // bk,),
+        step, grid=(lhs_ref.shape[1] // bk,),
         # wgmma runs asynchronously: a step's buffers are released one step later, once it has completed
         in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (tile, k), delay_release=1),
-                  plgpu.BlockSpec((bn, bk), lambda k: (n_block, k), delay_release=1)],
+                  *[plgpu.BlockSpec((bn, bk), lambda k: (n_block, k), delay_release=1)] * len(weight_refs)],
         max_concurrent_steps=tuning.max_concurrent_steps,
-    )(lhs_ref, rhs_ref)
-    return acc_ref[...]
+    )(lhs_ref, *weight_refs)
+    return [acc_ref[...] for acc_ref in acc_refs]
 
 
 def store(acc, staging, *, out_ref, tile, n_block, tuning: GroupedTuning):

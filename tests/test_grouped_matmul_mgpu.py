@@ -44,10 +44,19 @@ def poison(shape, dtype):
             jnp.full(shape, jnp.nan, dtype).block_until_ready().delete()
 
 
-def check_close(out, expected, label, rtol=2 ** -8):
+def check_close(out, expected, label, rtol=2 ** -8, atol=1e-3):
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any(), f"{label}: NaN at rows {np.unique(np.nonzero(np.isnan(out))[0])}"
-    np.testing.assert_allclose(out, expected, rtol=rtol, atol=1e-3, err_msg=label)
+    np.testing.assert_allclose(out, expected, rtol=rtol, atol=atol, err_msg=label)
+
+
+def f32(*arrays):
+    return [a.astype(jnp.float32) for a in arrays]
+
+
+# The MLP's bf16 hidden activations (one rounding, 2^-9 relative) carried through down's 128-term sums: ~1e-3
+# absolute at these magnitudes (outputs ~0.5), held to 4e-3; 2^-7 relative for the output's own rounding.
+MLP_TOLERANCE = {"rtol": 2 ** -7, "atol": 4e-3}
 
 
 def decode_sizes(rng, rows=8, groups=128):
@@ -127,6 +136,32 @@ def test_lowers_for_cuda(k, n):
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]
 
 
+def test_swiglu_matches_reference():
+    """Gate and up in one launch with the activation: silu(x . gate) * (x . up) of the f32 ragged dots, rounded once;
+    the 8-rows-over-128-groups decode shape and a mix of empty and multi-tile groups."""
+    rng = np.random.default_rng(12)
+    for sizes, num_rows in ((decode_sizes(rng), 8), (np.asarray([70, 0, 5, 0], np.int32), 80)):
+        sizes = jnp.asarray(sizes)
+        lhs, gate = operands(rng, num_rows, 128, 256, sizes.shape[0])
+        up = operands(rng, 1, 128, 256, sizes.shape[0])[1]
+        g, u = reference_f32(lhs, gate, sizes), reference_f32(lhs, up, sizes)
+        expected = g / (1 + np.exp(-g)) * u
+        plan = gmm.plan_rows(sizes, num_rows, TUNING.block_m)
+        swiglu = functools.partial(gmm.grouped_swiglu_padded, plan=plan, tuning=TUNING, interpret=not ON_GPU)
+        out = gmm.unpad_rows(jax.jit(swiglu)(gmm.pad_rows(lhs, plan), gate, up), plan)
+        check_close(out[:int(sizes.sum())], expected[:int(sizes.sum())], f"swiglu {sizes.shape[0]} groups")
+
+
+def test_swiglu_lowers_for_cuda():
+    """Qwen3-30B-A3B's gate and up (768 x 2048) with the activation: one Mosaic GPU kernel."""
+    plan = gmm.plan_rows(jnp.zeros(128, jnp.int32), 64, 64)
+    fn = functools.partial(gmm.grouped_swiglu_padded, plan=plan)
+    lhs = jax.ShapeDtypeStruct((plan.sources.shape[0], 2048), jnp.bfloat16)
+    weight = jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16)
+    text = jax.jit(fn).trace(lhs, weight, weight).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]
+
+
 def test_refuses_shapes_it_cannot_serve():
     lhs, rhs = operands(np.random.default_rng(0), 8, 128, 96, 2)
     with pytest.raises(ValueError, match="N=96"):
@@ -134,16 +169,15 @@ def test_refuses_shapes_it_cannot_serve():
 
 
 def test_expert_mlp_matches_ragged_dot():
-    """gate, up, down in the padded layout equal XLA's ragged dot on the rows in groups; the rows past them (the
-    pairs another device's experts hold) come out as zeros, not NaN."""
+    """gate and up (one launch, with the activation) and down in the padded layout equal the float32 ragged-dot MLP
+    on the rows in groups; the rows past them (the pairs another device's experts hold) come out zeros, not NaN."""
     rng = np.random.default_rng(4)
     sizes = jnp.asarray([3, 0, 9, 0, 0, 2], jnp.int32)
     rows, gate = operands(rng, 18, 128, 128, 6)
     up, down = (operands(rng, 1, 128, 128, 6)[1] for _ in range(2))
-    expected = np.asarray(ragged_dot_mlp(rows, sizes, gate, up, down), np.float32)[:14]
+    expected = np.asarray(ragged_dot_mlp(*f32(rows), sizes, *f32(gate, up, down)))[:14]
     out = np.asarray(mosaic_mlp(rows, sizes, gate, up, down, tuning=TUNING, interpret=not ON_GPU), np.float32)
-    # the bf16 intermediates may round a bf16 ulp apart, which down carries on: 2^-7 relative
-    check_close(out[:14], expected, "experts' MLP", rtol=2 ** -7)
+    check_close(out[:14], expected, "experts' MLP", **MLP_TOLERANCE)
     assert not out[14:].any()
 
 
@@ -154,10 +188,10 @@ def test_routed_experts_on_mosaic():
     gate, up, down = (jnp.asarray(rng.standard_normal((8, 128, 128)) / np.sqrt(128), jnp.bfloat16) for _ in range(3))
     experts = jnp.asarray([rng.choice(8, 2, replace=False) for _ in range(5)], jnp.int32)
     weights = jax.nn.softmax(jnp.asarray(rng.standard_normal((5, 2)), jnp.float32), axis=-1)
-    block = functools.partial(routed_experts, x, weights, experts, gate, up, down, split=False)
-    expected = np.asarray(block(backend="xla"), np.float32)
-    out = block(backend="mosaic", interpret=not ON_GPU)
-    check_close(out, expected, "expert block", rtol=2 ** -7)  # bf16 intermediates and output, as above
+    expected = np.asarray(routed_experts(*f32(x), weights, experts, *f32(gate, up, down), split=False,
+                                         backend="xla"))
+    out = routed_experts(x, weights, experts, gate, up, down, split=False, backend="mosaic", interpret=not ON_GPU)
+    check_close(out, expected, "expert block", **MLP_TOLERANCE)
 
 
 def test_auto_keeps_ragged_dot_off_hopper():

@@ -220,14 +220,14 @@ def ragged_dot_mlp(rows, group_sizes, gate_proj, up_proj, down_proj):
 
 
 def mosaic_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, *, tuning, interpret):
-    """The same by the Mosaic GPU grouped GEMM, in its padded row layout from the gather in to the gather out;
-    rows in no group: zeros."""
+    """The same by the Mosaic GPU grouped GEMMs (gate, up and the activation in one launch, down in another), in
+    their padded row layout from the gather in to the gather out; rows in no group: zeros."""
     from pallas_kernels import grouped_matmul_mgpu as gmm
     plan = gmm.plan_rows(group_sizes, rows.shape[0], tuning.block_m)
-    dot = functools.partial(gmm.grouped_matmul_padded, plan=plan, tuning=tuning, interpret=interpret)
-    padded = gmm.pad_rows(rows, plan)
-    # tiles past the plan's hold garbage through silu and the product: no planned tile reads them
-    return gmm.unpad_rows(dot(jax.nn.silu(dot(padded, gate_proj)) * dot(padded, up_proj), down_proj), plan)
+    options = {"plan": plan, "tuning": tuning, "interpret": interpret}
+    hidden = gmm.grouped_swiglu_padded(gmm.pad_rows(rows, plan), gate_proj, up_proj, **options)
+    # tiles past the plan's hold garbage: no planned tile reads them
+    return gmm.unpad_rows(gmm.grouped_matmul_padded(hidden, down_proj, **options), plan)
 
 
 def moe_context(paged, num_tokens: int):
