@@ -153,3 +153,53 @@ def test_moe_model_serves_through_the_engine(tmp_path):
               num_blocks=64, precompile=False)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def write_qwen3_moe_gguf(path, checkpoint, cfg):
+    """The checkpoint as llama.cpp's converter writes a Qwen3-MoE: arch "qwen3moe", each projection's experts
+    stacked [E, out, in] (ffn_*_exps), the router ffn_gate_inp, the dense layer's MLP as ffn_*; all F32."""
+    from gguf import GGUFWriter
+    from safetensors.numpy import load_file
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    w = GGUFWriter(str(path), "qwen3moe")
+    for add, value in ((w.add_block_count, cfg.num_hidden_layers), (w.add_embedding_length, cfg.hidden_size),
+                       (w.add_feed_forward_length, cfg.intermediate_size), (w.add_head_count, cfg.num_attention_heads),
+                       (w.add_head_count_kv, cfg.num_key_value_heads), (w.add_key_length, cfg.head_dim),
+                       (w.add_context_length, 512), (w.add_vocab_size, cfg.vocab_size),
+                       (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
+                       (w.add_rope_freq_base, cfg.rope_parameters["rope_theta"]),
+                       (w.add_expert_count, cfg.num_experts), (w.add_expert_used_count, cfg.num_experts_per_tok),
+                       (w.add_expert_feed_forward_length, cfg.moe_intermediate_size),
+                       (w.add_expert_weights_norm, cfg.norm_topk_prob)):
+        add(value)
+    names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    for name, gguf_name in (("lm_head.weight", "output.weight"), *((f"model.{k}", v) for k, v in names.items())):
+        w.add_tensor(gguf_name, tensors[name])
+    suffixes = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, ours in suffixes.items():
+            if f"model.layers.{i}.{hf}.weight" in tensors:
+                w.add_tensor(f"blk.{i}.{ours}.weight", tensors[f"model.layers.{i}.{hf}.weight"])
+        for proj in ("gate", "up", "down") if i not in cfg.mlp_only_layers else ():
+            w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", np.stack(
+                [tensors[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] for e in range(cfg.num_experts)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_moe_gguf_loads_as_its_checkpoint(tmp_path):
+    """A Qwen3-MoE GGUF (stacked expert tensors, a router, a dense first layer, no renormalisation) loads to the
+    model its safetensors give: the config's expert fields from llama.cpp's keys, logits equal to HF's."""
+    _, ours, hf = make_pair("qwen3_moe", tmp_path / "hf")
+    write_qwen3_moe_gguf(tmp_path / "tiny-moe.gguf", tmp_path / "hf", hf.config)
+    loaded = load_model(str(tmp_path / "tiny-moe.gguf"), dtype="f32")
+    cfg = loaded.config
+    assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_moe", 8, 3, 48)
+    assert cfg.dense_layers == (0,) and not cfg.norm_topk_prob
+    ids = list(range(1, 30))
+    assert rel_err(forward_logits(loaded, ids), hf_logits(hf, ids)) <= LOGITS_RTOL

@@ -11,7 +11,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.models.errors import ModelLoadError, blamed_on
 
-GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 TENSOR_NAMES = {  # GGUF per-layer suffix -> HF name
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
@@ -20,7 +20,11 @@ TENSOR_NAMES = {  # GGUF per-layer suffix -> HF name
     "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    # a mixture of experts: the router, and every expert's projection stacked [E, out, in], as the model holds them
+    "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj", "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
+ROPE_PERMUTED = ("llama", "mistral", "mixtral")   # llama.cpp's converter interleaves these archs' q/k rows
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
 # llama.cpp's recommended-sampling keys (newer converters copy them from generation_config.json) -> SamplingParams
@@ -69,9 +73,11 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     heads = p("attention.head_count")
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    moe = gguf_moe_fields(p, names)
     with blamed_on(path):   # ModelConfig names a bad size; head_dim is derived only if there are heads
         return ModelConfig(
-            arch=arch, vocab_size=p("vocab_size") or len(tokens.data),
+            arch="mixtral" if arch == "llama" and moe else GGUF_ARCHS[arch],
+            vocab_size=p("vocab_size") or len(tokens.data),
             hidden_size=p("embedding_length"), intermediate_size=p("feed_forward_length"),
             num_layers=p("block_count"), num_heads=heads, num_kv_heads=p("attention.head_count_kv", heads),
             head_dim=p("attention.key_length") or (p("embedding_length") // heads if heads else None),
@@ -79,7 +85,20 @@ def gguf_config(reader, path: Path) -> ModelConfig:
             max_position_embeddings=p("context_length", 8192), tie_word_embeddings="output.weight" not in names,
             sliding_window=p("attention.sliding_window"), attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),))
+            eos_token_ids=() if eos is None else (int(eos),), **moe)
+
+
+def gguf_moe_fields(p, names) -> dict:
+    """ModelConfig's mixture-of-experts fields from llama.cpp's keys: Mixtral is a "llama" file with experts (of
+    feed_forward_length, top-k renormalised), Qwen3-MoE "qwen3moe" (expert_feed_forward_length; renormalised unless
+    expert_weights_norm says not); layers without a router keep a dense MLP."""
+    if not p("expert_count"):
+        return {}
+    layers = p("block_count")
+    return dict(num_experts=p("expert_count"), num_experts_per_tok=p("expert_used_count"),
+                moe_intermediate_size=p("expert_feed_forward_length") or p("feed_forward_length"),
+                norm_topk_prob=bool(p("expert_weights_norm", True)),
+                dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names))
 
 
 def gguf_sampling(reader) -> dict:
@@ -124,7 +143,7 @@ def gguf_tensors(reader, cfg: ModelConfig, path: Path):
         if name is None:
             continue
         w = _dequantized(t, path)
-        if cfg.arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if cfg.arch in ROPE_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute_rope(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         yield name, w
 
