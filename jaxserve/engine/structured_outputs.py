@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
@@ -83,6 +82,7 @@ class StructuredOutputs:
         if self._tokenizer is None:
             if self.hf_tokenizer is None:
                 raise ValueError("structured_outputs: this model has no tokenizer to constrain")
+            import llguidance.hf   # imports transformers (~1.4 s): only once a request is constrained
             # a tokenizer may name ids past the model's vocabulary (which the mask's width leaves out)
             self._tokenizer = llguidance.hf.from_tokenizer(
                 self.hf_tokenizer, n_vocab=max(self.vocab_size, len(self.hf_tokenizer)),
