@@ -79,10 +79,12 @@ def plan_rows(group_sizes, num_rows: int, block_m: int) -> RowPlan:
     tile_end = jnp.cumsum(pl.cdiv(sizes, block_m))
     row_start, tile_start = row_end - sizes, tile_end - pl.cdiv(sizes, block_m)
     tiles = num_tiles_max(num_rows, sizes.shape[0], block_m)
-    tile_groups = jnp.searchsorted(tile_end, jnp.arange(tiles), side="right")
+    # searches as one fused compare: searchsorted's default is a while loop, a device-to-host sync an iteration
+    # on the GPU (for every MoE layer of every step)
+    tile_groups = jnp.searchsorted(tile_end, jnp.arange(tiles), side="right", method="compare_all")
     tile_groups = jnp.where(tile_groups < sizes.shape[0], tile_groups, 0).astype(jnp.int32)
     row = jnp.arange(num_rows)
-    group = jnp.searchsorted(row_end, row, side="right")
+    group = jnp.searchsorted(row_end, row, side="right", method="compare_all")
     in_group = group < sizes.shape[0]
     group = jnp.minimum(group, sizes.shape[0] - 1)
     slots = jnp.where(in_group, tile_start[group] * block_m + row - row_start[group], tiles * block_m)

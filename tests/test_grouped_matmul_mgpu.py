@@ -162,6 +162,21 @@ def test_swiglu_lowers_for_cuda():
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]
 
 
+def test_expert_block_lowers_without_loops():
+    """The whole expert block as the engine runs it on Hopper, lowered for CUDA: the router's pairs planned with no
+    while loop (on the GPU each iteration syncs with the host, every MoE layer of every step) and two Mosaic GPU
+    launches (gate and up with the activation, then down)."""
+    e, h, i, tokens, k = 128, 2048, 768, 16, 8
+    spec = jax.ShapeDtypeStruct
+    block = functools.partial(routed_experts, split=False, backend="mosaic")
+    text = jax.jit(block).trace(spec((tokens, h), jnp.bfloat16), spec((tokens, k), jnp.float32),
+                                spec((tokens, k), jnp.int32), spec((e, i, h), jnp.bfloat16),
+                                spec((e, i, h), jnp.bfloat16), spec((e, h, i), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.while" not in text
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"] * 2
+
+
 def test_refuses_shapes_it_cannot_serve():
     lhs, rhs = operands(np.random.default_rng(0), 8, 128, 96, 2)
     with pytest.raises(ValueError, match="N=96"):
