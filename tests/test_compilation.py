@@ -181,6 +181,19 @@ def test_a_lazy_start_prefetches_what_the_last_lazy_start_wanted_first(tmp_path,
     assert manager.loaded_from_cache == len(wanted) and not manager.pending and manager.first_wanted == wanted
 
 
+@pytest.mark.parametrize("capability, imported", [(9.0, True), (8.0, False), (0.0, False)])
+def test_executable_cache_readies_mosaic_gpus_runtime_on_hopper(tmp_path, monkeypatch, capability, imported):
+    """On Hopper the cache imports Mosaic GPU before it loads anything: an executable holding a Mosaic kernel finds
+    the kernel runtime by the path that import sets (without it, every such executable compiles again)."""
+    from jaxserve.engine import compilation
+    kernels = sys.modules["pallas_kernels.ragged_paged_attention"]   # the package exports the function of its name
+    names = []
+    monkeypatch.setattr(kernels, "gpu_capability", lambda: capability)
+    monkeypatch.setattr(compilation.importlib, "import_module", names.append)
+    ExecutableCache(str(tmp_path), "fp")
+    assert (names == ["jax.experimental.mosaic.gpu"]) == imported
+
+
 def test_executable_cache_round_trip(tmp_path, without_xla_cache):
     """Executables saved by one manager load in another with the same fingerprint (and donate as compiled), not
     with another fingerprint; an unreadable file means compiling again."""

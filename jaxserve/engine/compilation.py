@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import math
 import os
 import pickle
@@ -55,6 +56,16 @@ def source_digest(root: Path = Path(__file__).resolve().parents[2]) -> str:
     return digest.hexdigest()
 
 
+def load_mosaic_runtime() -> None:
+    """An executable holding Mosaic GPU kernels finds their runtime library through the path importing Mosaic GPU
+    sets (MOSAIC_GPU_RUNTIME_LIB_PATH): a process that loads such executables before it builds a kernel (its Mosaic
+    import is lazy) must import it first, or each one fails to load ("Symbols not found: mosaic_gpu_init_tma_desc")
+    and compiles again. Hopper only, where the kernels run."""
+    from pallas_kernels.ragged_paged_attention import gpu_capability
+    if gpu_capability() >= 9.0:
+        importlib.import_module("jax.experimental.mosaic.gpu")
+
+
 class ExecutableCache:
     """Serialized executables on disk, named by (fingerprint, graph key). The fingerprint must cover everything a
     graph depends on beyond its key (the runner's: jax version, process, device ids and kinds, model and engine
@@ -70,6 +81,7 @@ class ExecutableCache:
         self.keeps_served = jax.default_backend() != "cpu"
         if directory:   # an executable that calls an FFI target loads only once the target is registered
             custom_calls.available()
+            load_mosaic_runtime()
 
     def path(self, key: tuple) -> Path:
         return self.directory / (hashlib.sha256(f"{self.fingerprint}{key!r}".encode()).hexdigest()[:40] + ".bin")
