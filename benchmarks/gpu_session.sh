@@ -64,10 +64,11 @@ case $1 in
       min_prefill_chunk=128 --out "$OUT/offline_moe_gpu.json"
     run 220 python benchmarks/offline.py --config $MOE --out "$OUT/offline_moe_gpu.json"
     run 150 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_moe_gpu.json" ;;
-  moe-gemm)   # the experts' grouped GEMM (XLA's ragged dot) beside a dense GEMM of the same FLOPs, the Mosaic kernels
-    # and the whole block, then the Mosaic kernel's tuning variants
-    run 300 python benchmarks/moe_gemm.py --out "$OUT/moe_gemm_gpu.json"
-    run 200 python benchmarks/moe_gemm.py --tune --impls mosaic_grouped --tokens 1 16 256 4096 \
+  moe-gemm)   # the grouped GEMM's tests compiled, then XLA's ragged dot beside a dense GEMM of the same FLOPs, the
+    # Mosaic kernels and the whole block, then the Mosaic kernel's tuning variants
+    run 60 python -m pytest -q -p no:cacheprovider tests/test_grouped_matmul_mgpu.py
+    run 250 python benchmarks/moe_gemm.py --out "$OUT/moe_gemm_gpu.json"
+    run 180 python benchmarks/moe_gemm.py --tune --impls mosaic_grouped --tokens 1 16 256 4096 \
       --out "$OUT/moe_gemm_gpu.json" ;;
   mosaic-check)   # after a kernel change: its GPU tests, the short-context points, batch 1 in the engine on each backend
     run 110 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
