@@ -90,3 +90,17 @@ def test_padding_tokens_route_to_no_expert():
     masked, full = moe(x, live=live), moe(x)
     np.testing.assert_allclose(masked[:3], full[:3], rtol=1e-6, atol=1e-6)   # the same sums in float32
     assert (masked[3:] == 0).all() and (full[3:] != 0).any()
+
+
+def test_a_paged_steps_live_tokens_come_from_its_batch():
+    """The MoE layers' live tokens are the step's first cu_q_lens[num_seqs] tokens (the rest pad the bucket)."""
+    import types
+
+    import jax.numpy as jnp
+
+    from jaxserve.models.llama import moe_context
+    batch = types.SimpleNamespace(cu_q_lens=jnp.asarray([0, 1, 2, 7, 7], jnp.int32),
+                                  num_seqs=jnp.asarray([3], jnp.int32))
+    mesh, live = moe_context(types.SimpleNamespace(batch=batch, mesh="mesh"), 16)
+    assert mesh == "mesh" and live.tolist() == [True] * 7 + [False] * 9
+    assert moe_context(None, 16) == (None, None)
