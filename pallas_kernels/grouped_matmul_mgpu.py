@@ -2,24 +2,25 @@
 lhs [M, K] rows sorted by group (group g's rows are the next group_sizes[g]), rhs [G, N, K] one weight per group
 (as checkpoints store each expert's [out, in]), out [M, N] = each row times its group's weight, transposed.
 
-- Rows are laid out, in XLA before the launch, so that each non-empty group starts on a block_m tile boundary
-  (`plan_rows`, `pad_rows`): every tile then holds one group's rows and is a plain wgmma tile, stored whole by TMA,
-  with no per-group masking in the kernel. The padded layout has a static bound, M_pad = M + min(M, G) *
-  (block_m - 1) rounded up to block_m, so the graph keeps static shapes and needs no host trip.
-- The planner lists the tiles that hold rows first and counts them; the launch walks only those (tile, n-block)
-  work units. Empty groups have no tile, so at decode sizes (8 pairs over 128 experts) only the routed experts'
-  weights are read, where XLA's ragged dot (a dense GEMM over all groups) and a tile per group read them all.
+- The planner (`plan_rows`, in XLA before the launch) cuts each non-empty group into block_m-row tiles, lists the
+  tiles that hold rows first and counts them; the launch walks only those (tile, n-block) work units. Empty groups
+  have no tile, so at decode sizes (8 pairs over 128 experts) only the routed experts' weights are read, where XLA's
+  ragged dot (a dense GEMM over all groups) and a tile per group read them all.
+- A tile reads block_m rows from its group's next row on (TMA boxes start at any row), so the lhs is never copied
+  into a padded layout; rows past the group's end come along and their products are dropped. Each tile's output is
+  stored whole, by TMA, into its own block_m rows of a padded output (M_pad = M + min(M, G) * (block_m - 1) rounded
+  up to block_m: a static bound, so the graph keeps static shapes and needs no host trip) with no per-group masking
+  in the kernel; `unpad_rows` gathers the rows back.
 - A persistent grid (one CTA per SM) deals the work units round-robin, n-blocks of a tile on neighbouring CTAs (the
   tile's rows are read once into L2). Each unit pipelines K through a TMA ring `max_concurrent_steps` deep into
   wgmma (f32 accumulator) and stores its block_m x block_n tile through SMEM.
 - Rows past sum(group_sizes) (the pairs another device's experts hold under expert parallelism) are in no tile:
   they are not computed and come out as zeros.
 
-`grouped_matmul_padded` takes and gives the padded layout, so a chain of grouped GEMMs over the same rows (an
-expert's gate, up and down) pads once and gathers back once. `grouped_swiglu_padded` is an expert's first half in
-one launch: each work unit accumulates gate and up over the same lhs tiles (read once) and stores
-silu(gate) * up, so the two [M_pad, N] products never reach HBM. Tiles past the planned count are never written: only
-rows the plan maps are meaningful there.
+`grouped_swiglu` is an expert's first half in one launch: each work unit accumulates gate and up over the same lhs
+tiles (read once) and stores silu(gate) * up in the padded layout, so the two [M, N] products never reach HBM.
+`grouped_matmul_padded` takes and gives that layout, so the expert's down projection follows with no gather between;
+tiles past the planned count are never written: only rows the plan maps are meaningful there.
 """
 import functools
 from dataclasses import dataclass
@@ -50,10 +51,10 @@ class GroupedTuning:
 @dataclass(frozen=True)
 class RowPlan:
     """Where each row goes in the padded layout, and the tiles the launch walks."""
-    tile_groups: jax.Array  # [num_tiles_max] the group of each padded tile; past num_tiles: 0, never run
+    tile_groups: jax.Array  # [num_tiles_max] the group of each tile; past num_tiles: 0, never run
+    tile_rows: jax.Array  # [num_tiles_max] the first sorted row each tile reads (a multiple of ROW_ALIGN)
     num_tiles: jax.Array  # [1] tiles that hold rows, listed first
     slots: jax.Array  # [M] each row's padded position; M_pad for rows in no group
-    sources: jax.Array  # [M_pad] each padded position's row; M for padding
 
 
 def supported(lhs, rhs, tuning: GroupedTuning = GroupedTuning()) -> str | None:
@@ -66,39 +67,41 @@ def supported(lhs, rhs, tuning: GroupedTuning = GroupedTuning()) -> str | None:
     return None
 
 
+# the lhs tile's SMEM tiling holds 8 rows: a TMA box into it starts on a multiple of 8 rows
+ROW_ALIGN = 8
+
+
 def num_tiles_max(num_rows: int, num_groups: int, block_m: int) -> int:
-    """Tiles the padded layout can need: each non-empty group (at most min(M, G)) rounds up by < block_m rows."""
-    return pl.cdiv(num_rows + min(num_rows, num_groups) * (block_m - 1), block_m)
+    """Tiles a plan can need: each non-empty group (at most min(M, G)) starts up to ROW_ALIGN - 1 rows into its
+    first tile and rounds its last up by < block_m rows."""
+    return pl.cdiv(num_rows + min(num_rows, num_groups) * (block_m - 1 + ROW_ALIGN - 1), block_m)
 
 
 def plan_rows(group_sizes, num_rows: int, block_m: int) -> RowPlan:
-    """The padded layout of `num_rows` rows sorted into groups of `group_sizes`: group g starts at tile
-    tile_start[g], its tiles follow, empty groups take none."""
+    """The tiles of `num_rows` rows sorted into groups of `group_sizes`: group g's tiles (from tile_start[g] on;
+    empty groups take none) read block_m rows each from its first row rounded down to ROW_ALIGN, and its row r
+    lands at padded position tile_start[g] * block_m + r - that rounded row."""
     sizes = group_sizes.astype(jnp.int32)
     row_end = jnp.cumsum(sizes)
-    tile_end = jnp.cumsum(pl.cdiv(sizes, block_m))
-    row_start, tile_start = row_end - sizes, tile_end - pl.cdiv(sizes, block_m)
+    row_start = row_end - sizes
+    base = row_start - row_start % ROW_ALIGN
+    group_tiles = jnp.where(sizes > 0, pl.cdiv(row_end - base, block_m), 0)
+    tile_end = jnp.cumsum(group_tiles)
+    tile_start = tile_end - group_tiles
     tiles = num_tiles_max(num_rows, sizes.shape[0], block_m)
     # searches as one fused compare: searchsorted's default is a while loop, a device-to-host sync an iteration
     # on the GPU (for every MoE layer of every step)
-    tile_groups = jnp.searchsorted(tile_end, jnp.arange(tiles), side="right", method="compare_all")
-    tile_groups = jnp.where(tile_groups < sizes.shape[0], tile_groups, 0).astype(jnp.int32)
+    tile = jnp.arange(tiles)
+    tile_groups = jnp.searchsorted(tile_end, tile, side="right", method="compare_all")
+    planned = tile_groups < sizes.shape[0]
+    tile_groups = jnp.where(planned, tile_groups, 0).astype(jnp.int32)
+    tile_rows = jnp.where(planned, base[tile_groups] + (tile - tile_start[tile_groups]) * block_m, 0)
     row = jnp.arange(num_rows)
     group = jnp.searchsorted(row_end, row, side="right", method="compare_all")
     in_group = group < sizes.shape[0]
     group = jnp.minimum(group, sizes.shape[0] - 1)
-    slots = jnp.where(in_group, tile_start[group] * block_m + row - row_start[group], tiles * block_m)
-    pos = jnp.arange(tiles * block_m)
-    pos_group = tile_groups[pos // block_m]
-    offset = pos - tile_start[pos_group] * block_m
-    holds_row = (pos < tile_end[-1] * block_m) & (offset < sizes[pos_group])
-    sources = jnp.where(holds_row, row_start[pos_group] + offset, num_rows)
-    return RowPlan(tile_groups, tile_end[-1:], slots.astype(jnp.int32), sources.astype(jnp.int32))
-
-
-def pad_rows(x, plan: RowPlan):
-    """[M, ...] rows into the padded layout [M_pad, ...]; padding rows zeros."""
-    return jnp.take(x, plan.sources, axis=0, mode="fill", fill_value=0)
+    slots = jnp.where(in_group, tile_start[group] * block_m + row - base[group], tiles * block_m)
+    return RowPlan(tile_groups, tile_rows.astype(jnp.int32), tile_end[-1:], slots.astype(jnp.int32))
 
 
 def unpad_rows(y, plan: RowPlan):
@@ -109,9 +112,20 @@ def unpad_rows(y, plan: RowPlan):
 def grouped_matmul(lhs, rhs, group_sizes, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
     """lhs [M, K] sorted by group, rhs [G, N, K], group_sizes [G] -> [M, N] in lhs's dtype (f32 accumulation);
     rows past sum(group_sizes) are zeros."""
+    why_not = supported(lhs, rhs, tuning)
+    if why_not:
+        raise ValueError(f"grouped_matmul cannot serve this call: {why_not}")
     plan = plan_rows(group_sizes, lhs.shape[0], tuning.block_m)
-    out = grouped_matmul_padded(pad_rows(lhs, plan), rhs, plan, tuning=tuning, interpret=interpret)
-    return unpad_rows(out, plan)
+    return unpad_rows(launch(lhs, (rhs,), plan, plan.tile_rows, tuning, interpret), plan)
+
+
+def grouped_swiglu(lhs, gate, up, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
+    """silu(lhs . gate_g) * (lhs . up_g) in one launch: lhs [M, K] sorted by group, gate and up [G, N, K] ->
+    [M_pad, N] in `plan`'s padded layout, in lhs's dtype (f32 products and activation), the planned tiles written."""
+    why_not = supported(lhs, gate, tuning) or supported(lhs, up, tuning)
+    if why_not:
+        raise ValueError(f"grouped_swiglu cannot serve this call: {why_not}")
+    return launch(lhs, (gate, up), plan, plan.tile_rows, tuning, interpret)
 
 
 def grouped_matmul_padded(lhs, rhs, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
@@ -120,31 +134,27 @@ def grouped_matmul_padded(lhs, rhs, plan: RowPlan, *, tuning: GroupedTuning = Gr
     why_not = supported(lhs, rhs, tuning)
     if why_not:
         raise ValueError(f"grouped_matmul cannot serve this call: {why_not}")
-    return launch(lhs, (rhs,), plan, tuning, interpret)
+    starts = jnp.arange(plan.tile_rows.shape[0], dtype=jnp.int32) * tuning.block_m
+    return launch(lhs, (rhs,), plan, starts, tuning, interpret)
 
 
-def grouped_swiglu_padded(lhs, gate, up, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(),
-                          interpret=False):
-    """silu(lhs . gate_g) * (lhs . up_g) in one launch: lhs [M_pad, K] in `plan`'s padded layout, gate and up
-    [G, N, K] -> [M_pad, N] in lhs's dtype (f32 products and activation), the planned tiles written."""
-    why_not = supported(lhs, gate, tuning) or supported(lhs, up, tuning)
-    if why_not:
-        raise ValueError(f"grouped_swiglu cannot serve this call: {why_not}")
-    return launch(lhs, (gate, up), plan, tuning, interpret)
-
-
-def launch(lhs, weights, plan: RowPlan, tuning: GroupedTuning, interpret):
-    """One grouped launch over `weights` (one: its product; gate and up: silu(gate) * up)."""
+def launch(lhs, weights, plan: RowPlan, tile_rows, tuning: GroupedTuning, interpret):
+    """One grouped launch over `weights` (one: its product; gate and up: silu(gate) * up), tile t reading lhs rows
+    from tile_rows[t] on, into the padded layout."""
+    # a group's last tile reads up to block_m - 1 rows past the group: they must exist (on the GPU a TMA box past
+    # the array reads zeros, the interpreter would shift the slice back)
+    lhs = jnp.pad(lhs, ((0, tuning.block_m), (0, 0)))
     kernel = functools.partial(grouped_kernel, tuning=tuning)
+    padded_rows = plan.tile_groups.shape[0] * tuning.block_m
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((lhs.shape[0], weights[0].shape[1]), lhs.dtype),
+        kernel, out_type=jax.ShapeDtypeStruct((padded_rows, weights[0].shape[1]), lhs.dtype),
         grid=(tuning.num_ctas,), grid_names=("cta",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_interpret_params(interpret),
-    )(plan.tile_groups, plan.num_tiles, lhs, *weights)
+    )(plan.tile_groups, tile_rows, plan.num_tiles, lhs, *weights)
 
 
-def grouped_kernel(tile_groups_ref, num_tiles_ref, lhs_ref, *refs, tuning: GroupedTuning):
+def grouped_kernel(tile_groups_ref, tile_rows_ref, num_tiles_ref, lhs_ref, *refs, tuning: GroupedTuning):
     """A persistent CTA: work units (tile, n-block), n-blocks fastest, dealt round-robin over the CTAs. refs: the
     weights (one, or gate and up), then the output."""
     *weight_refs, out_ref = refs
@@ -155,18 +165,19 @@ def grouped_kernel(tile_groups_ref, num_tiles_ref, lhs_ref, *refs, tuning: Group
     def unit(info: plgpu.NDLoopInfo):
         tile, n_block = lax.div(info.index[0], grid_n), lax.rem(info.index[0], grid_n)
         group = tile_groups_ref[tile]
+        rows = lhs_ref.at[pl.ds(pl.multiple_of(tile_rows_ref[tile], ROW_ALIGN), tuning.block_m)]
         products = pl.run_scoped(functools.partial(
-            accumulate, lhs_ref=lhs_ref, weight_refs=[w.at[group] for w in weight_refs], tile=tile,
-            n_block=n_block, tuning=tuning), *accs)
+            accumulate, lhs_ref=rows, weight_refs=[w.at[group] for w in weight_refs], n_block=n_block,
+            tuning=tuning), *accs)
         result = products[0] if len(products) == 1 else jax.nn.silu(products[0]) * products[1]
         pl.run_scoped(functools.partial(store, result, out_ref=out_ref, tile=tile, n_block=n_block, tuning=tuning),
                       plgpu.SMEM((tuning.block_m, tuning.block_n), out_ref.dtype))
 
 
-def accumulate(*acc_refs, lhs_ref, weight_refs, tile, n_block, tuning: GroupedTuning):
+def accumulate(*acc_refs, lhs_ref, weight_refs, n_block, tuning: GroupedTuning):
     """The unit's [block_m, block_n] f32 products, one per weight: K in block_k steps, TMA copies
-    `max_concurrent_steps` ahead of wgmma, each lhs tile read once for all weights. weight_refs: the tile's
-    group's weights [N, K]."""
+    `max_concurrent_steps` ahead of wgmma, each lhs tile read once for all weights. lhs_ref: the tile's rows
+    [block_m, K]; weight_refs: its group's weights [N, K]."""
     bm, bn, bk = tuning.block_m, tuning.block_n, tuning.block_k
 
     def step(_, lhs_smem, *weight_smems):
@@ -176,7 +187,7 @@ def accumulate(*acc_refs, lhs_ref, weight_refs, tile, n_block, tuning: GroupedTu
     plgpu.emit_pipeline(
         step, grid=(lhs_ref.shape[1] // bk,),
         # wgmma runs asynchronously: a step's buffers are released one step later, once it has completed
-        in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (tile, k), delay_release=1),
+        in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (0, k), delay_release=1),
                   *[plgpu.BlockSpec((bn, bk), lambda k: (n_block, k), delay_release=1)] * len(weight_refs)],
         max_concurrent_steps=tuning.max_concurrent_steps,
     )(lhs_ref, *weight_refs)

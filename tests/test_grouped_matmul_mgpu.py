@@ -99,29 +99,39 @@ def test_random_groups_against_the_library_reference():
 
 def test_empty_groups_get_no_tile():
     """Only groups holding rows are in the plan's tile list (so only their weights are read): 8 rows over 128
-    groups run 8 tiles; a group over a tile takes its ceil(rows / block_m) tiles, in group order."""
+    groups run 8 tiles; a group takes the tiles its rows span from its first row rounded down to 8 (TMA boxes start
+    on 8 rows), in group order."""
     rng = np.random.default_rng(3)
     sizes = decode_sizes(rng)
     plan = gmm.plan_rows(jnp.asarray(sizes), 8, 64)
     num_tiles = int(plan.num_tiles[0])
-    assert num_tiles == 8 and plan.tile_groups.shape == (8,)  # the static bound: min(M, G) groups, a tile each
+    assert num_tiles == 8 and plan.tile_groups.shape[0] >= 8
     assert plan.tile_groups[:num_tiles].tolist() == np.nonzero(sizes)[0].tolist()
+    assert plan.tile_rows[:num_tiles].tolist() == [0] * 8   # each reads rows 0-63, its own row at its place
+    assert plan.slots.tolist() == [t * 64 + t for t in range(8)]
     sizes = np.zeros(128, np.int32)
     sizes[[5, 70]] = [3, 130]
     plan = gmm.plan_rows(jnp.asarray(sizes), 140, 64)
     num_tiles = int(plan.num_tiles[0])
-    assert plan.tile_groups[:num_tiles].tolist() == [5, 70, 70, 70]
-    assert int(plan.slots[2]) == 2 and int(plan.slots[3]) == 64  # group 70 starts on the second tile
-    assert (np.asarray(plan.slots[133:]) == plan.sources.shape[0]).all()  # rows in no group: nowhere
+    assert plan.tile_groups[:num_tiles].tolist() == [5, 70, 70, 70]   # rows 3-132 from row 0 span 3 tiles
+    assert plan.tile_rows[:num_tiles].tolist() == [0, 0, 64, 128]
+    assert int(plan.slots[2]) == 2 and int(plan.slots[3]) == 67  # group 70's tiles start at padded row 64
+    assert (np.asarray(plan.slots[133:]) == plan.tile_rows.shape[0] * 64).all()  # rows in no group: nowhere
 
 
-def test_padding_round_trip():
-    """pad_rows then unpad_rows gives back every row in a group, zeros for the rest."""
+def test_unpad_gathers_each_planned_row():
+    """Row r of group g sits at padded position slots[r] (its tile's start plus its place in the tile); unpad_rows
+    gathers every row in a group back from there, zeros for the rest."""
     sizes = jnp.asarray([0, 5, 0, 64, 1], jnp.int32)
-    x = jnp.arange(80 * 2, dtype=jnp.float32).reshape(80, 2) + 1
     plan = gmm.plan_rows(sizes, 80, 64)
-    back = np.asarray(gmm.unpad_rows(gmm.pad_rows(x, plan), plan))
-    np.testing.assert_array_equal(back[:70], np.asarray(x[:70]))
+    tiles = plan.tile_groups.shape[0]
+    padded = np.full((tiles * 64, 2), np.nan, np.float32)
+    for t in range(int(plan.num_tiles[0])):   # what the kernel stores: tile t's rows in its own block_m rows
+        group_end = int(np.cumsum(sizes)[int(plan.tile_groups[t])])
+        rows = np.arange(int(plan.tile_rows[t]), min(int(plan.tile_rows[t]) + 64, group_end))
+        padded[t * 64:t * 64 + len(rows)] = np.stack([rows, -rows], axis=1) + 1
+    back = np.asarray(gmm.unpad_rows(jnp.asarray(padded), plan))
+    np.testing.assert_array_equal(back[:70], np.stack([np.arange(70), -np.arange(70)], axis=1) + 1)
     assert not back[70:].any()
 
 
@@ -147,16 +157,16 @@ def test_swiglu_matches_reference():
         g, u = reference_f32(lhs, gate, sizes), reference_f32(lhs, up, sizes)
         expected = g / (1 + np.exp(-g)) * u
         plan = gmm.plan_rows(sizes, num_rows, TUNING.block_m)
-        swiglu = functools.partial(gmm.grouped_swiglu_padded, plan=plan, tuning=TUNING, interpret=not ON_GPU)
-        out = gmm.unpad_rows(jax.jit(swiglu)(gmm.pad_rows(lhs, plan), gate, up), plan)
+        swiglu = functools.partial(gmm.grouped_swiglu, plan=plan, tuning=TUNING, interpret=not ON_GPU)
+        out = gmm.unpad_rows(jax.jit(swiglu)(lhs, gate, up), plan)
         check_close(out[:int(sizes.sum())], expected[:int(sizes.sum())], f"swiglu {sizes.shape[0]} groups")
 
 
 def test_swiglu_lowers_for_cuda():
     """Qwen3-30B-A3B's gate and up (768 x 2048) with the activation: one Mosaic GPU kernel."""
     plan = gmm.plan_rows(jnp.zeros(128, jnp.int32), 64, 64)
-    fn = functools.partial(gmm.grouped_swiglu_padded, plan=plan)
-    lhs = jax.ShapeDtypeStruct((plan.sources.shape[0], 2048), jnp.bfloat16)
+    fn = functools.partial(gmm.grouped_swiglu, plan=plan)
+    lhs = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16)
     weight = jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16)
     text = jax.jit(fn).trace(lhs, weight, weight).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]

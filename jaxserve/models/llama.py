@@ -220,12 +220,12 @@ def ragged_dot_mlp(rows, group_sizes, gate_proj, up_proj, down_proj):
 
 
 def mosaic_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, *, tuning, interpret):
-    """The same by the Mosaic GPU grouped GEMMs (gate, up and the activation in one launch, down in another), in
-    their padded row layout from the gather in to the gather out; rows in no group: zeros."""
+    """The same by the Mosaic GPU grouped GEMMs (gate, up and the activation in one launch into their padded row
+    layout, down in another within it), gathered back once; rows in no group: zeros."""
     from pallas_kernels import grouped_matmul_mgpu as gmm
     plan = gmm.plan_rows(group_sizes, rows.shape[0], tuning.block_m)
     options = {"plan": plan, "tuning": tuning, "interpret": interpret}
-    hidden = gmm.grouped_swiglu_padded(gmm.pad_rows(rows, plan), gate_proj, up_proj, **options)
+    hidden = gmm.grouped_swiglu(rows, gate_proj, up_proj, **options)
     # tiles past the plan's hold garbage: no planned tile reads them
     return gmm.unpad_rows(gmm.grouped_matmul_padded(hidden, down_proj, **options), plan)
 
