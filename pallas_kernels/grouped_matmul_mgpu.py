@@ -142,8 +142,9 @@ def launch(lhs, weights, plan: RowPlan, tile_rows, tuning: GroupedTuning, interp
     """One grouped launch over `weights` (one: its product; gate and up: silu(gate) * up), tile t reading lhs rows
     from tile_rows[t] on, into the padded layout."""
     # a group's last tile reads up to block_m - 1 rows past the group: they must exist (on the GPU a TMA box past
-    # the array reads zeros, the interpreter would shift the slice back)
-    lhs = jnp.pad(lhs, ((0, tuning.block_m), (0, 0)))
+    # the array reads zeros, the interpreter would shift the slice back); TMA into the tiled SMEM also wants whole
+    # ROW_ALIGN tiles of rows
+    lhs = jnp.pad(lhs, ((0, tuning.block_m + -lhs.shape[0] % ROW_ALIGN), (0, 0)))
     kernel = functools.partial(grouped_kernel, tuning=tuning)
     padded_rows = plan.tile_groups.shape[0] * tuning.block_m
     return plgpu.kernel(

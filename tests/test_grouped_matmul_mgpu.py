@@ -135,11 +135,12 @@ def test_unpad_gathers_each_planned_row():
     assert not back[70:].any()
 
 
-@pytest.mark.parametrize("k, n", [(2048, 768), (768, 2048)])  # Qwen3-30B-A3B's gate/up and down
-def test_lowers_for_cuda(k, n):
+# Qwen3-30B-A3B's gate/up and down; rows off the TMA's 8-row tiling
+@pytest.mark.parametrize("num_rows, k, n", [(64, 2048, 768), (64, 768, 2048), (10, 128, 128)])
+def test_lowers_for_cuda(num_rows, k, n):
     """Lowered for an NVIDIA GPU (here without one): Mosaic GPU's layout inference and lowering run, one Mosaic GPU
     kernel comes out."""
-    shapes = [((64, k), jnp.bfloat16), ((128, n, k), jnp.bfloat16), ((128,), jnp.int32)]
+    shapes = [((num_rows, k), jnp.bfloat16), ((128, n, k), jnp.bfloat16), ((128,), jnp.int32)]
     fn = functools.partial(gmm.grouped_matmul, tuning=gmm.GroupedTuning())
     text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
         lowering_platforms=("cuda",)).as_text()
