@@ -43,7 +43,7 @@ class GroupedTuning:
     block_m: int = 64  # rows per tile: wgmma's M; also the most padding a group pays
     block_n: int = 128
     block_k: int = 64  # 64 bf16 = one 128-byte swizzled row
-    max_concurrent_steps: int = 4
+    max_concurrent_steps: int = 6  # TMA ring depth; fewer where a stage's tiles would not fit (`pipeline_depth`)
     num_ctas: int = 132  # persistent grid, one CTA per SM (H100/H200); the caller passes the device's core count
 
 
@@ -55,6 +55,16 @@ class RowPlan:
     tile_rows: jax.Array  # [num_tiles_max] the first sorted row each tile reads (a multiple of ROW_ALIGN)
     num_tiles: jax.Array  # [1] tiles that hold rows, listed first
     slots: jax.Array  # [M] each row's padded position; M_pad for rows in no group
+
+
+# shared memory the TMA ring may take (H100/H200: 227 KiB a block, the output's staging tile and barriers beside)
+RING_BYTES = 200 * 1024
+
+
+def pipeline_depth(tuning: GroupedTuning, num_weights: int, itemsize: int) -> int:
+    """The ring's stages: max_concurrent_steps, or as many as fit RING_BYTES (gate and up stage two weight tiles)."""
+    stage = (tuning.block_m + num_weights * tuning.block_n) * tuning.block_k * itemsize
+    return max(2, min(tuning.max_concurrent_steps, RING_BYTES // stage))
 
 
 def supported(lhs, rhs, tuning: GroupedTuning = GroupedTuning()) -> str | None:
@@ -190,7 +200,7 @@ def accumulate(*acc_refs, lhs_ref, weight_refs, n_block, tuning: GroupedTuning):
         # wgmma runs asynchronously: a step's buffers are released one step later, once it has completed
         in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (0, k), delay_release=1),
                   *[plgpu.BlockSpec((bn, bk), lambda k: (n_block, k), delay_release=1)] * len(weight_refs)],
-        max_concurrent_steps=tuning.max_concurrent_steps,
+        max_concurrent_steps=pipeline_depth(tuning, len(weight_refs), jnp.dtype(lhs_ref.dtype).itemsize),
     )(lhs_ref, *weight_refs)
     return [acc_ref[...] for acc_ref in acc_refs]
 

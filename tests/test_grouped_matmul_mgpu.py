@@ -188,6 +188,15 @@ def test_expert_block_lowers_without_loops():
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"] * 2
 
 
+def test_ring_fits_shared_memory():
+    """The TMA ring is as deep as asked where its stages fit (one weight: 24 KiB a stage in bf16), shallower for
+    gate and up (40 KiB a stage): 6 of those would overflow the 227 KiB a block has."""
+    tuning = gmm.GroupedTuning()
+    assert gmm.pipeline_depth(tuning, 1, 2) == tuning.max_concurrent_steps == 6
+    assert gmm.pipeline_depth(tuning, 2, 2) == 5
+    assert 5 * 40 * 1024 + 64 * 128 * 2 <= 227 * 1024   # with the output's staging tile
+
+
 def test_refuses_shapes_it_cannot_serve():
     lhs, rhs = operands(np.random.default_rng(0), 8, 128, 96, 2)
     with pytest.raises(ValueError, match="N=96"):
