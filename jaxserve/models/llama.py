@@ -187,11 +187,12 @@ def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, split:
     tokens = order // experts.shape[1]
     tuning = grouped_gemm_tuning(backend, interpret, x, gate_proj, down_proj)
     mlp = ragged_dot_mlp if tuning is None else functools.partial(mosaic_mlp, tuning=tuning, interpret=interpret)
-    out = mlp(x[tokens], group_sizes, gate_proj, up_proj, down_proj).astype(jnp.float32)
-    held = mine[order]   # rows in no group hold whatever the grouped GEMM left there
-    weight = jnp.where(held, weights.reshape(-1)[order], 0.0)
-    out = jnp.where(held[:, None], out, 0.0) * weight[:, None]
-    y = jnp.zeros(x.shape, jnp.float32).at[tokens].add(out)
+    out, places = mlp(x[tokens], group_sizes, gate_proj, up_proj, down_proj)
+    # each token gathers its own pairs' rows and sums them, weighed (a gather and a reduction, no scatter-add);
+    # pairs in no group have no row: zeros
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    rows = jnp.take(out, places[rank].reshape(experts.shape), axis=0, mode="fill", fill_value=0)
+    y = jnp.einsum("tk,tkh->th", weights, rows.astype(jnp.float32))
     return (jax.lax.psum(y, TP) if split else y).astype(x.dtype)
 
 
@@ -211,23 +212,25 @@ def grouped_gemm_tuning(backend: str, interpret: bool, rows, gate_proj, down_pro
 
 
 def ragged_dot_mlp(rows, group_sizes, gate_proj, up_proj, down_proj):
-    """Rows sorted by expert [N, H] through their expert's MLP by XLA's ragged dot; rows in no group: whatever
-    XLA leaves there."""
+    """Rows sorted by expert [N, H] through their expert's MLP by XLA's ragged dot: (out [N, H], each row's place
+    in out: N for rows in no group, whose out rows hold whatever XLA leaves there)."""
     def dot(rows, w):
         return jax.lax.ragged_dot_general(rows, w, group_sizes, EXPERT_DOT,
                                           preferred_element_type=jnp.float32).astype(rows.dtype)
-    return dot(jax.nn.silu(dot(rows, gate_proj)) * dot(rows, up_proj), down_proj)
+    row = jnp.arange(rows.shape[0], dtype=jnp.int32)
+    places = jnp.where(row < group_sizes.sum(), row, rows.shape[0])
+    return dot(jax.nn.silu(dot(rows, gate_proj)) * dot(rows, up_proj), down_proj), places
 
 
 def mosaic_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, *, tuning, interpret):
     """The same by the Mosaic GPU grouped GEMMs (gate, up and the activation in one launch into their padded row
-    layout, down in another within it), gathered back once; rows in no group: zeros."""
+    layout, down in another within it): (out [M_pad, H], each row's place in out, past it for rows in no group)."""
     from pallas_kernels import grouped_matmul_mgpu as gmm
     plan = gmm.plan_rows(group_sizes, rows.shape[0], tuning.block_m)
     options = {"plan": plan, "tuning": tuning, "interpret": interpret}
     hidden = gmm.grouped_swiglu(rows, gate_proj, up_proj, **options)
     # tiles past the plan's hold garbage: no planned tile reads them
-    return gmm.unpad_rows(gmm.grouped_matmul_padded(hidden, down_proj, **options), plan)
+    return gmm.grouped_matmul_padded(hidden, down_proj, **options), plan.slots
 
 
 def moe_context(paged, num_tokens: int):
