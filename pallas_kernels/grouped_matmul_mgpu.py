@@ -126,7 +126,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, tuning: GroupedTuning = GroupedTuni
     if why_not:
         raise ValueError(f"grouped_matmul cannot serve this call: {why_not}")
     plan = plan_rows(group_sizes, lhs.shape[0], tuning.block_m)
-    return unpad_rows(launch(lhs, (rhs,), plan, plan.tile_rows, tuning, interpret), plan)
+    return unpad_rows(launch(with_margin(lhs, tuning), (rhs,), plan, plan.tile_rows, tuning, interpret), plan)
 
 
 def grouped_swiglu(lhs, gate, up, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
@@ -135,7 +135,7 @@ def grouped_swiglu(lhs, gate, up, plan: RowPlan, *, tuning: GroupedTuning = Grou
     why_not = supported(lhs, gate, tuning) or supported(lhs, up, tuning)
     if why_not:
         raise ValueError(f"grouped_swiglu cannot serve this call: {why_not}")
-    return launch(lhs, (gate, up), plan, plan.tile_rows, tuning, interpret)
+    return launch(with_margin(lhs, tuning), (gate, up), plan, plan.tile_rows, tuning, interpret)
 
 
 def grouped_matmul_padded(lhs, rhs, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
@@ -148,13 +148,16 @@ def grouped_matmul_padded(lhs, rhs, plan: RowPlan, *, tuning: GroupedTuning = Gr
     return launch(lhs, (rhs,), plan, starts, tuning, interpret)
 
 
+def with_margin(lhs, tuning: GroupedTuning):
+    """Sorted rows with the margin their tiles read past: a group's last tile reads up to block_m - 1 rows past the
+    group, which must exist (on the GPU a TMA box past the array reads zeros, the interpreter would shift the slice
+    back); TMA into the tiled SMEM also wants whole ROW_ALIGN tiles of rows."""
+    return jnp.pad(lhs, ((0, tuning.block_m + -lhs.shape[0] % ROW_ALIGN), (0, 0)))
+
+
 def launch(lhs, weights, plan: RowPlan, tile_rows, tuning: GroupedTuning, interpret):
     """One grouped launch over `weights` (one: its product; gate and up: silu(gate) * up), tile t reading lhs rows
     from tile_rows[t] on, into the padded layout."""
-    # a group's last tile reads up to block_m - 1 rows past the group: they must exist (on the GPU a TMA box past
-    # the array reads zeros, the interpreter would shift the slice back); TMA into the tiled SMEM also wants whole
-    # ROW_ALIGN tiles of rows
-    lhs = jnp.pad(lhs, ((0, tuning.block_m + -lhs.shape[0] % ROW_ALIGN), (0, 0)))
     kernel = functools.partial(grouped_kernel, tuning=tuning)
     padded_rows = plan.tile_groups.shape[0] * tuning.block_m
     return plgpu.kernel(

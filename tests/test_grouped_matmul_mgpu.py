@@ -176,7 +176,8 @@ def test_swiglu_lowers_for_cuda():
 def test_expert_block_lowers_without_loops():
     """The whole expert block as the engine runs it on Hopper, lowered for CUDA: the router's pairs planned with no
     while loop (on the GPU each iteration syncs with the host, every MoE layer of every step) and two Mosaic GPU
-    launches (gate and up with the activation, then down)."""
+    launches (gate and up with the activation, then down); one pad, the sorted rows' margin (the padded hidden goes
+    to down as it is: a pad there copies every padded row)."""
     e, h, i, tokens, k = 128, 2048, 768, 16, 8
     spec = jax.ShapeDtypeStruct
     block = functools.partial(routed_experts, split=False, backend="mosaic")
@@ -186,6 +187,7 @@ def test_expert_block_lowers_without_loops():
         lowering_platforms=("cuda",)).as_text()
     assert "stablehlo.while" not in text
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"] * 2
+    assert text.count("stablehlo.pad") == 1
 
 
 def test_ring_fits_shared_memory():
