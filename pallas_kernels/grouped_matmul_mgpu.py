@@ -6,11 +6,12 @@ lhs [M, K] rows sorted by group (group g's rows are the next group_sizes[g]), rh
   tiles that hold rows first and counts them; the launch walks only those (tile, n-block) work units. Empty groups
   have no tile, so at decode sizes (8 pairs over 128 experts) only the routed experts' weights are read, where XLA's
   ragged dot (a dense GEMM over all groups) and a tile per group read them all.
-- A tile reads block_m rows from its group's next row on (TMA boxes start at any row), so the lhs is never copied
-  into a padded layout; rows past the group's end come along and their products are dropped. Each tile's output is
-  stored whole, by TMA, into its own block_m rows of a padded output (M_pad = M + min(M, G) * (block_m - 1) rounded
-  up to block_m: a static bound, so the graph keeps static shapes and needs no host trip) with no per-group masking
-  in the kernel; `unpad_rows` gathers the rows back.
+- A tile reads block_m of the sorted rows in place, from its group's next row rounded down to ROW_ALIGN (where a
+  TMA box into the tiled SMEM may start), so the lhs is never copied into a padded layout; other groups' rows come
+  along and their products are dropped. Each tile's output is stored whole, by TMA, into its own block_m rows of a
+  padded output (M_pad = M + min(M, G) * (block_m + ROW_ALIGN - 2) rounded up to block_m: a static bound, so the
+  graph keeps static shapes and needs no host trip) with no per-group masking in the kernel; `unpad_rows` gathers
+  the rows back.
 - A persistent grid (one CTA per SM) deals the work units round-robin, n-blocks of a tile on neighbouring CTAs (the
   tile's rows are read once into L2). Each unit pipelines K through a TMA ring `max_concurrent_steps` deep into
   wgmma (f32 accumulator) and stores its block_m x block_n tile through SMEM.
