@@ -32,8 +32,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-timeline  # a shared-prefix decode step: host vs device
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-decode   # Mosaic GPU decode: GPU tests, beside Triton
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe           # Qwen3-30B-A3B shapes: batch 1, 256 x 512/128, dense 8B beside
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-timeline  # batch-1 MoE steps: host vs GPU, kernels
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe           # Qwen3-30B-A3B shapes: 256 x 512/128, dense 8B beside
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-timeline  # MoE batch 1, its steps profiled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-gemm      # its grouped GEMM against a dense GEMM of the same FLOPs
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
@@ -57,21 +57,18 @@ case $1 in
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
     run 440 python benchmarks/attention.py --mosaic-decode --out "$OUT/attention_mosaic_decode_gpu.json" ;;
-  moe)   # the mixture of experts at batch 1 (roofline: the weights a token reads; one decode bucket, as the 48-layer
-         # graphs take ~40 s each to compile) and at 256 x 512/128 beside the dense 8B
+  moe)   # the mixture of experts at 256 x 512/128 beside the dense 8B, in one call (the MoE's eight 48-layer token
+         # buckets take most of its limit to compile on a fresh machine)
+    run 330 python benchmarks/offline.py --config configs/qwen3-30b-a3b-random.yaml --out "$OUT/offline_moe_gpu.json"
+    run 200 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_moe_gpu.json" ;;
+  moe-timeline)   # batch 1 on the mixture of experts (roofline: the weights a token reads; one decode bucket), then
+    # where its steps go: host phases, GPU busy against idle, the costliest kernels (executables from the first run)
     MOE=configs/qwen3-30b-a3b-random.yaml
-    run 150 python benchmarks/offline.py --config $MOE --num-prompts 1 --input-len 128 --output-len 256 \
-      --set "token_buckets=[16,144]" "seq_buckets=[16]" max_num_seqs=16 max_num_batched_tokens=144 \
-      min_prefill_chunk=128 --out "$OUT/offline_moe_gpu.json"
-    run 220 python benchmarks/offline.py --config $MOE --out "$OUT/offline_moe_gpu.json"
-    run 150 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_moe_gpu.json" ;;
-  moe-timeline)   # batch 1 on the mixture of experts: host phases, GPU busy against idle, the costliest kernels;
-    # then a second process, whose executables come from disk (a "did not load" line is a failure)
-    MOE=configs/qwen3-30b-a3b-random.yaml
-    B1="--num-prompts 1 --input-len 128 --steps 32 --set token_buckets=[16,144] seq_buckets=[16] max_num_seqs=16"
-    B1="$B1 max_num_batched_tokens=144 min_prefill_chunk=128"
-    run 240 python benchmarks/step_timeline.py --config $MOE $B1 --profile 25
-    run 150 python benchmarks/step_timeline.py --config $MOE $B1 ;;
+    B1="token_buckets=[16,144] seq_buckets=[16] max_num_seqs=16 max_num_batched_tokens=144 min_prefill_chunk=128"
+    run 200 python benchmarks/offline.py --config $MOE --num-prompts 1 --input-len 128 --output-len 256 --set $B1 \
+      --out "$OUT/offline_moe_gpu.json"
+    run 150 python benchmarks/step_timeline.py --config $MOE --num-prompts 1 --input-len 128 --steps 32 --set $B1 \
+      --profile 30 ;;
   moe-gemm)   # the grouped GEMM's tests compiled, then XLA's ragged dot beside a dense GEMM of the same FLOPs, the
     # Mosaic kernels and the whole block, then the Mosaic kernel's tuning variants
     run 60 python -m pytest -q -p no:cacheprovider tests/test_grouped_matmul_mgpu.py
