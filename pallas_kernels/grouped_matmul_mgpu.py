@@ -123,9 +123,6 @@ def unpad_rows(y, plan: RowPlan):
 def grouped_matmul(lhs, rhs, group_sizes, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
     """lhs [M, K] sorted by group, rhs [G, N, K], group_sizes [G] -> [M, N] in lhs's dtype (f32 accumulation);
     rows past sum(group_sizes) are zeros."""
-    why_not = supported(lhs, rhs, tuning)
-    if why_not:
-        raise ValueError(f"grouped_matmul cannot serve this call: {why_not}")
     plan = plan_rows(group_sizes, lhs.shape[0], tuning.block_m)
     return unpad_rows(launch(with_margin(lhs, tuning), (rhs,), plan, plan.tile_rows, tuning, interpret), plan)
 
@@ -133,18 +130,12 @@ def grouped_matmul(lhs, rhs, group_sizes, *, tuning: GroupedTuning = GroupedTuni
 def grouped_swiglu(lhs, gate, up, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
     """silu(lhs . gate_g) * (lhs . up_g) in one launch: lhs [M, K] sorted by group, gate and up [G, N, K] ->
     [M_pad, N] in `plan`'s padded layout, in lhs's dtype (f32 products and activation), the planned tiles written."""
-    why_not = supported(lhs, gate, tuning) or supported(lhs, up, tuning)
-    if why_not:
-        raise ValueError(f"grouped_swiglu cannot serve this call: {why_not}")
     return launch(with_margin(lhs, tuning), (gate, up), plan, plan.tile_rows, tuning, interpret)
 
 
 def grouped_matmul_padded(lhs, rhs, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
     """lhs [M_pad, K] in `plan`'s padded layout -> [M_pad, N], the planned tiles written, the rest left as they
     were allocated."""
-    why_not = supported(lhs, rhs, tuning)
-    if why_not:
-        raise ValueError(f"grouped_matmul cannot serve this call: {why_not}")
     starts = jnp.arange(plan.tile_rows.shape[0], dtype=jnp.int32) * tuning.block_m
     return launch(lhs, (rhs,), plan, starts, tuning, interpret)
 
@@ -159,6 +150,9 @@ def with_margin(lhs, tuning: GroupedTuning):
 def launch(lhs, weights, plan: RowPlan, tile_rows, tuning: GroupedTuning, interpret):
     """One grouped launch over `weights` (one: its product; gate and up: silu(gate) * up), tile t reading lhs rows
     from tile_rows[t] on, into the padded layout."""
+    why_not = next(filter(None, (supported(lhs, w, tuning) for w in weights)), None)
+    if why_not:
+        raise ValueError(f"the grouped GEMM cannot serve this call: {why_not}")
     kernel = functools.partial(grouped_kernel, tuning=tuning)
     padded_rows = plan.tile_groups.shape[0] * tuning.block_m
     return plgpu.kernel(
