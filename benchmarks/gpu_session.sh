@@ -35,6 +35,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe           # Qwen3-30B-A3B shapes: 256 x 512/128, dense 8B beside
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-timeline  # MoE batch 1, its steps profiled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-gemm      # its grouped GEMM against a dense GEMM of the same FLOPs
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-route     # the routing call's tests, expert blocks, batch 1
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-profile   # MoE batch 1 profiled, then 256 x 512/128
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
@@ -52,6 +54,12 @@ run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped)
     echo "rc=${PIPESTATUS[0]}" | tee -a "$LOG"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
+MOE=configs/qwen3-30b-a3b-random.yaml
+B1="token_buckets=[16,144] seq_buckets=[16] max_num_seqs=16 max_num_batched_tokens=144 min_prefill_chunk=128"
+MOE_BATCH1="python benchmarks/offline.py --config $MOE --num-prompts 1 --input-len 128 --output-len 256 --set $B1
+  --out $OUT/offline_moe_gpu.json"
+MOE_PROFILE="python benchmarks/step_timeline.py --config $MOE --num-prompts 1 --input-len 128 --steps 32 --set $B1
+  --profile 30"
 case $1 in
   mosaic-decode)   # the Mosaic GPU decode kernel compiled against the reference, then beside Triton and cuDNN
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
@@ -63,12 +71,17 @@ case $1 in
     run 200 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_moe_gpu.json" ;;
   moe-timeline)   # batch 1 on the mixture of experts (roofline: the weights a token reads; one decode bucket), then
     # where its steps go: host phases, GPU busy against idle, the costliest kernels (executables from the first run)
-    MOE=configs/qwen3-30b-a3b-random.yaml
-    B1="token_buckets=[16,144] seq_buckets=[16] max_num_seqs=16 max_num_batched_tokens=144 min_prefill_chunk=128"
-    run 200 python benchmarks/offline.py --config $MOE --num-prompts 1 --input-len 128 --output-len 256 --set $B1 \
-      --out "$OUT/offline_moe_gpu.json"
-    run 150 python benchmarks/step_timeline.py --config $MOE --num-prompts 1 --input-len 128 --steps 32 --set $B1 \
-      --profile 30 ;;
+    run 200 $MOE_BATCH1
+    run 150 $MOE_PROFILE ;;
+  moe-route)   # the routing call's and the grouped GEMM's tests compiled, the expert block by XLA and on Mosaic, batch 1
+    run 120 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py -k moe_route
+    run 100 python -m pytest -q -p no:cacheprovider tests/test_grouped_matmul_mgpu.py
+    run 110 python benchmarks/moe_gemm.py --tokens 1 16 256 --impls expert_block expert_block_mosaic \
+      --out "$OUT/moe_gemm_gpu.json"
+    run 200 $MOE_BATCH1 ;;
+  moe-profile)   # batch 1's steps profiled (compiled cold), then 256 x 512/128
+    run 230 $MOE_PROFILE
+    run 330 python benchmarks/offline.py --config configs/qwen3-30b-a3b-random.yaml --out "$OUT/offline_moe_gpu.json" ;;
   moe-gemm)   # the grouped GEMM's tests compiled, then XLA's ragged dot beside a dense GEMM of the same FLOPs, the
     # Mosaic kernels and the whole block, then the Mosaic kernel's tuning variants
     run 60 python -m pytest -q -p no:cacheprovider tests/test_grouped_matmul_mgpu.py

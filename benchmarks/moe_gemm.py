@@ -1,6 +1,7 @@
 """The mixture of experts' grouped GEMM (`jax.lax.ragged_dot_general` over [E, out, in] weights, rows sorted by
 expert, as `jaxserve.models.llama.routed_experts` runs it) against a dense GEMM of the same FLOPs, and the whole
-expert block (sort, three grouped GEMMs, scatter-add), on Qwen3-30B-A3B's expert shapes.
+expert block (routing from the router's logits, three grouped GEMMs, the weighed sum), on Qwen3-30B-A3B's expert
+shapes.
 
   python benchmarks/moe_gemm.py                      # GPU; Qwen3-30B-A3B: 128 experts of 768, top 8, hidden 2048
   python benchmarks/moe_gemm.py --tokens 1 256       # fewer points
@@ -11,7 +12,7 @@ params {tokens, experts, top_k, hidden, intermediate, layers}, ms per layer (GPU
 has it, else wall), tflops, and gbps of the weights the routed experts hold (all but dense_same_flops).
 On Hopper also impl mosaic_grouped (pallas_kernels/grouped_matmul_mgpu.py, gate -> down as grouped),
 jax_ragged_dot_mgpu (JAX's Pallas library kernel, the same chain) and expert_block_mosaic (the block on
-mosaic_grouped, as the engine runs it there; expert_block is XLA's); a Mosaic impl that fails to build or run
+mosaic_grouped with the CUDA routing call, as the engine runs it there; expert_block is XLA's); a Mosaic impl that fails to build or run
 records a row with its error. Elsewhere they are skipped, with the reason printed.
 Results: benchmarks/results/moe_gemm_<backend>.json.
 """
@@ -68,9 +69,10 @@ def dense_chain(rows, gates, downs):
     return rows
 
 
-def block_chain(x, weights, experts, gates, ups, downs, *, backend):
+def block_chain(x, logits, num_live, gates, ups, downs, *, top_k, backend):
     for gate, up, down in zip(gates, ups, downs):
-        x = routed_experts(x, weights, experts, gate, up, down, split=False, backend=backend)
+        x = routed_experts(x, logits, num_live, gate, up, down, top_k=top_k, renormalize=True, split=False,
+                           backend=backend)
     return x
 
 
@@ -94,9 +96,8 @@ def point(tokens: int, e: int, k: int, h: int, i: int, key, impls, variants) -> 
     w = lambda key, shape: jax.random.normal(key, (LAYERS, *shape), jnp.bfloat16) * 0.02   # noqa: E731
     gates, ups, downs = w(keys[0], (e, i, h)), w(keys[1], (e, i, h)), w(keys[2], (e, h, i))
     x = jax.random.normal(keys[3], (tokens, h), jnp.bfloat16)
-    experts = jax.vmap(lambda kk: jax.random.choice(kk, e, (k,), replace=False))(jax.random.split(keys[4], tokens))
-    weights = jax.nn.softmax(jax.random.normal(keys[5], (tokens, k)), axis=-1)
-    flat = experts.reshape(-1)
+    logits, num_live = jax.random.normal(keys[4], (tokens, e), jnp.bfloat16), jnp.asarray([tokens], jnp.int32)
+    flat = jax.lax.top_k(logits, k)[1].reshape(-1)
     order = jnp.argsort(flat, stable=True)
     rows = x[order // k]
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
@@ -106,14 +107,15 @@ def point(tokens: int, e: int, k: int, h: int, i: int, key, impls, variants) -> 
     flops = 2 * pairs * h * i
     expert_bytes = active * h * i * 2   # one projection of the routed experts, bf16
     grouped_args = (rows, list(gates), list(downs), group_sizes)
-    block_args = (x, weights, experts, list(gates), list(ups), list(downs))
+    block_args = (x, logits, num_live, list(gates), list(ups), list(downs))
     cases = (("grouped", jax.jit(grouped_chain), grouped_args, 2, 2),
              ("dense_same_flops", jax.jit(dense_chain), (rows, list(gates[:, 0]), list(downs[:, 0])), 2, 0),
-             ("expert_block", jax.jit(functools.partial(block_chain, backend="xla")), block_args, 3, 3),
+             ("expert_block", jax.jit(functools.partial(block_chain, top_k=k, backend="xla")), block_args, 3, 3),
              *(("mosaic_grouped", jax.jit(functools.partial(mosaic_chain, variant=v)), grouped_args, 2, 2, v)
                for v in ({}, *variants)),
              ("jax_ragged_dot_mgpu", jax.jit(jax_library_chain), grouped_args, 2, 2),
-             ("expert_block_mosaic", jax.jit(functools.partial(block_chain, backend="mosaic")), block_args, 3, 3))
+             ("expert_block_mosaic", jax.jit(functools.partial(block_chain, top_k=k, backend="mosaic")), block_args, 3,
+              3))
     out = []
     for impl, fn, args, projections, read, *variant in cases:
         if impls and impl not in impls:

@@ -1,5 +1,5 @@
-"""CUDA custom calls through the XLA FFI: paged decode attention, in-place KV-cache updates and the W8A16 linear
-layer of decode-sized steps.
+"""CUDA custom calls through the XLA FFI: paged decode attention, in-place KV-cache updates, the W8A16 linear
+layer of decode-sized steps and MoE routing.
 
 Cache layout (shared with the Pallas kernels and the engine): per layer K and V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; block 0 is a null block for padding
@@ -15,6 +15,7 @@ import ctypes
 import functools
 import logging
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ TARGETS = {
     "jaxserve_reshape_and_cache": "JaxserveReshapeAndCache",
     "jaxserve_copy_blocks": "JaxserveCopyBlocks",
     "jaxserve_fp8_linear": "JaxserveFp8Linear",
+    "jaxserve_moe_route": "JaxserveMoeRoute",
 }
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)   # q's, and a cache's in q's dtype
 CACHE_DTYPES = (*DTYPES, jnp.float8_e4m3fn)
@@ -335,3 +337,98 @@ def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int]) -> list
         x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))), splits=np.int32(splits),
         warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles))
     return ys
+
+
+# moe_route: picks a lane of a warp holds; local experts the plan's shared memory holds
+MOE_ROUTE_MAX_TOP_K, MOE_ROUTE_MAX_LOCAL_EXPERTS = 32, 2048
+
+
+class MoeRouting(NamedTuple):
+    """A step's token-expert pairs (pair (t, j): token t's j-th pick) planned for the grouped GEMM
+    (pallas_kernels.grouped_matmul_mgpu): weights [T, k] f32; sorted_tokens [margin_rows(T * k)]: the token of each
+    sorted row (pairs sorted by local expert; rows past the routed pairs: token 0); the plan's tile_groups,
+    tile_rows and num_tiles; pair_rows [T, k]: each pair's row in the padded output, past it for pairs routed to
+    no local expert (padding tokens', another device's)."""
+    weights: jax.Array
+    sorted_tokens: jax.Array
+    tile_groups: jax.Array
+    tile_rows: jax.Array
+    num_tiles: jax.Array
+    pair_rows: jax.Array
+
+
+def select_experts(logits, num_live, top_k: int, renormalize: bool):
+    """Each token's top_k experts by its router logits [T, E]: (weights [T, k] f32, the softmax over all experts or
+    with `renormalize` over the picks; experts [T, k] int32, E for tokens from num_live [1] on: padding, routed
+    nowhere). Equal logits: the lower expert first."""
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k)
+    experts = jnp.where(jnp.arange(logits.shape[0])[:, None] < num_live[0], experts, logits.shape[1])
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, experts
+
+
+def sort_pairs(experts, expert_base, local_experts: int):
+    """The pairs of experts [T, k] sorted by local expert (experts expert_base[0] on; pairs routed elsewhere last):
+    (order [T * k] of flat pair indices, group_sizes [local_experts] int32)."""
+    slot = experts.reshape(-1) - expert_base[0]
+    slot = jnp.where((slot >= 0) & (slot < local_experts), slot, local_experts)
+    order = jnp.argsort(slot, stable=True)
+    return order, jnp.bincount(slot, length=local_experts + 1)[:local_experts].astype(jnp.int32)
+
+
+def inverse_permutation(order):
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def moe_route_reference(logits, num_live, expert_base, *, top_k: int, renormalize: bool, local_experts: int,
+                        block_m: int) -> MoeRouting:
+    """moe_route by XLA: select_experts, a stable sort by expert and the grouped GEMM's plan_rows (rows within a
+    group in pair order)."""
+    from pallas_kernels import grouped_matmul_mgpu as gmm   # Mosaic GPU's import: only where the plan is wanted
+    weights, experts = select_experts(logits, num_live, top_k, renormalize)
+    order, group_sizes = sort_pairs(experts, expert_base, local_experts)
+    plan, slots = gmm.plan_rows(group_sizes, order.shape[0], block_m)
+    routed = jnp.arange(order.shape[0]) < group_sizes.sum()
+    sorted_tokens = jnp.where(routed, order // top_k, 0).astype(jnp.int32)
+    sorted_tokens = jnp.pad(sorted_tokens, (0, gmm.margin_rows(order.shape[0], block_m) - order.shape[0]))
+    pair_rows = slots[inverse_permutation(order)].reshape(experts.shape)
+    return MoeRouting(weights, sorted_tokens, plan.tile_groups, plan.tile_rows, plan.num_tiles, pair_rows)
+
+
+def moe_route_unsupported(logits, top_k: int, local_experts: int) -> str | None:
+    if logits.ndim != 2 or logits.dtype not in (jnp.float32, jnp.bfloat16):
+        return f"logits must be float32 or bfloat16 [tokens, experts], got {logits.dtype} {logits.shape}"
+    if not 1 <= top_k <= min(MOE_ROUTE_MAX_TOP_K, logits.shape[1]):
+        return f"top_k must be in [1, min({MOE_ROUTE_MAX_TOP_K}, experts {logits.shape[1]})], got {top_k}"
+    if not 1 <= local_experts <= min(MOE_ROUTE_MAX_LOCAL_EXPERTS, logits.shape[1]):
+        return f"local_experts must be in [1, min({MOE_ROUTE_MAX_LOCAL_EXPERTS}, experts)], got {local_experts}"
+    return None
+
+
+def moe_route(logits, num_live, expert_base, *, top_k: int, renormalize: bool, local_experts: int,
+              block_m: int) -> MoeRouting:
+    """A MoE layer's routing in one launch (two past 128 tokens): the router logits [T, E] (f32 or bf16) to each
+    token's top_k experts, their weights and the grouped GEMM's plan of the pairs routed to the local experts
+    expert_base[0] ... + local_experts - 1 (tokens from num_live[0] on route nowhere). Rows within a group come in
+    no fixed order. Without the library it runs moe_route_reference."""
+    if why := moe_route_unsupported(logits, top_k, local_experts):
+        raise ValueError(f"moe_route: {why}")
+    options = {"top_k": top_k, "renormalize": renormalize, "local_experts": local_experts, "block_m": block_m}
+    if not available():
+        return moe_route_reference(logits, num_live, expert_base, **options)
+    return call_moe_route(logits, num_live, expert_base, **options)
+
+
+def call_moe_route(logits, num_live, expert_base, *, top_k: int, renormalize: bool, local_experts: int,
+                   block_m: int) -> MoeRouting:
+    """The FFI call itself (the library must be registered)."""
+    from pallas_kernels import grouped_matmul_mgpu as gmm
+    pairs, tiles = logits.shape[0] * top_k, gmm.num_tiles_max(logits.shape[0] * top_k, local_experts, block_m)
+    index = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    outs = (jax.ShapeDtypeStruct((logits.shape[0], top_k), jnp.float32), index((gmm.margin_rows(pairs, block_m),)),
+            index((tiles,)), index((tiles,)), index((1,)), index((logits.shape[0], top_k)))
+    return MoeRouting(*jax.ffi.ffi_call("jaxserve_moe_route", outs)(
+        logits, num_live.astype(jnp.int32), expert_base.astype(jnp.int32), top_k=np.int32(top_k),
+        renormalize=np.int32(renormalize), local_experts=np.int32(local_experts), block_m=np.int32(block_m),
+        row_align=np.int32(gmm.ROW_ALIGN)))

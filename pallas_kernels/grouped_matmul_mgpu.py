@@ -11,7 +11,8 @@ lhs [M, K] rows sorted by group (group g's rows are the next group_sizes[g]), rh
   along and their products are dropped. Each tile's output is stored whole, by TMA, into its own block_m rows of a
   padded output (M_pad = M + min(M, G) * (block_m + ROW_ALIGN - 2) rounded up to block_m: a static bound, so the
   graph keeps static shapes and needs no host trip) with no per-group masking in the kernel; `unpad_rows` gathers
-  the rows back.
+  the rows back. A MoE layer gets its plan from `custom_calls.moe_route` (the router's logits to the plan in one
+  CUDA launch) and gathers its tokens straight into the sorted rows with their margin.
 - A persistent grid (one CTA per SM) deals the work units round-robin, n-blocks of a tile on neighbouring CTAs (the
   tile's rows are read once into L2). Each unit pipelines K through a TMA ring `max_concurrent_steps` deep into
   wgmma (f32 accumulator) and stores its block_m x block_n tile through SMEM.
@@ -51,11 +52,10 @@ class GroupedTuning:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class RowPlan:
-    """Where each row goes in the padded layout, and the tiles the launch walks."""
+    """The tiles the launch walks (plan_rows, or custom_calls.moe_route straight from a MoE router's logits)."""
     tile_groups: jax.Array  # [num_tiles_max] the group of each tile; past num_tiles: 0, never run
     tile_rows: jax.Array  # [num_tiles_max] the first sorted row each tile reads (a multiple of ROW_ALIGN)
     num_tiles: jax.Array  # [1] tiles that hold rows, listed first
-    slots: jax.Array  # [M] each row's padded position; M_pad for rows in no group
 
 
 # shared memory the TMA ring may take (H100/H200: 227 KiB a block, the output's staging tile and barriers beside)
@@ -88,10 +88,18 @@ def num_tiles_max(num_rows: int, num_groups: int, block_m: int) -> int:
     return pl.cdiv(num_rows + min(num_rows, num_groups) * (block_m - 1 + ROW_ALIGN - 1), block_m)
 
 
-def plan_rows(group_sizes, num_rows: int, block_m: int) -> RowPlan:
-    """The tiles of `num_rows` rows sorted into groups of `group_sizes`: group g's tiles (from tile_start[g] on;
-    empty groups take none) read block_m rows each from its first row rounded down to ROW_ALIGN, and its row r
-    lands at padded position tile_start[g] * block_m + r - that rounded row."""
+def margin_rows(num_rows: int, block_m: int) -> int:
+    """Rows the sorted rows take with their margin: a group's last tile reads up to block_m - 1 rows past the group,
+    which must exist (on the GPU a TMA box past the array reads zeros, the interpreter would shift the slice back);
+    TMA into the tiled SMEM also wants whole ROW_ALIGN tiles of rows."""
+    return num_rows + block_m + -num_rows % ROW_ALIGN
+
+
+def plan_rows(group_sizes, num_rows: int, block_m: int) -> tuple[RowPlan, jax.Array]:
+    """The tiles of `num_rows` rows sorted into groups of `group_sizes`, and each row's padded position (slots [M];
+    M_pad for rows in no group): group g's tiles (from tile_start[g] on; empty groups take none) read block_m rows
+    each from its first row rounded down to ROW_ALIGN, and its row r lands at padded position
+    tile_start[g] * block_m + r - that rounded row."""
     sizes = group_sizes.astype(jnp.int32)
     row_end = jnp.cumsum(sizes)
     row_start = row_end - sizes
@@ -112,25 +120,26 @@ def plan_rows(group_sizes, num_rows: int, block_m: int) -> RowPlan:
     in_group = group < sizes.shape[0]
     group = jnp.minimum(group, sizes.shape[0] - 1)
     slots = jnp.where(in_group, tile_start[group] * block_m + row - base[group], tiles * block_m)
-    return RowPlan(tile_groups, tile_rows.astype(jnp.int32), tile_end[-1:], slots.astype(jnp.int32))
+    return RowPlan(tile_groups, tile_rows.astype(jnp.int32), tile_end[-1:]), slots.astype(jnp.int32)
 
 
-def unpad_rows(y, plan: RowPlan):
-    """[M_pad, ...] padded rows back to [M, ...]; rows in no group zeros."""
-    return jnp.take(y, plan.slots, axis=0, mode="fill", fill_value=0)
+def unpad_rows(y, slots):
+    """[M_pad, ...] padded rows back to [M, ...] by plan_rows' slots; rows in no group zeros."""
+    return jnp.take(y, slots, axis=0, mode="fill", fill_value=0)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
     """lhs [M, K] sorted by group, rhs [G, N, K], group_sizes [G] -> [M, N] in lhs's dtype (f32 accumulation);
     rows past sum(group_sizes) are zeros."""
-    plan = plan_rows(group_sizes, lhs.shape[0], tuning.block_m)
-    return unpad_rows(launch(with_margin(lhs, tuning), (rhs,), plan, plan.tile_rows, tuning, interpret), plan)
+    plan, slots = plan_rows(group_sizes, lhs.shape[0], tuning.block_m)
+    return unpad_rows(launch(with_margin(lhs, tuning), (rhs,), plan, plan.tile_rows, tuning, interpret), slots)
 
 
 def grouped_swiglu(lhs, gate, up, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
-    """silu(lhs . gate_g) * (lhs . up_g) in one launch: lhs [M, K] sorted by group, gate and up [G, N, K] ->
-    [M_pad, N] in `plan`'s padded layout, in lhs's dtype (f32 products and activation), the planned tiles written."""
-    return launch(with_margin(lhs, tuning), (gate, up), plan, plan.tile_rows, tuning, interpret)
+    """silu(lhs . gate_g) * (lhs . up_g) in one launch: lhs [margin_rows(M), K] the rows sorted by group, then their
+    margin (any values), gate and up [G, N, K] -> [M_pad, N] in `plan`'s padded layout, in lhs's dtype (f32 products
+    and activation), the planned tiles written."""
+    return launch(lhs, (gate, up), plan, plan.tile_rows, tuning, interpret)
 
 
 def grouped_matmul_padded(lhs, rhs, plan: RowPlan, *, tuning: GroupedTuning = GroupedTuning(), interpret=False):
@@ -141,10 +150,8 @@ def grouped_matmul_padded(lhs, rhs, plan: RowPlan, *, tuning: GroupedTuning = Gr
 
 
 def with_margin(lhs, tuning: GroupedTuning):
-    """Sorted rows with the margin their tiles read past: a group's last tile reads up to block_m - 1 rows past the
-    group, which must exist (on the GPU a TMA box past the array reads zeros, the interpreter would shift the slice
-    back); TMA into the tiled SMEM also wants whole ROW_ALIGN tiles of rows."""
-    return jnp.pad(lhs, ((0, tuning.block_m + -lhs.shape[0] % ROW_ALIGN), (0, 0)))
+    """Sorted rows [M, K] with their margin of zeros: [margin_rows(M), K]."""
+    return jnp.pad(lhs, ((0, margin_rows(lhs.shape[0], tuning.block_m) - lhs.shape[0]), (0, 0)))
 
 
 def launch(lhs, weights, plan: RowPlan, tile_rows, tuning: GroupedTuning, interpret):

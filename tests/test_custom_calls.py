@@ -5,6 +5,7 @@ naive loops, argument checks and the fallback with its notice; caches in q's dty
 GPU tests skip on CPU; on a GPU run `JAX_PLATFORMS=cuda pytest tests/test_custom_calls.py` (conftest
 defaults JAX_PLATFORMS to cpu)."""
 import ctypes
+import functools
 import logging
 import math
 import struct
@@ -23,7 +24,8 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU; CPU CI c
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 FP8 = jnp.float8_e4m3fn
 CACHE_DTYPES = [pytest.param(None, id="cache=q"), pytest.param(FP8, id="cache=fp8")]   # None: q's dtype
-SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks", "JaxserveFp8Linear")
+SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks", "JaxserveFp8Linear",
+           "JaxserveMoeRoute")
 
 
 def fresh_rng():
@@ -174,6 +176,80 @@ def test_vmm_dlpack_codes_match_jax_export(dtype):
     assert (code, bits, lanes) == (*vmm.DLPACK_DTYPES[dtype], 1)
 
 
+# (tokens, experts, top_k, local experts, first local expert, live tokens, renormalize, logits dtype)
+MOE_ROUTE_CASES = [
+    pytest.param(16, 128, 8, 128, 0, 1, True, jnp.float32, id="decode_batch1_bucket16"),
+    pytest.param(5, 8, 2, 4, 4, 5, False, jnp.float32, id="second_device_of_two"),
+    pytest.param(130, 64, 4, 32, 0, 130, True, jnp.bfloat16, id="past_one_launch"),
+    pytest.param(600, 128, 8, 64, 64, 577, True, jnp.bfloat16, id="prefill_padded"),
+    pytest.param(40, 16, 3, 16, 0, 40, True, "ties", id="equal_logits"),
+]
+MOE_BLOCK_M = 64
+
+
+def moe_logits(rng, tokens, experts, dtype):
+    """Random logits; "ties": small integers in bf16, so many logits are equal (the lower expert wins)."""
+    if dtype == "ties":
+        return jnp.asarray(rng.integers(-3, 3, (tokens, experts)), jnp.bfloat16)
+    return jnp.asarray(rng.standard_normal((tokens, experts)), dtype)
+
+
+def check_routing(route, logits, num_live, base, top_k, renormalize, local, label):
+    """route against a float64 numpy routing: the top_k (equal logits: the lower expert first) and their weights;
+    each routed pair's padded row in a tile of its expert whose sorted row holds its token; every group's rows
+    contiguous, in group order; the tiles each group's rows span from its first row rounded down to 8; the rest
+    nowhere (pair rows past the padded output, tiles and sorted rows past the plan zeros)."""
+    values = np.asarray(logits, np.float64)
+    tokens, experts = values.shape
+    picks = np.argsort(-values, axis=1, kind="stable")[:, :top_k]
+    probs = np.exp(values - values.max(axis=1, keepdims=True))
+    weights = np.take_along_axis(probs / probs.sum(axis=1, keepdims=True), picks, axis=1)
+    if renormalize:
+        weights /= weights.sum(axis=1, keepdims=True)
+    # f32 softmax against f64: a few f32 ulps
+    np.testing.assert_allclose(np.asarray(route.weights), weights, rtol=1e-5, atol=1e-7, err_msg=label)
+    groups = np.where((np.arange(tokens)[:, None] < num_live) & (picks >= base) & (picks < base + local),
+                      picks - base, -1)
+    sizes = np.bincount(groups[groups >= 0], minlength=local)
+    starts = np.cumsum(sizes) - sizes
+    tile_groups, tile_rows = [], []
+    for g in np.nonzero(sizes)[0]:
+        first = starts[g] - starts[g] % 8
+        n = -(-(starts[g] + sizes[g] - first) // MOE_BLOCK_M)
+        tile_groups += [g] * n
+        tile_rows += [first + i * MOE_BLOCK_M for i in range(n)]
+    num_tiles, max_tiles = len(tile_groups), route.tile_groups.shape[0]
+    assert int(route.num_tiles[0]) == num_tiles, label
+    np.testing.assert_array_equal(np.asarray(route.tile_groups), tile_groups + [0] * (max_tiles - num_tiles), label)
+    np.testing.assert_array_equal(np.asarray(route.tile_rows), tile_rows + [0] * (max_tiles - num_tiles), label)
+    pair_rows, sorted_tokens = np.asarray(route.pair_rows), np.asarray(route.sorted_tokens)
+    assert (pair_rows[groups < 0] == max_tiles * MOE_BLOCK_M).all(), label
+    tile, place = pair_rows[groups >= 0] // MOE_BLOCK_M, pair_rows[groups >= 0] % MOE_BLOCK_M
+    assert (tile < num_tiles).all() and (route.tile_groups[tile] == groups[groups >= 0]).all(), label
+    rows = np.asarray(route.tile_rows)[tile] + place
+    assert (sorted_tokens[rows] == np.nonzero(groups >= 0)[0]).all(), label
+    assert sorted(rows.tolist()) == list(range(int(sizes.sum()))), label   # each sorted row holds one pair
+    for g in np.nonzero(sizes)[0]:
+        assert (rows[groups[groups >= 0] == g] >= starts[g]).all(), label   # with the above: contiguous, in order
+        assert (rows[groups[groups >= 0] == g] < starts[g] + sizes[g]).all(), label
+    assert not sorted_tokens[int(sizes.sum()):].any(), label
+
+
+def run_moe_route(route, tokens, experts, top_k, local, base, live, renormalize, dtype, rng):
+    logits = moe_logits(rng, tokens, experts, dtype)
+    call = jax.jit(functools.partial(route, top_k=top_k, renormalize=renormalize, local_experts=local,
+                                     block_m=MOE_BLOCK_M))
+    return logits, call(logits, jnp.asarray([live], jnp.int32), jnp.asarray([base], jnp.int32))
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, local, base, live, renormalize, dtype", MOE_ROUTE_CASES)
+def test_moe_route_reference_plans_every_pair(tokens, experts, top_k, local, base, live, renormalize, dtype):
+    seed, rng = fresh_rng()
+    logits, route = run_moe_route(cc.moe_route_reference, tokens, experts, top_k, local, base, live, renormalize,
+                                  dtype, rng)
+    check_routing(route, logits, live, base, top_k, renormalize, local, f"seed {seed}")
+
+
 # ---------------------------------------------------------------- CPU: argument checks and fallback
 
 @pytest.mark.parametrize("change,field", [
@@ -280,6 +356,18 @@ def test_fallback_logs_once_and_returns_reference_results(caplog, cache_dtype):
     np.testing.assert_array_equal(out, ref, err_msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"top_k": 0}, "top_k must be in"), ({"top_k": 33}, "top_k must be in"), ({"top_k": 9, "experts": 8}, "top_k"),
+    ({"local_experts": 0}, "local_experts must be in"), ({"local_experts": 129}, "local_experts must be in"),
+    ({"dtype": jnp.int32}, "logits must be float32 or bfloat16")])
+def test_moe_route_rejects_what_the_kernel_cannot_take(change, message):
+    case = {"experts": 128, "dtype": jnp.float32, "top_k": 8, "local_experts": 128, **change}
+    logits = jnp.zeros((4, case["experts"]), case["dtype"])
+    with pytest.raises(ValueError, match=message):
+        cc.moe_route(logits, jnp.asarray([4]), jnp.asarray([0]), top_k=case["top_k"], renormalize=True,
+                     local_experts=case["local_experts"], block_m=MOE_BLOCK_M)
+
+
 # ---------------------------------------------------------------- CPU: nvcc build, symbols, registration
 
 @pytest.fixture(scope="session")
@@ -330,8 +418,9 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         k_cache, v_cache = cc.call_in_place("jaxserve_copy_blocks", k_cache, v_cache, slots[:1], slots[1:])
         out = cc.call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=0.5,
                                              sliding_window=64, soft_cap=30.0, num_splits=3)
-        return k_cache, v_cache, out, cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]],
-                                                                  launch=(2, 1, 2))
+        route = cc.call_moe_route(x[:, :16], kv_lens[:1], kv_lens[1:], top_k=3, renormalize=True, local_experts=8,
+                                  block_m=64)
+        return k_cache, v_cache, out, cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2)), route
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
     args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32)]
@@ -347,6 +436,11 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
     assert "tensor<3x64xbf16>, tensor<3x32xbf16>, tensor<576xf32>" in text  # the ys + workspace S*M*sum(N)
     for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32"):
         assert attr in text, attr
+    for attr in ("top_k = 3 : i32", "renormalize = 1 : i32", "local_experts = 8 : i32", "block_m = 64 : i32",
+                 "row_align = 8 : i32"):
+        assert attr in text, attr
+    # weights, sorted tokens (9 pairs, a 64-row margin, 8-row tiles), the plan's tiles ((9 + 8 * 70) / 64 at most)
+    assert "tensor<3x3xf32>, tensor<80xi32>, tensor<9xi32>, tensor<9xi32>, tensor<1xi32>, tensor<3x3xi32>" in text
 
 
 # ---------------------------------------------------------------- GPU: CUDA ops vs references
@@ -451,3 +545,15 @@ def test_fp8_linear_matches_f64(rows, k, ns, launch):
         ref, bound = fp8_linear_bound(x, w, scale)
         out = np.asarray(out, np.float64)
         assert np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())
+
+
+@needs_gpu
+@pytest.mark.parametrize("tokens, experts, top_k, local, base, live, renormalize, dtype", MOE_ROUTE_CASES)
+def test_moe_route_plans_every_pair(tokens, experts, top_k, local, base, live, renormalize, dtype):
+    """The CUDA routing call (one CTA up to 128 tokens, a picking grid then the plan's CTA past them), its outputs'
+    memory NaN-poisoned first, against the float64 routing."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    poison_device_memory((tokens, top_k), jnp.float32)
+    logits, route = run_moe_route(cc.moe_route, tokens, experts, top_k, local, base, live, renormalize, dtype, rng)
+    check_routing(route, logits, live, base, top_k, renormalize, local, f"seed {seed}")

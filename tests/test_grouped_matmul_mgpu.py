@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import grouped_matmul_mgpu as gmm
-from jaxserve.models.llama import EXPERT_DOT, mosaic_mlp, ragged_dot_mlp, routed_experts
+import custom_calls
+from jaxserve.models.llama import EXPERT_DOT, mosaic_experts, ragged_experts, routed_experts
 
 from helpers import on_gpu, on_hopper
 
@@ -103,34 +104,34 @@ def test_empty_groups_get_no_tile():
     on 8 rows), in group order."""
     rng = np.random.default_rng(3)
     sizes = decode_sizes(rng)
-    plan = gmm.plan_rows(jnp.asarray(sizes), 8, 64)
+    plan, slots = gmm.plan_rows(jnp.asarray(sizes), 8, 64)
     num_tiles = int(plan.num_tiles[0])
     assert num_tiles == 8 and plan.tile_groups.shape[0] >= 8
     assert plan.tile_groups[:num_tiles].tolist() == np.nonzero(sizes)[0].tolist()
     assert plan.tile_rows[:num_tiles].tolist() == [0] * 8   # each reads rows 0-63, its own row at its place
-    assert plan.slots.tolist() == [t * 64 + t for t in range(8)]
+    assert slots.tolist() == [t * 64 + t for t in range(8)]
     sizes = np.zeros(128, np.int32)
     sizes[[5, 70]] = [3, 130]
-    plan = gmm.plan_rows(jnp.asarray(sizes), 140, 64)
+    plan, slots = gmm.plan_rows(jnp.asarray(sizes), 140, 64)
     num_tiles = int(plan.num_tiles[0])
     assert plan.tile_groups[:num_tiles].tolist() == [5, 70, 70, 70]   # rows 3-132 from row 0 span 3 tiles
     assert plan.tile_rows[:num_tiles].tolist() == [0, 0, 64, 128]
-    assert int(plan.slots[2]) == 2 and int(plan.slots[3]) == 67  # group 70's tiles start at padded row 64
-    assert (np.asarray(plan.slots[133:]) == plan.tile_rows.shape[0] * 64).all()  # rows in no group: nowhere
+    assert int(slots[2]) == 2 and int(slots[3]) == 67  # group 70's tiles start at padded row 64
+    assert (np.asarray(slots[133:]) == plan.tile_rows.shape[0] * 64).all()  # rows in no group: nowhere
 
 
 def test_unpad_gathers_each_planned_row():
     """Row r of group g sits at padded position slots[r] (its tile's start plus its place in the tile); unpad_rows
     gathers every row in a group back from there, zeros for the rest."""
     sizes = jnp.asarray([0, 5, 0, 64, 1], jnp.int32)
-    plan = gmm.plan_rows(sizes, 80, 64)
+    plan, slots = gmm.plan_rows(sizes, 80, 64)
     tiles = plan.tile_groups.shape[0]
     padded = np.full((tiles * 64, 2), np.nan, np.float32)
     for t in range(int(plan.num_tiles[0])):   # what the kernel stores: tile t's rows in its own block_m rows
         group_end = int(np.cumsum(sizes)[int(plan.tile_groups[t])])
         rows = np.arange(int(plan.tile_rows[t]), min(int(plan.tile_rows[t]) + 64, group_end))
         padded[t * 64:t * 64 + len(rows)] = np.stack([rows, -rows], axis=1) + 1
-    back = np.asarray(gmm.unpad_rows(jnp.asarray(padded), plan))
+    back = np.asarray(gmm.unpad_rows(jnp.asarray(padded), slots))
     np.testing.assert_array_equal(back[:70], np.stack([np.arange(70), -np.arange(70)], axis=1) + 1)
     assert not back[70:].any()
 
@@ -157,37 +158,38 @@ def test_swiglu_matches_reference():
         up = operands(rng, 1, 128, 256, sizes.shape[0])[1]
         g, u = reference_f32(lhs, gate, sizes), reference_f32(lhs, up, sizes)
         expected = g / (1 + np.exp(-g)) * u
-        plan = gmm.plan_rows(sizes, num_rows, TUNING.block_m)
+        plan, slots = gmm.plan_rows(sizes, num_rows, TUNING.block_m)
         swiglu = functools.partial(gmm.grouped_swiglu, plan=plan, tuning=TUNING, interpret=not ON_GPU)
-        out = gmm.unpad_rows(jax.jit(swiglu)(lhs, gate, up), plan)
+        out = gmm.unpad_rows(jax.jit(swiglu)(gmm.with_margin(lhs, TUNING), gate, up), slots)
         check_close(out[:int(sizes.sum())], expected[:int(sizes.sum())], f"swiglu {sizes.shape[0]} groups")
 
 
 def test_swiglu_lowers_for_cuda():
     """Qwen3-30B-A3B's gate and up (768 x 2048) with the activation: one Mosaic GPU kernel."""
-    plan = gmm.plan_rows(jnp.zeros(128, jnp.int32), 64, 64)
+    plan, _ = gmm.plan_rows(jnp.zeros(128, jnp.int32), 64, 64)
     fn = functools.partial(gmm.grouped_swiglu, plan=plan)
-    lhs = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16)
+    lhs = jax.ShapeDtypeStruct((gmm.margin_rows(64, 64), 2048), jnp.bfloat16)
     weight = jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16)
     text = jax.jit(fn).trace(lhs, weight, weight).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]
 
 
-def test_expert_block_lowers_without_loops():
-    """The whole expert block as the engine runs it on Hopper, lowered for CUDA: the router's pairs planned with no
-    while loop (on the GPU each iteration syncs with the host, every MoE layer of every step) and two Mosaic GPU
-    launches (gate and up with the activation, then down); one pad, the sorted rows' margin (the padded hidden goes
-    to down as it is: a pad there copies every padded row)."""
+def test_expert_block_lowers_to_three_launches(monkeypatch):
+    """The whole expert block as the engine runs it on Hopper, lowered for CUDA: one routing call (the router's
+    logits to the plan), then two Mosaic GPU launches (gate and up with the activation, then down); no sort, no
+    while loop (on the GPU each iteration syncs with the host), no pad (the tokens are gathered straight into the
+    sorted rows with their margin; the padded hidden goes to down as it is)."""
+    monkeypatch.setattr(custom_calls, "available", lambda: True)   # the CUDA path, as on an H100
     e, h, i, tokens, k = 128, 2048, 768, 16, 8
     spec = jax.ShapeDtypeStruct
-    block = functools.partial(routed_experts, split=False, backend="mosaic")
-    text = jax.jit(block).trace(spec((tokens, h), jnp.bfloat16), spec((tokens, k), jnp.float32),
-                                spec((tokens, k), jnp.int32), spec((e, i, h), jnp.bfloat16),
+    block = functools.partial(routed_experts, top_k=k, renormalize=True, split=False, backend="mosaic")
+    text = jax.jit(block).trace(spec((tokens, h), jnp.bfloat16), spec((tokens, e), jnp.bfloat16),
+                                spec((1,), jnp.int32), spec((e, i, h), jnp.bfloat16),
                                 spec((e, i, h), jnp.bfloat16), spec((e, h, i), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "stablehlo.while" not in text
-    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"] * 2
-    assert text.count("stablehlo.pad") == 1
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["jaxserve_moe_route"] + ["mosaic_gpu_v2"] * 2
+    for op in ("stablehlo.while", "stablehlo.sort", "stablehlo.pad"):
+        assert op not in text, op
 
 
 def test_ring_fits_shared_memory():
@@ -205,31 +207,40 @@ def test_refuses_shapes_it_cannot_serve():
         gmm.grouped_matmul(lhs, rhs, jnp.asarray([4, 4], jnp.int32), tuning=TUNING, interpret=True)
 
 
-def test_expert_mlp_matches_ragged_dot():
-    """gate and up (one launch, with the activation) and down in the padded layout equal the float32 ragged-dot MLP
-    on the rows in groups; the rows past them (the pairs another device's experts hold) come out zeros, not NaN."""
+def router_case(rng, tokens, experts, hidden=128, inter=128, local=None):
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((tokens, experts)), jnp.float32)
+    local = local or experts
+    gate, up = (jnp.asarray(rng.standard_normal((local, inter, hidden)) / np.sqrt(hidden), jnp.bfloat16)
+                for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((local, hidden, inter)) / np.sqrt(inter), jnp.bfloat16)
+    return x, logits, gate, up, down
+
+
+@pytest.mark.parametrize("num_live, expert_base", [(5, 0), (3, 2)], ids=["all_live", "padding_and_another_device"])
+def test_mosaic_experts_match_ragged_dot(num_live, expert_base):
+    """The routed sum through the routing call and the Mosaic GPU launches equals the float32 ragged-dot one:
+    5 tokens' top 2 of 8 experts, this device holding experts expert_base .. + 5 (pairs routed to the others add
+    nothing) and padding tokens past num_live (zeros, not NaN)."""
     rng = np.random.default_rng(4)
-    sizes = jnp.asarray([3, 0, 9, 0, 0, 2], jnp.int32)
-    rows, gate = operands(rng, 18, 128, 128, 6)
-    up, down = (operands(rng, 1, 128, 128, 6)[1] for _ in range(2))
-    expected, places = ragged_dot_mlp(*f32(rows), sizes, *f32(gate, up, down))
-    assert places.tolist() == list(range(14)) + [18] * 4
-    out, places = mosaic_mlp(rows, sizes, gate, up, down, tuning=TUNING, interpret=not ON_GPU)
-    out = np.asarray(jnp.take(out, places, axis=0, mode="fill", fill_value=0), np.float32)
-    check_close(out[:14], np.asarray(expected)[:14], "experts' MLP", **MLP_TOLERANCE)
-    assert not out[14:].any()
+    x, logits, gate, up, down = router_case(rng, 5, 8, local=6 if expert_base else None)
+    live, base = jnp.asarray([num_live], jnp.int32), jnp.asarray([expert_base], jnp.int32)
+    options = {"top_k": 2, "renormalize": True}
+    expected = np.asarray(ragged_experts(*f32(x), logits, live, base, *f32(gate, up, down), **options))
+    out = mosaic_experts(x, logits, live, base, gate, up, down, **options, tuning=TUNING, interpret=not ON_GPU)
+    check_close(out, expected, "experts' MLP", **MLP_TOLERANCE)
+    assert not np.asarray(out[num_live:]).any() and np.asarray(out[:num_live]).any()
 
 
 def test_routed_experts_on_mosaic():
     """The whole expert block, 5 tokens' top 2 of 8 experts, through the kernel and through XLA's ragged dot."""
     rng = np.random.default_rng(5)
-    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
-    gate, up, down = (jnp.asarray(rng.standard_normal((8, 128, 128)) / np.sqrt(128), jnp.bfloat16) for _ in range(3))
-    experts = jnp.asarray([rng.choice(8, 2, replace=False) for _ in range(5)], jnp.int32)
-    weights = jax.nn.softmax(jnp.asarray(rng.standard_normal((5, 2)), jnp.float32), axis=-1)
-    expected = np.asarray(routed_experts(*f32(x), weights, experts, *f32(gate, up, down), split=False,
+    x, logits, gate, up, down = router_case(rng, 5, 8)
+    options = {"top_k": 2, "renormalize": False, "split": False}
+    expected = np.asarray(routed_experts(*f32(x), logits, jnp.asarray([5]), *f32(gate, up, down), **options,
                                          backend="xla"))
-    out = routed_experts(x, weights, experts, gate, up, down, split=False, backend="mosaic", interpret=not ON_GPU)
+    out = routed_experts(x, logits, jnp.asarray([5]), gate, up, down, **options, backend="mosaic",
+                         interpret=not ON_GPU)
     check_close(out, expected, "expert block", **MLP_TOLERANCE)
 
 

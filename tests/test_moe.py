@@ -86,8 +86,7 @@ def test_padding_tokens_route_to_no_expert():
                                 "num_experts_per_tok": 4, "num_hidden_layers": 1})
     moe = MoE(cfg, jnp.float32, nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (8, 64))
-    live = jnp.arange(8) < 3
-    masked, full = moe(x, live=live), moe(x)
+    masked, full = moe(x, num_live=jnp.asarray(3)), moe(x)
     np.testing.assert_allclose(masked[:3], full[:3], rtol=1e-6, atol=1e-6)   # the same sums in float32
     assert (masked[3:] == 0).all() and (full[3:] != 0).any()
 
@@ -101,6 +100,6 @@ def test_a_paged_steps_live_tokens_come_from_its_batch():
     from jaxserve.models.llama import moe_context
     batch = types.SimpleNamespace(cu_q_lens=jnp.asarray([0, 1, 2, 7, 7], jnp.int32),
                                   num_seqs=jnp.asarray([3], jnp.int32))
-    mesh, live = moe_context(types.SimpleNamespace(batch=batch, mesh="mesh"), 16)
-    assert mesh == "mesh" and live.tolist() == [True] * 7 + [False] * 9
-    assert moe_context(None, 16) == (None, None)
+    mesh, num_live = moe_context(types.SimpleNamespace(batch=batch, mesh="mesh"))
+    assert mesh == "mesh" and num_live.tolist() == [7]
+    assert moe_context(None) == (None, None)

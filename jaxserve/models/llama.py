@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import custom_calls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
@@ -157,42 +158,31 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, dtype, rngs)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
-    def __call__(self, x, mesh=None, live=None):
-        """live [T]: the step's real tokens; padding's pairs go to no expert, so a small batch in a large bucket
-        reads only its own tokens' experts (its output rows: zeros)."""
-        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.top_k)   # [T, k]
-        if live is not None:
-            experts = jnp.where(live[:, None], experts, self.experts.gate_proj.shape[0])
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+    def __call__(self, x, mesh=None, num_live=None):
+        """num_live [] or [1]: the step's real tokens, the first ones (default: all); padding's pairs go to no
+        expert, so a small batch in a large bucket reads only its own tokens' experts (its output rows: zeros)."""
+        num_live = jnp.full((1,), x.shape[0], jnp.int32) if num_live is None else num_live.reshape(1)
         split = mesh is not None and mesh.shape[TP] > 1
-        run = per_shard(functools.partial(routed_experts, split=split), mesh, (P(),) * 3 + (P(TP),) * 3, P())
+        run = per_shard(functools.partial(routed_experts, top_k=self.top_k, renormalize=self.norm_topk_prob,
+                                          split=split), mesh, (P(),) * 3 + (P(TP),) * 3, P())
         w = self.experts
-        return run(x, weights, experts, w.gate_proj[...], w.up_proj[...], w.down_proj[...])
+        return run(x, self.gate(x), num_live.astype(jnp.int32), w.gate_proj[...], w.up_proj[...], w.down_proj[...])
 
 
-def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, split: bool, backend: str = "auto",
-                   interpret: bool = False):
+def routed_experts(x, logits, num_live, gate_proj, up_proj, down_proj, *, top_k: int, renormalize: bool,
+                   split: bool, backend: str = "auto", interpret: bool = False):
     """x [T, H] through the experts held here (all of them, or with `split` this device's share of a "tp" mesh,
-    summed over the devices): sum over each token's chosen experts e of weight x down_e(silu(gate_e x) * up_e x).
-    backend: the grouped GEMMs' — "mosaic" (the Mosaic GPU kernel; `interpret` runs it on the CPU), "xla"
-    (`ragged_dot_general`) or "auto" (Mosaic on Hopper, else XLA)."""
+    summed over the devices): sum over each token's top_k experts e by its router logits [T, E] of
+    weight x down_e(silu(gate_e x) * up_e x), weights as custom_calls.select_experts gives them. backend: the
+    grouped GEMMs' — "mosaic" (the Mosaic GPU kernel, planned by the CUDA routing call; `interpret` runs it on the
+    CPU), "xla" (`ragged_dot_general`) or "auto" (Mosaic on Hopper, else XLA)."""
     local = gate_proj.shape[0]
-    slot = experts.reshape(-1) - (jax.lax.axis_index(TP) * local if split else 0)
-    mine = (slot >= 0) & (slot < local)
-    slot = jnp.where(mine, slot, local)   # pairs routed elsewhere sort last, in no group
-    order = jnp.argsort(slot, stable=True)
-    group_sizes = jnp.bincount(slot, length=local + 1)[:local].astype(jnp.int32)
-    tokens = order // experts.shape[1]
+    expert_base = jnp.full((1,), jax.lax.axis_index(TP) * local if split else 0, jnp.int32)
     tuning = grouped_gemm_tuning(backend, interpret, x, gate_proj, down_proj)
-    mlp = ragged_dot_mlp if tuning is None else functools.partial(mosaic_mlp, tuning=tuning, interpret=interpret)
-    out, places = mlp(x[tokens], group_sizes, gate_proj, up_proj, down_proj)
-    # each token gathers its own pairs' rows and sums them, weighed (a gather and a reduction, no scatter-add);
-    # pairs in no group have no row: zeros
-    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    rows = jnp.take(out, places[rank].reshape(experts.shape), axis=0, mode="fill", fill_value=0)
-    y = jnp.einsum("tk,tkh->th", weights, rows.astype(jnp.float32))
+    experts_mlp = ragged_experts if tuning is None else functools.partial(mosaic_experts, tuning=tuning,
+                                                                          interpret=interpret)
+    y = experts_mlp(x, logits, num_live, expert_base, gate_proj, up_proj, down_proj, top_k=top_k,
+                    renormalize=renormalize)
     return (jax.lax.psum(y, TP) if split else y).astype(x.dtype)
 
 
@@ -211,34 +201,53 @@ def grouped_gemm_tuning(backend: str, interpret: bool, rows, gate_proj, down_pro
     return None if why_not else tuning
 
 
+def ragged_experts(x, logits, num_live, expert_base, gate_proj, up_proj, down_proj, *, top_k, renormalize):
+    """The routed sum by XLA: the pairs sorted by expert through XLA's ragged dots, f32 [T, H]."""
+    weights, experts = custom_calls.select_experts(logits, num_live, top_k, renormalize)
+    order, group_sizes = custom_calls.sort_pairs(experts, expert_base, gate_proj.shape[0])
+    out = ragged_dot_mlp(x[order // top_k], group_sizes, gate_proj, up_proj, down_proj)
+    rank = custom_calls.inverse_permutation(order)
+    # out's rows past the routed pairs hold whatever XLA leaves there: those pairs read none
+    return combine(out, jnp.where(rank < group_sizes.sum(), rank, order.shape[0]).reshape(experts.shape), weights)
+
+
 def ragged_dot_mlp(rows, group_sizes, gate_proj, up_proj, down_proj):
-    """Rows sorted by expert [N, H] through their expert's MLP by XLA's ragged dot: (out [N, H], each row's place
-    in out: N for rows in no group, whose out rows hold whatever XLA leaves there)."""
+    """Rows sorted by expert [N, H] through their expert's MLP by XLA's ragged dot: [N, H]."""
     def dot(rows, w):
         return jax.lax.ragged_dot_general(rows, w, group_sizes, EXPERT_DOT,
                                           preferred_element_type=jnp.float32).astype(rows.dtype)
-    row = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    places = jnp.where(row < group_sizes.sum(), row, rows.shape[0])
-    return dot(jax.nn.silu(dot(rows, gate_proj)) * dot(rows, up_proj), down_proj), places
+    return dot(jax.nn.silu(dot(rows, gate_proj)) * dot(rows, up_proj), down_proj)
 
 
-def mosaic_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, *, tuning, interpret):
-    """The same by the Mosaic GPU grouped GEMMs (gate, up and the activation in one launch into their padded row
-    layout, down in another within it): (out [M_pad, H], each row's place in out, past it for rows in no group)."""
+def mosaic_experts(x, logits, num_live, expert_base, gate_proj, up_proj, down_proj, *, top_k, renormalize, tuning,
+                   interpret):
+    """The routed sum by the Mosaic GPU grouped GEMMs, f32 [T, H]: one routing call plans the pairs, the tokens are
+    gathered into the sorted rows, gate, up and the activation run in one launch into the padded row layout, down
+    in another within it."""
     from pallas_kernels import grouped_matmul_mgpu as gmm
-    plan = gmm.plan_rows(group_sizes, rows.shape[0], tuning.block_m)
-    options = {"plan": plan, "tuning": tuning, "interpret": interpret}
-    hidden = gmm.grouped_swiglu(rows, gate_proj, up_proj, **options)
-    # tiles past the plan's hold garbage: no planned tile reads them
-    return gmm.grouped_matmul_padded(hidden, down_proj, **options), plan.slots
+    route = custom_calls.moe_route(logits, num_live, expert_base, top_k=top_k, renormalize=renormalize,
+                                   local_experts=gate_proj.shape[0], block_m=tuning.block_m)
+    options = {"plan": gmm.RowPlan(route.tile_groups, route.tile_rows, route.num_tiles), "tuning": tuning,
+               "interpret": interpret}
+    hidden = gmm.grouped_swiglu(x[route.sorted_tokens], gate_proj, up_proj, **options)
+    # tiles past the plan's hold garbage: no pair's row is there
+    return combine(gmm.grouped_matmul_padded(hidden, down_proj, **options), route.pair_rows, route.weights)
 
 
-def moe_context(paged, num_tokens: int):
-    """(mesh, live tokens) of a paged step for its MoE layers; (None, None) outside one."""
+def combine(out, pair_rows, weights):
+    """Each token's pairs' rows of out, weighed and summed (a gather and a reduction, no scatter-add): f32 [T, H];
+    pair_rows [T, k] past out's rows: zeros."""
+    rows = jnp.take(out, pair_rows, axis=0, mode="fill", fill_value=0)
+    return jnp.einsum("tk,tkh->th", weights, rows.astype(jnp.float32))
+
+
+def moe_context(paged):
+    """(mesh, live tokens [1]) of a paged step for its MoE layers: its first cu_q_lens[num_seqs] tokens are real,
+    the rest pad the bucket; (None, None) outside one."""
     if paged is None:
         return None, None
     batch = paged.batch
-    return paged.mesh, jnp.arange(num_tokens) < batch.cu_q_lens[batch.num_seqs[0]]
+    return paged.mesh, batch.cu_q_lens[batch.num_seqs]
 
 
 class DecoderLayer(nnx.Module):
@@ -252,7 +261,7 @@ class DecoderLayer(nnx.Module):
         h, kv_layer = self.self_attn(self.input_layernorm(x), positions, kv_layer, paged)
         x = x + h
         y = self.post_attention_layernorm(x)
-        mlp = self.mlp(y, *moe_context(paged, y.shape[0])) if isinstance(self.mlp, MoE) else self.mlp(y)
+        mlp = self.mlp(y, *moe_context(paged)) if isinstance(self.mlp, MoE) else self.mlp(y)
         return x + mlp, kv_layer
 
 

@@ -1,0 +1,242 @@
+// MoE routing on XLA's stream: each token's top-k experts from its router logits, then the grouped GEMM's row
+// plan for the pairs routed to this device's experts (pallas_kernels/grouped_matmul_mgpu.py reads it). XLA runs
+// the same as a softmax, a top-k, a sort, a bincount, scans and searches: some twenty small kernels a MoE layer,
+// which at decode sizes cost more than the layer's expert GEMMs.
+//
+// Pairs (token t, pick j) sit at p = t * top_k + j. The plan: pairs sorted by local expert g form the sorted rows;
+// group g's rows start at row_start[g], its tiles read block_m rows each from base[g] (row_start[g] rounded down to
+// row_align) on, and its pair at sorted row r lands at padded row tile_start[g] * block_m + r - base[g]. Rows within
+// a group come in no fixed order (shared-memory atomics rank them): every row's product is the same wherever it
+// lands.
+#include <cfloat>
+#include <climits>
+
+#include "common.h"
+
+namespace jaxserve {
+namespace {
+
+constexpr int kPlanThreads = 1024;        // the plan's one CTA
+constexpr int kPickThreads = 256;         // a warp per token
+constexpr int kMaxTopK = 32;              // a lane holds each pick
+constexpr int kMaxLocalExperts = 2048;    // four int32 arrays of them in shared memory (32 KiB)
+constexpr int kFusedMaxTokens = 128;      // up to this many tokens the plan's CTA picks the experts too: one launch
+constexpr unsigned kFullMask = 0xffffffffu;
+
+struct RouteArgs {
+  const void* logits;
+  const int32_t* num_live;     // [1]: tokens from here on are padding, routed nowhere
+  const int32_t* expert_base;  // [1]: this device's first expert
+  int tokens, experts, top_k, local_experts, block_m, row_align, max_tiles, num_rows;
+  bool renormalize;
+  float* weights;              // [tokens, top_k]
+  int32_t* sorted_tokens;      // [num_rows]: the token of each sorted row, 0 past them
+  int32_t* tile_groups;        // [max_tiles]
+  int32_t* tile_rows;          // [max_tiles]
+  int32_t* num_tiles;          // [1]
+  int32_t* pair_rows;          // [tokens, top_k]: padded row, max_tiles * block_m for pairs in no local group
+};
+
+__device__ __forceinline__ float Load(const float* row, int e) { return row[e]; }
+__device__ __forceinline__ float Load(const __nv_bfloat16* row, int e) { return __bfloat162float(row[e]); }
+
+// (value desc, index asc): a strict order, so round r's pick is the best candidate after round r - 1's.
+__device__ __forceinline__ bool Before(float v, int i, float w, int j) {
+  return j < 0 || (i >= 0 && (v > w || (v == w && i < j)));
+}
+
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+__device__ __forceinline__ float WarpMax(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
+  return x;
+}
+
+// One warp: token t's top_k experts by logit (lane j keeps pick j), their softmax weights (over all experts, or
+// renormalised over the picks), and each pair's local expert in pair_rows (-1: padding, or another device's).
+template <typename T>
+__device__ void PickExperts(const RouteArgs& a, int t, int lane) {
+  const T* row = static_cast<const T*>(a.logits) + static_cast<int64_t>(t) * a.experts;
+  float top = -FLT_MAX;
+  for (int e = lane; e < a.experts; e += 32) top = fmaxf(top, Load(row, e));
+  top = WarpMax(top);
+  float total = 0.f;
+  for (int e = lane; e < a.experts; e += 32) total += expf(Load(row, e) - top);
+  total = WarpSum(total);
+  float last = 0.f, mine = 0.f;
+  int last_index = -1, my_index = -1;
+  for (int j = 0; j < a.top_k; ++j) {
+    float best = 0.f;
+    int best_index = -1;
+    for (int e = lane; e < a.experts; e += 32) {
+      const float v = Load(row, e);
+      if (v == v && (last_index < 0 || Before(last, last_index, v, e)) && Before(v, e, best, best_index)) best = v, best_index = e;
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float v = __shfl_xor_sync(kFullMask, best, offset);
+      const int e = __shfl_xor_sync(kFullMask, best_index, offset);
+      if (Before(v, e, best, best_index)) best = v, best_index = e;
+    }
+    if (best_index < 0) break;   // NaN logits are no candidates: with too few, the rest route nowhere
+    if (lane == j) mine = best, my_index = best_index;
+    last = best, last_index = best_index;
+  }
+  float weight = my_index >= 0 ? expf(mine - top) / total : 0.f;
+  if (a.renormalize) weight /= WarpSum(weight);
+  if (lane < a.top_k) {
+    const int pair = t * a.top_k + lane, local = my_index - *a.expert_base;
+    const bool routed = t < *a.num_live && my_index >= 0 && local >= 0 && local < a.local_experts;
+    a.weights[pair] = weight;
+    a.pair_rows[pair] = routed ? local : -1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kPickThreads) PickKernel(RouteArgs a) {
+  const int t = blockIdx.x * (kPickThreads / 32) + threadIdx.x / 32;
+  if (t < a.tokens) PickExperts<T>(a, t, threadIdx.x % 32);
+}
+
+// Warp 0: each group's first sorted row, aligned base and first tile (each lane scans a run of groups, the lanes
+// meet by shuffles); totals = (routed rows, planned tiles). tile_start holds the groups' tile counts on entry.
+__device__ void ScanGroups(const RouteArgs& a, const int32_t* count, int32_t* row_start, int32_t* base,
+                           int32_t* tile_start, int32_t* totals, int lane) {
+  const int run = CeilDiv(a.local_experts, 32);
+  const int first = min(lane * run, a.local_experts), end = min(first + run, a.local_experts);
+  int rows = 0;
+  for (int g = first; g < end; ++g) rows += count[g];
+  int rows_before = rows;
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int up = __shfl_up_sync(kFullMask, rows_before, offset);
+    if (lane >= offset) rows_before += up;
+  }
+  rows_before -= rows;
+  int tiles = 0;
+  for (int g = first, r = rows_before; g < end; r += count[g], ++g) {
+    row_start[g] = r;
+    base[g] = r - r % a.row_align;
+    tile_start[g] = count[g] > 0 ? CeilDiv(r + count[g] - base[g], a.block_m) : 0;
+    tiles += tile_start[g];
+  }
+  int tiles_before = tiles;
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int up = __shfl_up_sync(kFullMask, tiles_before, offset);
+    if (lane >= offset) tiles_before += up;
+  }
+  if (lane == 31) totals[0] = rows_before + rows, totals[1] = tiles_before;
+  tiles_before -= tiles;
+  for (int g = first; g < end; ++g) {
+    const int n = tile_start[g];
+    tile_start[g] = tiles_before;
+    tiles_before += n;
+  }
+}
+
+// One CTA: counts the pairs per local expert, plans the tiles, then ranks each pair within its group (a
+// shared-memory atomic) into its sorted row and padded row. With `pick`, it picks the experts first.
+template <typename T>
+__global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pick) {
+  extern __shared__ int32_t groups[];   // count, row_start, base, tile_start: [local_experts] each
+  __shared__ int32_t totals[2];
+  int32_t *count = groups, *row_start = count + a.local_experts, *base = row_start + a.local_experts;
+  int32_t* tile_start = base + a.local_experts;
+  const int lane = threadIdx.x % 32, pairs = a.tokens * a.top_k;
+  if (pick)
+    for (int t = threadIdx.x / 32; t < a.tokens; t += kPlanThreads / 32) PickExperts<T>(a, t, lane);
+  for (int g = threadIdx.x; g < a.local_experts; g += kPlanThreads) count[g] = 0;
+  __syncthreads();   // also publishes this CTA's pair_rows writes to the whole CTA
+  for (int p = threadIdx.x; p < pairs; p += kPlanThreads)
+    if (const int g = a.pair_rows[p]; g >= 0) atomicAdd(&count[g], 1);
+  __syncthreads();
+  if (threadIdx.x < 32) ScanGroups(a, count, row_start, base, tile_start, totals, lane);
+  __syncthreads();
+  for (int g = threadIdx.x; g < a.local_experts; g += kPlanThreads) {
+    const int tiles = count[g] > 0 ? CeilDiv(row_start[g] + count[g] - base[g], a.block_m) : 0;
+    for (int i = 0; i < tiles && tile_start[g] + i < a.max_tiles; ++i) {
+      a.tile_groups[tile_start[g] + i] = g;
+      a.tile_rows[tile_start[g] + i] = base[g] + i * a.block_m;
+    }
+  }
+  for (int i = totals[1] + threadIdx.x; i < a.max_tiles; i += kPlanThreads) a.tile_groups[i] = a.tile_rows[i] = 0;
+  for (int r = totals[0] + threadIdx.x; r < a.num_rows; r += kPlanThreads) a.sorted_tokens[r] = 0;
+  if (threadIdx.x == 0) *a.num_tiles = totals[1];
+  __syncthreads();   // the counts become each group's next free rank
+  for (int g = threadIdx.x; g < a.local_experts; g += kPlanThreads) count[g] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += kPlanThreads) {
+    const int g = a.pair_rows[p];
+    if (g < 0) {
+      a.pair_rows[p] = a.max_tiles * a.block_m;
+      continue;
+    }
+    const int r = row_start[g] + atomicAdd(&count[g], 1);
+    a.sorted_tokens[r] = p / a.top_k;
+    a.pair_rows[p] = tile_start[g] * a.block_m + r - base[g];
+  }
+}
+
+template <typename T>
+ffi::Error Launch(cudaStream_t stream, const RouteArgs& a) {
+  const size_t shared = 4 * sizeof(int32_t) * a.local_experts;
+  const bool fused = a.tokens <= kFusedMaxTokens;
+  if (!fused) PickKernel<T><<<CeilDiv(a.tokens, kPickThreads / 32), kPickThreads, 0, stream>>>(a);
+  PlanKernel<T><<<1, kPlanThreads, shared, stream>>>(a, fused);
+  return LaunchStatus("moe_route launch");
+}
+
+ffi::Error MoeRoute(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi::S32> num_live,
+                    ffi::Buffer<ffi::S32> expert_base, ffi::Result<ffi::Buffer<ffi::F32>> weights,
+                    ffi::Result<ffi::Buffer<ffi::S32>> sorted_tokens, ffi::Result<ffi::Buffer<ffi::S32>> tile_groups,
+                    ffi::Result<ffi::Buffer<ffi::S32>> tile_rows, ffi::Result<ffi::Buffer<ffi::S32>> num_tiles,
+                    ffi::Result<ffi::Buffer<ffi::S32>> pair_rows, int32_t top_k, int32_t renormalize,
+                    int32_t local_experts, int32_t block_m, int32_t row_align) {
+  const auto dims = logits.dimensions();
+  const auto type = logits.element_type();
+  if (dims.size() != 2 || (type != ffi::DataType::F32 && type != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("logits must be [tokens, experts] in f32 or bf16");
+  RouteArgs a{logits.untyped_data(), num_live.typed_data(), expert_base.typed_data(),
+              static_cast<int>(dims[0]), static_cast<int>(dims[1]), top_k, local_experts, block_m, row_align,
+              static_cast<int>(tile_groups->element_count()), static_cast<int>(sorted_tokens->element_count()),
+              renormalize != 0, weights->typed_data(), sorted_tokens->typed_data(), tile_groups->typed_data(),
+              tile_rows->typed_data(), num_tiles->typed_data(), pair_rows->typed_data()};
+  const size_t pairs = static_cast<size_t>(a.tokens) * top_k;
+  if (top_k < 1 || top_k > kMaxTopK || top_k > a.experts)
+    return ffi::Error::InvalidArgument("top_k must be in [1, min(32, experts)]");
+  if (local_experts < 1 || local_experts > kMaxLocalExperts || block_m < 1 || row_align < 1)
+    return ffi::Error::InvalidArgument("local_experts must be in [1, 2048]; block_m and row_align positive");
+  if (weights->element_count() != pairs || pair_rows->element_count() != pairs ||
+      sorted_tokens->element_count() < pairs || tile_rows->element_count() != tile_groups->element_count() ||
+      num_tiles->element_count() != 1 || num_live.element_count() != 1 || expert_base.element_count() != 1)
+    return ffi::Error::InvalidArgument("weights and pair_rows must be [tokens, top_k], sorted_tokens at least as "
+                                       "long, tile_groups and tile_rows alike; num_tiles, num_live, expert_base [1]");
+  if (a.tokens == 0) return ffi::Error::Success();
+  return type == ffi::DataType::F32 ? Launch<float>(stream, a) : Launch<__nv_bfloat16>(stream, a);
+}
+
+}  // namespace
+}  // namespace jaxserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeRoute, jaxserve::MoeRoute,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Attr<int32_t>("top_k")
+                                  .Attr<int32_t>("renormalize")
+                                  .Attr<int32_t>("local_experts")
+                                  .Attr<int32_t>("block_m")
+                                  .Attr<int32_t>("row_align"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
