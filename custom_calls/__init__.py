@@ -339,8 +339,9 @@ def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int]) -> list
     return ys
 
 
-# moe_route: picks a lane of a warp holds; local experts the plan's shared memory holds
-MOE_ROUTE_MAX_TOP_K, MOE_ROUTE_MAX_LOCAL_EXPERTS = 32, 2048
+# moe_route: picks a lane of a warp holds; local experts the plan's shared memory holds; experts a warp's registers
+# hold (more: the reference runs)
+MOE_ROUTE_MAX_TOP_K, MOE_ROUTE_MAX_LOCAL_EXPERTS, MOE_ROUTE_MAX_EXPERTS = 32, 2048, 512
 
 
 class MoeRouting(NamedTuple):
@@ -411,11 +412,11 @@ def moe_route(logits, num_live, expert_base, *, top_k: int, renormalize: bool, l
     """A MoE layer's routing in one launch (two past 128 tokens): the router logits [T, E] (f32 or bf16) to each
     token's top_k experts, their weights and the grouped GEMM's plan of the pairs routed to the local experts
     expert_base[0] ... + local_experts - 1 (tokens from num_live[0] on route nowhere). Rows within a group come in
-    no fixed order. Without the library it runs moe_route_reference."""
+    no fixed order. Without the library, or past MOE_ROUTE_MAX_EXPERTS experts, it runs moe_route_reference."""
     if why := moe_route_unsupported(logits, top_k, local_experts):
         raise ValueError(f"moe_route: {why}")
     options = {"top_k": top_k, "renormalize": renormalize, "local_experts": local_experts, "block_m": block_m}
-    if not available():
+    if not available() or logits.shape[1] > MOE_ROUTE_MAX_EXPERTS:
         return moe_route_reference(logits, num_live, expert_base, **options)
     return call_moe_route(logits, num_live, expert_base, **options)
 

@@ -8,15 +8,16 @@
 // row_align) on, and its pair at sorted row r lands at padded row tile_start[g] * block_m + r - base[g]. Rows within
 // a group come in no fixed order (shared-memory atomics rank them): every row's product is the same wherever it
 // lands.
+#include <algorithm>
 #include <cfloat>
-#include <climits>
 
 #include "common.h"
 
 namespace jaxserve {
 namespace {
 
-constexpr int kPlanThreads = 1024;        // the plan's one CTA
+constexpr int kPlanThreads = 1024;        // the most the plan's one CTA takes: a warp a token up to 32 tokens
+constexpr int kMaxExperts = 512;          // a token's logits in 16 registers a lane
 constexpr int kPickThreads = 256;         // a warp per token
 constexpr int kMaxTopK = 32;              // a lane holds each pick
 constexpr int kMaxLocalExperts = 2048;    // four int32 arrays of them in shared memory (32 KiB)
@@ -58,24 +59,36 @@ __device__ __forceinline__ float WarpMax(float x) {
 }
 
 // One warp: token t's top_k experts by logit (lane j keeps pick j), their softmax weights (over all experts, or
-// renormalised over the picks), and each pair's local expert in pair_rows (-1: padding, or another device's).
+// renormalised over the picks), and each pair's local expert in pair_rows (-1: padding, or another device's). The
+// token's logits stay in registers, expert lane + 32 i in slot i; NaN logits are no candidates (too few: the rest
+// of the picks route nowhere).
 template <typename T>
 __device__ void PickExperts(const RouteArgs& a, int t, int lane) {
   const T* row = static_cast<const T*>(a.logits) + static_cast<int64_t>(t) * a.experts;
+  float logits[kMaxExperts / 32];
   float top = -FLT_MAX;
-  for (int e = lane; e < a.experts; e += 32) top = fmaxf(top, Load(row, e));
+#pragma unroll
+  for (int i = 0; i < kMaxExperts / 32; ++i) {
+    const int e = lane + 32 * i;
+    logits[i] = e < a.experts ? Load(row, e) : NAN;
+    top = fmaxf(top, logits[i]);
+  }
   top = WarpMax(top);
   float total = 0.f;
-  for (int e = lane; e < a.experts; e += 32) total += expf(Load(row, e) - top);
+#pragma unroll
+  for (int i = 0; i < kMaxExperts / 32; ++i) total += logits[i] == logits[i] ? expf(logits[i] - top) : 0.f;
   total = WarpSum(total);
   float last = 0.f, mine = 0.f;
   int last_index = -1, my_index = -1;
   for (int j = 0; j < a.top_k; ++j) {
     float best = 0.f;
     int best_index = -1;
-    for (int e = lane; e < a.experts; e += 32) {
-      const float v = Load(row, e);
-      if (v == v && (last_index < 0 || Before(last, last_index, v, e)) && Before(v, e, best, best_index)) best = v, best_index = e;
+#pragma unroll
+    for (int i = 0; i < kMaxExperts / 32; ++i) {
+      const float v = logits[i];
+      const int e = lane + 32 * i;
+      if (v == v && (last_index < 0 || Before(last, last_index, v, e)) && Before(v, e, best, best_index))
+        best = v, best_index = e;
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
@@ -83,7 +96,7 @@ __device__ void PickExperts(const RouteArgs& a, int t, int lane) {
       const int e = __shfl_xor_sync(kFullMask, best_index, offset);
       if (Before(v, e, best, best_index)) best = v, best_index = e;
     }
-    if (best_index < 0) break;   // NaN logits are no candidates: with too few, the rest route nowhere
+    if (best_index < 0) break;
     if (lane == j) mine = best, my_index = best_index;
     last = best, last_index = best_index;
   }
@@ -148,28 +161,28 @@ __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pic
   int32_t* tile_start = base + a.local_experts;
   const int lane = threadIdx.x % 32, pairs = a.tokens * a.top_k;
   if (pick)
-    for (int t = threadIdx.x / 32; t < a.tokens; t += kPlanThreads / 32) PickExperts<T>(a, t, lane);
-  for (int g = threadIdx.x; g < a.local_experts; g += kPlanThreads) count[g] = 0;
+    for (int t = threadIdx.x / 32; t < a.tokens; t += blockDim.x / 32) PickExperts<T>(a, t, lane);
+  for (int g = threadIdx.x; g < a.local_experts; g += blockDim.x) count[g] = 0;
   __syncthreads();   // also publishes this CTA's pair_rows writes to the whole CTA
-  for (int p = threadIdx.x; p < pairs; p += kPlanThreads)
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x)
     if (const int g = a.pair_rows[p]; g >= 0) atomicAdd(&count[g], 1);
   __syncthreads();
   if (threadIdx.x < 32) ScanGroups(a, count, row_start, base, tile_start, totals, lane);
   __syncthreads();
-  for (int g = threadIdx.x; g < a.local_experts; g += kPlanThreads) {
+  for (int g = threadIdx.x; g < a.local_experts; g += blockDim.x) {
     const int tiles = count[g] > 0 ? CeilDiv(row_start[g] + count[g] - base[g], a.block_m) : 0;
     for (int i = 0; i < tiles && tile_start[g] + i < a.max_tiles; ++i) {
       a.tile_groups[tile_start[g] + i] = g;
       a.tile_rows[tile_start[g] + i] = base[g] + i * a.block_m;
     }
   }
-  for (int i = totals[1] + threadIdx.x; i < a.max_tiles; i += kPlanThreads) a.tile_groups[i] = a.tile_rows[i] = 0;
-  for (int r = totals[0] + threadIdx.x; r < a.num_rows; r += kPlanThreads) a.sorted_tokens[r] = 0;
+  for (int i = totals[1] + threadIdx.x; i < a.max_tiles; i += blockDim.x) a.tile_groups[i] = a.tile_rows[i] = 0;
+  for (int r = totals[0] + threadIdx.x; r < a.num_rows; r += blockDim.x) a.sorted_tokens[r] = 0;
   if (threadIdx.x == 0) *a.num_tiles = totals[1];
   __syncthreads();   // the counts become each group's next free rank
-  for (int g = threadIdx.x; g < a.local_experts; g += kPlanThreads) count[g] = 0;
+  for (int g = threadIdx.x; g < a.local_experts; g += blockDim.x) count[g] = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < pairs; p += kPlanThreads) {
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
     const int g = a.pair_rows[p];
     if (g < 0) {
       a.pair_rows[p] = a.max_tiles * a.block_m;
@@ -186,7 +199,9 @@ ffi::Error Launch(cudaStream_t stream, const RouteArgs& a) {
   const size_t shared = 4 * sizeof(int32_t) * a.local_experts;
   const bool fused = a.tokens <= kFusedMaxTokens;
   if (!fused) PickKernel<T><<<CeilDiv(a.tokens, kPickThreads / 32), kPickThreads, 0, stream>>>(a);
-  PlanKernel<T><<<1, kPlanThreads, shared, stream>>>(a, fused);
+  // picking in the CTA: a warp a token (up to kPlanThreads / 32, then several each); fewer threads sync sooner
+  const int threads = fused ? std::clamp(32 * a.tokens, 128, kPlanThreads) : kPlanThreads;
+  PlanKernel<T><<<1, threads, shared, stream>>>(a, fused);
   return LaunchStatus("moe_route launch");
 }
 
@@ -206,8 +221,8 @@ ffi::Error MoeRoute(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi:
               renormalize != 0, weights->typed_data(), sorted_tokens->typed_data(), tile_groups->typed_data(),
               tile_rows->typed_data(), num_tiles->typed_data(), pair_rows->typed_data()};
   const size_t pairs = static_cast<size_t>(a.tokens) * top_k;
-  if (top_k < 1 || top_k > kMaxTopK || top_k > a.experts)
-    return ffi::Error::InvalidArgument("top_k must be in [1, min(32, experts)]");
+  if (top_k < 1 || top_k > kMaxTopK || top_k > a.experts || a.experts > kMaxExperts)
+    return ffi::Error::InvalidArgument("top_k must be in [1, min(32, experts)], experts at most 512");
   if (local_experts < 1 || local_experts > kMaxLocalExperts || block_m < 1 || row_align < 1)
     return ffi::Error::InvalidArgument("local_experts must be in [1, 2048]; block_m and row_align positive");
   if (weights->element_count() != pairs || pair_rows->element_count() != pairs ||
