@@ -339,9 +339,8 @@ def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int]) -> list
     return ys
 
 
-# moe_route: picks a lane of a warp holds; local experts the plan's shared memory holds; experts a warp's registers
-# hold (more: the reference runs)
-MOE_ROUTE_MAX_TOP_K, MOE_ROUTE_MAX_LOCAL_EXPERTS, MOE_ROUTE_MAX_EXPERTS = 32, 2048, 512
+# moe_route: picks a lane of a warp holds; experts a warp's registers hold (more: the reference runs)
+MOE_ROUTE_MAX_TOP_K, MOE_ROUTE_MAX_EXPERTS = 32, 512
 
 
 class MoeRouting(NamedTuple):
@@ -402,8 +401,8 @@ def moe_route_unsupported(logits, top_k: int, local_experts: int) -> str | None:
         return f"logits must be float32 or bfloat16 [tokens, experts], got {logits.dtype} {logits.shape}"
     if not 1 <= top_k <= min(MOE_ROUTE_MAX_TOP_K, logits.shape[1]):
         return f"top_k must be in [1, min({MOE_ROUTE_MAX_TOP_K}, experts {logits.shape[1]})], got {top_k}"
-    if not 1 <= local_experts <= min(MOE_ROUTE_MAX_LOCAL_EXPERTS, logits.shape[1]):
-        return f"local_experts must be in [1, min({MOE_ROUTE_MAX_LOCAL_EXPERTS}, experts)], got {local_experts}"
+    if not 1 <= local_experts <= logits.shape[1]:
+        return f"local_experts must be in [1, experts {logits.shape[1]}], got {local_experts}"
     return None
 
 

@@ -17,11 +17,12 @@ namespace jaxserve {
 namespace {
 
 constexpr int kPlanThreads = 1024;        // the most the plan's one CTA takes: a warp a token up to 32 tokens
-constexpr int kMaxExperts = 512;          // a token's logits in 16 registers a lane
+constexpr int kMaxExperts = 512;          // a token's logits in 16 registers a lane; the local ones' four int32
+                                          // arrays in shared memory (8 KiB at most)
 constexpr int kPickThreads = 256;         // a warp per token
 constexpr int kMaxTopK = 32;              // a lane holds each pick
-constexpr int kMaxLocalExperts = 2048;    // four int32 arrays of them in shared memory (32 KiB)
-constexpr int kFusedMaxTokens = 128;      // up to this many tokens the plan's CTA picks the experts too: one launch
+constexpr int kFusedMaxTokens = 128;      // up to this many tokens the plan's CTA picks the experts too: one launch,
+                                          // the pairs' groups in shared memory (16 KiB at most)
 constexpr unsigned kFullMask = 0xffffffffu;
 
 struct RouteArgs {
@@ -59,11 +60,12 @@ __device__ __forceinline__ float WarpMax(float x) {
 }
 
 // One warp: token t's top_k experts by logit (lane j keeps pick j), their softmax weights (over all experts, or
-// renormalised over the picks), and each pair's local expert in pair_rows (-1: padding, or another device's). The
+// renormalised over the picks), and each pair's local expert in pair_groups (-1: padding, or another device's). The
 // token's logits stay in registers, expert lane + 32 i in slot i; NaN logits are no candidates (too few: the rest
-// of the picks route nowhere).
+// of the picks route nowhere). num_live and expert_base: read once by the caller.
 template <typename T>
-__device__ void PickExperts(const RouteArgs& a, int t, int lane) {
+__device__ void PickExperts(const RouteArgs& a, int t, int lane, int num_live, int expert_base,
+                            int32_t* pair_groups) {
   const T* row = static_cast<const T*>(a.logits) + static_cast<int64_t>(t) * a.experts;
   float logits[kMaxExperts / 32];
   float top = -FLT_MAX;
@@ -103,17 +105,17 @@ __device__ void PickExperts(const RouteArgs& a, int t, int lane) {
   float weight = my_index >= 0 ? expf(mine - top) / total : 0.f;
   if (a.renormalize) weight /= WarpSum(weight);
   if (lane < a.top_k) {
-    const int pair = t * a.top_k + lane, local = my_index - *a.expert_base;
-    const bool routed = t < *a.num_live && my_index >= 0 && local >= 0 && local < a.local_experts;
+    const int pair = t * a.top_k + lane, local = my_index - expert_base;
+    const bool routed = t < num_live && my_index >= 0 && local >= 0 && local < a.local_experts;
     a.weights[pair] = weight;
-    a.pair_rows[pair] = routed ? local : -1;
+    pair_groups[pair] = routed ? local : -1;
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kPickThreads) PickKernel(RouteArgs a) {
   const int t = blockIdx.x * (kPickThreads / 32) + threadIdx.x / 32;
-  if (t < a.tokens) PickExperts<T>(a, t, threadIdx.x % 32);
+  if (t < a.tokens) PickExperts<T>(a, t, threadIdx.x % 32, *a.num_live, *a.expert_base, a.pair_rows);
 }
 
 // Warp 0: each group's first sorted row, aligned base and first tile (each lane scans a run of groups, the lanes
@@ -152,20 +154,26 @@ __device__ void ScanGroups(const RouteArgs& a, const int32_t* count, int32_t* ro
 }
 
 // One CTA: counts the pairs per local expert, plans the tiles, then ranks each pair within its group (a
-// shared-memory atomic) into its sorted row and padded row. With `pick`, it picks the experts first.
+// shared-memory atomic) into its sorted row and padded row. With `pick`, it picks the experts first, into shared
+// memory; else PickKernel left each pair's group in pair_rows.
 template <typename T>
 __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pick) {
-  extern __shared__ int32_t groups[];   // count, row_start, base, tile_start: [local_experts] each
+  extern __shared__ int32_t groups[];   // count, row_start, base, tile_start: [local_experts] each; with `pick`,
+                                        // each pair's group: [tokens * top_k]
   __shared__ int32_t totals[2];
   int32_t *count = groups, *row_start = count + a.local_experts, *base = row_start + a.local_experts;
   int32_t* tile_start = base + a.local_experts;
+  int32_t* pair_groups = pick ? tile_start + a.local_experts : a.pair_rows;
   const int lane = threadIdx.x % 32, pairs = a.tokens * a.top_k;
-  if (pick)
-    for (int t = threadIdx.x / 32; t < a.tokens; t += blockDim.x / 32) PickExperts<T>(a, t, lane);
+  if (pick) {
+    const int num_live = *a.num_live, expert_base = *a.expert_base;
+    for (int t = threadIdx.x / 32; t < a.tokens; t += blockDim.x / 32)
+      PickExperts<T>(a, t, lane, num_live, expert_base, pair_groups);
+  }
   for (int g = threadIdx.x; g < a.local_experts; g += blockDim.x) count[g] = 0;
-  __syncthreads();   // also publishes this CTA's pair_rows writes to the whole CTA
+  __syncthreads();
   for (int p = threadIdx.x; p < pairs; p += blockDim.x)
-    if (const int g = a.pair_rows[p]; g >= 0) atomicAdd(&count[g], 1);
+    if (const int g = pair_groups[p]; g >= 0) atomicAdd(&count[g], 1);
   __syncthreads();
   if (threadIdx.x < 32) ScanGroups(a, count, row_start, base, tile_start, totals, lane);
   __syncthreads();
@@ -183,7 +191,7 @@ __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pic
   for (int g = threadIdx.x; g < a.local_experts; g += blockDim.x) count[g] = 0;
   __syncthreads();
   for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-    const int g = a.pair_rows[p];
+    const int g = pair_groups[p];
     if (g < 0) {
       a.pair_rows[p] = a.max_tiles * a.block_m;
       continue;
@@ -196,8 +204,8 @@ __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pic
 
 template <typename T>
 ffi::Error Launch(cudaStream_t stream, const RouteArgs& a) {
-  const size_t shared = 4 * sizeof(int32_t) * a.local_experts;
   const bool fused = a.tokens <= kFusedMaxTokens;
+  const size_t shared = sizeof(int32_t) * (4 * a.local_experts + (fused ? a.tokens * a.top_k : 0));
   if (!fused) PickKernel<T><<<CeilDiv(a.tokens, kPickThreads / 32), kPickThreads, 0, stream>>>(a);
   // picking in the CTA: a warp a token (up to kPlanThreads / 32, then several each); fewer threads sync sooner
   const int threads = fused ? std::clamp(32 * a.tokens, 128, kPlanThreads) : kPlanThreads;
@@ -223,8 +231,8 @@ ffi::Error MoeRoute(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi:
   const size_t pairs = static_cast<size_t>(a.tokens) * top_k;
   if (top_k < 1 || top_k > kMaxTopK || top_k > a.experts || a.experts > kMaxExperts)
     return ffi::Error::InvalidArgument("top_k must be in [1, min(32, experts)], experts at most 512");
-  if (local_experts < 1 || local_experts > kMaxLocalExperts || block_m < 1 || row_align < 1)
-    return ffi::Error::InvalidArgument("local_experts must be in [1, 2048]; block_m and row_align positive");
+  if (local_experts < 1 || local_experts > a.experts || block_m < 1 || row_align < 1)
+    return ffi::Error::InvalidArgument("local_experts must be in [1, experts]; block_m and row_align positive");
   if (weights->element_count() != pairs || pair_rows->element_count() != pairs ||
       sorted_tokens->element_count() < pairs || tile_rows->element_count() != tile_groups->element_count() ||
       num_tiles->element_count() != 1 || num_live.element_count() != 1 || expert_base.element_count() != 1)
