@@ -37,6 +37,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-gemm      # its grouped GEMM against a dense GEMM of the same FLOPs
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-route     # the routing call's tests, expert blocks, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-profile   # MoE batch 1 profiled, then 256 x 512/128
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-ncu       # the routing kernel under Nsight Compute
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
@@ -79,6 +80,11 @@ case $1 in
     run 110 python benchmarks/moe_gemm.py --tokens 1 16 256 --impls expert_block expert_block_mosaic \
       --out "$OUT/moe_gemm_gpu.json"
     run 200 $MOE_BATCH1 ;;
+  moe-ncu)   # where the routing call's plan kernel spends a batch-1 bucket's launch: its speed of light, warp stalls
+    # and source counters, one launch after warm-up (the report's text in the log)
+    run 300 ncu --kernel-name regex:PlanKernel --launch-skip 5 --launch-count 1 --section SpeedOfLight \
+      --section WarpStateStats --section SourceCounters --section LaunchStats \
+      python benchmarks/moe_route.py --tokens 16 --out /tmp/moe_route_ncu.json ;;
   moe-profile)   # batch 1's steps profiled (compiled cold), then 256 x 512/128
     run 230 $MOE_PROFILE
     run 330 python benchmarks/offline.py --config configs/qwen3-30b-a3b-random.yaml --out "$OUT/offline_moe_gpu.json" ;;
