@@ -84,7 +84,7 @@ case $1 in
     # and source counters, one launch after warm-up (the report's text in the log)
     run 300 ncu --kernel-name regex:PlanKernel --launch-skip 5 --launch-count 1 --section SpeedOfLight \
       --section WarpStateStats --section SourceCounters --section LaunchStats \
-      python benchmarks/moe_route.py --tokens 16 --out /tmp/moe_route_ncu.json ;;
+      python benchmarks/moe_route.py --tokens 16 --live 1 --out /tmp/moe_route_ncu.json ;;
   moe-profile)   # batch 1's steps profiled (compiled cold), then 256 x 512/128
     run 230 $MOE_PROFILE
     run 330 python benchmarks/offline.py --config configs/qwen3-30b-a3b-random.yaml --out "$OUT/offline_moe_gpu.json" ;;
