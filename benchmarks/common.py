@@ -21,15 +21,28 @@ from jaxserve.cache.kv_cache import kv_cache_dtype
 class Bytes:
     """Bytes per element the roofline counts: the linear layers' weights, the rest (embeddings, LM head, norms:
     the model dtype) and the KV cache."""
-    linear: int
-    other: int
+    linear: float
+    other: float
     kv: int
 
     @classmethod
     def of(cls, loaded, engine_cfg) -> "Bytes":
+        """GGUF blocks count their bytes a weight (Q4_1: 20 bytes a 32, Q8_0: 34), the LM head's as the
+        embedding's (a tied one) or its own."""
         model = jnp.dtype(loaded.dtype).itemsize
-        return cls(1 if loaded.quantization == "fp8" else model, model,
-                   jnp.dtype(kv_cache_dtype(engine_cfg.kv_cache_dtype, loaded.dtype)).itemsize)
+        kv = jnp.dtype(kv_cache_dtype(engine_cfg.kv_cache_dtype, loaded.dtype)).itemsize
+        if loaded.quantization == "gguf":
+            m = loaded.model
+            head = m.embed_tokens if m.lm_head is None else m.lm_head
+            linear = m.layers[0].self_attn.q_proj
+            return cls(block_bytes(linear.block_type),
+                       block_bytes(head.block_type) if hasattr(head, "block_type") else model, kv)
+        return cls(1 if loaded.quantization == "fp8" else model, model, kv)
+
+
+def block_bytes(block_type: str) -> float:
+    from custom_calls.gguf_matmul import BLOCK, BLOCK_TYPES
+    return BLOCK_TYPES[block_type][1] / BLOCK
 
 
 def device_name() -> str:

@@ -2,14 +2,17 @@
 
 Measured interleaved, `--repeats` rounds (a shared machine's noise hits every impl alike):
 - jaxserve: one greedy stream (temperature 0 set explicitly, EOS ignored) of `--output-len` tokens after a warm-up
-  generation: TPOT (median ms between tokens after the first) and tok/s;
+  generation: TPOT (median ms between tokens after the first) and tok/s; with the default config (the GGUF's Q4_1 /
+  Q8_0 blocks kept, custom_calls.gguf_matmul) and with `quantization="float"` (the blocks dequantized to f32 at
+  load: transformers' weights);
 - transformers: HF `LlamaForCausalLM`, eager PyTorch, on the same GGUF dequantized to f32 (the tests' oracle),
   greedy `generate` in a process of its own (its threads never meet JAX's), torch threads = the cores JAX uses;
   `match`: its first tokens equal to jaxserve's;
 - llama.cpp: `llama-bench` (its own Q4_1 kernels, same GGUF, same threads) when `--llama-bench` or PATH has it;
 - the memory ceilings on the cores XLA uses, best of the run over a 1 GiB f32 array: copy (an in-place scale, bytes
   read + written as STREAM counts them) and read (a sum). The weight-read roofline is a bandwidth over the bytes a
-  decode step reads (every layer's weights and the LM head, once); decode reads only, so the read one is the bound;
+  decode step reads (every layer's weights and the LM head, once, as the impl stores them: GGUF blocks for jaxserve's
+  default and llama.cpp, f32 for the others); decode reads only, so the read one is the bound;
 - batched: `--batch-prompts` random prompts x `--batch-input-len` tokens, `--batch-output-len` out, greedy
   (offline.py's CPU row), so batched throughput is seen beside batch 1;
 - a first `jaxserve generate` in a fresh process on this warm machine (executables and the prepared model on disk),
@@ -41,6 +44,7 @@ from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models.loader import DEFAULT_MODEL, embedded_model_path  # noqa: E402
 
 GiB = 1 << 30
+F32 = "jaxserve (f32 weights)"   # quantization="float": the GGUF's blocks dequantized at load
 Stream = tuple[list[int] | None, float]   # a run's tokens (None: not reported) and TPOT in ms
 
 
@@ -179,16 +183,18 @@ def make_peers(args) -> dict:
     return peers
 
 
-def measure(args, engine, prompt_ids: list[int], batch: list[list[int]]) -> tuple[dict, list[float], dict]:
-    """Interleaved rounds: ceilings, each impl's stream, the batched run. (runs by impl, batched seconds, ceilings)"""
-    peers = make_peers(args)
+def measure(args, engines: dict, prompt_ids: list[int], batch: list[list[int]]) -> tuple[dict, list[float], dict]:
+    """Interleaved rounds: ceilings, each impl's stream, the default engine's batched run. (runs by impl, batched
+    seconds, ceilings)"""
+    peers, engine = make_peers(args), engines["jaxserve"]
     for peer in peers.values():
         peer.stream(prompt_ids, 8)   # warm-up
-    runs, batch_s, best = {name: [] for name in ("jaxserve", *peers)}, [], (0.0, 0.0)
+    runs, batch_s, best = {name: [] for name in (*engines, *peers)}, [], (0.0, 0.0)
     for r in range(args.repeats):
         copy, read = ceilings_gbps()
         best = max(best[0], copy), max(best[1], read)
-        runs["jaxserve"].append(jaxserve_stream(engine, prompt_ids, args.output_len))
+        for name, e in engines.items():
+            runs[name].append(jaxserve_stream(e, prompt_ids, args.output_len))
         for name, peer in peers.items():
             runs[name].append(peer.stream(prompt_ids, args.output_len))
         batch_s.append(jaxserve_batch(engine, batch, args.batch_output_len))
@@ -200,17 +206,23 @@ def measure(args, engine, prompt_ids: list[int], batch: list[list[int]]) -> tupl
     return runs, batch_s, {"copy_gbps": best[0], "read_gbps": best[1]}
 
 
-def decode_rows(args, loaded, engine, prompt_ids: list[int], runs: dict, batch_s: list[float], ceilings: dict):
-    """The rows of the streams (the ceilings and rooflines on jaxserve's) and of the batched runs."""
-    weight_bytes = weight_read_bytes(loaded.config, Bytes.of(loaded, engine.cfg))
-    roofline = {"copy": ceilings["copy_gbps"] * 1e9 / weight_bytes, "read": ceilings["read_gbps"] * 1e9 / weight_bytes}
+def decode_rows(args, engines: dict, prompt_ids: list[int], runs: dict, batch_s: list[float], ceilings: dict):
+    """The rows of the streams (each with the ceilings and the rooflines of the bytes its weights take) and of the
+    batched runs."""
+    def roofline(engine) -> dict:
+        weight_bytes = weight_read_bytes(engine.loaded.config, Bytes.of(engine.loaded, engine.cfg))
+        return {"weight_bytes": weight_bytes, "weights": engine.loaded.quantization or str(engine.loaded.dtype),
+                "copy_roofline_tok_s": ceilings["copy_gbps"] * 1e9 / weight_bytes,
+                "read_roofline_tok_s": ceilings["read_gbps"] * 1e9 / weight_bytes}
+    loaded = engines["jaxserve"].loaded
+    rooflines = {name: roofline(e) for name, e in engines.items()}
+    # llama.cpp reads the GGUF's blocks, as the default jaxserve does; transformers f32 weights
+    rooflines |= {"llama.cpp": rooflines["jaxserve"], "transformers": rooflines[F32]}
     params = {"prompt_tokens": len(prompt_ids), "output_len": args.output_len, "threads": cores(),
               "dtype": str(loaded.dtype), "model": DEFAULT_MODEL, "repeats": args.repeats}
-    # llama.cpp reads Q4_1 blocks, not the f32 weights the roofline counts
-    rows = [stream_row(name, params, rs, runs["jaxserve"][0][0], {} if name == "llama.cpp" else roofline)
-            for name, rs in runs.items()]
-    rows[0] |= ceilings | {"weight_bytes": weight_bytes, "copy_roofline_tok_s": roofline["copy"],
-                           "read_roofline_tok_s": roofline["read"]}
+    rows = [stream_row(name, params, rs, runs["jaxserve"][0][0], {kind: rooflines[name][f"{kind}_roofline_tok_s"]
+                                                                   for kind in ("copy", "read")})
+            | ceilings | rooflines[name] for name, rs in runs.items()]
     wall = float(np.median(batch_s))
     return rows + [{"bench": "cpu_decode_batched", "impl": "jaxserve", "ms": wall * 1e3,
                     "params": {"num_prompts": args.batch_prompts, "input_len": args.batch_input_len,
@@ -239,17 +251,18 @@ def main(argv=None):
     if args.serve_transformers:
         return serve_transformers()
     command = "python benchmarks/cpu_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    llm = LLM()
-    engine, loaded = llm.engine, llm.engine.loaded
-    prompt_ids = engine.tokenize(args.prompt)
+    llms = {"jaxserve": LLM(), F32: LLM(quantization="float")}
+    engines = {name: llm.engine for name, llm in llms.items()}
+    prompt_ids = engines["jaxserve"].tokenize(args.prompt)
     rng = np.random.default_rng(0)
-    batch = [rng.integers(0, loaded.config.vocab_size, args.batch_input_len).tolist()
+    batch = [rng.integers(0, engines["jaxserve"].loaded.config.vocab_size, args.batch_input_len).tolist()
              for _ in range(args.batch_prompts)]
-    jaxserve_stream(engine, prompt_ids, 8)   # warm-up: first transfers, allocator, each graph's first run
-    jaxserve_batch(engine, batch, args.batch_output_len)
-    rows = decode_rows(args, loaded, engine, prompt_ids, *measure(args, engine, prompt_ids, batch))
+    for engine in engines.values():   # warm-up: first transfers, allocator, each graph's first run
+        jaxserve_stream(engine, prompt_ids, 8)
+    jaxserve_batch(engines["jaxserve"], batch, args.batch_output_len)
+    rows = decode_rows(args, engines, prompt_ids, *measure(args, engines, prompt_ids, batch))
     if not args.no_first_generate:
-        del llm, engine   # the fresh processes get this one's memory
+        del llms, engines, engine   # the fresh processes get this one's memory
         starts = [generate_s(ROOT, args.prompt, 16) for _ in range(2)]
         rows.append({"bench": "cpu_first_generate", "impl": "jaxserve", "params": {"max_tokens": 16},
                      "ms": starts[-1] * 1e3, "first_s": starts[0], "warm_s": starts[-1]})
@@ -259,15 +272,13 @@ def main(argv=None):
 
 def report(rows: list[dict]) -> None:
     js = rows[0]
-    print(f"ceilings: copy {js['copy_gbps']:.1f} GB/s, read {js['read_gbps']:.1f} GB/s; {js['weight_bytes'] / 1e6:.0f} "
-          f"MB of weights a token: roofline {js['copy_roofline_tok_s']:.1f} tok/s (copy), "
-          f"{js['read_roofline_tok_s']:.1f} tok/s (read)")
+    print(f"ceilings: copy {js['copy_gbps']:.1f} GB/s, read {js['read_gbps']:.1f} GB/s")
     for r in rows:
         if r["bench"] == "cpu_decode":
-            shares = (f"{r['copy_roofline_frac']:.0%} of the copy roofline, {r['read_roofline_frac']:.0%} of the read "
-                      f"one; " if "read_roofline_frac" in r else "")
-            print(f"{r['impl']:>12}: TPOT {r['ms']:.1f} ms ({r['tok_s']:.1f} tok/s; best {r['tpot_best_ms']:.1f} ms), "
-                  f"{shares}jaxserve is {js['tok_s'] / r['tok_s']:.2f}x; tokens equal to jaxserve's: {r['match']}")
+            print(f"{r['impl']:>22}: TPOT {r['ms']:.1f} ms ({r['tok_s']:.1f} tok/s; best {r['tpot_best_ms']:.1f} ms); "
+                  f"{r['weight_bytes'] / 1e6:.0f} MB of weights ({r['weights']}) a token: "
+                  f"{r['copy_roofline_frac']:.0%} of that copy roofline, {r['read_roofline_frac']:.0%} of the read one; "
+                  f"jaxserve is {js['tok_s'] / r['tok_s']:.2f}x; tokens equal to jaxserve's: {r['match']}")
         elif r["bench"] == "cpu_decode_batched":
             print(f"batched {r['params']['num_prompts']} x {r['params']['input_len']}/{r['params']['output_len']}: "
                   f"{r['ms'] / 1e3:.2f} s, {r['tok_s']:.1f} tok/s")

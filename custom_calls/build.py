@@ -1,7 +1,8 @@
-"""Builds libjaxserve_cuda.so with nvcc: on first use for pip installs, and for Bazel's genrule.
+"""Builds libjaxserve_cuda.so with nvcc (the CUDA handlers, ``csrc/*.cu``) and libjaxserve_cpu.so with the C++
+compiler (the CPU handlers, ``csrc/*.cc``): on first use for pip installs, and for Bazel's genrule.
 
-The library is cached under ``$JAXSERVE_CACHE_DIR`` (default ``~/.cache/jaxserve``) in
-``custom_calls/<key>/``, the key hashing the sources, the flags, the nvcc version and
+Each library is cached under ``$JAXSERVE_CACHE_DIR`` (default ``~/.cache/jaxserve``) in
+``custom_calls/<key>/``, the key hashing the sources, the flags, the compiler's version and
 the jax version (the FFI headers come from ``jax.ffi.include_dir()``). Only the standard
 library is imported at module level so Bazel can run this file as a script.
 """
@@ -19,6 +20,9 @@ LIBRARY_NAME = "libjaxserve_cuda.so"
 # Hopper gets its own SASS (sm_90a); Ampere SASS plus compute_80 PTX covers the rest by JIT.
 ARCHS = ("sm_90a", "sm_80")
 FLAGS = ("-std=c++17", "-O3", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-shared", "--threads", "0")
+CPU_LIBRARY_NAME = "libjaxserve_cpu.so"
+# AVX2, FMA and F16C: x86-64 CPUs since Haswell and Zen (custom_calls.gguf_matmul checks the CPU before loading it)
+CPU_FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared")
 
 
 class BuildError(RuntimeError):
@@ -48,29 +52,46 @@ def sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.cu"))
 
 
-def nvcc_command(nvcc: str, include_dir: str, out: str, archs=ARCHS) -> list[str]:
-    return [nvcc, *FLAGS, *gencode_flags(archs), f"-I{include_dir}", f"-I{SOURCE_DIR}",
-            *map(str, sources()), "-o", out]
+def cpu_sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.cc"))
 
 
-def cache_key(nvcc: str, jax_version: str, archs=ARCHS) -> str:
+def find_cxx() -> str:
+    """The C++ compiler from $CXX, or c++ / g++ / clang++ on PATH."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and (path := shutil.which(name)):
+            return path
+    raise BuildError("no C++ compiler (set CXX, or install g++)")
+
+
+def nvcc_command(nvcc: str, include_dir: str, archs=ARCHS) -> list[str]:
+    """The command without its output path (its last argument)."""
+    return [nvcc, *FLAGS, *gencode_flags(archs), f"-I{include_dir}", f"-I{SOURCE_DIR}", *map(str, sources()), "-o"]
+
+
+def cache_key(compiler: str, files, flags, jax_version: str) -> str:
     digest = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.iterdir()):
+    for path in sorted(files):
         digest.update(path.name.encode() + path.read_bytes())
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    digest.update("\0".join([*FLAGS, *gencode_flags(archs), version, jax_version]).encode())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest.update("\0".join([*flags, version, jax_version]).encode())
     return digest.hexdigest()[:16]
 
 
-def compile_library(nvcc: str, include_dir: str, out: Path, archs=ARCHS) -> None:
-    """Compiles to a temporary file beside ``out`` and renames it: concurrent builds are safe."""
+def compile_to(command, out: Path) -> None:
+    """Runs command (a compiler writing its last argument) into a temporary file beside ``out`` and renames it:
+    concurrent builds are safe."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        partial = os.path.join(tmp, LIBRARY_NAME)
-        result = subprocess.run(nvcc_command(nvcc, include_dir, partial, archs), capture_output=True, text=True)
+        partial = os.path.join(tmp, out.name)
+        result = subprocess.run([*command, partial], capture_output=True, text=True)
         if result.returncode != 0:
-            raise BuildError(f"nvcc failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+            raise BuildError(f"{Path(command[0]).name} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
         os.replace(partial, out)
+
+
+def compile_library(nvcc: str, include_dir: str, out: Path, archs=ARCHS) -> None:
+    compile_to(nvcc_command(nvcc, include_dir, archs), out)
 
 
 def local_archs() -> tuple[str, ...]:
@@ -88,8 +109,8 @@ def build_library(archs=None) -> Path:
     import jax  # deferred: the Bazel genrule path runs without jax
 
     nvcc, archs = find_nvcc(), archs or local_archs()
-    cache_root = Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
-    out = cache_root / "custom_calls" / cache_key(nvcc, jax.__version__, archs) / LIBRARY_NAME
+    files = [*sources(), *SOURCE_DIR.glob("*.h")]
+    out = cache_root() / cache_key(nvcc, files, [*FLAGS, *gencode_flags(archs)], jax.__version__) / LIBRARY_NAME
     if not out.exists():   # tens of seconds: say so (scripts/setup.sh builds it at install on a GPU machine)
         print(f"jaxserve: building the CUDA custom calls for {','.join(archs)} with nvcc, once per machine "
               f"(cached in {out.parent})", file=sys.stderr, flush=True)
@@ -97,13 +118,40 @@ def build_library(archs=None) -> Path:
     return out
 
 
+def build_cpu_library() -> Path:
+    """Path of the cached CPU library for these sources, compiling it on first use (seconds)."""
+    import jax
+
+    cxx = find_cxx()
+    out = cache_root() / cache_key(cxx, cpu_sources(), CPU_FLAGS, jax.__version__) / CPU_LIBRARY_NAME
+    if not out.exists():
+        print(f"jaxserve: building the CPU custom calls with {cxx}, once per machine (cached in {out.parent})",
+              file=sys.stderr, flush=True)
+        compile_to(cxx_command(cxx, jax.ffi.include_dir()), out)
+    return out
+
+
+def cxx_command(cxx: str, include_dir: str) -> list[str]:
+    """The CPU library's command without its output path (its last argument)."""
+    return [cxx, *CPU_FLAGS, f"-I{include_dir}", *map(str, cpu_sources()), "-o"]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve")) / "custom_calls"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="path of the shared library to write")
     parser.add_argument("--include-dir", required=True, help="jax.ffi.include_dir() of the target jax")
     parser.add_argument("--archs", default=",".join(ARCHS), help="comma-separated SASS targets, e.g. sm_90a,sm_80")
+    parser.add_argument("--cpu", action="store_true", help="the CPU library (the C++ compiler), not the CUDA one")
     args = parser.parse_args()
-    compile_library(find_nvcc(), args.include_dir, Path(args.out).resolve(), tuple(args.archs.split(",")))
+    out = Path(args.out).resolve()
+    if args.cpu:
+        compile_to(cxx_command(find_cxx(), args.include_dir), out)
+    else:
+        compile_library(find_nvcc(), args.include_dir, out, tuple(args.archs.split(",")))
 
 
 if __name__ == "__main__":

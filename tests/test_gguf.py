@@ -1,12 +1,15 @@
 """GGUF loading for every tensor type the gguf package dequantizes (K-quants included): dequantized weights,
-the llama.cpp q/k row order, and a clear error for a type it cannot dequantize."""
+the llama.cpp q/k row order, a clear error for a type it cannot dequantize, and the Q4_1 / Q8_0 blocks kept as
+stored for the CPU kernel."""
 import numpy as np
 import pytest
 import torch
 import transformers
 from flax import nnx
 
+from custom_calls import gguf_matmul
 from jaxserve.models.errors import ModelLoadError
+from jaxserve.models.gguf_blocks import GgufEmbed, GgufLinear
 from jaxserve.models.loader import load_model
 
 from helpers import (K_QUANT_F16_SCALES, TINY_HF_KWARGS, close_writer, forward_logits, greedy, hf_logits,
@@ -35,7 +38,7 @@ def test_every_supported_type_loads_to_the_hf_model_of_the_same_weights(tmp_path
     hf = tiny_llama()
     original = hf.model.layers[0].mlp.up_proj.weight.detach().numpy().copy()
     stored = write_gguf(tmp_path / f"tiny-{qtype}.gguf", hf, qtype)
-    ours = load_model(str(tmp_path / f"tiny-{qtype}.gguf"), dtype="f32")
+    ours = load_model(str(tmp_path / f"tiny-{qtype}.gguf"), dtype="f32", quantization="float")
     assert ours.config.tie_word_embeddings is False and ours.tokenizer is None
     # exactly what gguf.quants.dequantize gives, as [in, out] kernels, q rows back in HF order
     np.testing.assert_array_equal(kernel(ours, 0, "mlp", "up_proj"), stored["model.layers.0.mlp.up_proj.weight"].T)
@@ -45,6 +48,37 @@ def test_every_supported_type_loads_to_the_hf_model_of_the_same_weights(tmp_path
     assert rel_err(forward_logits(ours, ids), hf_logits(with_weights(hf, stored), ids)) <= 1e-4
     quantized = stored["model.layers.0.mlp.up_proj.weight"]
     assert np.array_equal(quantized, original) == (qtype == "F32")   # the type really went through the file
+
+
+@pytest.mark.parametrize("qtype", list(gguf_matmul.BLOCK_TYPES))
+def test_blocks_the_cpu_kernel_reads_stay_as_stored_and_compute_the_dequantized_model(tmp_path, qtype):
+    """By default on one CPU device, Q4_1 / Q8_0 linear layers, embedding and LM head keep the file's blocks (q/k
+    rows back in HF order); the model computes what its dequantization computes, to f32 rounding."""
+    if not gguf_matmul.available():
+        pytest.skip(f"the CPU kernel does not run here: {gguf_matmul.unavailable_reason()}")
+    stored = write_gguf(tmp_path / "tiny.gguf", tiny_llama(), qtype)
+    blocks, f32 = (load_model(str(tmp_path / "tiny.gguf"), "f32", quantization=q) for q in (None, "float"))
+    assert (blocks.quantization, f32.quantization) == ("gguf", None)
+    model = blocks.model
+    assert isinstance(model.embed_tokens, GgufEmbed) and isinstance(model.lm_head, GgufLinear)
+    for name, linear in [("model.layers.0.mlp.up_proj.weight", model.layers[0].mlp.up_proj),
+                         ("model.layers.1.self_attn.q_proj.weight", model.layers[1].self_attn.q_proj),
+                         ("lm_head.weight", model.lm_head)]:
+        assert isinstance(linear, GgufLinear) and linear.weight[...].dtype == np.uint8, name
+        np.testing.assert_array_equal(np.asarray(gguf_matmul.dequantize(linear.weight[...], qtype)), stored[name])
+    ids = list(range(1, 40))
+    # f32 sums over 256-512 products in another order than XLA's dot: relative differences of ~1e-6
+    assert rel_err(forward_logits(blocks, ids), forward_logits(f32, ids)) <= 1e-5
+    assert greedy(blocks, ids[:12], 8) == greedy(f32, ids[:12], 8)
+
+
+def test_quantization_gguf_is_refused_where_it_cannot_keep_blocks(tmp_path):
+    write_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q4_0")
+    with pytest.raises(ModelLoadError, match="not all of one of the types Q4_1, Q8_0"):
+        load_model(str(tmp_path / "tiny.gguf"), "f32", quantization="gguf")
+    assert load_model(str(tmp_path / "tiny.gguf"), "f32").quantization is None   # the default dequantizes it
+    with pytest.raises(ModelLoadError, match="this is not a .gguf file"):
+        load_model(str(tmp_path), "f32", quantization="gguf")
 
 
 def q4_k_m(hf_name):
@@ -79,7 +113,7 @@ def flat_values(loaded) -> dict:
     return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(loaded.model))}
 
 
-@pytest.mark.parametrize("dtype, quantization", [("f32", None), ("bf16", None), ("f32", "fp8")])
+@pytest.mark.parametrize("dtype, quantization", [("f32", None), ("bf16", "float"), ("f32", "fp8")])
 def test_a_gguf_is_kept_as_loaded_and_the_next_load_reads_only_the_copy(tmp_path, monkeypatch, dtype, quantization):
     """A first load keeps the model as loaded under cache_dir; the next one reads that copy (the GGUF is not even
     opened), with every weight, the config and the sampling defaults as the first load had them."""

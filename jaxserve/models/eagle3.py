@@ -130,8 +130,9 @@ def load_eagle3(path: str | Path, target: LoadedModel) -> LoadedModel:
         cfg = eagle3_config(hf, target.config)
     tensors = {name: (name, w, shape, nbytes) for name, w, shape, nbytes in head_tensors(path) if name != "t2d"}
     shared = "embed_tokens.weight" not in tensors
-    if shared:   # placed as a copy, then replaced by the target's own array: one table in memory
-        table = target.model.embed_tokens.embedding[...]
+    embed = target.model.embed_tokens
+    if shared:   # placed as a copy, then replaced by the target's own array: one table in memory (a table kept as
+        table = embed.embedding[...] if isinstance(embed, nnx.Embed) else embed.dequantized()   # GGUF blocks: a copy)
         tensors["embed_tokens.weight"] = ("embed_tokens.weight", table, table.shape, table.nbytes)
     if "d2t" not in tensors:   # the full vocabulary: draft id = token id
         tensors["d2t"] = ("d2t", np.zeros(cfg.draft_vocab_size, np.int32), (cfg.draft_vocab_size,), 0)
@@ -139,8 +140,8 @@ def load_eagle3(path: str | Path, target: LoadedModel) -> LoadedModel:
     abstract = nnx.eval_shape(lambda: Eagle3Head(cfg, dtype, nnx.Rngs(0)))
     head, _ = build_model(cfg.layer, dtype, tensors.values(), path, target.mesh, abstract=abstract)
     check_finite(head, path)
-    if shared:
-        head.embed_tokens.embedding.set_value(target.model.embed_tokens.embedding[...])
+    if shared and isinstance(embed, nnx.Embed):
+        head.embed_tokens.embedding.set_value(embed.embedding[...])
     d2t = np.asarray(head.d2t[...])
     if (ids := np.arange(len(d2t)) + d2t).min() < 0 or ids.max() >= target.config.vocab_size:
         raise ModelLoadError(path, f"d2t maps draft ids outside the model's vocabulary of {target.config.vocab_size}")

@@ -1,15 +1,18 @@
 """GGUF files: config, tokenizer, chat template and recommended sampling from the metadata; tensors read
 (memory-mapped) and dequantized by the `gguf` package, the llama.cpp project's own reader, so every type it
 dequantizes loads: F32, F16, BF16, Q4_0..Q8_0, the K-quants Q2_K..Q6_K that Q4_K_M-style files mix, IQ*, TQ*,
-MXFP4. Tensors are renamed to HF names, so one weight mapping serves both formats."""
+MXFP4. Tensors are renamed to HF names, so one weight mapping serves both formats. Linear weights in a block
+format the CPU kernel reads (custom_calls.gguf_matmul) can instead stay as stored (gguf_blocks)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
 
+from custom_calls.gguf_matmul import BLOCK_TYPES
 from jaxserve.config import ModelConfig
 from jaxserve.models.errors import ModelLoadError, blamed_on
+from jaxserve.models.gguf_blocks import GgufBlocks
 
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 TENSOR_NAMES = {  # GGUF per-layer suffix -> HF name
@@ -136,13 +139,40 @@ def _dequantized(tensor, path: Path) -> np.ndarray:
     return np.asarray(w, np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
 
 
-def gguf_tensors(reader, cfg: ModelConfig, path: Path):
-    """Yield (hf_name, float32 array in HF layout) for every tensor the model uses, dequantizing as it goes."""
+DENSE_LINEARS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def gguf_blocks(reader) -> GgufBlocks | None:
+    """The block types a model of this file keeps as stored: the decoder's linear weights when all are of one type
+    the CPU kernel reads, and then the embedding and LM head each when theirs is; None when the linears are not."""
+    types = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is not None:
+            types[name] = t.tensor_type.name
+    linear = {kind for name, kind in types.items() if name.endswith(DENSE_LINEARS)}
+    if len(linear) != 1 or (kind := linear.pop()) not in BLOCK_TYPES:
+        return None
+    kept = lambda name: types.get(name) if types.get(name) in BLOCK_TYPES else None  # noqa: E731
+    return GgufBlocks(kind, kept("model.embed_tokens.weight"), kept("lm_head.weight"))
+
+
+def kept_as_blocks(name: str, blocks: GgufBlocks | None) -> bool:
+    if blocks is None:
+        return False
+    return name.endswith(DENSE_LINEARS) or (name == "model.embed_tokens.weight" and blocks.embedding is not None) \
+        or (name == "lm_head.weight" and blocks.lm_head is not None)
+
+
+def gguf_tensors(reader, cfg: ModelConfig, path: Path, blocks: GgufBlocks | None = None):
+    """Yield (hf_name, array in HF layout) for every tensor the model uses: float32, dequantized as it goes, or the
+    stored blocks [out, in / 32 * bytes] (uint8) of those `blocks` keeps."""
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = _dequantized(t, path)
+        w = np.asarray(t.data) if kept_as_blocks(name, blocks) else _dequantized(t, path)
         if cfg.arch in ROPE_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute_rope(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         yield name, w

@@ -17,6 +17,7 @@ from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 from jaxserve.models.fp8 import Fp8Linear, linears
+from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear
 from jaxserve.sharding import TP, per_shard
 from pallas_kernels.ragged_paged_attention import gpu_capability
 
@@ -71,9 +72,12 @@ class Linear(nnx.Linear):
 
 
 def _linear(cfg_in, cfg_out, dtype, rngs, bias=False, quantization=None):
-    """Linear in the model dtype, or with quantization="fp8" an Fp8Linear (models/fp8.py)."""
+    """Linear in the model dtype, with quantization="fp8" an Fp8Linear (models/fp8.py), with GgufBlocks a GgufLinear
+    of their linear block type."""
     if quantization == "fp8":
         return Fp8Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, rngs=rngs)
+    if isinstance(quantization, GgufBlocks):
+        return GgufLinear(cfg_in, cfg_out, quantization.linear, use_bias=bias, dtype=dtype)
     return Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
@@ -266,12 +270,19 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, quantization: str | None = None, rngs: nnx.Rngs):
-        """quantization="fp8": the decoder layers' linear layers in FP8; embeddings and the LM head stay in dtype."""
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, quantization: str | GgufBlocks | None = None,
+                 rngs: nnx.Rngs):
+        """quantization="fp8": the decoder layers' linear layers in FP8; embeddings and the LM head stay in dtype.
+        GgufBlocks: the decoder's linear layers, and the embedding and LM head where they name a type, keep a GGUF
+        file's blocks."""
+        h, v = cfg.hidden_size, cfg.vocab_size
+        blocks = quantization if isinstance(quantization, GgufBlocks) else GgufBlocks("")
+        self.embed_tokens = GgufEmbed(v, h, blocks.embedding, dtype) if blocks.embedding else \
+            nnx.Embed(v, h, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization, i) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else \
+            GgufLinear(h, v, blocks.lm_head, use_bias=False, dtype=dtype) if blocks.lm_head else _linear(h, v, dtype, rngs)
         self.cfg = cfg
 
     def __call__(self, token_ids, positions, kv_cache=None, paged: PagedAttention | None = None):
@@ -294,6 +305,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, hidden):
         """hidden [N, H] -> f32 logits [N, V]."""
+        if isinstance(self.embed_tokens, GgufEmbed) and self.lm_head is None:
+            return self.embed_tokens.attend(hidden)
         if self.lm_head is None:   # E [V, H] . hidden: XLA CPU streams E's rows (its hidden @ E.T is ~10x slower)
             embedding = self.embed_tokens.embedding[...]
             return jax.lax.dot_general(embedding, hidden.astype(embedding.dtype), (((1,), (1,)), ((), ()))
@@ -311,6 +324,6 @@ def run_layer(graphdef, state, x, positions, kv_layer, batch: AttentionBatch | N
     return nnx.merge(graphdef, state)(x, positions, kv_layer, paged)
 
 
-def abstract_model(cfg: ModelConfig, dtype, quantization: str | None = None) -> LlamaForCausalLM:
+def abstract_model(cfg: ModelConfig, dtype, quantization: str | GgufBlocks | None = None) -> LlamaForCausalLM:
     """Shape-only model (no memory); loaders fill its state."""
     return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, quantization=quantization, rngs=nnx.Rngs(0)))

@@ -23,6 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
+from custom_calls import gguf_matmul
+from custom_calls.gguf_matmul import BLOCK_TYPES
 from jaxserve.config import (QUANTIZATIONS, EngineConfig, ModelConfig, RunConfig, load_run_config,
                              model_config_from_hf)
 from jaxserve.compilation_cache import enable_compilation_cache
@@ -30,6 +32,7 @@ from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models import gguf, prepared
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.fp8 import FP8, dequantize_blocks, quantize_weight
+from jaxserve.models.gguf_blocks import GgufEmbed, GgufLinear
 from jaxserve.models.llama import LlamaForCausalLM, abstract_model
 from jaxserve.models.tensor_file import read_safetensors
 from jaxserve.sharding import make_mesh, param_shardings, replica_meshes
@@ -77,8 +80,9 @@ class LoadedModel:
 
     @property
     def dtype(self):
-        """The weights' dtype, which activations and the KV cache share."""
-        return self.model.embed_tokens.embedding[...].dtype
+        """The weights' dtype, which activations and the KV cache share (the final norm's: linear weights and the
+        embedding may be quantized)."""
+        return self.model.norm.weight[...].dtype
 
 
 def default_dtype():
@@ -365,12 +369,27 @@ def quantize_linears(state: nnx.State, cfg: ModelConfig, dtype, mesh: Mesh) -> t
     return graphdef, nnx.from_flat_state([(path, var.replace(values[path])) for path, var in flat])
 
 
+def wants_gguf_blocks(quantization: str | None, mesh) -> bool:
+    """A GGUF model keeps its blocks with quantization "gguf", and by default (None) where the CPU kernel runs them:
+    on one CPU device."""
+    return quantization == "gguf" or (quantization is None and (mesh is None or mesh.size == 1)
+                                      and gguf_matmul.available())
+
+
 def load_gguf(path: Path, dtype, mesh=None, quantization: str | None = None) -> LoadedModel:
     reader = gguf.open_gguf(path)
     cfg = gguf.gguf_config(reader, path)
     sampling = checked_sampling(gguf.gguf_sampling(reader) or EMBEDDED_SAMPLING.get(path.name, {}), path)
-    tensors = ((name, w, w.shape, w.nbytes) for name, w in gguf.gguf_tensors(reader, cfg, path))
-    model, kv_scales_loaded = build_model(cfg, dtype, tensors, path, mesh, quantization=quantization)
+    if quantization == "gguf" and mesh is not None and mesh.size > 1:
+        raise ModelLoadError(path, "quantization='gguf' runs on one device; on a mesh load it with 'float'")
+    blocks = gguf.gguf_blocks(reader) if wants_gguf_blocks(quantization, mesh) else None
+    if blocks is None and quantization == "gguf":
+        raise ModelLoadError(path, f"its linear weights are not all of one of the types {', '.join(BLOCK_TYPES)} "
+                                   "that quantization='gguf' keeps; load it with quantization='float'")
+    quantization = "gguf" if blocks else None if quantization == "float" else quantization
+    tensors = ((name, w, w.shape, w.nbytes) for name, w in gguf.gguf_tensors(reader, cfg, path, blocks))
+    abstract = abstract_model(cfg, dtype, blocks or quantization)
+    model, kv_scales_loaded = build_model(cfg, dtype, tensors, path, mesh, abstract=abstract)
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     return LoadedModel(cfg, model, gguf.gguf_tokenizer(reader, path) if has_vocab else None, str(path),
                        quantization, kv_scales_loaded, sampling)
@@ -506,16 +525,20 @@ def load_converted(path: Path, dtype, mesh=None, quantization: str | None = None
                        meta.get("kv_scales_loaded", False), sampling)
 
 
-@functools.partial(jax.jit, compiler_options=LOADER_XLA_OPTIONS)
-def _all_finite(x: jax.Array) -> jax.Array:
-    return jnp.isfinite(x).all()
+@functools.partial(jax.jit, static_argnames="block_type", compiler_options=LOADER_XLA_OPTIONS)
+def _all_finite(x: jax.Array, block_type: str | None = None) -> jax.Array:
+    """x's values finite; GGUF blocks (block_type) dequantized first (their f16 scales and offsets can be NaN)."""
+    return jnp.isfinite(x if block_type is None else gguf_matmul.dequantize(x, block_type)).all()
 
 
 def check_finite(model: LlamaForCausalLM, source: Path) -> None:
     """A corrupt file can hold NaN/Inf weights: refuse them at load rather than generate garbage. Checked shard
     by shard on each device (no collectives), one small graph per distinct shape; one host sync."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    flags = [[_all_finite(shard.data) for shard in var.get_value().addressable_shards] for _, var in flat]
+    block_types = {path: module.block_type for path, module in nnx.iter_graph(model)
+                   if isinstance(module, (GgufLinear, GgufEmbed))}
+    flags = [[_all_finite(shard.data, block_types.get(path[:-1])) for shard in var.get_value().addressable_shards]
+             for path, var in flat]
     finite = np.array([all(f) for f in jax.device_get(flags)])
     if not finite.all():
         name = ".".join(map(str, flat[int(np.argmin(finite))][0]))
@@ -525,12 +548,19 @@ def check_finite(model: LlamaForCausalLM, source: Path) -> None:
 def load_model(name_or_path: str | None = None, dtype=None, mesh=None, quantization: str | None = None,
                cache_dir: str | None = None) -> LoadedModel:
     """A model by name or path, each parameter placed by `jaxserve.sharding` on the mesh (default: one device).
-    quantization: None keeps the checkpoint's own weights (FP8 for a pre-quantized one), "fp8" quantizes a float
-    one's linear layers at load. cache_dir: where a GGUF model is kept as loaded (`prepared`), for the next start."""
+    quantization: None keeps the checkpoint's own weights (FP8 for a pre-quantized one; a GGUF file's Q4_1 / Q8_0
+    blocks on one CPU device, where the CPU kernel runs them), "fp8" quantizes a float one's linear layers at load,
+    "gguf" keeps a GGUF file's blocks wherever it runs, "float" dequantizes them into the model dtype. cache_dir:
+    where a GGUF model is kept as loaded (`prepared`), for the next start."""
     check_quantization(quantization)
     path, dtype = resolve_model_path(name_or_path), parse_dtype(dtype)
-    kept = prepared.prepared_dir(cache_dir, path, dtype, quantization) if cache_dir and path.suffix == ".gguf" \
-        and path.is_file() else None
+    gguf_file = path.suffix == ".gguf" and path.is_file()
+    if not gguf_file and quantization in ("gguf", "float"):
+        if quantization == "gguf":
+            raise ModelLoadError(path, "quantization='gguf' keeps a GGUF file's blocks; this is not a .gguf file")
+        quantization = None
+    keyed = "gguf" if gguf_file and wants_gguf_blocks(quantization, mesh) else quantization
+    kept = prepared.prepared_dir(cache_dir, path, dtype, keyed) if cache_dir and gguf_file else None
     if kept and (found := prepared.load(kept, mesh or make_mesh())):
         cfg, model, meta, tokenizer = found
         return LoadedModel(cfg, model, tokenizer, str(path), meta["quantization"], meta["kv_scales_loaded"],
@@ -600,6 +630,9 @@ def copy_to_mesh(loaded: LoadedModel, mesh: Mesh) -> LoadedModel:
 def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
     """`jaxserve convert`: parameters to an orbax checkpoint; config, tokenizer and sampling defaults beside them."""
     import orbax.checkpoint as ocp
+    if loaded.quantization == "gguf":
+        raise ValueError("a model holding GGUF blocks cannot be converted: load it with quantization='float' (or "
+                         "'fp8')")
     dst = Path(dst).absolute()
     dst.mkdir(parents=True, exist_ok=True)
     ckpt = ocp.StandardCheckpointer()

@@ -29,7 +29,7 @@ from jaxserve.sharding import param_shardings
 log = logging.getLogger(__name__)
 WEIGHTS, META, TOKENIZER, MODULE = "weights.safetensors", "meta.json", "tokenizer", "module.pkl"
 # the modules whose code decides what a prepared copy holds: a change to any makes every copy stale
-KEYED_SOURCES = ("gguf.py", "loader.py", "llama.py", "fp8.py", "prepared.py", "tensor_file.py")
+KEYED_SOURCES = ("gguf.py", "gguf_blocks.py", "loader.py", "llama.py", "fp8.py", "prepared.py", "tensor_file.py")
 
 
 def prepared_dir(root: str, source: Path, dtype, quantization: str | None) -> Path:

@@ -15,7 +15,8 @@ import numpy as np
 from jaxserve.models.errors import ModelLoadError
 
 SAFETENSORS_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-                      "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "BOOL": np.bool_}
+                      "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "U8": np.uint8,
+                      "BOOL": np.bool_}
 MAX_HEADER_BYTES = 100 << 20   # the format's own limit
 READ_CHUNK, READ_THREADS = 16 << 20, 8   # a tensor's bytes are read in chunks on threads
 SAFETENSORS_NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}

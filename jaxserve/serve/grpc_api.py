@@ -324,7 +324,7 @@ def prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprobs]:
 def model_info(engine: LLMEngine, model_name: str) -> pb.ModelInfoResponse:
     mc, cfg = engine.loaded.config, engine.cfg
     return pb.ModelInfoResponse(
-        model=model_name, arch=mc.arch, dtype=str(engine.loaded.model.embed_tokens.embedding[...].dtype),
+        model=model_name, arch=mc.arch, dtype=str(engine.loaded.dtype),
         device=jax.devices()[0].device_kind, vocab_size=mc.vocab_size, max_model_len=cfg.max_model_len,
         num_layers=mc.num_layers, hidden_size=mc.hidden_size, num_heads=mc.num_heads,
         num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, eos_token_ids=engine.eos_token_ids,

@@ -1,0 +1,180 @@
+// y = x W^T on the CPU with W kept in a GGUF block format (Q4_1 or Q8_0, as llama.cpp stores them): a decode step
+// is bound by reading weights, and these blocks are 5.0 (Q4_1) or 8.5 (Q8_0) bits a weight against f32's 32.
+// Each block is widened to f32 in registers and multiplied with x in f32, so the result is the f32 dot of x and the
+// dequantized weights, up to the order of the sum. Rows of W are split over XLA's intra-op threads.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxserve {
+namespace {
+
+namespace ffi = xla::ffi;
+
+constexpr int kBlock = 32;      // weights a block
+constexpr int kRowTile = 4;     // rows of x one pass over a weight row serves
+constexpr int kChunksPerThread = 4;
+
+// GGML type ids (ggml.h), the attribute naming the block format.
+enum BlockType : int32_t { kQ4_1 = 3, kQ8_0 = 8 };
+
+inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float Sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// A block's 32 weights without scale (and offset) as four vectors of eight floats, in order.
+struct Q4_1 {
+  static constexpr int kBytes = 20;  // half d, half m, 16 bytes of nibbles: q[j] low, q[j + 16] high
+  static constexpr bool kOffset = true;
+  static void Widen(const uint8_t* b, __m256 q[4]) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+  static float Scale(const uint8_t* b) { return Half(b); }
+  static float Offset(const uint8_t* b) { return Half(b + 2); }
+};
+
+struct Q8_0 {
+  static constexpr int kBytes = 34;  // half d, 32 signed bytes
+  static constexpr bool kOffset = false;
+  static void Widen(const uint8_t* b, __m256 q[4]) {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    }
+  }
+  static float Scale(const uint8_t* b) { return Half(b); }
+  static float Offset(const uint8_t*) { return 0.0f; }
+};
+
+struct Problem {
+  const float* x;       // [m, k]
+  const float* x_sums;  // [m, k / 32]: each block's sum of x, for Q4_1's offsets
+  const uint8_t* w;     // [n, k / 32 * bytes]
+  float* y;             // [m, n]
+  int64_t m, n, k;
+};
+
+// y[r0:r0+R, col] for one weight row: each block is widened once and serves R rows of x. (Reading several weight
+// rows a pass, to share x's loads, measured slower: the widening, not the loads, bounds it.)
+template <typename B, int R>
+void DotRow(const Problem& p, int64_t r0, int64_t col) {
+  const int64_t blocks = p.k / kBlock;
+  const uint8_t* row = p.w + col * blocks * B::kBytes;
+  __m256 acc[R];
+  float offset[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * B::kBytes;
+    __m256 q[4];
+    B::Widen(block, q);
+    const __m256 scale = _mm256_set1_ps(B::Scale(block));
+    for (int r = 0; r < R; ++r) {
+      const float* x = p.x + (r0 + r) * p.k + b * kBlock;
+      __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+      t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), t);
+      t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), t);
+      t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), t);
+      acc[r] = _mm256_fmadd_ps(scale, t, acc[r]);
+      if constexpr (B::kOffset) offset[r] += B::Offset(block) * p.x_sums[(r0 + r) * blocks + b];
+    }
+  }
+  for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.n + col] = Sum(acc[r]) + offset[r];
+}
+
+template <typename B>
+void DotColumns(const Problem& p, int64_t begin, int64_t end) {
+  for (int64_t col = begin; col < end; ++col) {
+    int64_t r = 0;
+    for (; r + kRowTile <= p.m; r += kRowTile) DotRow<B, kRowTile>(p, r, col);
+    switch (p.m - r) {
+      case 3: DotRow<B, 3>(p, r, col); break;
+      case 2: DotRow<B, 2>(p, r, col); break;
+      case 1: DotRow<B, 1>(p, r, col); break;
+      default: break;
+    }
+  }
+}
+
+// Chunks of weight rows taken from a shared counter by the calling thread and the pool's. A task the pool starts
+// late finds no chunk left; the state lives as long as its last holder, so a late task never reads freed memory.
+struct Work {
+  Problem problem;
+  void (*run)(const Problem&, int64_t, int64_t);
+  int64_t chunk, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Drain() {
+    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
+      run(problem, c * chunk, std::min(problem.n, (c + 1) * chunk));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+void RunParallel(ffi::ThreadPool& pool, const Problem& p, void (*run)(const Problem&, int64_t, int64_t)) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  auto work = std::make_shared<Work>();
+  work->problem = p;
+  work->run = run;
+  work->chunk = std::max<int64_t>(8, (p.n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+  work->chunks = (p.n + work->chunk - 1) / work->chunk;
+  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t) {
+    pool.Schedule([work] { work->Drain(); });
+  }
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+}
+
+ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      ffi::ResultBuffer<ffi::F32> y, int32_t block_type) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("gguf_matmul: x and w must be 2-D");
+  const bool q4 = block_type == kQ4_1;
+  if (!q4 && block_type != kQ8_0) return ffi::Error::InvalidArgument("gguf_matmul: block_type must be Q4_1 or Q8_0");
+  const int64_t m = xd[0], k = xd[1], n = wd[0], bytes = q4 ? Q4_1::kBytes : Q8_0::kBytes;
+  if (k % kBlock || wd[1] != k / kBlock * bytes) {
+    return ffi::Error::InvalidArgument("gguf_matmul: w's rows must hold k / 32 blocks of x's k");
+  }
+  std::vector<float> sums(q4 ? m * (k / kBlock) : 0);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    const float* v = x.typed_data() + i * kBlock;
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
+                             _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
+    sums[i] = Sum(s);
+  }
+  const Problem p{x.typed_data(), sums.data(), w.typed_data(), y->typed_data(), m, n, k};
+  RunParallel(pool, p, q4 ? DotColumns<Q4_1> : DotColumns<Q8_0>);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGgufMatmul, jaxserve::GgufMatmul,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int32_t>("block_type"));
