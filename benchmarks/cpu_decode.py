@@ -277,7 +277,8 @@ def report(rows: list[dict]) -> None:
         if r["bench"] == "cpu_decode":
             print(f"{r['impl']:>22}: TPOT {r['ms']:.1f} ms ({r['tok_s']:.1f} tok/s; best {r['tpot_best_ms']:.1f} ms); "
                   f"{r['weight_bytes'] / 1e6:.0f} MB of weights ({r['weights']}) a token: "
-                  f"{r['copy_roofline_frac']:.0%} of that copy roofline, {r['read_roofline_frac']:.0%} of the read one; "
+                  f"{r['copy_roofline_frac']:.0%} of that copy roofline, "
+                  f"{r['read_roofline_frac']:.0%} of the read one; "
                   f"jaxserve is {js['tok_s'] / r['tok_s']:.2f}x; tokens equal to jaxserve's: {r['match']}")
         elif r["bench"] == "cpu_decode_batched":
             print(f"batched {r['params']['num_prompts']} x {r['params']['input_len']}/{r['params']['output_len']}: "

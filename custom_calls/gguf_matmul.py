@@ -20,15 +20,15 @@ from custom_calls import build
 
 log = logging.getLogger(__name__)
 
-TARGET = "jaxserve_gguf_matmul"
+TARGET, DEQUANTIZE_TARGET = "jaxserve_gguf_matmul", "jaxserve_gguf_dequantize"
 BLOCK = 32
 # name -> (GGML type id, bytes a block)
 BLOCK_TYPES = {"Q4_1": (3, 20), "Q8_0": (8, 34)}
 # The kernel widens every block once per 4 rows of x, so its time grows with the rows; XLA's GEMM of the weights
-# dequantized in the graph (the reference) pays the dequantization once. 1536 x 576 Q4_1 on two AVX2 cores, kernel
-# against reference: 0.55 / 1.25 ms at 16 rows, 2.2 / 2.0 ms at 64, 9.9 / 4.6 ms at 256. Steps up to the crossover
-# take the kernel, larger prefill chunks the reference (whose graphs compile slower: a cold start of the embedded
-# model 129 s with every step of more than 32 rows on it, 108 s with none, 105 s for the f32 model).
+# dequantized whole pays the dequantization once. 1536 x 576 Q4_1 on two AVX2 cores, kernel against dequantization
+# + GEMM: 0.55 / 1.25 ms at 16 rows, 2.2 / 2.0 ms at 64, 9.9 / 4.6 ms at 256. Steps up to the crossover take the
+# kernel, larger prefill chunks the library's dequantization (the reference's in XLA runs as fast, but its fusions
+# compile slowly: a cold start of the embedded model took 129 s with it past 32 rows, 105 s for the f32 model).
 KERNEL_MAX_ROWS = 64
 
 
@@ -71,14 +71,19 @@ def check_args(x, blocks, block_type: str) -> None:
 
 
 def gguf_matmul(x: jax.Array, blocks: jax.Array, block_type: str) -> jax.Array:
-    """x [M, in] (any float dtype) . W^T -> f32 [M, out], W as `blocks` [out, in / 32 * bytes] hold it: the CPU
-    kernel for up to KERNEL_MAX_ROWS rows where it runs (available()), else the reference."""
+    """x [M, in] (any float dtype) . W^T -> f32 [M, out], W as `blocks` [out, in / 32 * bytes] hold it: where the
+    CPU library runs (available()), its kernel up to KERNEL_MAX_ROWS rows and XLA's GEMM of its dequantization past
+    them; elsewhere the reference."""
     check_args(x, blocks, block_type)
-    if x.shape[0] > KERNEL_MAX_ROWS or not available():
+    if not available():
         return gguf_matmul_reference(x, blocks, block_type)
+    type_id = np.int32(BLOCK_TYPES[block_type][0])
+    if x.shape[0] > KERNEL_MAX_ROWS:
+        w = jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((blocks.shape[0], x.shape[1]), jnp.float32))(
+            blocks, block_type=type_id)
+        return jax.lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ())))
     out = jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), blocks,
-                                         block_type=np.int32(BLOCK_TYPES[block_type][0]))
+    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), blocks, block_type=type_id)
 
 
 def cpu_supports_kernel() -> bool:
@@ -104,6 +109,7 @@ def unavailable_reason() -> str | None:
     except (build.BuildError, OSError) as e:
         return f"the CPU custom calls did not build or load: {e}"
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxserveGgufMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(DEQUANTIZE_TARGET, jax.ffi.pycapsule(library.JaxserveGgufDequantize), platform="cpu")
     return None
 
 

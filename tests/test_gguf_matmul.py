@@ -47,13 +47,15 @@ def test_kernel_and_reference_match_llama_cpps_dequantization(m, n, k, block_typ
 
 @pytest.mark.parametrize("block_type", list(gm.BLOCK_TYPES))
 def test_dequantization_is_llama_cpps_and_feeds_the_gemm_of_many_rows(block_type):
-    """The reference's dequantization (which XLA's GEMM takes past KERNEL_MAX_ROWS rows) gives exactly the gguf
-    package's weights."""
+    """The reference's dequantization and the library's (which XLA's GEMM takes past KERNEL_MAX_ROWS rows) give
+    exactly the gguf package's weights."""
     rng = np.random.default_rng(7)
     blocks, w = random_blocks(rng, 136, 96, block_type)
     np.testing.assert_array_equal(np.asarray(gm.dequantize(jnp.asarray(blocks), block_type)), w.astype(np.float32))
+    kernel_required()
     x = rng.standard_normal((gm.KERNEL_MAX_ROWS + 7, 96)).astype(np.float32)
     fn = jax.jit(gm.gguf_matmul, static_argnums=2)
+    assert gm.DEQUANTIZE_TARGET in fn.lower(x, blocks, block_type).as_text()
     got = np.asarray(fn(x, blocks, block_type))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
@@ -63,8 +65,8 @@ def test_dequantization_is_llama_cpps_and_feeds_the_gemm_of_many_rows(block_type
 
 
 def test_the_kernel_is_the_custom_call_and_its_threads_agree_with_one():
-    """The public op lowers to the FFI call on the CPU up to KERNEL_MAX_ROWS rows, to XLA's dot past them; a run is
-    repeatable (the threads' row chunks never race)."""
+    """The public op lowers to the FFI call on the CPU up to KERNEL_MAX_ROWS rows, to the dequantizing call and XLA's
+    dot past them; a run is repeatable (the threads' row chunks never race)."""
     kernel_required()
     rng = np.random.default_rng(3)
     blocks, _ = random_blocks(rng, 1536, 576, "Q4_1")
@@ -72,7 +74,7 @@ def test_the_kernel_is_the_custom_call_and_its_threads_agree_with_one():
     fn = jax.jit(gm.gguf_matmul, static_argnums=2)
     assert gm.TARGET in fn.lower(x, blocks, "Q4_1").as_text()
     many_rows = fn.lower(np.zeros((gm.KERNEL_MAX_ROWS + 1, 576), np.float32), blocks, "Q4_1").as_text()
-    assert gm.TARGET not in many_rows
+    assert gm.TARGET not in many_rows and gm.DEQUANTIZE_TARGET in many_rows
     first = np.asarray(fn(x, blocks, "Q4_1"))
     for _ in range(5):
         np.testing.assert_array_equal(np.asarray(fn(x, blocks, "Q4_1")), first)
@@ -98,6 +100,6 @@ def test_the_cpu_library_is_built_once_and_exports_its_handler(tmp_path, monkeyp
     library = build.build_cpu_library()
     exported = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
                               check=True).stdout
-    assert " T JaxserveGgufMatmul\n" in exported
+    assert " T JaxserveGgufMatmul\n" in exported and " T JaxserveGgufDequantize\n" in exported
     built_at = library.stat().st_mtime_ns
     assert build.build_cpu_library() == library and library.stat().st_mtime_ns == built_at   # same key: cached

@@ -1,7 +1,8 @@
 // y = x W^T on the CPU with W kept in a GGUF block format (Q4_1 or Q8_0, as llama.cpp stores them): a decode step
 // is bound by reading weights, and these blocks are 5.0 (Q4_1) or 8.5 (Q8_0) bits a weight against f32's 32.
 // Each block is widened to f32 in registers and multiplied with x in f32, so the result is the f32 dot of x and the
-// dequantized weights, up to the order of the sum. Rows of W are split over XLA's intra-op threads.
+// dequantized weights, up to the order of the sum. Rows of W are split over XLA's intra-op threads. Steps of many
+// rows take W dequantized whole (GgufDequantize) into XLA's GEMM instead.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -116,6 +117,23 @@ void DotColumns(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
+// W's rows begin..end dequantized into y [n, k].
+template <typename B>
+void DequantizeRows(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t blocks = p.k / kBlock;
+  for (int64_t row = begin; row < end; ++row) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = p.w + (row * blocks + b) * B::kBytes;
+      __m256 q[4];
+      B::Widen(block, q);
+      const __m256 scale = _mm256_set1_ps(B::Scale(block)), offset = _mm256_set1_ps(B::Offset(block));
+      float* y = p.y + row * p.k + b * kBlock;
+      // rounded twice, as llama.cpp's d * q + m (the build keeps the compiler from fusing them)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(_mm256_mul_ps(q[i], scale), offset));
+    }
+  }
+}
+
 // Chunks of weight rows taken from a shared counter by the calling thread and the pool's. A task the pool starts
 // late finds no chunk left; the state lives as long as its last holder, so a late task never reads freed memory.
 struct Work {
@@ -168,6 +186,22 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+ffi::Error GgufDequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
+                          int32_t block_type) {
+  const auto wd = w.dimensions(), yd = y->dimensions();
+  const bool q4 = block_type == kQ4_1;
+  if (!q4 && block_type != kQ8_0) {
+    return ffi::Error::InvalidArgument("gguf_dequantize: block_type must be Q4_1 or Q8_0");
+  }
+  if (wd.size() != 2 || yd.size() != 2 || wd[0] != yd[0] || yd[1] % kBlock ||
+      wd[1] != yd[1] / kBlock * (q4 ? Q4_1::kBytes : Q8_0::kBytes)) {
+    return ffi::Error::InvalidArgument("gguf_dequantize: w's rows must hold k / 32 blocks of y's k");
+  }
+  const Problem p{nullptr, nullptr, w.typed_data(), y->typed_data(), 0, yd[0], yd[1]};
+  RunParallel(pool, p, q4 ? DequantizeRows<Q4_1> : DequantizeRows<Q8_0>);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxserve
 
@@ -175,6 +209,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGgufMatmul, jaxserve::GgufMatmul,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int32_t>("block_type"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGgufDequantize, jaxserve::GgufDequantize,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int32_t>("block_type"));

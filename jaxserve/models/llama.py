@@ -276,13 +276,14 @@ class LlamaForCausalLM(nnx.Module):
         GgufBlocks: the decoder's linear layers, and the embedding and LM head where they name a type, keep a GGUF
         file's blocks."""
         h, v = cfg.hidden_size, cfg.vocab_size
-        blocks = quantization if isinstance(quantization, GgufBlocks) else GgufBlocks("")
+        blocks = quantization if isinstance(quantization, GgufBlocks) else GgufBlocks("")   # "": none
         self.embed_tokens = GgufEmbed(v, h, blocks.embedding, dtype) if blocks.embedding else \
             nnx.Embed(v, h, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else \
-            GgufLinear(h, v, blocks.lm_head, use_bias=False, dtype=dtype) if blocks.lm_head else _linear(h, v, dtype, rngs)
+            GgufLinear(h, v, blocks.lm_head, use_bias=False, dtype=dtype) if blocks.lm_head else \
+            _linear(h, v, dtype, rngs)
         self.cfg = cfg
 
     def __call__(self, token_ids, positions, kv_cache=None, paged: PagedAttention | None = None):
