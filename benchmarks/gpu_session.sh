@@ -39,6 +39,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-profile   # MoE batch 1 profiled, then 256 x 512/128
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-ncu       # the routing kernel under Nsight Compute
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-fp8      # Mosaic GPU decode over an FP8 cache
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
 set -uo pipefail
@@ -102,6 +103,16 @@ case $1 in
     for backend in mosaic triton; do
       run 120 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
         --set decode_attention=$backend --out "$OUT/offline_mosaic_decode_gpu.json"
+    done ;;
+  mosaic-fp8)   # the Mosaic GPU decode over an FP8 cache: its GPU tests, beside Triton at the sweep's points (bf16
+    # caches in the same run), batch 1 in the engine over an FP8 cache on each backend
+    run 110 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
+      tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
+    run 220 python benchmarks/attention.py --mosaic-decode --kv-dtype fp8 \
+      --points 256x512 64x512 8x512 8x4096 64x4096 256x4096 --out "$OUT/attention_mosaic_decode_gpu.json"
+    for backend in mosaic triton; do
+      run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
+        --set kv_cache_dtype=fp8 decode_attention=$backend --out "$OUT/offline_mosaic_decode_gpu.json"
     done ;;
   mosaic-engine)   # the engine's decode-only steps on each backend: 256 x 512/128, then batch 1 (the first compiles)
     for backend in mosaic triton; do
