@@ -40,6 +40,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-ncu       # the routing kernel under Nsight Compute
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-fp8      # Mosaic GPU decode over an FP8 cache
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-only     # no Triton kernel: tests, engine beside default
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
 set -uo pipefail
@@ -113,6 +114,15 @@ case $1 in
     for backend in mosaic triton; do
       run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
         --set kv_cache_dtype=fp8 decode_attention=$backend --out "$OUT/offline_mosaic_decode_gpu.json"
+    done ;;
+  mosaic-only)   # the engine with every attention kernel on Mosaic GPU (no Triton kernel) beside the default, same
+    # call: its GPU tests, then 256 x 512/128 and batch 1 on each
+    run 150 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py tests/test_llm_engine.py \
+      -k "mixed or both_backends or decode_steps_run_the_decode_kernel"
+    for set in "prefill_attention=mosaic decode_attention=mosaic" "prefill_attention=triton"; do
+      run 120 python benchmarks/offline.py --config $CONFIG --set $set --out "$OUT/offline_mosaic_gpu.json"
+      run 80 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
+        --set $set --out "$OUT/offline_mosaic_gpu.json"
     done ;;
   mosaic-engine)   # the engine's decode-only steps on each backend: 256 x 512/128, then batch 1 (the first compiles)
     for backend in mosaic triton; do

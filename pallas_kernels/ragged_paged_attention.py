@@ -483,8 +483,10 @@ def mosaic_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *
     num_decodes = leading_decodes(cu_q_lens, num_seqs)
     decoded = mosaic_decode(q[:rows], k_cache, v_cache, kv_lens, blocks, num_decodes, scores=scores, tuning=decode,
                             **addressing)
-    is_decode = (jnp.arange(rows) < num_decodes)[:, None, None]
-    return out.at[:rows].set(jnp.where(is_decode, decoded, out[:rows]))
+    # one select over every row, not an update of the first rows: XLA's GPU compiler refuses a dynamic-update-slice
+    # fusion whose target is a custom call's output ("DUS target must be a fusion parameter")
+    decoded = jnp.pad(decoded, ((0, q.shape[0] - rows), (0, 0), (0, 0)))
+    return jnp.where((jnp.arange(q.shape[0]) < num_decodes)[:, None, None], decoded, out)
 
 
 pallas_mosaic_attention = jax.jit(mosaic_launches, static_argnames=("scores", "prefill", "decode", "interpret",

@@ -410,20 +410,28 @@ def test_attention_kernels_are_what_runs_here():
             resolve_attention_kernels(backend, "triton", head_dim=64)
 
 
-@pytest.mark.parametrize("kernel, backend", [
-    ("cuda", "auto"), ("pallas", "triton"),
-    pytest.param("pallas", "mosaic", marks=pytest.mark.skipif(on_gpu() and not on_hopper(), reason="needs sm_90")),
+HOPPER = pytest.mark.skipif(on_gpu() and not on_hopper(), reason="needs sm_90")
+
+
+@pytest.mark.parametrize("kernel, backend, prefill", [
+    ("cuda", "auto", "triton"), ("pallas", "triton", "triton"),
+    pytest.param("pallas", "mosaic", "triton", marks=HOPPER),
+    pytest.param("pallas", "mosaic", "mosaic", marks=HOPPER),  # every attention kernel on Mosaic GPU
 ])
-def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend, monkeypatch):
+def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend, prefill, monkeypatch):
     """Decode-only steps run the decode kernel's graph (mixed steps the ragged kernel's) and HF's tokens come
     out. On the GPU these are the Pallas decode-only launch on each backend (its small buckets split contexts)
-    and the CUDA call; on CPU all fall back to the reference, which checks the plumbing only."""
+    and the CUDA call, and with both backends Mosaic no graph holds a Triton kernel; on CPU all fall back to the
+    reference, which checks the plumbing only."""
     import jaxserve.engine.step_graphs as step_graphs
     monkeypatch.setattr(step_graphs, "resolve_attention_kernels",
-                        lambda *_: AttentionKernels(kernel, "triton", decode_backend=backend))
+                        lambda *_: AttentionKernels(kernel, prefill, decode_backend=backend))
     prompts, expected = tiny_expected
     llm = LLM(tiny[0], **BASE)
     assert llm.engine.graphs.kernels.decode == kernel
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
-    decode_only = {key.dims[2] for key in llm.engine.graphs.manager.executables if key.kind == "model"}
-    assert decode_only == {False, True}
+    models = {key: executable for key, executable in llm.engine.graphs.manager.executables.items()
+              if key.kind == "model"}
+    assert {key.dims[2] for key in models} == {False, True}   # decode-only and mixed steps
+    if on_gpu() and prefill == backend == "mosaic":
+        assert not [key for key, executable in models.items() if "triton" in executable.as_text()]
