@@ -457,5 +457,6 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend
         return
     assert_greedy_up_to_near_ties(outputs, engine(AttentionKernels("reference", "triton"), model).generate(
         prompts, LOGPROBS))
-    if prefill == "mosaic":
-        assert not [key for key, executable in models.items() if "triton" in executable.as_text()]
+    # a Pallas Triton kernel is its own custom call (XLA's own GEMM fusions may say "triton" too: not Pallas)
+    pallas_triton = [key for key, executable in models.items() if "__gpu$xla.gpu.triton" in executable.as_text()]
+    assert bool(pallas_triton) == (prefill == "triton")
