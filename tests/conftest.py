@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded model (loaded once) and its HF transformers oracle; tests that use them must be
 marked slow. The other shared builders are in helpers.py."""
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -14,6 +15,7 @@ os.environ.setdefault("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxserve/xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 XLA_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+ORACLE_CACHE = Path("~/.cache/jaxserve/hf_oracle").expanduser()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -53,8 +55,29 @@ def smollm():
 
 @pytest.fixture(scope="session")
 def smollm_hf():
-    """The same GGUF file through HF transformers (PyTorch, f32): the oracle."""
+    """The same GGUF file through HF transformers (PyTorch, f32): the oracle. transformers' GGUF reader takes ~90 s
+    on two cores, so what it read is kept as a safetensors checkpoint in the suite's cache, keyed by the file and
+    transformers' version (the same weights: loading them again takes seconds, in another worker or run)."""
+    import fcntl
+    import hashlib
+
+    import safetensors.torch
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
     path = embedded_model_path("smollm2-135m-instruct")
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
+    saved = ORACLE_CACHE / key.hexdigest()[:16]
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{saved}.lock", "w") as lock:   # one worker converts, another waits for it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (saved / "model.safetensors").exists():   # transformers saves no GGUF-loaded model: its parts
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                      dtype=torch.float32)
+            model.config.save_pretrained(saved)
+            safetensors.torch.save_model(model, f"{saved}/partial.safetensors")   # shared (tied) weights once
+            os.replace(f"{saved}/partial.safetensors", saved / "model.safetensors")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(saved),
+                                                          dtype=torch.float32)
+    safetensors.torch.load_model(model, saved / "model.safetensors")
+    return model.eval()

@@ -435,21 +435,37 @@ def eagle_engine(tiny_model, path, **knobs):
     return llm
 
 
+REFERENCE_LEN = 160   # every recorded sequence with its drafts fits: the dense reference compiles once
+
+
 def reference_drafts(target, head, tokens: list[int], num_drafts: int) -> tuple[list[int], list[float]]:
     """The head's greedy drafts after `tokens`, dense (no cache, no paging): entries (t[p + 1], fc(target's hidden
     states entering its aux layers at p)) for p < len - 1, each draft appended with the head's output as its
     features; and each draft's top-2 logit margin."""
-    ids = jnp.asarray(tokens, jnp.int32)
-    _, _, aux = target.forward(ids, jnp.arange(len(tokens)), aux_layers=head.aux_layers)
-    features, entries = head.features(aux)[:-1], ids[1:]
+    assert len(tokens) + num_drafts <= REFERENCE_LEN
+    ids = jnp.zeros(REFERENCE_LEN, jnp.int32).at[:len(tokens)].set(jnp.asarray(tokens, jnp.int32))
+    drafts, margins = padded_reference_drafts(target, head, ids, len(tokens), num_drafts)
+    return [int(d) for d in drafts], [float(m) for m in margins]
+
+
+@nnx.jit(static_argnames="num_drafts")
+def padded_reference_drafts(target, head, ids, length, num_drafts: int):
+    """reference_drafts over ids padded to one length (a shape per draft count, not per sequence): attention is
+    causal, so no position before `length` sees the padding, whose entries and features are overwritten as the
+    drafts arrive."""
+    positions = jnp.arange(ids.shape[0])
+    _, _, aux = target.forward(ids, positions, aux_layers=head.aux_layers)
+    features, entries = head.features(aux), jnp.roll(ids, -1)   # entry p: (t[p + 1], features at p)
     drafts, margins = [], []
-    for _ in range(num_drafts):
-        out, _ = head(entries, features, jnp.arange(len(entries)))
-        top2 = jax.lax.top_k(head.lm_head(head.norm(out[-1:]))[0], 2)[0]
-        drafts.append(int(head.propose(out[-1:])[0]))
-        margins.append(float(top2[0] - top2[1]))
-        entries, features = jnp.append(entries, drafts[-1]), jnp.concatenate([features, out[-1:]])
-    return drafts, margins
+    for i in range(num_drafts):
+        last = length - 2 + i   # the last live entry
+        out = jax.lax.dynamic_slice_in_dim(head(entries, features, positions)[0], last, 1)
+        top2 = jax.lax.top_k(head.lm_head(head.norm(out))[0], 2)[0]
+        drafts.append(head.propose(out)[0])
+        margins.append(top2[0] - top2[1])
+        entries = entries.at[last + 1].set(drafts[-1])
+        features = jax.lax.dynamic_update_slice_in_dim(features, out.astype(features.dtype), last + 1, 0)
+    return jnp.stack(drafts), jnp.stack(margins)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from jaxserve.engine.llm import LLM
 from jaxserve.engine.sampler import allowed_tokens, init_penalty_state, make_sampling_tensors, sample
 from jaxserve.engine.sampling_params import MAX_STRUCTURED_CHARS, SamplingParams, StructuredOutputsParams
 from jaxserve.models.loader import random_model
-from helpers import KNOBS, TINY
+from helpers import KNOBS, SERVER_KNOBS, TINY
 
 SO = StructuredOutputsParams
 # a random model writes whatever the mask allows: bounded strings and numbers keep its outputs finite
@@ -206,7 +206,7 @@ PERSON = {"type": "object", "properties": {
 
 @pytest.mark.slow
 def test_the_embedded_model_answers_in_the_asked_form(smollm):
-    llm = LLM(smollm)
+    llm = LLM(smollm, precompile=False, **SERVER_KNOBS)   # the serving tests' engine: their graphs, compiled once
     asks = [("Describe a person called Ann who is 31 and likes chess, as JSON.", SO(json=PERSON),
              lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
             ("Is the sky blue? Answer yes or no.", SO(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
