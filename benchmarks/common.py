@@ -31,12 +31,9 @@ class Bytes:
         embedding's (a tied one) or its own."""
         model = jnp.dtype(loaded.dtype).itemsize
         kv = jnp.dtype(kv_cache_dtype(engine_cfg.kv_cache_dtype, loaded.dtype)).itemsize
-        if loaded.quantization == "gguf":
-            m = loaded.model
-            head = m.embed_tokens if m.lm_head is None else m.lm_head
-            linear = m.layers[0].self_attn.q_proj
-            return cls(block_bytes(linear.block_type),
-                       block_bytes(head.block_type) if hasattr(head, "block_type") else model, kv)
+        if (blocks := loaded.gguf_blocks) is not None:
+            head = blocks.embedding if loaded.model.lm_head is None else blocks.lm_head
+            return cls(block_bytes(blocks.linear), model if head is None else block_bytes(head), kv)
         return cls(1 if loaded.quantization == "fp8" else model, model, kv)
 
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from custom_calls import gguf_matmul
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.gguf_blocks import GgufEmbed, GgufLinear
+from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear
 from jaxserve.models.loader import load_model
 
 from helpers import (K_QUANT_F16_SCALES, TINY_HF_KWARGS, close_writer, forward_logits, greedy, hf_logits,
@@ -59,6 +59,7 @@ def test_blocks_the_cpu_kernel_reads_stay_as_stored_and_compute_the_dequantized_
     stored = write_gguf(tmp_path / "tiny.gguf", tiny_llama(), qtype)
     blocks, f32 = (load_model(str(tmp_path / "tiny.gguf"), "f32", quantization=q) for q in (None, "float"))
     assert (blocks.quantization, f32.quantization) == ("gguf", None)
+    assert (blocks.gguf_blocks, f32.gguf_blocks) == (GgufBlocks(qtype, qtype, qtype), None)
     model = blocks.model
     assert isinstance(model.embed_tokens, GgufEmbed) and isinstance(model.lm_head, GgufLinear)
     for name, linear in [("model.layers.0.mlp.up_proj.weight", model.layers[0].mlp.up_proj),

@@ -118,8 +118,8 @@ def tensor_parallel_mesh(loaded: LoadedModel, cfg: EngineConfig) -> Mesh:
 
 def weight_dtype(loaded: LoadedModel) -> str:
     """The linear layers' weight dtype, as stats and metrics name it (a GGUF block type in lower case: q4_1)."""
-    if loaded.quantization == "gguf":
-        return loaded.model.layers[0].self_attn.q_proj.block_type.lower()
+    if loaded.gguf_blocks is not None:
+        return loaded.gguf_blocks.linear.lower()
     return "float8_e4m3fn" if loaded.quantization == "fp8" else loaded.dtype.name
 
 

@@ -32,7 +32,7 @@ from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models import gguf, prepared
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.fp8 import FP8, dequantize_blocks, quantize_weight
-from jaxserve.models.gguf_blocks import GgufEmbed, GgufLinear
+from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear
 from jaxserve.models.llama import LlamaForCausalLM, abstract_model
 from jaxserve.models.tensor_file import read_safetensors
 from jaxserve.sharding import make_mesh, param_shardings, replica_meshes
@@ -83,6 +83,15 @@ class LoadedModel:
         """The weights' dtype, which activations and the KV cache share (the final norm's: linear weights and the
         embedding may be quantized)."""
         return self.model.norm.weight[...].dtype
+
+    @property
+    def gguf_blocks(self) -> GgufBlocks | None:
+        """The GGUF block types the model keeps (quantization "gguf"), else None."""
+        if self.quantization != "gguf":
+            return None
+        m = self.model
+        return GgufBlocks(m.layers[0].self_attn.q_proj.block_type, getattr(m.embed_tokens, "block_type", None),
+                          getattr(m.lm_head, "block_type", None))
 
 
 def default_dtype():
