@@ -32,10 +32,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (LOG2E, log2_logits, mosaic_interpret_params, normalize, online_softmax_step,
                                    per_row)
+from pallas_kernels.paged_prefill_attention_mgpu import page_addressing, wgmma_carry, zero_rows_from
 
 FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)
 F16_MAX = float(jnp.finfo(jnp.float16).max)
-from pallas_kernels.paged_prefill_attention_mgpu import page_addressing, wgmma_carry, zero_rows_from
 
 TILE_ROWS = 64  # wgmma's M: the q heads of a kv head fill the first rows
 
