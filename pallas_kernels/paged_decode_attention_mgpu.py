@@ -16,10 +16,9 @@ The decode-only launch of `ragged_paged_attention` without Pallas's Triton backe
   the online softmax and PV as the pages land, and frees each slot after its PV.
 - Keys past the context (the last step's tail: the null block) are masked and their V rows zeroed, since
   0 x NaN would leak; pages before a sliding window's start are not read.
-- FP8 (e4m3) caches are read as their values (any scale is the caller's): the memory warpgroup converts each
-  landed step to float16 (e4m3 -> bf16 takes a newer PTX than CUDA 13's) into a second, swizzled ring that the
-  compute warpgroup's wgmma reads, so the conversion runs beside the dots; q is clipped to float16's range, as
-  the Triton kernels do.
+- FP8 (e4m3) caches are read as their values (any scale is the caller's): each K and V tile is converted in
+  registers to float16 into a swizzled tile for wgmma (e4m3 -> bf16 takes a newer PTX than CUDA 13's), and q is
+  clipped to float16's range, as the Triton kernels do.
 """
 import functools
 from dataclasses import dataclass
@@ -39,9 +38,6 @@ FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)
 F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 TILE_ROWS = 64  # wgmma's M: the q heads of a kv head fill the first rows
-CONVERTED_STEPS = 2  # an fp8 cache's float16 steps in SMEM: one in the dots, the next being converted
-CONVERT_COLS = 64  # columns the memory warpgroup converts at once: one swizzle tile wide, so the f16 values
-# store as wgmma's layout (64 rows); 32 values a thread within its 40 registers
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,29 +132,19 @@ class Ring:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class Converted:
-    """An fp8 cache's K and V steps converted to float16 by the memory warpgroup, for the compute warpgroup's
-    wgmma: a ring of its own behind the e4m3 one, so the conversion runs beside the dots, not before them."""
-    k: Any  # [CONVERTED_STEPS, block_kv, head_dim], swizzled
-    v: Any
-    ready: Any  # per slot: converted
-    free: Any  # per slot: the compute warpgroup is done with it
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
 class Scratch:
     q_tile: Any  # [64, head_dim] swizzled: the wgmma operand
     staging: Any  # [2]: item n's q lands in staging[n % 2], and its output leaves from there (plain SMEM: the rows
     # start anywhere in HBM)
     k: Ring
     v: Ring
-    free: Any  # per ring slot: the compute warpgroup is done with its K and V (an fp8 ring: None, see Converted)
+    free: Any  # per ring slot: the compute warpgroup is done with its K and V
     q_ready: Any  # [2], one per staging buffer
     p_tile: Any  # softmax probabilities for the interpreter's wgmma (SMEM operands only); None on the GPU
     parts: Any  # float32 partial and its log2-sum-exp when the contexts are split; else None
     lse: Any
-    converted: Any  # an fp8 cache's tiles as wgmma reads them (Converted); None when the ring holds q's dtype
+    k_tile: Any  # an fp8 cache's K and V tiles converted for wgmma; None when the ring holds q's dtype
+    v_tile: Any
 
 
 def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, split, interpret) -> Scratch:
@@ -172,20 +158,18 @@ def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, spli
                     plgpu.Barrier(num_arrivals=pages, num_barriers=steps))
 
     def converted():
-        tiles = lambda: plgpu.SMEM((CONVERTED_STEPS, tuning.block_kv, head_dim), compute, transforms=swizzled)  # noqa: E731
-        return Converted(tiles(), tiles(), plgpu.Barrier(num_barriers=CONVERTED_STEPS),
-                         plgpu.Barrier(num_barriers=CONVERTED_STEPS)) if fp8 else None
+        return plgpu.SMEM((tuning.block_kv, head_dim), compute, transforms=swizzled) if fp8 else None
 
     return Scratch(
         q_tile=plgpu.SMEM((TILE_ROWS, head_dim), compute, transforms=swizzled),
         staging=plgpu.SMEM((2, TILE_ROWS, head_dim), dtype),
         k=ring(), v=ring(),
-        free=None if fp8 else plgpu.Barrier(num_barriers=steps),
+        free=plgpu.Barrier(num_barriers=steps),
         q_ready=plgpu.Barrier(num_barriers=2),
         p_tile=plgpu.SMEM((TILE_ROWS, tuning.block_kv), compute, transforms=swizzled) if interpret else None,
         parts=plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32) if split else None,
         lse=plgpu.SMEM((TILE_ROWS,), jnp.float32) if split else None,
-        converted=converted())
+        k_tile=converted(), v_tile=converted())
 
 
 @jax.tree_util.register_dataclass
@@ -254,14 +238,10 @@ def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, 
         pages = page_addressing(blocks_ref, blocks_per_row, block_stride)
         steps = lax.fori_loop(0, num_items, lambda n, step: stream(item(n), step, k_ref, v_ref, pages, scratch,
                                                                    tuning), 0)
-        depth, free = tuning.max_concurrent_steps, scratch.free
-        if scratch.converted is not None:   # the steps still in flight, converted
-            lax.fori_loop(jnp.maximum(steps - (depth - 1), 0), steps,
-                          lambda step, _: convert(step, scratch, tuning), None)
-            depth, free = CONVERTED_STEPS, scratch.converted.free
+        depth = tuning.max_concurrent_steps
         for i in range(depth):  # observe the last releases before the barriers go
             last = steps - depth + i
-            pl.when(last >= 0)(lambda: plgpu.barrier_wait(free.at[last % depth]))
+            pl.when(last >= 0)(lambda: plgpu.barrier_wait(scratch.free.at[last % depth]))
 
 
 def stream(work: Work, step, k_ref, v_ref, pages, scratch: Scratch, tuning: DecodeTuning):
@@ -276,33 +256,15 @@ def stream(work: Work, step, k_ref, v_ref, pages, scratch: Scratch, tuning: Deco
         # pages past the context may not be in the table: the null block stands in (its V rows are zeroed)
         ids = [jnp.where((s * per_step + i) * block_size < work.kv_len, pages.page(seq_pages, s * per_step + i), 0)
                for i in range(per_step)]
-        if scratch.converted is None:   # else the slot was converted (below) since its last pages
-            pl.when(step >= depth)(lambda: plgpu.barrier_wait(scratch.free.at[slot]))
+        pl.when(step >= depth)(lambda: plgpu.barrier_wait(scratch.free.at[slot]))
         for ring, cache in ((scratch.k, k_ref), (scratch.v, v_ref)):
             for i, page in enumerate(ids):
                 plgpu.copy_gmem_to_smem(cache.at[page, :, work.kv_head],
                                         ring.buffers.at[slot, pl.ds(i * block_size, block_size)],
                                         ring.ready.at[slot])
-        if scratch.converted is not None:   # the oldest step in flight, while the younger ones land
-            pl.when(step >= depth - 1)(lambda: convert(step - (depth - 1), scratch, tuning))
         return step + 1
 
     return lax.fori_loop(work.lo, work.hi, one, step)
-
-
-def convert(step, scratch: Scratch, tuning: DecodeTuning):
-    """Memory warpgroup, fp8 cache: step's e4m3 K and V (once landed) as float16 into its converted slot (once
-    the compute warpgroup is done with that slot's last step); the e4m3 slot is free again after it."""
-    slot, out = step % tuning.max_concurrent_steps, step % CONVERTED_STEPS
-    conv = scratch.converted
-    pl.when(step >= CONVERTED_STEPS)(lambda: plgpu.barrier_wait(conv.free.at[out]))
-    for ring, tiles in ((scratch.k, conv.k), (scratch.v, conv.v)):
-        plgpu.barrier_wait(ring.ready.at[slot])
-        for col in range(0, tiles.shape[-1], CONVERT_COLS):
-            cols = pl.ds(col, CONVERT_COLS)
-            tiles.at[out, :, cols][...] = ring.buffers.at[slot, :, cols][...].astype(tiles.dtype)
-    plgpu.commit_smem()   # the writes before wgmma's reads, the e4m3 reads before the next pages' copies
-    plgpu.barrier_arrive(conv.ready.at[out])
 
 
 def load_q(work: Work, buffer, q_ref, scratch: Scratch, group):
@@ -333,18 +295,22 @@ def as_compute(q, dtype):
     return jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dtype)
 
 
+def landed(ring: Ring, converted, slot):
+    """The ring slot's tile once its pages landed, as wgmma reads it: itself, or converted into `converted`."""
+    plgpu.barrier_wait(ring.ready.at[slot])
+    if converted is None:
+        return ring.buffers.at[slot]
+    converted[...] = ring.buffers[slot].astype(converted.dtype)
+    plgpu.commit_smem()
+    return converted
+
+
 def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning, sm_scale, soft_cap):
     """KV step s: ring slot (base + s) % depth, as the memory warpgroup counts."""
     acc, m, l = carry
-    bkv, conv = tuning.block_kv, scratch.converted
-    if conv is None:   # the ring's slot, each of K and V once its pages landed
-        slot = (base + s) % tuning.max_concurrent_steps
-        plgpu.barrier_wait(scratch.k.ready.at[slot])
-        k_tile, v_tile, release = scratch.k.buffers.at[slot], scratch.v.buffers.at[slot], scratch.free.at[slot]
-    else:   # the memory warpgroup's converted slot
-        slot = (base + s) % CONVERTED_STEPS
-        plgpu.barrier_wait(conv.ready.at[slot])
-        k_tile, v_tile, release = conv.k.at[slot], conv.v.at[slot], conv.free.at[slot]
+    slot = (base + s) % tuning.max_concurrent_steps
+    bkv = tuning.block_kv
+    k_tile = landed(scratch.k, scratch.k_tile, slot)
 
     def qk(ref):
         plgpu.wgmma(ref, scratch.q_tile, k_tile.T)
@@ -358,8 +324,9 @@ def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning,
     acc *= per_row(alpha, acc.shape)
     l = l * alpha + p.sum(axis=1)
     p = p.astype(scratch.q_tile.dtype)
-    if conv is None:
-        plgpu.barrier_wait(scratch.v.ready.at[slot])
+    v_tile = landed(scratch.v, scratch.v_tile, slot)
+    if scratch.v_tile is not None:  # converted: the ring slot can take the next pages
+        plgpu.barrier_arrive(scratch.free.at[slot])
     if masked:  # V rows past the context (the null block's, or stale) may hold NaN
         pl.when((s + 1) * bkv > work.kv_len)(lambda: zero_rows_from(v_tile, work.kv_len - s * bkv))
     if scratch.p_tile is not None:  # the interpreter's wgmma takes SMEM operands only
@@ -372,7 +339,8 @@ def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning,
         return ref[...]
 
     acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
-    plgpu.barrier_arrive(release)
+    if scratch.v_tile is None:
+        plgpu.barrier_arrive(scratch.free.at[slot])
     return acc, m, l
 
 
