@@ -35,6 +35,9 @@ TARGETS = {
 }
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)   # q's, and a cache's in q's dtype
 CACHE_DTYPES = (*DTYPES, jnp.float8_e4m3fn)
+# what cache writes and block copies move: also an fp8 cache kept as its bits (uint8), as jaxserve keeps one on a
+# CPU; the references move those (the CUDA calls take the cache dtypes above)
+MOVED_DTYPES = (*CACHE_DTYPES, jnp.uint8)
 HEAD_DIMS = (64, 128, 256)
 # Split-K: aim for this many CTAs per SM, never slicing a sequence finer than
 # MIN_SPLIT_TOKENS (each split pays a fixed setup and a partial write); MAX_SPLITS
@@ -104,13 +107,14 @@ def choose_num_splits(batch: int, kv_heads: int, group: int, max_tokens: int, sm
     return max(1, min(wanted, math.ceil(max_tokens / MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
-def check_cache(k_cache, v_cache) -> None:
+def check_cache(k_cache, v_cache, dtypes=CACHE_DTYPES) -> None:
     if k_cache.ndim != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, kv_heads, head_dim], got {k_cache.shape}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"v_cache {v_cache.shape} {v_cache.dtype} must match k_cache {k_cache.shape} {k_cache.dtype}")
-    if k_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(f"k_cache dtype must be float32, bfloat16, float16 or float8_e4m3fn, got {k_cache.dtype}")
+    if k_cache.dtype not in dtypes:
+        names = ", ".join(jnp.dtype(d).name for d in dtypes)
+        raise ValueError(f"k_cache dtype must be one of {names}, got {k_cache.dtype}")
     if k_cache.shape[3] * k_cache.dtype.itemsize % 16:
         raise ValueError(f"k_cache head_dim * itemsize must be a multiple of 16 bytes, got head_dim {k_cache.shape[3]}")
 
@@ -207,7 +211,7 @@ def paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, *, sm_sca
 
 
 def check_write_args(k_cache, v_cache, k, v, slot_mapping) -> None:
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, MOVED_DTYPES)
     check_index("slot_mapping", slot_mapping, 1)
     row = (slot_mapping.shape[0], *k_cache.shape[2:])
     for name, new in (("k", k), ("v", v)):
@@ -237,13 +241,13 @@ def call_in_place(target: str, k_cache, v_cache, *args):
 def reshape_and_cache(k_cache, v_cache, k, v, slot_mapping):
     """reshape_and_cache_reference in place on the (donated) caches; returns (k_cache, v_cache)."""
     check_write_args(k_cache, v_cache, k, v, slot_mapping)
-    if not available():
+    if not available() or k_cache.dtype not in CACHE_DTYPES:
         return reshape_and_cache_reference(k_cache, v_cache, k, v, slot_mapping)
     return call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, k, v, slot_mapping)
 
 
 def check_copy_args(k_cache, v_cache, src, dst) -> None:
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, MOVED_DTYPES)
     check_index("src", src, 1)
     check_index("dst", dst, 1)
     if src.shape != dst.shape:
@@ -263,7 +267,7 @@ def copy_blocks_reference(k_cache, v_cache, src, dst):
 def copy_blocks(k_cache, v_cache, src, dst):
     """copy_blocks_reference in place on the (donated) caches; returns (k_cache, v_cache)."""
     check_copy_args(k_cache, v_cache, src, dst)
-    if not available():
+    if not available() or k_cache.dtype not in CACHE_DTYPES:
         return copy_blocks_reference(k_cache, v_cache, src, dst)
     return call_in_place("jaxserve_copy_blocks", k_cache, v_cache, src, dst)
 

@@ -31,7 +31,7 @@ def paged_log_probs(loaded, ids: np.ndarray, kv_dtype: str = "auto") -> np.ndarr
     """[T, vocab] f32 log-probabilities after each token of one sequence, run as one prefill step through a
     paged cache of kv_dtype (an FP8 cache's scales calibrated first unless the checkpoint brought them)."""
     cfg, num_tokens = loaded.config, len(ids)
-    dtype = kv_cache_dtype(kv_dtype, loaded.dtype)
+    dtype = kv_cache_dtype(kv_dtype, loaded.dtype, jax.devices()[0].platform)
     if is_quantized_kv(dtype) and not loaded.kv_scales_loaded:
         calibrate_kv_scales(loaded.model, calibration_ids(loaded.tokenizer, cfg.vocab_size))
     num_blocks = -(-num_tokens // BLOCK_SIZE)

@@ -67,7 +67,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import (exp2_shift, init_carry, interpret_params, log2_logits, normalize,
                                    online_softmax_step, per_row)
 from pallas_kernels.block_tables import row_starts, strided_block_tables
-from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention_reference import FP8_BITS, ragged_paged_attention_reference
 
 if TYPE_CHECKING:
     from pallas_kernels.paged_decode_attention_mgpu import DecodeTuning
@@ -338,7 +338,13 @@ def mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, *, scores: Sco
 
 
 def resolve_impl(impl: str, interpret: bool, cache_dtype=None) -> str:
-    """"auto": pallas where the kernels run (interpreted, or on a GPU that can read `cache_dtype`), else reference."""
+    """"auto": pallas where the kernels run (interpreted, or on a GPU that can read `cache_dtype`), else reference.
+    An fp8 cache kept as its bits (FP8_BITS) is read by the reference only."""
+    if cache_dtype is not None and jnp.dtype(cache_dtype) == FP8_BITS:
+        if impl == "pallas":
+            raise ValueError("an fp8 cache kept as its bits (uint8) is read by impl='reference' only; the Pallas "
+                             "kernels take float8_e4m3fn caches")
+        return "reference"
     if impl != "auto":
         return impl
     return "pallas" if interpret or gpu_capability() >= min_capability(cache_dtype) else "reference"
@@ -402,10 +408,10 @@ def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k_cache ({k_cache.shape[3]}) differ")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k_cache.shape[2]})")
-    fp8_ok = k_cache.dtype == FP8_CACHE and q.dtype in KERNEL_DTYPES
+    fp8_ok = k_cache.dtype in (FP8_CACHE, FP8_BITS) and q.dtype in KERNEL_DTYPES
     if v_cache.dtype != k_cache.dtype or not (k_cache.dtype == q.dtype or fp8_ok):
-        raise ValueError(f"k_cache and v_cache must both have q's dtype, or both be float8_e4m3fn with q in "
-                         f"float32/bfloat16/float16; got q {q.dtype}, k_cache {k_cache.dtype}, "
+        raise ValueError(f"k_cache and v_cache must both have q's dtype, or both be float8_e4m3fn (or its bits, "
+                         f"uint8) with q in float32/bfloat16/float16; got q {q.dtype}, k_cache {k_cache.dtype}, "
                          f"v_cache {v_cache.dtype}")
     if kv_lens.ndim != 1 or cu_q_lens.shape != (kv_lens.shape[0] + 1,):
         raise ValueError(f"kv_lens must be [max_seqs] and cu_q_lens [max_seqs + 1], got {kv_lens.shape}, "

@@ -19,6 +19,15 @@ from jax import lax
 from pallas_kernels.block_tables import identity_block_tables
 
 KV_BLOCKS_PER_STEP = 4  # keys per step = 4 * block_size: few loop trips, a small per-step gather on CPU
+# An fp8 cache kept as its bits, as the engine keeps one on a CPU: XLA:CPU has no float8 arithmetic and converts a
+# whole f8 array to f16 and back for any op on it, so every cache write would copy the cache twice. The reference
+# reads the bits as e4m3; the Pallas kernels take e4m3 caches.
+FP8_BITS = jnp.dtype(jnp.uint8)
+
+
+def cache_values(x: jax.Array) -> jax.Array:
+    """Blocks read from a cache, as their values: an fp8 cache's bits as e4m3, any other cache's as they are."""
+    return lax.bitcast_convert_type(x, jnp.float8_e4m3fn) if x.dtype == FP8_BITS else x
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_blocks_per_step"))
@@ -129,8 +138,8 @@ def attend_blocks(step, carry, *, qg, k_cache, v_cache, seq, q_pos, kv_start, kv
     ids = jnp.clip(ids, 0, k_cache.shape[0] - 1)  # entries past a sequence's end may hold anything
     key = (cols[:, None] * block_size + jnp.arange(block_size)).reshape(-1)
     live = (key[None, :] < kv_len[:, None]) & (key[None, :] >= kv_start[:, None])  # slots past kv_len: never written
-    k = k_cache[ids].reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
-    v = v_cache[ids].reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
+    k = cache_values(k_cache[ids]).reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
+    v = cache_values(v_cache[ids]).reshape(num_tokens, -1, num_kv_heads, head_dim).astype(jnp.float32)
     v = jnp.where(live[..., None, None], v, 0.0)
     s = masked_scores(qg, k, key, live, q_pos, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     m_prev, l_prev, acc = carry

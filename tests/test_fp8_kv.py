@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.accuracy import compare, eval_ids, paged_log_probs, perplexity
-from jaxserve.cache.kv_cache import FP8_MAX, kv_bytes_per_block, quantize_kv
+from jaxserve.cache.kv_cache import FP8_MAX, kv_bytes_per_block, kv_cache_dtype, quantize_kv, write_kv
 from jaxserve.config import EngineConfig
 from jaxserve.models.kv_calibration import KV_SCALE_HEADROOM, calibrate_kv_scales, calibration_ids
 from jaxserve.models.loader import random_model
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-from helpers import KNOBS, TINY, mixed_requests, token_prompts
+from helpers import GEOMETRY, KNOBS, TINY, cached_as, make_batch, mixed_requests, token_prompts
 
 FP8 = jnp.float8_e4m3fn
 
@@ -37,6 +39,36 @@ def test_quantize_kv_scales_per_head_and_clips_instead_of_overflowing_to_nan():
     np.testing.assert_allclose(back[fits], x[fits], rtol=2.0 ** -4, atol=2.0 ** -9 * scale.max())
     huge = quantize_kv(jnp.full((1, 2, 16), 1e9), jnp.ones(2), FP8).astype(jnp.float32)
     assert np.all(np.asarray(huge) == FP8_MAX)
+
+
+def test_a_cpu_cache_holds_fp8_as_bits_written_in_place():
+    """XLA:CPU converts a whole f8 array to f16 and back for any op on it: a write into an e4m3 cache copied the cache
+    twice (the engine's FP8 cache decoded ~40x slower than its f32 one). Its bits (uint8) are written in place, and
+    attention reads them as the e4m3 cache's values."""
+    assert kv_cache_dtype("fp8", jnp.float32, "cpu") == jnp.uint8
+    assert kv_cache_dtype("fp8", jnp.bfloat16, "gpu") == kv_cache_dtype("fp8", jnp.bfloat16) == FP8
+    rng = np.random.default_rng()
+    cache = jnp.zeros((64, 16, 2, 64), jnp.uint8)
+    new = quantize_kv(jnp.asarray(rng.normal(size=(8, 2, 64)), jnp.float32), jnp.full((2,), 0.01), jnp.uint8)
+    assert new.dtype == jnp.uint8
+    slots = jnp.asarray(rng.choice(64 * 16, 8, replace=False), jnp.int32)
+    write = jax.jit(write_kv, donate_argnums=(0, 1))
+    hlo = write.lower(cache, cache, new, new, slots).compile().as_text()
+    assert " convert(" not in hlo and "f16[" not in hlo, "the write converts the cache"
+    k, _ = write(cache, jnp.zeros_like(cache), new, new, slots)
+    rows = np.asarray(k).reshape(-1, 2, 64)
+    np.testing.assert_array_equal(rows[np.asarray(slots)], np.asarray(new))
+    assert np.count_nonzero(np.delete(rows, np.asarray(slots), axis=0)) == 0
+    # attention over the bits equals attention over the same values as e4m3, exactly (the same reference)
+    batch = make_batch(rng, [3, 1], [40, 70], **GEOMETRY, dtype=jnp.float32)
+    fp8 = cached_as(batch, FP8)
+    as_fp8 = [fp8.k_cache, fp8.v_cache]
+    as_bits = [jax.lax.bitcast_convert_type(c, jnp.uint8) for c in as_fp8]
+    args = lambda caches: (batch.q, *caches, *batch.args()[3:])   # noqa: E731
+    np.testing.assert_array_equal(np.asarray(ragged_paged_attention(*args(as_bits), sm_scale=0.125)),
+                                  np.asarray(ragged_paged_attention(*args(as_fp8), sm_scale=0.125)))
+    with pytest.raises(ValueError, match="bits"):
+        ragged_paged_attention(*args(as_bits), sm_scale=0.125, impl="pallas")
 
 
 def test_calibration_sets_each_heads_scale_from_its_largest_value(tiny):
@@ -61,7 +93,8 @@ def test_fp8_cache_holds_four_times_the_blocks_of_an_f32_one(tiny, monkeypatch):
     cfg = EngineConfig(**KNOBS)
     engines = {kv: LLM(tiny, config=cfg, kv_cache_dtype=kv, precompile=False).engine for kv in ("auto", "fp8")}
     cache = engines["fp8"].runner.kv_cache
-    assert all(k.dtype == FP8 and v.dtype == FP8 for k, v in cache)
+    # on a CPU the cache holds the e4m3 values' bits (test_a_cpu_cache_holds_fp8_as_bits_written_in_place)
+    assert all(k.dtype == v.dtype == kv_cache_dtype("fp8", jnp.float32, "cpu") == jnp.uint8 for k, v in cache)
     per_block = {kv: kv_bytes_per_block(TINY.num_layers, cfg.block_size, TINY.num_kv_heads, TINY.head_dim, dtype)
                  for kv, dtype in (("auto", jnp.float32), ("fp8", FP8))}
     assert per_block["auto"] == 4 * per_block["fp8"]

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import custom_calls
 from jaxserve.sharding import KV_CACHE, per_shard
+from pallas_kernels.ragged_paged_attention_reference import FP8_BITS
 
 
 @jax.tree_util.register_dataclass
@@ -74,23 +75,31 @@ def layer_slot_mapping(slot_mapping: jax.Array, block_size: int, num_layers: int
 
 # kv_cache_dtype -> the cache's dtype; "auto" (None) keeps the model's
 KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}
-FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)   # 448
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = float(jnp.finfo(FP8).max)   # 448
 
 
-def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
-    """The cache's dtype for the kv_cache_dtype knob."""
-    return jnp.dtype(KV_CACHE_DTYPES[name] or model_dtype)
+def kv_cache_dtype(name: str, model_dtype, platform: str | None = None) -> jnp.dtype:
+    """The cache's dtype for the kv_cache_dtype knob, as a cache on `platform` stores it: on a CPU an fp8 cache
+    holds its bits (FP8_BITS: XLA:CPU converts a whole f8 array for any op on it, a write included)."""
+    dtype = jnp.dtype(KV_CACHE_DTYPES[name] or model_dtype)
+    return FP8_BITS if platform == "cpu" and dtype == FP8 else dtype
 
 
 def is_quantized_kv(dtype) -> bool:
-    return jnp.dtype(dtype) == jnp.float8_e4m3fn
+    return jnp.dtype(dtype) in (FP8, FP8_BITS)
+
+
+def kv_dtype_name(dtype) -> str:
+    """The cache dtype as stats and logs name it: an fp8 cache kept as its bits is float8_e4m3fn."""
+    return FP8.name if is_quantized_kv(dtype) else jnp.dtype(dtype).name
 
 
 def quantize_kv(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """x [T, Hkv, D] / scale [Hkv] in the cache's FP8 dtype; clipped first, since e4m3fn has no infinity and an
-    overflowing conversion gives NaN."""
-    scaled = x.astype(jnp.float32) / scale[None, :, None]
-    return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(dtype)
+    """x [T, Hkv, D] / scale [Hkv] in the cache's FP8 dtype (or its bits); clipped first, since e4m3fn has no
+    infinity and an overflowing conversion gives NaN."""
+    scaled = jnp.clip(x.astype(jnp.float32) / scale[None, :, None], -FP8_MAX, FP8_MAX).astype(FP8)
+    return jax.lax.bitcast_convert_type(scaled, FP8_BITS) if jnp.dtype(dtype) == FP8_BITS else scaled
 
 
 COPY_BUCKET_MIN = 16  # copy_blocks pads N to a power of two >= this: few compiled variants
@@ -212,7 +221,7 @@ def describe_kv_capacity(num_blocks: int, block_size: int, bytes_per_block: int,
     """One line for the start-up log (bytes_per_block: on each of `devices`); the null block is not usable
     capacity."""
     usable = num_blocks - 1
-    return (f"KV cache ({jnp.dtype(dtype).name}): {usable:,} blocks x {block_size} = {usable * block_size:,} tokens "
+    return (f"KV cache ({kv_dtype_name(dtype)}): {usable:,} blocks x {block_size} = {usable * block_size:,} tokens "
             f"({usable * bytes_per_block / 2**30:.2f} GiB{f' on each of {devices} devices' if devices > 1 else ''})")
 
 

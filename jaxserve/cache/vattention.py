@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxserve.cache.kv_cache import CPU_MAX_KV_BYTES, VAttentionCache, allocate_cross_layer_cache, blocks_that_fit
+from jaxserve.cache.kv_cache import (CPU_MAX_KV_BYTES, VAttentionCache, allocate_cross_layer_cache, blocks_that_fit,
+                                     kv_dtype_name)
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.sharding import VATTENTION_CACHE
 
@@ -516,7 +517,7 @@ class VAttentionKV:
                      if cfg.num_blocks else blocks_that_fit(NUM_RANGES * g.page_size, activation_peak(), self.mesh,
                                                             cfg.memory_fraction))
         self.geometry = g = dataclasses.replace(g, num_pages=num_pages)
-        print(f"KV cache (vattention, {jnp.dtype(self.dtype).name}): {num_pages:,} pages of "
+        print(f"KV cache (vattention, {kv_dtype_name(self.dtype)}): {num_pages:,} pages of "
               f"{g.page_size / 2**20:g} MiB in each of {NUM_RANGES} "
               f"ranges = {num_pages * g.page_size // g.token_bytes:,} tokens "
               f"({num_pages * NUM_RANGES * g.page_size / 2**30:.2f} GiB); {g.rows} rows of "

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.cache.kv_backend import KVManager, make_kv_backend
-from jaxserve.cache.kv_cache import is_quantized_kv, kv_cache_dtype
+from jaxserve.cache.kv_cache import is_quantized_kv, kv_cache_dtype, kv_dtype_name
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import MODEL_DRAFTERS, EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -143,7 +143,7 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
     (fit_to_model), in graphs.cfg."""
     cfg = fit_to_model(cfg, loaded.config.max_position_embeddings)
     mesh = tensor_parallel_mesh(loaded, cfg)
-    kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, loaded.dtype)
+    kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, loaded.dtype, mesh.devices.flat[0].platform)
     if is_quantized_kv(kv_dtype) and not loaded.kv_scales_loaded:
         print("calibrating the FP8 KV cache's scales", file=sys.stderr)
         calibrate_kv_scales(loaded.model, calibration_ids(loaded.tokenizer, loaded.config.vocab_size))
@@ -524,7 +524,7 @@ class LLMEngine:
                 "kv_usage": self.kv.usage, "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "preemptions": self.scheduler.num_preemptions,
                 "cascade_steps": self.runner.cascade_steps,
-                "weight_dtype": weight_dtype(self.loaded), "kv_cache_dtype": str(self.graphs.backend.dtype),
+                "weight_dtype": weight_dtype(self.loaded), "kv_cache_dtype": kv_dtype_name(self.graphs.backend.dtype),
                 **self._speculation_stats(), "compiled_graphs": len(self.graphs.manager.executables),
                 "graphs_from_cache": self.graphs.manager.loaded_from_cache,
                 "compiles_after_start": self.graphs.manager.compiles_after_start,
