@@ -371,22 +371,19 @@ def test_moe_route_rejects_what_the_kernel_cannot_take(change, message):
 # ---------------------------------------------------------------- CPU: nvcc build, symbols, registration
 
 @pytest.fixture(scope="session")
-def library(tmp_path_factory):
-    """One real nvcc build (sm_90a only, to keep CI fast) into a fresh cache directory."""
+def library():
+    """A real nvcc build (sm_90a only, to keep CI fast), in the machine's cache as jaxserve keeps it: keyed by the
+    sources, flags, nvcc and jax, so a change to any of them builds it again (~160 s on two cores), and a machine
+    that built these sources before reuses it."""
     try:
         build.find_nvcc()
     except build.BuildError as err:
         pytest.skip(f"nvcc is not installed on this machine: {err}")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("JAXSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("jaxserve_cache")))
-    try:
-        yield build.build_library(archs=("sm_90a",))
-    finally:
-        mp.undo()
+    return build.build_library(archs=("sm_90a",))
 
 
 @pytest.mark.slow
-def test_nvcc_build_exports_ffi_symbols_and_is_cached(library, tmp_path_factory):
+def test_nvcc_build_exports_ffi_symbols_and_is_cached(library):
     exported = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
                               check=True).stdout
     for symbol in SYMBOLS:
