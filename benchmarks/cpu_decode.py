@@ -3,8 +3,8 @@
 Measured interleaved, `--repeats` rounds (a shared machine's noise hits every impl alike):
 - jaxserve: one greedy stream (temperature 0 set explicitly, EOS ignored) of `--output-len` tokens after a warm-up
   generation: TPOT (median ms between tokens after the first) and tok/s; with the default config (the GGUF's Q4_1 /
-  Q8_0 blocks kept, custom_calls.gguf_matmul) and with `quantization="float"` (the blocks dequantized to f32 at
-  load: transformers' weights);
+  Q8_0 blocks kept, custom_calls.gguf_matmul), with `quantization="float"` (the blocks dequantized to f32 at
+  load: transformers' weights) and (`--fp8-kv`) the default over an FP8 KV cache;
 - transformers: HF `LlamaForCausalLM`, eager PyTorch, on the same GGUF dequantized to f32 (the tests' oracle),
   greedy `generate` in a process of its own (its threads never meet JAX's), torch threads = the cores JAX uses;
   `match`: its first tokens equal to jaxserve's;
@@ -45,6 +45,7 @@ from jaxserve.models.loader import DEFAULT_MODEL, embedded_model_path  # noqa: E
 
 GiB = 1 << 30
 F32 = "jaxserve (f32 weights)"   # quantization="float": the GGUF's blocks dequantized at load
+FP8_KV = "jaxserve (fp8 KV cache)"   # --fp8-kv: the default engine over an FP8 KV cache
 Stream = tuple[list[int] | None, float]   # a run's tokens (None: not reported) and TPOT in ms
 
 
@@ -241,6 +242,7 @@ def parse_args(argv):
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary (default: on PATH)")
     ap.add_argument("--no-peers", action="store_true", help="jaxserve and the ceilings only")
     ap.add_argument("--no-first-generate", action="store_true")
+    ap.add_argument("--fp8-kv", action="store_true", help="also the default engine over an FP8 KV cache")
     ap.add_argument("--out", default="benchmarks/results/cpu_decode.json")
     ap.add_argument("--serve-transformers", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -251,7 +253,8 @@ def main(argv=None):
     if args.serve_transformers:
         return serve_transformers()
     command = "python benchmarks/cpu_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    llms = {"jaxserve": LLM(), F32: LLM(quantization="float")}
+    llms = {"jaxserve": LLM(), F32: LLM(quantization="float"), **({FP8_KV: LLM(kv_cache_dtype="fp8")} if args.fp8_kv
+                                                                 else {})}
     engines = {name: llm.engine for name, llm in llms.items()}
     prompt_ids = engines["jaxserve"].tokenize(args.prompt)
     rng = np.random.default_rng(0)
