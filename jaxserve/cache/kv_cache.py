@@ -73,9 +73,9 @@ def layer_slot_mapping(slot_mapping: jax.Array, block_size: int, num_layers: int
         return slot_mapping
     return (slot_mapping // block_size * num_layers + layer) * block_size + slot_mapping % block_size
 
-# kv_cache_dtype -> the cache's dtype; "auto" (None) keeps the model's
-KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
+# kv_cache_dtype -> the cache's dtype; "auto" (None) keeps the model's
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8}
 FP8_MAX = float(jnp.finfo(FP8).max)   # 448
 
 
