@@ -5,6 +5,7 @@ and the bare e4m3 GEMM with an f32 or a bf16 result (what the scaling epilogue c
   python benchmarks/fp8_gemm.py                 # GPU (sm_89+)
   python benchmarks/fp8_gemm.py --layers 4      # the linear layers of 4 decoder layers, as a step runs them
   python benchmarks/fp8_gemm.py --decode        # the W8A16 decode GEMMs: the CUDA kernel against XLA's
+  python benchmarks/fp8_gemm.py --decode --decode-tokens 1 16   # ... at 1 and 16 rows
 Rows: bench "fp8_gemm", impl bf16 | fp8_linear | fp8_gemm_f32 | fp8_gemm_bf16, params {tokens, in, out},
 ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json. With --layers: bench "fp8_layers", impl
 "<weights>/<XLA options>", params {tokens, layers}, ms per layer, gbps of weight bytes, and the step's costliest
@@ -194,8 +195,11 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--layers", type=int, default=0, help="time the linear layers of this many decoder layers")
     ap.add_argument("--decode", action="store_true", help="time the W8A16 decode GEMM: CUDA kernel against XLA")
+    ap.add_argument("--decode-tokens", type=int, nargs="+", default=[16],
+                    help="rows of the decode GEMMs (16: the smallest bucket's; 1: a lone sequence's after padding)")
     args = ap.parse_args(argv)
-    rows = bench_layers(args.layers) if args.layers else bench_decode() if args.decode else []
+    rows = bench_layers(args.layers) if args.layers else \
+        [row for tokens in args.decode_tokens for row in bench_decode(tokens)] if args.decode else []
     for tokens in () if args.layers or args.decode else TOKENS:
         for k, n in SHAPES:
             for impl, fn, fn_args in cases(tokens, k, n):

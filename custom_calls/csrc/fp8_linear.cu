@@ -10,11 +10,13 @@
 //
 // Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 16 * warp_tiles * warps_n output channels of one weight
 // and one of `splits` slices of K. Its warps form warps_n columns of 16 * warp_tiles channels by kWarps / warps_n
-// rows that take the slice's kChunkK-wide chunks in turn, each chunk's loads issued before the chunk before it
-// is multiplied. At 16 rows the activations are as many bytes as the weight tiles they multiply: a warp's
-// warp_tiles m16 tiles share them in registers, the warps of a row share them through L1. The warps' sums meet
-// in shared memory. Splits of one tile meet in a thread-block cluster's distributed shared memory on sm_90 (no
-// second kernel), elsewhere as f32 partials in the workspace that a second kernel sums.
+// rows that take the slice's kChunkK-wide chunks in turn. Registers cannot hold enough loads in flight to cover
+// HBM's latency at this rate, so each lane streams its bytes through its own ring of kStages slots in shared memory
+// with cp.async: it reads back only what it copied, so a warp waits on its own copies and never on the CTA. At
+// 16 rows the activations are as many bytes as the weight tiles they multiply: a warp's warp_tiles m16 tiles
+// share them in registers. The warps' sums meet in shared memory (over the ring). Splits of one tile meet in a
+// thread-block cluster's distributed shared memory on sm_90 (no second kernel), elsewhere as f32 partials in the
+// workspace that a second kernel sums.
 #include <cooperative_groups.h>
 
 #include "common.h"
@@ -29,6 +31,8 @@ constexpr int kMaxRows = 16;  // tokens: two n8 tiles
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 constexpr int kMergeThreads = 256;
 constexpr int kMaxGroups = 3;
+// ring slots a warp has: chunks in flight plus the one it multiplies (python benchmarks/fp8_gemm.py --decode)
+constexpr int kStages = 4;
 
 struct LinearParams {
   const __nv_bfloat16* x;             // [M, K]
@@ -86,24 +90,48 @@ __device__ __forceinline__ void Unpack(const uint4& v, uint32_t* w) {
   w[3] = v.w;
 }
 
-// One kChunkK-wide chunk of a warp's weight rows and activations, in registers; see the layout below.
+// 16 bytes global -> shared without registers (and without L1)
+__device__ __forceinline__ void CopyAsync(uint4* shared, const void* global) {
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global) : "memory");
+}
+__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// the lane's copies committed before its newest `pending` groups have landed
+template <int pending>
+__device__ __forceinline__ void WaitCopies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+
+// One kChunkK-wide chunk of a warp's weight rows and activations in registers, see the layout below. The weight
+// pieces come through the lane's ring slot (16-byte pieces of 32 lanes, lane-minor: conflict-free); the
+// activations, which every CTA reads, straight from the caches: a warp has ample time for their latency at the
+// rate the weights arrive.
 template <int kTiles, int kRowTiles>
 struct Chunk {
+  static constexpr int kPieces = 2 * kTiles;  // a lane's 16-byte weight pieces
   uint32_t w[kTiles][2][4], x[kRowTiles][8];
 
-  __device__ __forceinline__ void Load(const uint8_t* const (&w_rows)[kTiles][2],
-                                       const __nv_bfloat16* const (&x_rows)[kRowTiles],
-                                       const bool (&x_live)[kRowTiles], int c) {
+  __device__ __forceinline__ static uint4* Piece(uint4* slot, int i) { return slot + 32 * i + threadIdx.x % 32; }
+
+  __device__ __forceinline__ static void Copy(uint4* slot, const uint8_t* const (&w_rows)[kTiles][2], int c) {
 #pragma unroll
     for (int a = 0; a < kTiles; ++a)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) Unpack(__ldcs(reinterpret_cast<const uint4*>(w_rows[a][h] + c * kChunkK)), w[a][h]);
+      for (int h = 0; h < 2; ++h) CopyAsync(Piece(slot, 2 * a + h), w_rows[a][h] + c * kChunkK);
+  }
+
+  __device__ __forceinline__ void Read(uint4* slot, const __nv_bfloat16* const (&x_rows)[kRowTiles],
+                                       const bool (&x_live)[kRowTiles], int c) {
 #pragma unroll
     for (int b = 0; b < kRowTiles; ++b)
 #pragma unroll
       for (int i = 0; i < 2; ++i)
         Unpack(x_live[b] ? __ldg(reinterpret_cast<const uint4*>(x_rows[b] + c * kChunkK) + i) : make_uint4(0, 0, 0, 0),
                x[b] + 4 * i);
+#pragma unroll
+    for (int a = 0; a < kTiles; ++a)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) Unpack(*Piece(slot, 2 * a + h), w[a][h]);
   }
 
   __device__ __forceinline__ void Multiply(float (&acc)[kTiles][kRowTiles][4]) const {
@@ -119,6 +147,15 @@ struct Chunk {
   }
 };
 
+// Shared memory of a CTA: the warps' rings, later (over them) the warps' sums ([row] padded against bank
+// conflicts), then the CTA's ([row][channel]) for its cluster.
+template <int kRowTiles, int kWarpsN, int kTiles>
+constexpr int SharedBytes() {
+  const int ring = kStages * kWarps * Chunk<kTiles, kRowTiles>::kPieces * 32 * 16;
+  const int sums = kWarps * 16 * kTiles * (kMaxRows + 1) * 4;
+  return ring > sums ? ring : sums;
+}
+
 // Lane (g = lane / 4, t = lane % 4) of a warp. mma fragments: A row g (and g + 8) holds columns 2t, 2t + 1 (and
 // 2t + 8, 2t + 9); B column g holds rows 2t, 2t + 1, 2t + 8, 2t + 9; C row g (g + 8), columns 2t, 2t + 1. For k16
 // step j of a chunk, logical columns {2t, 2t + 1 | 2t + 8, 2t + 9} are physical k 16t + 4j + {0, 1 | 2, 3}: the
@@ -127,9 +164,10 @@ template <int kRowTiles, int kWarpsN, int kTiles>
 __global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
   constexpr int kWarpsK = kWarps / kWarpsN, kWarpN = 16 * kTiles, kTileN = kWarpN * kWarpsN;
   constexpr int kPerThread = CeilDiv(kTileN * kMaxRows, kThreads);
-  // the warps' sums ([row] padded against bank conflicts), then the CTA's ([row][channel]) for its cluster
-  __shared__ float sums[kWarps][kWarpN][kMaxRows + 1];
-  float* tile = &sums[0][0][0];
+  using ChunkT = Chunk<kTiles, kRowTiles>;
+  extern __shared__ uint4 shared[];
+  auto sums = reinterpret_cast<float (*)[kWarpN][kMaxRows + 1]>(shared);
+  float* tile = reinterpret_cast<float*>(shared);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int group = GroupOf(p, blockIdx.x), n = Pick(p.n, group);
   const int wn = warp % kWarpsN, wk = warp / kWarpsN, n0 = (blockIdx.x - Pick(p.tile_begin, group)) * kTileN;
@@ -153,19 +191,29 @@ __global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
     x_rows[b] = p.x + static_cast<int64_t>(min(8 * b + g, p.m - 1)) * p.k + 16 * t;
   }
 
-  // Two chunks' registers: the next chunk's loads are in flight while the current one is multiplied.
+  // The warp's chunks begin + wk + i * kWarpsK, kStages - 1 of them in flight ahead of the one multiplied; every
+  // iteration commits a group (empty past the last chunk) so that a wait for all but the newest kStages - 1
+  // groups is a wait for chunk i.
   float acc[kTiles][kRowTiles][4] = {};
-  Chunk<kTiles, kRowTiles> even, odd;
-  int c = begin + wk;
-  if (c < end) even.Load(w_rows, x_rows, x_live, c);
-  while (c < end) {
-    if (c + kWarpsK < end) odd.Load(w_rows, x_rows, x_live, c + kWarpsK);
-    even.Multiply(acc);
-    if ((c += kWarpsK) >= end) break;
-    if (c + kWarpsK < end) even.Load(w_rows, x_rows, x_live, c + kWarpsK);
-    odd.Multiply(acc);
-    c += kWarpsK;
+  uint4* const ring = shared + warp * ChunkT::kPieces * 32;
+  const auto slot = [&](int i) { return ring + (i % kStages) * kWarps * ChunkT::kPieces * 32; };
+  const int count = max(0, CeilDiv(end - begin - wk, kWarpsK));
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < count) ChunkT::Copy(slot(i), w_rows, begin + wk + i * kWarpsK);
+    CommitCopies();
   }
+  for (int i = 0; i < count; ++i) {
+    const int ahead = i + kStages - 1;  // its slot held chunk i - 1, already read
+    if (ahead < count) ChunkT::Copy(slot(ahead), w_rows, begin + wk + ahead * kWarpsK);
+    CommitCopies();
+    WaitCopies<kStages - 1>();
+    ChunkT chunk;
+    chunk.Read(slot(i), x_rows, x_live, begin + wk + i * kWarpsK);
+    chunk.Multiply(acc);
+  }
+  WaitCopies<0>();
+  __syncthreads();  // every ring read before the sums are written over it
 
 #pragma unroll
   for (int a = 0; a < kTiles; ++a)
@@ -242,6 +290,7 @@ cudaError_t LaunchLinear(const LinearParams& p, int splits, cudaStream_t stream)
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(p.tile_begin[kMaxGroups], splits);
   config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = SharedBytes<kRowTiles, kWarpsN, kTiles>();
   config.stream = stream;
   cudaLaunchAttribute cluster[1];
   if (p.cluster) {
@@ -252,7 +301,11 @@ cudaError_t LaunchLinear(const LinearParams& p, int splits, cudaStream_t stream)
     config.attrs = cluster;
     config.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&config, Fp8LinearKernel<kRowTiles, kWarpsN, kTiles>, p);
+  auto* kernel = Fp8LinearKernel<kRowTiles, kWarpsN, kTiles>;
+  static const cudaError_t opted_in =  // past 48 KiB of shared memory a kernel must ask, once
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, config.dynamicSmemBytes);
+  if (opted_in != cudaSuccess) return opted_in;
+  return cudaLaunchKernelEx(&config, kernel, p);
 }
 
 template <int kRowTiles>
