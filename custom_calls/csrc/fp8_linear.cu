@@ -8,15 +8,13 @@
 // the mma's interleaved fragment layout. A launch costs a few microseconds of ramp and tail whatever it reads,
 // so the weights of one input share one.
 //
-// Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 16 * warp_tiles * warps_n output channels of one weight
-// and one of `splits` slices of K. Its warps form warps_n columns of 16 * warp_tiles channels by kWarps / warps_n
-// rows that take the slice's kChunkK-wide chunks in turn. Registers cannot hold enough loads in flight to cover
-// HBM's latency at this rate, so each lane streams its bytes through its own ring of kStages slots in shared memory
-// with cp.async: it reads back only what it copied, so a warp waits on its own copies and never on the CTA. At
-// 16 rows the activations are as many bytes as the weight tiles they multiply: a warp's warp_tiles m16 tiles
-// share them in registers. The warps' sums meet in shared memory (over the ring). Splits of one tile meet in a
-// thread-block cluster's distributed shared memory on sm_90 (no second kernel), elsewhere as f32 partials in the
-// workspace that a second kernel sums.
+// Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 32 * warps_n output channels of one weight and one of
+// `splits` slices of K. Its `warps` warps form warps_n columns of 32 channels (two m16 tiles) by warps / warps_n
+// rows that take the slice's kChunkK-wide chunks in turn, each chunk's loads issued before the chunk before it
+// is multiplied. At 16 rows the activations are as many bytes as the weight tiles they multiply: a warp's
+// two m16 tiles share them in registers, the warps of a row share them through L1. The warps' sums meet
+// in shared memory. Splits of one tile meet in a thread-block cluster's distributed shared memory on sm_90 (no
+// second kernel), elsewhere as f32 partials in the workspace that a second kernel sums.
 #include <cooperative_groups.h>
 
 #include "common.h"
@@ -24,15 +22,12 @@
 namespace jaxserve {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
+constexpr int kTiles = 2;     // m16 tiles of output channels a warp
 constexpr int kChunkK = 64;   // k per chunk: 4 lanes x 16 bytes of a weight row
 constexpr int kMaxRows = 16;  // tokens: two n8 tiles
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 constexpr int kMergeThreads = 256;
 constexpr int kMaxGroups = 3;
-// ring slots a warp has: chunks in flight plus the one it multiplies (python benchmarks/fp8_gemm.py --decode)
-constexpr int kStages = 4;
 
 struct LinearParams {
   const __nv_bfloat16* x;             // [M, K]
@@ -90,48 +85,24 @@ __device__ __forceinline__ void Unpack(const uint4& v, uint32_t* w) {
   w[3] = v.w;
 }
 
-// 16 bytes global -> shared without registers (and without L1)
-__device__ __forceinline__ void CopyAsync(uint4* shared, const void* global) {
-  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global) : "memory");
-}
-__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// the lane's copies committed before its newest `pending` groups have landed
-template <int pending>
-__device__ __forceinline__ void WaitCopies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
-}
-
-// One kChunkK-wide chunk of a warp's weight rows and activations in registers, see the layout below. The weight
-// pieces come through the lane's ring slot (16-byte pieces of 32 lanes, lane-minor: conflict-free); the
-// activations, which every CTA reads, straight from the caches: a warp has ample time for their latency at the
-// rate the weights arrive.
-template <int kTiles, int kRowTiles>
+// One kChunkK-wide chunk of a warp's weight rows and activations, in registers; see the layout below.
+template <int kRowTiles>
 struct Chunk {
-  static constexpr int kPieces = 2 * kTiles;  // a lane's 16-byte weight pieces
   uint32_t w[kTiles][2][4], x[kRowTiles][8];
 
-  __device__ __forceinline__ static uint4* Piece(uint4* slot, int i) { return slot + 32 * i + threadIdx.x % 32; }
-
-  __device__ __forceinline__ static void Copy(uint4* slot, const uint8_t* const (&w_rows)[kTiles][2], int c) {
+  __device__ __forceinline__ void Load(const uint8_t* const (&w_rows)[kTiles][2],
+                                       const __nv_bfloat16* const (&x_rows)[kRowTiles],
+                                       const bool (&x_live)[kRowTiles], int c) {
 #pragma unroll
     for (int a = 0; a < kTiles; ++a)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) CopyAsync(Piece(slot, 2 * a + h), w_rows[a][h] + c * kChunkK);
-  }
-
-  __device__ __forceinline__ void Read(uint4* slot, const __nv_bfloat16* const (&x_rows)[kRowTiles],
-                                       const bool (&x_live)[kRowTiles], int c) {
+      for (int h = 0; h < 2; ++h) Unpack(__ldcs(reinterpret_cast<const uint4*>(w_rows[a][h] + c * kChunkK)), w[a][h]);
 #pragma unroll
     for (int b = 0; b < kRowTiles; ++b)
 #pragma unroll
       for (int i = 0; i < 2; ++i)
         Unpack(x_live[b] ? __ldg(reinterpret_cast<const uint4*>(x_rows[b] + c * kChunkK) + i) : make_uint4(0, 0, 0, 0),
                x[b] + 4 * i);
-#pragma unroll
-    for (int a = 0; a < kTiles; ++a)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) Unpack(*Piece(slot, 2 * a + h), w[a][h]);
   }
 
   __device__ __forceinline__ void Multiply(float (&acc)[kTiles][kRowTiles][4]) const {
@@ -147,27 +118,17 @@ struct Chunk {
   }
 };
 
-// Shared memory of a CTA: the warps' rings, later (over them) the warps' sums ([row] padded against bank
-// conflicts), then the CTA's ([row][channel]) for its cluster.
-template <int kRowTiles, int kWarpsN, int kTiles>
-constexpr int SharedBytes() {
-  const int ring = kStages * kWarps * Chunk<kTiles, kRowTiles>::kPieces * 32 * 16;
-  const int sums = kWarps * 16 * kTiles * (kMaxRows + 1) * 4;
-  return ring > sums ? ring : sums;
-}
-
 // Lane (g = lane / 4, t = lane % 4) of a warp. mma fragments: A row g (and g + 8) holds columns 2t, 2t + 1 (and
 // 2t + 8, 2t + 9); B column g holds rows 2t, 2t + 1, 2t + 8, 2t + 9; C row g (g + 8), columns 2t, 2t + 1. For k16
 // step j of a chunk, logical columns {2t, 2t + 1 | 2t + 8, 2t + 9} are physical k 16t + 4j + {0, 1 | 2, 3}: the
 // low and high byte pairs of word j of the lane's weight load, words 2j and 2j + 1 of its activation loads.
-template <int kRowTiles, int kWarpsN, int kTiles>
-__global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
-  constexpr int kWarpsK = kWarps / kWarpsN, kWarpN = 16 * kTiles, kTileN = kWarpN * kWarpsN;
+template <int kRowTiles, int kWarpsN, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) Fp8LinearKernel(LinearParams p) {
+  constexpr int kThreads = kWarps * 32, kWarpsK = kWarps / kWarpsN, kWarpN = 16 * kTiles, kTileN = kWarpN * kWarpsN;
   constexpr int kPerThread = CeilDiv(kTileN * kMaxRows, kThreads);
-  using ChunkT = Chunk<kTiles, kRowTiles>;
-  extern __shared__ uint4 shared[];
-  auto sums = reinterpret_cast<float (*)[kWarpN][kMaxRows + 1]>(shared);
-  float* tile = reinterpret_cast<float*>(shared);
+  // the warps' sums ([row] padded against bank conflicts), then the CTA's ([row][channel]) for its cluster
+  __shared__ float sums[kWarps][kWarpN][kMaxRows + 1];
+  float* tile = &sums[0][0][0];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int group = GroupOf(p, blockIdx.x), n = Pick(p.n, group);
   const int wn = warp % kWarpsN, wk = warp / kWarpsN, n0 = (blockIdx.x - Pick(p.tile_begin, group)) * kTileN;
@@ -191,29 +152,19 @@ __global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
     x_rows[b] = p.x + static_cast<int64_t>(min(8 * b + g, p.m - 1)) * p.k + 16 * t;
   }
 
-  // The warp's chunks begin + wk + i * kWarpsK, kStages - 1 of them in flight ahead of the one multiplied; every
-  // iteration commits a group (empty past the last chunk) so that a wait for all but the newest kStages - 1
-  // groups is a wait for chunk i.
+  // Two chunks' registers: the next chunk's loads are in flight while the current one is multiplied.
   float acc[kTiles][kRowTiles][4] = {};
-  uint4* const ring = shared + warp * ChunkT::kPieces * 32;
-  const auto slot = [&](int i) { return ring + (i % kStages) * kWarps * ChunkT::kPieces * 32; };
-  const int count = max(0, CeilDiv(end - begin - wk, kWarpsK));
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < count) ChunkT::Copy(slot(i), w_rows, begin + wk + i * kWarpsK);
-    CommitCopies();
+  Chunk<kRowTiles> even, odd;
+  int c = begin + wk;
+  if (c < end) even.Load(w_rows, x_rows, x_live, c);
+  while (c < end) {
+    if (c + kWarpsK < end) odd.Load(w_rows, x_rows, x_live, c + kWarpsK);
+    even.Multiply(acc);
+    if ((c += kWarpsK) >= end) break;
+    if (c + kWarpsK < end) even.Load(w_rows, x_rows, x_live, c + kWarpsK);
+    odd.Multiply(acc);
+    c += kWarpsK;
   }
-  for (int i = 0; i < count; ++i) {
-    const int ahead = i + kStages - 1;  // its slot held chunk i - 1, already read
-    if (ahead < count) ChunkT::Copy(slot(ahead), w_rows, begin + wk + ahead * kWarpsK);
-    CommitCopies();
-    WaitCopies<kStages - 1>();
-    ChunkT chunk;
-    chunk.Read(slot(i), x_rows, x_live, begin + wk + i * kWarpsK);
-    chunk.Multiply(acc);
-  }
-  WaitCopies<0>();
-  __syncthreads();  // every ring read before the sums are written over it
 
 #pragma unroll
   for (int a = 0; a < kTiles; ++a)
@@ -285,12 +236,11 @@ bool HasClusters() {
   return has;
 }
 
-template <int kRowTiles, int kWarpsN, int kTiles>
+template <int kRowTiles, int kWarpsN, int kWarps>
 cudaError_t LaunchLinear(const LinearParams& p, int splits, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(p.tile_begin[kMaxGroups], splits);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = SharedBytes<kRowTiles, kWarpsN, kTiles>();
+  config.blockDim = dim3(kWarps * 32);
   config.stream = stream;
   cudaLaunchAttribute cluster[1];
   if (p.cluster) {
@@ -301,27 +251,25 @@ cudaError_t LaunchLinear(const LinearParams& p, int splits, cudaStream_t stream)
     config.attrs = cluster;
     config.numAttrs = 1;
   }
-  auto* kernel = Fp8LinearKernel<kRowTiles, kWarpsN, kTiles>;
-  static const cudaError_t opted_in =  // past 48 KiB of shared memory a kernel must ask, once
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, config.dynamicSmemBytes);
-  if (opted_in != cudaSuccess) return opted_in;
-  return cudaLaunchKernelEx(&config, kernel, p);
+  return cudaLaunchKernelEx(&config, Fp8LinearKernel<kRowTiles, kWarpsN, kWarps>, p);
 }
 
 template <int kRowTiles>
-cudaError_t DispatchTile(const LinearParams& p, int warps_n, int warp_tiles, int splits, cudaStream_t stream) {
-  switch (warps_n * 10 + warp_tiles) {
+cudaError_t DispatchTile(const LinearParams& p, int warps_n, int warps, int splits, cudaStream_t stream) {
+  switch (warps_n * 10 + warps) {
     case 12: return LaunchLinear<kRowTiles, 1, 2>(p, splits, stream);
     case 14: return LaunchLinear<kRowTiles, 1, 4>(p, splits, stream);
+    case 18: return LaunchLinear<kRowTiles, 1, 8>(p, splits, stream);
     case 22: return LaunchLinear<kRowTiles, 2, 2>(p, splits, stream);
     case 24: return LaunchLinear<kRowTiles, 2, 4>(p, splits, stream);
+    case 28: return LaunchLinear<kRowTiles, 2, 8>(p, splits, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 // args: (w_g, scale_g) for each weight; rets: y_g for each, then the workspace.
 ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     int32_t splits, int32_t warps_n, int32_t warp_tiles) {
+                     int32_t splits, int32_t warps_n, int32_t warps) {
   const auto xd = x.dimensions();
   const int groups = args.size() / 2;
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2)
@@ -329,8 +277,8 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
   if (groups < 1 || groups > kMaxGroups || args.size() != 2 * groups || rets.size() != groups + 1)
     return ffi::Error::InvalidArgument("fp8_linear takes 1 to 3 (weight, scale) pairs and gives one y each");
   if (warps_n != 1 && warps_n != 2) return ffi::Error::InvalidArgument("warps_n must be 1 or 2");
-  if (warp_tiles != 2 && warp_tiles != 4) return ffi::Error::InvalidArgument("warp_tiles must be 2 or 4");
-  const int m = xd[0], k = xd[1], tile_n = 16 * warp_tiles * warps_n;
+  if (warps != 2 && warps != 4 && warps != 8) return ffi::Error::InvalidArgument("warps must be 2, 4 or 8");
+  const int m = xd[0], k = xd[1], tile_n = 16 * kTiles * warps_n;
   if (m < 1 || m > kMaxRows || k % kChunkK)
     return ffi::Error::InvalidArgument("fp8_linear needs 1 <= M <= 16, K % 64 == 0");
   LinearParams p{static_cast<const __nv_bfloat16*>(x.untyped_data())};
@@ -343,8 +291,8 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
     const auto wd = w->dimensions();
     if (w->element_type() != ffi::DataType::F8E4M3FN || (*y)->element_type() != ffi::DataType::BF16 ||
         wd.size() != 2 || wd[1] != k || scale->element_count() != static_cast<size_t>(wd[0]) || wd[0] % tile_n)
-      return ffi::Error::InvalidArgument("fp8_linear needs float8_e4m3fn w [N, K] with N % (16 * warp_tiles * "
-                                         "warps_n) == 0, f32 scale [N], bf16 y [M, N]");
+      return ffi::Error::InvalidArgument("fp8_linear needs float8_e4m3fn w [N, K] with N % (32 * warps_n) == 0, "
+                                         "f32 scale [N], bf16 y [M, N]");
     p.w[g] = static_cast<const uint8_t*>(w->untyped_data());
     p.scale[g] = scale->typed_data();
     p.y[g] = static_cast<__nv_bfloat16*>((*y)->untyped_data());
@@ -369,8 +317,8 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
   p.k = k;
   p.chunks_per_split = CeilDiv(chunks, splits);
   p.cluster = cluster;
-  const cudaError_t err = m <= 8 ? DispatchTile<1>(p, warps_n, warp_tiles, splits, stream)
-                                 : DispatchTile<2>(p, warps_n, warp_tiles, splits, stream);
+  const cudaError_t err = m <= 8 ? DispatchTile<1>(p, warps_n, warps, splits, stream)
+                                 : DispatchTile<2>(p, warps_n, warps, splits, stream);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("fp8_linear launch: ") + cudaGetErrorString(err));
   if (splits > 1 && !cluster)
     MergeSplitsKernel<<<CeilDiv(m * p.col_begin[kMaxGroups], kMergeThreads), kMergeThreads, 0, stream>>>(p, splits);
@@ -388,5 +336,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8Linear, jaxserve::Fp8Linear,
                                   .RemainingRets()
                                   .Attr<int32_t>("splits")
                                   .Attr<int32_t>("warps_n")
-                                  .Attr<int32_t>("warp_tiles"),
+                                  .Attr<int32_t>("warps"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
