@@ -10,7 +10,7 @@ Rows: bench "fp8_gemm", impl bf16 | fp8_linear | fp8_gemm_f32 | fp8_gemm_bf16, p
 ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json. With --layers: bench "fp8_layers", impl
 "<weights>/<XLA options>", params {tokens, layers}, ms per layer, gbps of weight bytes, and the step's costliest
 GPU kernels printed. With --decode: bench "fp8_decode_gemm", impl xla | bf16 | kernel/auto |
-kernel/splits=<s>/warps_n=<w>/warps=<c>, params {tokens, group, in, out: [N of each weight]}, ms of device
+kernel/splits=<s>/warps_n=<w>/warp_tiles=<t>, params {tokens, group, in, out: [N of each weight]}, ms of device
 time per launch group (DECODE_GROUPS, timed over enough distinct weights to pass the L2 cache) and gbps of weight
 bytes, rows fp8_decode_gemm_<backend>.json.
 """
@@ -147,11 +147,11 @@ def decode_cases(ns: tuple[int, ...]):
                   compiler_options=XLA_OPTIONS["no_merge"])
     bf16 = jax.jit(lambda x, gws, gss: [jax.lax.dot_general(x, w, dims) for ws in gws for w in ws])
     cases = [("xla", xla), ("bf16", bf16)]
-    launches = [None] + [(splits, warps_n, warps) for splits in (1, 2, 4, 8)
-                         for warps_n in custom_calls.FP8_LINEAR_WARPS_N for warps in custom_calls.FP8_LINEAR_WARPS
-                         if warps >= warps_n and all(n % (32 * warps_n) == 0 for n in ns)]
+    launches = [None] + [(splits, warps_n, tiles) for splits in (1, 2, 4, 8)
+                         for warps_n in custom_calls.FP8_LINEAR_WARPS_N for tiles in custom_calls.FP8_LINEAR_WARP_TILES
+                         if all(n % (16 * tiles * warps_n) == 0 for n in ns)]
     for launch in launches:
-        name = "kernel/auto" if launch is None else "kernel/splits={}/warps_n={}/warps={}".format(*launch)
+        name = "kernel/auto" if launch is None else "kernel/splits={}/warps_n={}/warp_tiles={}".format(*launch)
         cases.append((name, jax.jit(lambda x, gws, gss, launch=launch: [
             custom_calls.fp8_linear(x, ws, ss, launch=launch) for ws, ss in zip(gws, gss)])))
     return cases
@@ -196,7 +196,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=0, help="time the linear layers of this many decoder layers")
     ap.add_argument("--decode", action="store_true", help="time the W8A16 decode GEMM: CUDA kernel against XLA")
     ap.add_argument("--decode-tokens", type=int, nargs="+", default=[16],
-                    help="rows of the decode GEMMs (16: the smallest bucket's; 1: a lone sequence's after padding)")
+                    help="rows of the decode GEMMs (16: the smallest bucket's, which a batch-1 step pads to)")
     args = ap.parse_args(argv)
     rows = bench_layers(args.layers) if args.layers else \
         [row for tokens in args.decode_tokens for row in bench_decode(tokens)] if args.decode else []

@@ -47,16 +47,15 @@ MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 MAX_GROUP_TILE = 8  # query heads per CTA in the kernel
 # fp8_linear: rows (tokens) a call takes; k per chunk (K must be a multiple); the launch's choices: CTA columns of
-# warps (warps_n, 32 output channels each: N a multiple of 32 * warps_n) and warps a CTA (the rest split K)
+# warps (warps_n) and m16 tiles of output channels per warp (warp_tiles), N a multiple of 16 * warp_tiles * warps_n
 FP8_LINEAR_MAX_ROWS, FP8_LINEAR_MAX_GROUPS = 16, 3   # weights of one input a launch reads (q, k, v)
 FP8_LINEAR_CHUNK_K = 64
-FP8_LINEAR_WARPS_N, FP8_LINEAR_WARPS = (1, 2), (2, 4, 8)
-# fp8_linear's default launch (`benchmarks/fp8_gemm.py --decode`): one warp column, 32 channels a CTA, which every
-# N it takes divides, K split until the CTAs cover FP8_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5), and
-# the most warps a CTA (8 at most) that keep every CTA resident at once, FP8_LINEAR_WARPS_PER_SM (the kernel's
-# registers allow 24): a second wave of CTAs would start only as the first ends (gate/up: 896 CTAs of 2 warps)
+FP8_LINEAR_WARPS_N, FP8_LINEAR_WARP_TILES = (1, 2), (2, 4)
+# fp8_linear's default launch: (warps_n, warp_tiles) one warp column of two tiles, 32 channels a CTA, which every N
+# it takes divides (the best or within 3% of it at every Llama-3-8B decode shape on an H100, `benchmarks/fp8_gemm.py
+# --decode`), with K split until the CTAs cover FP8_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5)
+FP8_LINEAR_DEFAULT_TILE = (1, 2)
 FP8_LINEAR_CTAS_PER_SM = 1
-FP8_LINEAR_WARPS_PER_SM = 24
 
 
 def has_nvidia_gpu() -> bool:
@@ -298,19 +297,18 @@ def fp8_linear_reference(x, w, scale):
 
 
 def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int]:
-    """(splits, warps_n, warps) for weights [n, k] (n in ns) of one launch: one warp column, K split to fill the SMs
-    while each split keeps 8 chunks, as many warps a CTA as keep all CTAs resident (two at least)."""
-    tiles, chunks = sum(ns) // 32, k // FP8_LINEAR_CHUNK_K
-    splits = max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8))
-    resident = [w for w in FP8_LINEAR_WARPS if tiles * splits * w <= FP8_LINEAR_WARPS_PER_SM * sms]
-    return splits, 1, max(resident, default=min(FP8_LINEAR_WARPS))
+    """(splits, warps_n, warp_tiles) for weights [n, k] (n in ns) of one launch: FP8_LINEAR_DEFAULT_TILE, K split
+    to fill the SMs while each split keeps 8 chunks."""
+    warps_n, warp_tiles = FP8_LINEAR_DEFAULT_TILE
+    tiles, chunks = sum(ns) // (16 * warp_tiles * warps_n), k // FP8_LINEAR_CHUNK_K
+    return max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
 
 
 def fp8_linear(x, weights, scales, *, launch=None) -> list:
     """[fp8_linear_reference(x, w, s) for w, s in zip(weights, scales)] through the CUDA kernel, in one launch:
     one read of each e4m3 weight on the tensor cores, for the decode-sized steps (up to FP8_LINEAR_MAX_ROWS rows)
     that such reads bound; fp8_linear_unsupported names what it does not take. Without the library it runs the
-    reference. launch (splits of K, warps_n, warps) defaults to choose_linear_launch."""
+    reference. launch (splits of K, warps_n, warp_tiles) defaults to choose_linear_launch."""
     if why := fp8_linear_unsupported(x, weights, scales):
         raise ValueError(f"fp8_linear: {why}")
     ns = tuple(w.shape[0] for w in weights)
@@ -322,25 +320,26 @@ def fp8_linear(x, weights, scales, *, launch=None) -> list:
 
 
 def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
-    splits, warps_n, warps = launch
+    splits, warps_n, warp_tiles = launch
     if not 1 <= splits <= k // FP8_LINEAR_CHUNK_K:
         raise ValueError(f"fp8_linear: splits must be in [1, {k // FP8_LINEAR_CHUNK_K}], got {splits}")
-    if warps_n not in FP8_LINEAR_WARPS_N or warps not in FP8_LINEAR_WARPS:
-        raise ValueError(f"fp8_linear: warps_n must be one of {FP8_LINEAR_WARPS_N} and warps one of "
-                         f"{FP8_LINEAR_WARPS}, got {warps_n} and {warps}")
-    if any(n % (32 * warps_n) for n in ns):
-        raise ValueError(f"fp8_linear: each N ({ns}) must be a multiple of 32 * warps_n = {32 * warps_n}")
+    if warps_n not in FP8_LINEAR_WARPS_N or warp_tiles not in FP8_LINEAR_WARP_TILES:
+        raise ValueError(f"fp8_linear: warps_n must be one of {FP8_LINEAR_WARPS_N} and warp_tiles one of "
+                         f"{FP8_LINEAR_WARP_TILES}, got {warps_n} and {warp_tiles}")
+    if any(n % (16 * warp_tiles * warps_n) for n in ns):
+        raise ValueError(f"fp8_linear: each N ({ns}) must be a multiple of 16 * warp_tiles * warps_n = "
+                         f"{16 * warp_tiles * warps_n}")
 
 
 def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int]) -> list:
     """The FFI call itself (the library must be registered). Splits of K meet in a cluster's shared memory on
     sm_90, elsewhere as f32 partials in the workspace."""
-    splits, warps_n, warps = launch
+    splits, warps_n, warp_tiles = launch
     workspace = splits * x.shape[0] * sum(w.shape[0] for w in weights) if splits > 1 else 1
     outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype) for w in weights]
     *ys, _ = jax.ffi.ffi_call("jaxserve_fp8_linear", (*outs, jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
         x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))), splits=np.int32(splits),
-        warps_n=np.int32(warps_n), warps=np.int32(warps))
+        warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles))
     return ys
 
 

@@ -8,11 +8,11 @@
 // the mma's interleaved fragment layout. A launch costs a few microseconds of ramp and tail whatever it reads,
 // so the weights of one input share one.
 //
-// Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 32 * warps_n output channels of one weight and one of
-// `splits` slices of K. Its `warps` warps form warps_n columns of 32 channels (two m16 tiles) by warps / warps_n
+// Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 16 * warp_tiles * warps_n output channels of one weight
+// and one of `splits` slices of K. Its warps form warps_n columns of 16 * warp_tiles channels by kWarps / warps_n
 // rows that take the slice's kChunkK-wide chunks in turn, each chunk's loads issued before the chunk before it
 // is multiplied. At 16 rows the activations are as many bytes as the weight tiles they multiply: a warp's
-// two m16 tiles share them in registers, the warps of a row share them through L1. The warps' sums meet
+// warp_tiles m16 tiles share them in registers, the warps of a row share them through L1. The warps' sums meet
 // in shared memory. Splits of one tile meet in a thread-block cluster's distributed shared memory on sm_90 (no
 // second kernel), elsewhere as f32 partials in the workspace that a second kernel sums.
 #include <cooperative_groups.h>
@@ -22,7 +22,8 @@
 namespace jaxserve {
 namespace {
 
-constexpr int kTiles = 2;     // m16 tiles of output channels a warp
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
 constexpr int kChunkK = 64;   // k per chunk: 4 lanes x 16 bytes of a weight row
 constexpr int kMaxRows = 16;  // tokens: two n8 tiles
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
@@ -86,7 +87,7 @@ __device__ __forceinline__ void Unpack(const uint4& v, uint32_t* w) {
 }
 
 // One kChunkK-wide chunk of a warp's weight rows and activations, in registers; see the layout below.
-template <int kRowTiles>
+template <int kTiles, int kRowTiles>
 struct Chunk {
   uint32_t w[kTiles][2][4], x[kRowTiles][8];
 
@@ -122,9 +123,9 @@ struct Chunk {
 // 2t + 8, 2t + 9); B column g holds rows 2t, 2t + 1, 2t + 8, 2t + 9; C row g (g + 8), columns 2t, 2t + 1. For k16
 // step j of a chunk, logical columns {2t, 2t + 1 | 2t + 8, 2t + 9} are physical k 16t + 4j + {0, 1 | 2, 3}: the
 // low and high byte pairs of word j of the lane's weight load, words 2j and 2j + 1 of its activation loads.
-template <int kRowTiles, int kWarpsN, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32) Fp8LinearKernel(LinearParams p) {
-  constexpr int kThreads = kWarps * 32, kWarpsK = kWarps / kWarpsN, kWarpN = 16 * kTiles, kTileN = kWarpN * kWarpsN;
+template <int kRowTiles, int kWarpsN, int kTiles>
+__global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
+  constexpr int kWarpsK = kWarps / kWarpsN, kWarpN = 16 * kTiles, kTileN = kWarpN * kWarpsN;
   constexpr int kPerThread = CeilDiv(kTileN * kMaxRows, kThreads);
   // the warps' sums ([row] padded against bank conflicts), then the CTA's ([row][channel]) for its cluster
   __shared__ float sums[kWarps][kWarpN][kMaxRows + 1];
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(kWarps * 32) Fp8LinearKernel(LinearParams p) {
 
   // Two chunks' registers: the next chunk's loads are in flight while the current one is multiplied.
   float acc[kTiles][kRowTiles][4] = {};
-  Chunk<kRowTiles> even, odd;
+  Chunk<kTiles, kRowTiles> even, odd;
   int c = begin + wk;
   if (c < end) even.Load(w_rows, x_rows, x_live, c);
   while (c < end) {
@@ -236,11 +237,11 @@ bool HasClusters() {
   return has;
 }
 
-template <int kRowTiles, int kWarpsN, int kWarps>
+template <int kRowTiles, int kWarpsN, int kTiles>
 cudaError_t LaunchLinear(const LinearParams& p, int splits, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(p.tile_begin[kMaxGroups], splits);
-  config.blockDim = dim3(kWarps * 32);
+  config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute cluster[1];
   if (p.cluster) {
@@ -251,25 +252,23 @@ cudaError_t LaunchLinear(const LinearParams& p, int splits, cudaStream_t stream)
     config.attrs = cluster;
     config.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&config, Fp8LinearKernel<kRowTiles, kWarpsN, kWarps>, p);
+  return cudaLaunchKernelEx(&config, Fp8LinearKernel<kRowTiles, kWarpsN, kTiles>, p);
 }
 
 template <int kRowTiles>
-cudaError_t DispatchTile(const LinearParams& p, int warps_n, int warps, int splits, cudaStream_t stream) {
-  switch (warps_n * 10 + warps) {
+cudaError_t DispatchTile(const LinearParams& p, int warps_n, int warp_tiles, int splits, cudaStream_t stream) {
+  switch (warps_n * 10 + warp_tiles) {
     case 12: return LaunchLinear<kRowTiles, 1, 2>(p, splits, stream);
     case 14: return LaunchLinear<kRowTiles, 1, 4>(p, splits, stream);
-    case 18: return LaunchLinear<kRowTiles, 1, 8>(p, splits, stream);
     case 22: return LaunchLinear<kRowTiles, 2, 2>(p, splits, stream);
     case 24: return LaunchLinear<kRowTiles, 2, 4>(p, splits, stream);
-    case 28: return LaunchLinear<kRowTiles, 2, 8>(p, splits, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 // args: (w_g, scale_g) for each weight; rets: y_g for each, then the workspace.
 ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     int32_t splits, int32_t warps_n, int32_t warps) {
+                     int32_t splits, int32_t warps_n, int32_t warp_tiles) {
   const auto xd = x.dimensions();
   const int groups = args.size() / 2;
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2)
@@ -277,8 +276,8 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
   if (groups < 1 || groups > kMaxGroups || args.size() != 2 * groups || rets.size() != groups + 1)
     return ffi::Error::InvalidArgument("fp8_linear takes 1 to 3 (weight, scale) pairs and gives one y each");
   if (warps_n != 1 && warps_n != 2) return ffi::Error::InvalidArgument("warps_n must be 1 or 2");
-  if (warps != 2 && warps != 4 && warps != 8) return ffi::Error::InvalidArgument("warps must be 2, 4 or 8");
-  const int m = xd[0], k = xd[1], tile_n = 16 * kTiles * warps_n;
+  if (warp_tiles != 2 && warp_tiles != 4) return ffi::Error::InvalidArgument("warp_tiles must be 2 or 4");
+  const int m = xd[0], k = xd[1], tile_n = 16 * warp_tiles * warps_n;
   if (m < 1 || m > kMaxRows || k % kChunkK)
     return ffi::Error::InvalidArgument("fp8_linear needs 1 <= M <= 16, K % 64 == 0");
   LinearParams p{static_cast<const __nv_bfloat16*>(x.untyped_data())};
@@ -291,8 +290,8 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
     const auto wd = w->dimensions();
     if (w->element_type() != ffi::DataType::F8E4M3FN || (*y)->element_type() != ffi::DataType::BF16 ||
         wd.size() != 2 || wd[1] != k || scale->element_count() != static_cast<size_t>(wd[0]) || wd[0] % tile_n)
-      return ffi::Error::InvalidArgument("fp8_linear needs float8_e4m3fn w [N, K] with N % (32 * warps_n) == 0, "
-                                         "f32 scale [N], bf16 y [M, N]");
+      return ffi::Error::InvalidArgument("fp8_linear needs float8_e4m3fn w [N, K] with N % (16 * warp_tiles * "
+                                         "warps_n) == 0, f32 scale [N], bf16 y [M, N]");
     p.w[g] = static_cast<const uint8_t*>(w->untyped_data());
     p.scale[g] = scale->typed_data();
     p.y[g] = static_cast<__nv_bfloat16*>((*y)->untyped_data());
@@ -317,8 +316,8 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
   p.k = k;
   p.chunks_per_split = CeilDiv(chunks, splits);
   p.cluster = cluster;
-  const cudaError_t err = m <= 8 ? DispatchTile<1>(p, warps_n, warps, splits, stream)
-                                 : DispatchTile<2>(p, warps_n, warps, splits, stream);
+  const cudaError_t err = m <= 8 ? DispatchTile<1>(p, warps_n, warp_tiles, splits, stream)
+                                 : DispatchTile<2>(p, warps_n, warp_tiles, splits, stream);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("fp8_linear launch: ") + cudaGetErrorString(err));
   if (splits > 1 && !cluster)
     MergeSplitsKernel<<<CeilDiv(m * p.col_begin[kMaxGroups], kMergeThreads), kMergeThreads, 0, stream>>>(p, splits);
@@ -336,5 +335,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8Linear, jaxserve::Fp8Linear,
                                   .RemainingRets()
                                   .Attr<int32_t>("splits")
                                   .Attr<int32_t>("warps_n")
-                                  .Attr<int32_t>("warps"),
+                                  .Attr<int32_t>("warp_tiles"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
