@@ -163,8 +163,8 @@ def test_fp8_kv_and_weights_cost_the_embedded_model_what_they_measured(smollm):
     """The shipped text's first 384 tokens, bf16 weights against FP8 where asked (benchmarks/accuracy.py measures
     the whole text). The bounds are the measured values with margin, far below what a wrong scale does (perplexity
     in the thousands, KL of order 1); the inputs are fixed, so only the CPU moves the values: its summation order,
-    and whether XLA's bf16 dots run natively (AVX-512 BF16, AMX) or through f32 (AVX2). The two FP8 roundings
-    compound most where the bf16 path rounds most (AMX: 1.24 against 1.13-1.14)."""
+    and whether XLA's bf16 dots run natively (AVX-512 BF16, AMX) or through f32 (AVX2). Weights and KV together
+    move most with the CPU (1.24 on AMX against 1.13-1.14)."""
     from jaxserve.models.loader import load_model
     ids = eval_ids(smollm.tokenizer, 384)
     reference = paged_log_probs(load_model(None, "bf16"), ids)
