@@ -22,6 +22,10 @@ namespace ffi = xla::ffi;
 constexpr int kBlock = 32;      // weights a block
 constexpr int kRowTile = 4;     // rows of x one pass over a weight row serves
 constexpr int kChunksPerThread = 4;
+// How far ahead of the block being multiplied its row's bytes are prefetched. A row is a few hundred bytes, too
+// short a stream for some CPUs' hardware prefetchers: on a Sapphire Rapids core a Q4_1 block took 12.2 ns from
+// memory against 3.0 ns from cache; 512 bytes ahead 6.3 ns, 1 KiB 4.0, 2 and 4 KiB 3.5-3.8 (one thread).
+constexpr int kPrefetchBytes = 2048;
 
 // GGML type ids (ggml.h), the attribute naming the block format.
 enum BlockType : int32_t { kQ4_1 = 3, kQ8_0 = 8 };
@@ -87,6 +91,7 @@ void DotRow(const Problem& p, int64_t r0, int64_t col) {
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * B::kBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);  // never faults
     __m256 q[4];
     B::Widen(block, q);
     const __m256 scale = _mm256_set1_ps(B::Scale(block));
