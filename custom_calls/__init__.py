@@ -9,7 +9,8 @@ only copy FP8 bytes and widen them to f32 when reading.
 
 Each op has a pure-JAX ``*_reference`` beside it. The public functions run the CUDA
 library when ``available()`` (an NVIDIA GPU, and nvcc built or found the cached library),
-and otherwise the reference, after a one-line notice logged once naming why (a warning on a GPU machine).
+and otherwise the reference, after a one-line notice logged once naming why (a warning on a GPU machine). The
+cache write and block copy run on the CPU library under the CPU backend (`custom_calls.cpu`: the same FFI names).
 """
 import ctypes
 import functools
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from custom_calls import build
+from custom_calls import build, cpu
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,12 @@ def reshape_and_cache_reference(k_cache, v_cache, k, v, slot_mapping):
     return write(k_cache, k), write(v_cache, v)
 
 
+def moves_in_place(cache_dtype) -> bool:
+    """Whether the cache write and block copy run as custom calls here: the CUDA library's (caches of
+    CACHE_DTYPES) on an NVIDIA GPU, the CPU library's (byte copies: any dtype) under the CPU backend."""
+    return (available() and cache_dtype in CACHE_DTYPES) or cpu.available()
+
+
 def call_in_place(target: str, k_cache, v_cache, *args):
     """FFI call updating k_cache and v_cache in place (aliased inputs 0, 1 -> outputs 0, 1)."""
     cache = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
@@ -241,7 +248,7 @@ def call_in_place(target: str, k_cache, v_cache, *args):
 def reshape_and_cache(k_cache, v_cache, k, v, slot_mapping):
     """reshape_and_cache_reference in place on the (donated) caches; returns (k_cache, v_cache)."""
     check_write_args(k_cache, v_cache, k, v, slot_mapping)
-    if not available() or k_cache.dtype not in CACHE_DTYPES:
+    if not moves_in_place(k_cache.dtype):
         return reshape_and_cache_reference(k_cache, v_cache, k, v, slot_mapping)
     return call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, k, v, slot_mapping)
 
@@ -267,7 +274,7 @@ def copy_blocks_reference(k_cache, v_cache, src, dst):
 def copy_blocks(k_cache, v_cache, src, dst):
     """copy_blocks_reference in place on the (donated) caches; returns (k_cache, v_cache)."""
     check_copy_args(k_cache, v_cache, src, dst)
-    if not available() or k_cache.dtype not in CACHE_DTYPES:
+    if not moves_in_place(k_cache.dtype):
         return copy_blocks_reference(k_cache, v_cache, src, dst)
     return call_in_place("jaxserve_copy_blocks", k_cache, v_cache, src, dst)
 

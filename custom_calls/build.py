@@ -124,7 +124,8 @@ def build_cpu_library() -> Path:
     import jax
 
     cxx = find_cxx()
-    out = cache_root() / cache_key(cxx, cpu_sources(), CPU_FLAGS, jax.__version__) / CPU_LIBRARY_NAME
+    files = [*cpu_sources(), *SOURCE_DIR.glob("*.h")]
+    out = cache_root() / cache_key(cxx, files, CPU_FLAGS, jax.__version__) / CPU_LIBRARY_NAME
     if not out.exists():
         print(f"jaxserve: building the CPU custom calls with {cxx}, once per machine (cached in {out.parent})",
               file=sys.stderr, flush=True)

@@ -8,17 +8,11 @@ Blocks of 32 weights along a row (the contraction), each row [in / 32 * bytes] u
   ones); w = d * q + m.
 - Q8_0 (34 bytes): f16 scale d, 32 signed bytes q; w = d * q.
 """
-import ctypes
-import functools
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from custom_calls import build
-
-log = logging.getLogger(__name__)
+from custom_calls.cpu import available
 
 TARGET, DEQUANTIZE_TARGET = "jaxserve_gguf_matmul", "jaxserve_gguf_dequantize"
 BLOCK = 32
@@ -84,42 +78,3 @@ def gguf_matmul(x: jax.Array, blocks: jax.Array, block_type: str) -> jax.Array:
         return jax.lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ())))
     out = jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), blocks, block_type=type_id)
-
-
-def cpu_supports_kernel() -> bool:
-    """The library's instructions (AVX2, FMA, F16C) on this CPU (Linux's /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags)
-
-
-@functools.cache
-def unavailable_reason() -> str | None:
-    """Why the kernel is off (None when on): the default backend is not the CPU, the CPU lacks AVX2/FMA/F16C, or
-    the library could not be built. Logged once."""
-    if jax.default_backend() != "cpu":
-        return f"the default backend is {jax.default_backend()}, not the CPU"
-    if not cpu_supports_kernel():
-        return "this CPU lacks AVX2, FMA or F16C"
-    try:
-        library = ctypes.cdll.LoadLibrary(str(build.build_cpu_library()))
-    except (build.BuildError, OSError) as e:
-        return f"the CPU custom calls did not build or load: {e}"
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxserveGgufMatmul), platform="cpu")
-    jax.ffi.register_ffi_target(DEQUANTIZE_TARGET, jax.ffi.pycapsule(library.JaxserveGgufDequantize), platform="cpu")
-    return None
-
-
-def available() -> bool:
-    reason = unavailable_reason()
-    if reason is not None:
-        _log_once(reason)
-    return reason is None
-
-
-@functools.cache
-def _log_once(reason: str) -> None:
-    log.info("GGUF block weights run through XLA (dequantized in the graph): %s", reason)

@@ -45,13 +45,16 @@ def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, grou
                       sm_scale: float, soft_cap: float | None = None, impl: str = "auto", interpret: bool = False,
                       **tuning) -> jax.Array:
     """`ragged_paged_attention(..., decode_only=True)` (token i is row i's query) over a batch whose rows may share
-    leading blocks as `groups` says; the same output. impl: as ragged_paged_attention's; "reference" is pure JAX."""
+    leading blocks as `groups` says; the same output. impl: as ragged_paged_attention's but "cpu" (no CPU kernel here:
+    "auto" runs the reference on a CPU); "reference" is pure JAX."""
     num_rows = kv_lens.shape[0]
     cu_q_lens = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), jnp.reshape(num_seqs, ()))
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, None, num_seqs, sm_scale, None,
                             soft_cap, impl, "auto")
     check_groups(groups, num_rows)
     scores = Scores(float(sm_scale), None, None if soft_cap is None else float(soft_cap))
+    if impl == "cpu":
+        raise ValueError("cascade attention has no CPU kernel: impl='auto' or 'reference' runs it on a CPU")
     if resolve_impl(impl, interpret, k_cache.dtype) == "reference":
         if tuning:
             raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")

@@ -64,6 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from custom_calls import paged_attention_cpu
 from pallas_kernels.common import (exp2_shift, init_carry, interpret_params, log2_logits, normalize,
                                    online_softmax_step, per_row)
 from pallas_kernels.block_tables import row_starts, strided_block_tables
@@ -73,7 +74,7 @@ if TYPE_CHECKING:
     from pallas_kernels.paged_decode_attention_mgpu import DecodeTuning
     from pallas_kernels.paged_prefill_attention_mgpu import PrefillTuning
 
-IMPLS = ("auto", "pallas", "reference")
+IMPLS = ("auto", "pallas", "cpu", "reference")
 BACKENDS = ("auto", "triton", "mosaic")  # prefill_backend and decode_backend
 INT32_MAX = 2**31 - 1
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # q's (and the output's), on the pallas impl
@@ -206,8 +207,9 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
     the new tokens); block_tables [max_seqs, max_blocks_per_seq]; num_seqs int32 [1] or scalar. Query j of
     sequence i sits at position kv_lens[i] - q_len_i + j. Rows past cu_q_lens[num_seqs] come out as zeros.
     The caches are q's dtype, or float8_e4m3fn (read as their values: any scale is the caller's); the output is q's.
-    impl: "pallas" (the GPU kernel; `interpret=True` runs it on the CPU), "reference" (pure JAX), or "auto"
-    (pallas on an sm_80+ NVIDIA GPU, sm_89+ for an fp8 cache, or when interpreting, else reference).
+    impl: "pallas" (the GPU kernel; `interpret=True` runs it on the CPU), "cpu" (the CPU custom call,
+    `custom_calls.paged_attention_cpu`), "reference" (pure JAX), or "auto" (pallas on an sm_80+ NVIDIA GPU, sm_89+
+    for an fp8 cache, or when interpreting; else cpu where it runs; else reference).
     prefill_backend, for the pallas impl's non-decode rows: "mosaic" (the Hopper wgmma/TMA kernel; not over an
     fp8 cache), "triton", or "auto" (mosaic on sm_90 when it supports the call, else triton). decode_only: the
     caller guarantees every sequence has one query (token i is sequence i's; anything else is undefined), so the
@@ -254,12 +256,13 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row, num_seqs,
                             sm_scale, sliding_window, soft_cap, impl, prefill_backend, block_stride, decode_backend)
     scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
-    if resolve_impl(impl, interpret, k_cache.dtype) == "reference":
+    impl = resolve_impl(impl, interpret, k_cache.dtype, q.shape[-1])
+    if impl != "pallas":
         if tuning:
             raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")
         tables = blocks if blocks_per_row is None else strided_block_tables(blocks, blocks_per_row, block_stride)
-        return ragged_paged_attention_reference(q, k_cache, v_cache, cu_q_lens, kv_lens, tables, num_seqs,
-                                                **dataclasses.asdict(scores))
+        run = paged_attention_cpu.ragged_paged_attention_cpu if impl == "cpu" else ragged_paged_attention_reference
+        return run(q, k_cache, v_cache, cu_q_lens, kv_lens, tables, num_seqs, **dataclasses.asdict(scores))
     check_pallas_inputs(q, k_cache, interpret)
     tuning = make_tuning(q.dtype, tuning, k_cache.dtype)
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
@@ -337,17 +340,22 @@ def mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, *, scores: Sco
         blocks_per_row=blocks_per_row, block_stride=block_stride)
 
 
-def resolve_impl(impl: str, interpret: bool, cache_dtype=None) -> str:
-    """"auto": pallas where the kernels run (interpreted, or on a GPU that can read `cache_dtype`), else reference.
-    An fp8 cache kept as its bits (FP8_BITS) is read by the reference only."""
-    if cache_dtype is not None and jnp.dtype(cache_dtype) == FP8_BITS:
-        if impl == "pallas":
-            raise ValueError("an fp8 cache kept as its bits (uint8) is read by impl='reference' only; the Pallas "
-                             "kernels take float8_e4m3fn caches")
-        return "reference"
+def resolve_impl(impl: str, interpret: bool, cache_dtype=None, head_dim: int | None = None) -> str:
+    """"auto": pallas where the kernels run (interpreted, or on a GPU that can read `cache_dtype`), else "cpu" where
+    the CPU kernel serves this cache and head_dim, else reference. An fp8 cache kept as its bits (FP8_BITS) is read
+    by the CPU kernel or the reference only."""
+    bits = cache_dtype is not None and jnp.dtype(cache_dtype) == FP8_BITS
+    if bits and impl == "pallas":
+        raise ValueError("an fp8 cache kept as its bits (uint8) is read by impl='cpu' or 'reference' only; the Pallas "
+                         "kernels take float8_e4m3fn caches")
+    cpu_why_not = None if head_dim is None else paged_attention_cpu.unsupported(cache_dtype, head_dim)
+    if impl == "cpu" and cpu_why_not:
+        raise ValueError(f"impl='cpu' cannot serve this call: {cpu_why_not}; impl='auto' falls back to the reference")
     if impl != "auto":
         return impl
-    return "pallas" if interpret or gpu_capability() >= min_capability(cache_dtype) else "reference"
+    if not bits and (interpret or gpu_capability() >= min_capability(cache_dtype)):
+        return "pallas"
+    return "reference" if head_dim is None or cpu_why_not else "cpu"
 
 
 def gpu_capability() -> float:

@@ -16,7 +16,7 @@ from jaxserve.cache.kv_cache import FP8_MAX, kv_bytes_per_block, kv_cache_dtype,
 from jaxserve.config import EngineConfig
 from jaxserve.models.kv_calibration import KV_SCALE_HEADROOM, calibrate_kv_scales, calibration_ids
 from jaxserve.models.loader import random_model
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_impl
 
 from helpers import GEOMETRY, KNOBS, TINY, cached_as, make_batch, mixed_requests, token_prompts
 
@@ -60,15 +60,18 @@ def test_a_cpu_cache_holds_fp8_as_bits_written_in_place():
     rows = np.asarray(k).reshape(-1, 2, 64)
     np.testing.assert_array_equal(rows[np.asarray(slots)], np.asarray(new))
     assert np.count_nonzero(np.delete(rows, np.asarray(slots), axis=0)) == 0
-    # attention over the bits equals attention over the same values as e4m3, exactly (the same reference)
+    # attention over the bits equals attention over the same values as e4m3, exactly (the same implementation: the
+    # CPU kernel where "auto" takes it, else the reference)
     batch = make_batch(rng, [3, 1], [40, 70], **GEOMETRY, dtype=jnp.float32)
     fp8 = cached_as(batch, FP8)
     as_fp8 = [fp8.k_cache, fp8.v_cache]
     as_bits = [jax.lax.bitcast_convert_type(c, jnp.uint8) for c in as_fp8]
     args = lambda caches: (batch.q, *caches, *batch.args()[3:])   # noqa: E731
-    bits_out = ragged_paged_attention(*args(as_bits), sm_scale=0.125)   # "auto" reads bits by the reference
+    impl = resolve_impl("auto", False, jnp.uint8, GEOMETRY["head_dim"])
+    assert impl in ("cpu", "reference")
+    bits_out = ragged_paged_attention(*args(as_bits), sm_scale=0.125)
     np.testing.assert_array_equal(np.asarray(bits_out),
-                                  np.asarray(ragged_paged_attention(*args(as_fp8), sm_scale=0.125, impl="reference")))
+                                  np.asarray(ragged_paged_attention(*args(as_fp8), sm_scale=0.125, impl=impl)))
     with pytest.raises(ValueError, match="bits"):
         ragged_paged_attention(*args(as_bits), sm_scale=0.125, impl="pallas")
 

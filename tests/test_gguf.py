@@ -7,7 +7,7 @@ import torch
 import transformers
 from flax import nnx
 
-from custom_calls import gguf_matmul
+from custom_calls import cpu as cpu_calls, gguf_matmul
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear
 from jaxserve.models.loader import load_model
@@ -54,8 +54,8 @@ def test_every_supported_type_loads_to_the_hf_model_of_the_same_weights(tmp_path
 def test_blocks_the_cpu_kernel_reads_stay_as_stored_and_compute_the_dequantized_model(tmp_path, qtype):
     """By default on one CPU device, Q4_1 / Q8_0 linear layers, embedding and LM head keep the file's blocks (q/k
     rows back in HF order); the model computes what its dequantization computes, to f32 rounding."""
-    if not gguf_matmul.available():
-        pytest.skip(f"the CPU kernel does not run here: {gguf_matmul.unavailable_reason()}")
+    if not cpu_calls.available():
+        pytest.skip(f"the CPU kernel does not run here: {cpu_calls.unavailable_reason()}")
     stored = write_gguf(tmp_path / "tiny.gguf", tiny_llama(), qtype)
     blocks, f32 = (load_model(str(tmp_path / "tiny.gguf"), "f32", quantization=q) for q in (None, "float"))
     assert (blocks.quantization, f32.quantization) == ("gguf", None)

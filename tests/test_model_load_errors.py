@@ -12,7 +12,7 @@ import transformers
 from gguf import GGUFReader
 from safetensors.numpy import load_file, save_file
 
-from custom_calls import gguf_matmul
+from custom_calls import cpu as cpu_calls
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.loader import CONVERTED_META, load_model, save_converted
 
@@ -106,7 +106,7 @@ CASES = {   # name -> (make(checkpoint, tiny_hf, tmp_path) -> (path to load, fil
     "inf-in-safetensors": (inf_weight, NOT_FINITE),
     "nan-in-f32-gguf": (nan_gguf("F32"), NOT_FINITE),
     # Q8_0 stays in blocks where the CPU kernel runs: the layer's weight is its blocks, checked dequantized
-    "nan-in-q8-gguf": (nan_gguf("Q8_0"), NOT_FINITE.replace(".kernel", ".weight") if gguf_matmul.available()
+    "nan-in-q8-gguf": (nan_gguf("Q8_0"), NOT_FINITE.replace(".kernel", ".weight") if cpu_calls.available()
                        else NOT_FINITE),
 }
 CLI_CASES = ("config-is-a-list", "zero-heads", "truncated-safetensors", "nan-in-f32-gguf")

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
 
-from custom_calls import gguf_matmul
+from custom_calls import cpu as cpu_calls
 from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from jaxserve.client import Client
 from jaxserve.models.loader import embedded_model_path
@@ -377,7 +377,7 @@ def test_prometheus_metrics(server):
     assert value("jaxserve_compiled_graphs") >= 1 and value("jaxserve_compiles_after_start_total") >= 0
     assert value("jaxserve_kv_blocks_free") == stats.kv_blocks_free
     # the embedded model on CPU: its GGUF's Q4_1 blocks (f32 where the CPU kernel does not run), an f32 cache
-    weights = "q4_1" if gguf_matmul.available() else "float32"
+    weights = "q4_1" if cpu_calls.available() else "float32"
     assert (stats.weight_dtype, stats.kv_cache_dtype) == (weights, "float32")
     assert value("jaxserve_model_dtypes", weight_dtype=weights, kv_cache_dtype="float32") == 1
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_hit_rate",

@@ -5,13 +5,11 @@
 // rows take W dequantized whole (GgufDequantize) into XLA's GEMM instead.
 #include <immintrin.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve {
@@ -21,7 +19,7 @@ namespace ffi = xla::ffi;
 
 constexpr int kBlock = 32;      // weights a block
 constexpr int kRowTile = 4;     // rows of x one pass over a weight row serves
-constexpr int kChunksPerThread = 4;
+constexpr int64_t kMinChunkRows = 8;   // weight rows a chunk of a thread's work holds at least
 // How far ahead of the block being multiplied its row's bytes are prefetched. A row is a few hundred bytes, too
 // short a stream for some CPUs' hardware prefetchers: on a Sapphire Rapids core a Q4_1 block took 12.2 ns from
 // memory against 3.0 ns from cache; 512 bytes ahead 6.3 ns, 1 KiB 4.0, 2 and 4 KiB 3.5-3.8 (one thread).
@@ -139,34 +137,8 @@ void DequantizeRows(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
-// Chunks of weight rows taken from a shared counter by the calling thread and the pool's. A task the pool starts
-// late finds no chunk left; the state lives as long as its last holder, so a late task never reads freed memory.
-struct Work {
-  Problem problem;
-  void (*run)(const Problem&, int64_t, int64_t);
-  int64_t chunk, chunks;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Drain() {
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      run(problem, c * chunk, std::min(problem.n, (c + 1) * chunk));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 void RunParallel(ffi::ThreadPool& pool, const Problem& p, void (*run)(const Problem&, int64_t, int64_t)) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  auto work = std::make_shared<Work>();
-  work->problem = p;
-  work->run = run;
-  work->chunk = std::max<int64_t>(8, (p.n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
-  work->chunks = (p.n + work->chunk - 1) / work->chunk;
-  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t) {
-    pool.Schedule([work] { work->Drain(); });
-  }
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+  ParallelFor(pool, p.n, kMinChunkRows, [&p, run](int64_t begin, int64_t end) { run(p, begin, end); });
 }
 
 ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,

@@ -127,29 +127,34 @@ def allocate_cross_layer_cache(num_layers: int, num_blocks: int, block_size: int
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+             slot_mapping: jax.Array, cross_layer: bool = False) -> tuple[jax.Array, jax.Array]:
     """Write token t's K/V to flat slot slot_mapping[t] (= block * block_size + offset); padding uses slot 0.
 
     Pure: call inside the jitted step with the cache donated, and it is updated in place. On an NVIDIA GPU this
-    is the CUDA custom call (faster than the XLA scatter on GPU), elsewhere its pure-JAX reference, the same
-    scatter.
+    is the CUDA custom call (faster than the XLA scatter on GPU), on a CPU the CPU library's, elsewhere their
+    pure-JAX reference, the same scatter. cross_layer: the caches are a cross-layer cache seen as blocks
+    (`layer_blocks`), a reshape of the donated arrays, around which XLA:CPU copies the whole cache for an in-place
+    custom call: there a CPU writes by the scatter.
     """
-    return custom_calls.reshape_and_cache(k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
-                                          slot_mapping)
+    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+    if cross_layer and custom_calls.cpu.available():
+        return custom_calls.reshape_and_cache_reference(k_cache, v_cache, k, v, slot_mapping)
+    return custom_calls.reshape_and_cache(k_cache, v_cache, k, v, slot_mapping)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
 def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, mesh: Mesh | None = None) -> KVCache:
     """Copy blocks src[i] -> dst[i] in every layer in one device call, the cache donated (updated in place); ids
     padded by pad_block_copies (few compiled sizes). All sources are read before any destination is written. On an
-    NVIDIA GPU the CUDA custom call copies (faster than XLA's copy on GPU). Under tensor parallelism each device
+    NVIDIA GPU the CUDA custom call copies (faster than XLA's copy on GPU), on a CPU the CPU library's. Under tensor parallelism each device
     copies the blocks of its own kv heads (a cache split over `mesh`'s "tp" axis needs the mesh)."""
     # Padding pairs have out-of-bounds dsts, which the copy skips. A cross-layer block (vattention: one device) is
-    # one copy of all its layers, the cache seen as [num_blocks, num_layers * block_size, ...].
+    # one copy of all its layers, the cache seen as [num_blocks, num_layers * block_size, ...] (a reshape: on a CPU
+    # by XLA's copy, as write_kv says why).
     if isinstance(cache, VAttentionCache):
         nb, layers, bs = cache.k.shape[:3]
-        k, v = custom_calls.copy_blocks(*(x.reshape(nb, layers * bs, *x.shape[3:]) for x in (cache.k, cache.v)),
-                                        src, dst)
+        run = custom_calls.copy_blocks_reference if custom_calls.cpu.available() else custom_calls.copy_blocks
+        k, v = run(*(x.reshape(nb, layers * bs, *x.shape[3:]) for x in (cache.k, cache.v)), src, dst)
         return VAttentionCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
 
     def copy(cache, src, dst):

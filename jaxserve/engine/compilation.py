@@ -81,6 +81,7 @@ class ExecutableCache:
         self.keeps_served = jax.default_backend() != "cpu"
         if directory:   # an executable that calls an FFI target loads only once the target is registered
             custom_calls.available()
+            custom_calls.cpu.available()
             load_mosaic_runtime()
 
     def path(self, key: tuple) -> Path:

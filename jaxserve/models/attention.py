@@ -49,7 +49,8 @@ class AttentionBatch:
 class AttentionKernels:
     """The kernels of one engine, resolved once from its config; a static argument of the jitted step.
     decode: the kernel of decode-only steps — "pallas" (the one-launch Pallas decode), "cuda" (the custom call)
-    or "reference" (no GPU kernel runs here: pure JAX, and decode-only steps need no graph of their own).
+    or "reference" (no GPU kernel runs here: the CPU custom call where it runs, else pure JAX; decode-only steps
+    need no graph of their own).
     decode_backend: the Pallas decode's backend — "auto", "triton" or "mosaic" (pallas_kernels' decode_backend).
     prefill: the GPU kernel of prefill rows — "triton" or "mosaic" (pallas_kernels' prefill_backend).
     blocks_per_row: None (blocks addressed by the batch's block tables) or, for vattention's contiguous kernels,
@@ -153,7 +154,8 @@ def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: Attent
     """Write the new k/v into the donated kv_layer, then attend over the pages: (out, kv_layer)."""
     k_cache, v_cache, num_layers, layer = layer_blocks(kv_layer)
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v,
-                                layer_slot_mapping(batch.slot_mapping, k_cache.shape[1], num_layers, layer))
+                                layer_slot_mapping(batch.slot_mapping, k_cache.shape[1], num_layers, layer),
+                                cross_layer=num_layers > 1)
     attend_cache = cuda_decode if batch.decode_only and kernels.decode == "cuda" else ragged_attention
     out = attend_cache(q, k_cache, v_cache, batch, kernels, num_layers, layer, sm_scale=sm_scale,
                        sliding_window=sliding_window)
@@ -162,8 +164,8 @@ def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: Attent
 
 def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
                      **kw):
-    """The Pallas launches (pure JAX off the GPU) over the batch's block tables or, under contiguous kernels, its
-    cache rows; the cache's blocks at `layer` of num_layers (see the module)."""
+    """The Pallas launches (the CPU kernel or pure JAX off the GPU) over the batch's block tables or, under
+    contiguous kernels, its cache rows; the cache's blocks at `layer` of num_layers (see the module)."""
     if batch.cascade is not None:   # paged, no window (step_graphs.cascade_rule)
         return cascade_attention(q, k_cache, v_cache, batch.kv_lens,
                                  layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs, batch.cascade,

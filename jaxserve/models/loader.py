@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from custom_calls import gguf_matmul
+from custom_calls import cpu as cpu_calls, gguf_matmul
 from custom_calls.gguf_matmul import BLOCK_TYPES
 from jaxserve.config import (QUANTIZATIONS, EngineConfig, ModelConfig, RunConfig, load_run_config,
                              model_config_from_hf)
@@ -382,7 +382,7 @@ def wants_gguf_blocks(quantization: str | None, mesh) -> bool:
     """A GGUF model keeps its blocks with quantization "gguf", and by default (None) where the CPU kernel runs them:
     on one CPU device."""
     return quantization == "gguf" or (quantization is None and (mesh is None or mesh.size == 1)
-                                      and gguf_matmul.available())
+                                      and cpu_calls.available())
 
 
 def load_gguf(path: Path, dtype, mesh=None, quantization: str | None = None) -> LoadedModel:
