@@ -34,7 +34,8 @@ def batch(rng, q_lens, kv_lens):
     tables = np.zeros((len(q_lens), max(pages)), np.int32)
     for i, n in enumerate(pages):
         tables[i, :n] = [next(ids) for _ in range(n)]
-    cache = lambda: jnp.asarray(rng.standard_normal((NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)), jnp.float32)  # noqa: E731
+    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    cache = lambda: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     q = jnp.asarray(rng.standard_normal((sum(q_lens), Q_HEADS, HEAD_DIM)), jnp.float32)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     return (q, cache(), cache(), cu, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables),

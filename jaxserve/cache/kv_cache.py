@@ -146,8 +146,9 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, mesh: Mesh | None = None) -> KVCache:
     """Copy blocks src[i] -> dst[i] in every layer in one device call, the cache donated (updated in place); ids
     padded by pad_block_copies (few compiled sizes). All sources are read before any destination is written. On an
-    NVIDIA GPU the CUDA custom call copies (faster than XLA's copy on GPU), on a CPU the CPU library's. Under tensor parallelism each device
-    copies the blocks of its own kv heads (a cache split over `mesh`'s "tp" axis needs the mesh)."""
+    NVIDIA GPU the CUDA custom call copies (faster than XLA's copy on GPU), on a CPU the CPU library's. Under tensor
+    parallelism each device copies the blocks of its own kv heads (a cache split over `mesh`'s "tp" axis needs the
+    mesh)."""
     # Padding pairs have out-of-bounds dsts, which the copy skips. A cross-layer block (vattention: one device) is
     # one copy of all its layers, the cache seen as [num_blocks, num_layers * block_size, ...] (a reshape: on a CPU
     # by XLA's copy, as write_kv says why).
