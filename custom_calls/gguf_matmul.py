@@ -68,13 +68,20 @@ def gguf_matmul(x: jax.Array, blocks: jax.Array, block_type: str) -> jax.Array:
     """x [M, in] (any float dtype) . W^T -> f32 [M, out], W as `blocks` [out, in / 32 * bytes] hold it: where the
     CPU library runs (available()), its kernel up to KERNEL_MAX_ROWS rows and XLA's GEMM of its dequantization past
     them; elsewhere the reference."""
-    check_args(x, blocks, block_type)
+    return gguf_matmuls(x, [blocks], block_type)[0]
+
+
+def gguf_matmuls(x: jax.Array, weights: list, block_type: str) -> list:
+    """[gguf_matmul(x, blocks, block_type) for blocks in weights]: the kernel's rows of all of them in one call (q, k
+    and v; gate and up), so small matrices share its hand-offs to the threads."""
+    for blocks in weights:
+        check_args(x, blocks, block_type)
     if not available():
-        return gguf_matmul_reference(x, blocks, block_type)
+        return [gguf_matmul_reference(x, blocks, block_type) for blocks in weights]
     type_id = np.int32(BLOCK_TYPES[block_type][0])
     if x.shape[0] > KERNEL_MAX_ROWS:
-        w = jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((blocks.shape[0], x.shape[1]), jnp.float32))(
-            blocks, block_type=type_id)
-        return jax.lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ())))
-    out = jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), blocks, block_type=type_id)
+        dequantized = (jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((b.shape[0], x.shape[1]), jnp.float32))(
+            b, block_type=type_id) for b in weights)
+        return [jax.lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ()))) for w in dequantized]
+    outs = [jax.ShapeDtypeStruct((x.shape[0], b.shape[0]), jnp.float32) for b in weights]
+    return list(jax.ffi.ffi_call(TARGET, outs)(x.astype(jnp.float32), *weights, block_type=type_id))

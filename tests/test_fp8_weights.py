@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.fp8 import FP8, W8A16_MAX_ROWS, Fp8Linear, linears, quantize_rows, quantize_weight
+from jaxserve.models.fp8 import FP8, W8A16_MAX_ROWS, Fp8Linear, fp8_linears, quantize_rows, quantize_weight
 from jaxserve.models.loader import load_model, load_run, random_model, save_converted
 from jaxserve.sharding import make_mesh, param_spec
 
@@ -105,12 +105,12 @@ def test_fp8_linear_matches_the_dequantized_reference(rows):
 
 @pytest.mark.parametrize("rows", [1, W8A16_MAX_ROWS])
 def test_layers_of_one_input_give_what_each_gives(rows):
-    """linears (q/k/v, gate/up: one W8A16 launch on a GPU) against each layer alone, biases included: the same
-    products in each output, so the same bits. (Above W8A16_MAX_ROWS linears calls each layer.)"""
+    """fp8_linears (q/k/v, gate/up: one W8A16 launch on a GPU) against each layer alone, biases included: the same
+    products in each output, so the same bits. (Above W8A16_MAX_ROWS fp8_linears calls each layer.)"""
     rng = np.random.default_rng()
     layers = [fp8_linear(rng, 256, n, jnp.bfloat16)[0] for n in (128, 64, 64)]
     x = jnp.asarray(activations(rng, rows, 256), jnp.bfloat16)
-    for together, alone in zip(nnx.jit(linears)(layers, x), [nnx.jit(layer)(x) for layer in layers]):
+    for together, alone in zip(nnx.jit(fp8_linears)(layers, x), [nnx.jit(layer)(x) for layer in layers]):
         np.testing.assert_array_equal(np.asarray(together, np.float32), np.asarray(alone, np.float32))
 
 

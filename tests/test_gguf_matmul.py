@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from custom_calls import build, gguf_matmul as gm
+from custom_calls import build, cpu as cpu_calls, gguf_matmul as gm
 
 # (rows of x, output features, input features): one and several rows (the kernel's 4-row tiles and each
 # remainder), outputs fewer than a thread's chunk and not a multiple of it, one block and many
@@ -24,8 +24,8 @@ def random_blocks(rng, out_features, in_features, block_type):
 
 
 def kernel_required():
-    if not gm.available():
-        pytest.skip(f"the CPU kernel does not run here: {gm.unavailable_reason()}")
+    if not cpu_calls.available():
+        pytest.skip(f"the CPU kernel does not run here: {cpu_calls.unavailable_reason()}")
 
 
 @pytest.mark.parametrize("block_type", list(gm.BLOCK_TYPES))
@@ -103,3 +103,20 @@ def test_the_cpu_library_is_built_once_and_exports_its_handler(tmp_path, monkeyp
     assert " T JaxserveGgufMatmul\n" in exported and " T JaxserveGgufDequantize\n" in exported
     built_at = library.stat().st_mtime_ns
     assert build.build_cpu_library() == library and library.stat().st_mtime_ns == built_at   # same key: cached
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_weights_of_one_input_in_one_call_give_what_each_gives(m):
+    """gguf_matmuls (q, k, v; gate, up) is one custom call over all its weights' rows, split over the threads as one
+    range (here a chunk spans two matrices); each output has the bits its weight alone gives (the same products in
+    the same order)."""
+    kernel_required()
+    rng = np.random.default_rng(11)
+    weights = [random_blocks(rng, n, 576, "Q4_1")[0] for n in (576, 192, 192)]
+    x = rng.standard_normal((m, 576)).astype(np.float32)
+    fn = jax.jit(gm.gguf_matmuls, static_argnums=2)
+    assert fn.lower(x, weights, "Q4_1").as_text().count(f"@{gm.TARGET}(") == 1
+    alone = jax.jit(gm.gguf_matmul, static_argnums=2)
+    for together, w in zip(fn(x, weights, "Q4_1"), weights):
+        assert together.shape == (m, w.shape[0]) and np.isfinite(np.asarray(together)).all()
+        np.testing.assert_array_equal(np.asarray(together), np.asarray(alone(x, w, "Q4_1")))

@@ -141,16 +141,17 @@ void RunParallel(ffi::ThreadPool& pool, const Problem& p, void (*run)(const Prob
   ParallelFor(pool, p.n, kMinChunkRows, [&p, run](int64_t begin, int64_t end) { run(p, begin, end); });
 }
 
-ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                      ffi::ResultBuffer<ffi::F32> y, int32_t block_type) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("gguf_matmul: x and w must be 2-D");
+// y_i = x W_i^T for weights of one block type that read the same x (q, k and v; gate and up): one call, their rows
+// split over the threads as one range, so small matrices share the threads' hand-offs.
+ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
+                      int32_t block_type) {
+  const auto xd = x.dimensions();
   const bool q4 = block_type == kQ4_1;
   if (!q4 && block_type != kQ8_0) return ffi::Error::InvalidArgument("gguf_matmul: block_type must be Q4_1 or Q8_0");
-  const int64_t m = xd[0], k = xd[1], n = wd[0], bytes = q4 ? Q4_1::kBytes : Q8_0::kBytes;
-  if (k % kBlock || wd[1] != k / kBlock * bytes) {
-    return ffi::Error::InvalidArgument("gguf_matmul: w's rows must hold k / 32 blocks of x's k");
+  if (xd.size() != 2 || ws.size() == 0 || ws.size() != ys.size()) {
+    return ffi::Error::InvalidArgument("gguf_matmul: need x [m, k] and one output a weight");
   }
+  const int64_t m = xd[0], k = xd[1], bytes = q4 ? Q4_1::kBytes : Q8_0::kBytes;
   std::vector<float> sums(q4 ? m * (k / kBlock) : 0);
   for (size_t i = 0; i < sums.size(); ++i) {
     const float* v = x.typed_data() + i * kBlock;
@@ -158,8 +159,26 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                              _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
     sums[i] = Sum(s);
   }
-  const Problem p{x.typed_data(), sums.data(), w.typed_data(), y->typed_data(), m, n, k};
-  RunParallel(pool, p, q4 ? DotColumns<Q4_1> : DotColumns<Q8_0>);
+  std::vector<Problem> problems;
+  std::vector<int64_t> first_rows{0};   // problem i's rows are [first_rows[i], first_rows[i + 1]) of the range
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::U8>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gguf_matmul: weights u8, outputs f32");
+    const auto wd = w->dimensions();
+    if (wd.size() != 2 || k % kBlock || wd[1] != k / kBlock * bytes || (*y)->element_count() != m * wd[0]) {
+      return ffi::Error::InvalidArgument("gguf_matmul: each w's rows must hold k / 32 blocks of x's k, y [m, n]");
+    }
+    problems.push_back({x.typed_data(), sums.data(), w->typed_data(), (*y)->typed_data(), m, wd[0], k});
+    first_rows.push_back(first_rows.back() + wd[0]);
+  }
+  const auto run = q4 ? DotColumns<Q4_1> : DotColumns<Q8_0>;
+  ParallelFor(pool, first_rows.back(), kMinChunkRows, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < problems.size(); ++i) {
+      const int64_t lo = std::max(begin, first_rows[i]), hi = std::min(end, first_rows[i + 1]);
+      if (lo < hi) run(problems[i], lo - first_rows[i], hi - first_rows[i]);
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -186,8 +205,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGgufMatmul, jaxserve::GgufMatmul,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<int32_t>("block_type"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGgufDequantize, jaxserve::GgufDequantize,

@@ -90,7 +90,7 @@ def linears_w8a16(layers, x) -> list:
     return [custom_calls.fp8_linear_reference(x, w, s) for w, s in zip(ws, scales)]
 
 
-def linears(layers, x) -> list:
+def fp8_linears(layers, x) -> list:
     """[layer(x) for layer in layers] for linear layers that read the same x; FP8 decode rows in one W8A16 launch
     (linears_w8a16)."""
     x2 = x.reshape(-1, x.shape[-1])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
-from custom_calls.gguf_matmul import dequantize, gguf_matmul, row_bytes
+from custom_calls.gguf_matmul import dequantize, gguf_matmul, gguf_matmuls, row_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +29,18 @@ class GgufLinear(nnx.Module):
         self.block_type, self.dtype = block_type, dtype
 
     def __call__(self, x):
-        y = gguf_matmul(x.reshape(-1, x.shape[-1]), self.weight[...], self.block_type)
+        return self.output(gguf_matmul(x.reshape(-1, x.shape[-1]), self.weight[...], self.block_type), x)
+
+    def output(self, y, x):
+        """The product y [N, out] (f32) of x [..., in] as the layer's output: its dtype, x's leading dims, the bias."""
         y = y.astype(self.dtype).reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias[...]
+
+
+def gguf_linears(layers: list[GgufLinear], x) -> list:
+    """[layer(x) for layer in layers] for layers of one block type that read the same x, in one kernel call."""
+    ys = gguf_matmuls(x.reshape(-1, x.shape[-1]), [layer.weight[...] for layer in layers], layers[0].block_type)
+    return [layer.output(y, x) for layer, y in zip(layers, ys)]
 
 
 class GgufEmbed(nnx.Module):

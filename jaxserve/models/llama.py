@@ -16,8 +16,8 @@ import custom_calls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
-from jaxserve.models.fp8 import Fp8Linear, linears
-from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear
+from jaxserve.models.fp8 import Fp8Linear, fp8_linears
+from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, per_shard
 from pallas_kernels.ragged_paged_attention import gpu_capability
 
@@ -118,6 +118,14 @@ class Attention(nnx.Module):
                                sliding_window=self.cfg.sliding_window,
                                kv_scales=(self.k_scale[...], self.v_scale[...]))
         return self.o_proj(out.reshape(x.shape[0], -1)), kv_layer
+
+
+def linears(layers, x) -> list:
+    """[layer(x) for layer in layers] for linear layers that read the same x (q, k, v; gate, up): GGUF blocks of one
+    type in one kernel call (gguf_linears), FP8 decode rows in one W8A16 launch (fp8_linears)."""
+    if all(isinstance(layer, GgufLinear) for layer in layers) and len({layer.block_type for layer in layers}) == 1:
+        return gguf_linears(layers, x)
+    return fp8_linears(layers, x)
 
 
 class MLP(nnx.Module):
