@@ -6,6 +6,7 @@ and padding rows must come out exactly zero. The kernel computes in f32 as the r
 TOLERANCE's 1e-5 of the largest output (f32 sums of <= 250 products) and 2e-2 for bf16 outputs (one rounding).
 """
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -120,26 +121,33 @@ def test_auto_takes_the_kernel_on_a_cpu_and_refusals_name_the_way_out():
 
 
 @pytest.mark.slow
-def test_engine_attends_through_the_kernel(smollm, monkeypatch):
+def test_engine_attends_through_the_kernel(smollm, monkeypatch, tmp_path, without_xla_cache):
     """The engine's CPU steps (chunked prefills beside decodes) call the kernel, and give the tokens and logprobs the
-    pure-JAX reference gives (logprobs to 1e-4: f32 sums in another order move them ~1e-6)."""
-    calls = []
-    kernel = paged_attention_cpu.ragged_paged_attention_cpu
+    pure-JAX reference gives (logprobs to 1e-4: f32 sums in another order move them ~1e-6). An engine where the
+    kernel cannot run does not load the executables that call it from a shared compile cache (each graph compiled
+    here, as in a jaxserve process on a CPU, so the first engine keeps them there): it traces the reference."""
+    rpa = sys.modules[ragged_paged_attention.__module__]
+    calls = {"cpu": 0, "reference": 0}
+
+    def counting(name, run):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or run(*a, **k)
     monkeypatch.setattr(paged_attention_cpu, "ragged_paged_attention_cpu",
-                        lambda *a, **k: calls.append(1) or kernel(*a, **k))
+                        counting("cpu", paged_attention_cpu.ragged_paged_attention_cpu))
+    monkeypatch.setattr(rpa, "ragged_paged_attention_reference", counting("reference", ragged_paged_attention_reference))
     prompts = [list(range(100, 100 + n)) for n in (37, 5, 61)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     knobs = dict(max_num_seqs=4, max_num_batched_tokens=32, min_prefill_chunk=8, max_model_len=256, num_blocks=64,
-                 precompile=False)
+                 precompile=False, compile_cache_dir=str(tmp_path))
 
-    def generate():
+    def generate():   # jax's memo of traced steps forgotten: the library's state is not a static argument
+        jax.clear_caches()
         return [o.outputs[0] for o in LLM(smollm, **knobs).generate(prompts, params)]
     with_kernel = generate()
-    assert calls, "the engine's steps did not trace the CPU kernel"
+    assert calls["cpu"] and not calls["reference"], f"the engine's steps did not trace the CPU kernel alone: {calls}"
     monkeypatch.setattr(paged_attention_cpu, "unsupported", lambda *a: "off for this test")
-    calls.clear()
+    calls.update(cpu=0)
     with_reference = generate()
-    assert not calls
+    assert calls["reference"] and not calls["cpu"], f"the kernel's executables were loaded where it is off: {calls}"
     for ours, expected in zip(with_kernel, with_reference):
         assert ours.token_ids == expected.token_ids
         np.testing.assert_allclose([lp[t] for t, lp in zip(ours.token_ids, ours.logprobs)],

@@ -39,6 +39,7 @@ from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, 
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
 from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.loader import LoadedModel
+from pallas_kernels.ragged_paged_attention import resolve_impl
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
@@ -256,7 +257,9 @@ class StepGraphs:
         self.replicated = NamedSharding(mesh, P())
         graphs_fingerprint = fingerprint(mc, graph_knobs(cfg), str(self.dtype), loaded.quantization,
                                          draft and (draft.config, draft.quantization),
-                                         [(d.id, d.device_kind) for d in mesh.devices.flat], self.kernels)
+                                         [(d.id, d.device_kind) for d in mesh.devices.flat], self.kernels,
+                                         # "auto" attention takes the CPU kernel only where its library loads
+                                         resolve_impl("auto", False, backend.dtype, mc.head_dim))
         self.manager = CompilationManager(ExecutableCache(cfg.compile_cache_dir, graphs_fingerprint),
                                           options=self.compiler_options)
         self.peak_file = cfg.compile_cache_dir and (Path(cfg.compile_cache_dir).expanduser() / "activation_peak" /
