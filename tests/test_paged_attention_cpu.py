@@ -126,14 +126,18 @@ def test_engine_attends_through_the_kernel(smollm, monkeypatch, tmp_path, withou
     pure-JAX reference gives (logprobs to 1e-4: f32 sums in another order move them ~1e-6). An engine where the
     kernel cannot run does not load the executables that call it from a shared compile cache (each graph compiled
     here, as in a jaxserve process on a CPU, so the first engine keeps them there): it traces the reference."""
-    rpa = sys.modules[ragged_paged_attention.__module__]
+    rpa = sys.modules[ragged_paged_attention.__module__]   # the package's name for it is the function's
     calls = {"cpu": 0, "reference": 0}
 
     def counting(name, run):
-        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or run(*a, **k)
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return run(*args, **kwargs)
+        return counted
     monkeypatch.setattr(paged_attention_cpu, "ragged_paged_attention_cpu",
                         counting("cpu", paged_attention_cpu.ragged_paged_attention_cpu))
-    monkeypatch.setattr(rpa, "ragged_paged_attention_reference", counting("reference", ragged_paged_attention_reference))
+    monkeypatch.setattr(rpa, "ragged_paged_attention_reference",
+                        counting("reference", ragged_paged_attention_reference))
     prompts = [list(range(100, 100 + n)) for n in (37, 5, 61)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     knobs = dict(max_num_seqs=4, max_num_batched_tokens=32, min_prefill_chunk=8, max_model_len=256, num_blocks=64,
