@@ -375,7 +375,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--http-max-connections", type=int, default=connections.DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections; more are answered 503 and closed")
     p.add_argument("--http-read-timeout", type=float, default=connections.DEFAULT_READ_TIMEOUT_S,
-                   help="seconds a client has to send a request's headers, and then its body")
+                   help="seconds a client has to send a request's headers, and then its body; an idle "
+                        "kept-alive connection is closed after as long")
     p.add_argument("--http-write-timeout", type=float, default=connections.DEFAULT_WRITE_TIMEOUT_S,
                    help="seconds a response may wait on a client that reads nothing; then it is cut and its "
                         "request aborted")

@@ -4,6 +4,7 @@ origin and short limits; raw sockets play the slow, silent or greedy clients. A 
 limit shows what happens when the process runs out of them."""
 import json
 import logging
+import re
 import socket
 import subprocess
 import sys
@@ -132,6 +133,36 @@ def test_slow_headers_and_slow_bodies_are_cut_after_the_read_timeout(server):
         reply = read_until_closed(trickling_body)
         assert time.monotonic() - start < CUT_WITHIN_S
     assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response to a request without a body (its headers, then content-length bytes)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE).group(1))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+@pytest.mark.slow
+def test_an_idle_kept_alive_connection_lasts_the_read_timeout_longer_than_clients_pools_keep_it(server):
+    """A server closing an idle connection first races the client that reuses it: its request meets a reset
+    (uvicorn's default 5 s is httpx's pool expiry, so the openai client hit it). Idle connections last the read
+    timeout, whose default outlasts httpx's pools."""
+    assert ConnectionLimits().read_timeout_s > 3 * httpx2.Limits().keepalive_expiry
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with connect(server) as sock:
+        sock.sendall(health)
+        assert read_response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(LIMITS.read_timeout_s / 2)
+        sock.sendall(health)
+        assert read_response(sock).startswith(b"HTTP/1.1 200")
+        idle_since = time.monotonic()
+        assert read_until_closed(sock) == b""
+        assert LIMITS.read_timeout_s * 0.9 < time.monotonic() - idle_since < LIMITS.read_timeout_s + 1.5
 
 
 @pytest.mark.slow

@@ -28,7 +28,10 @@ SEND_BUFFER_BYTES = 256 << 10
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     max_connections: int = DEFAULT_MAX_CONNECTIONS   # open HTTP connections; more are answered 503 and closed
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S   # a request's headers, then its body, each within this
+    # a request's headers, then its body, each within this; an idle kept-alive connection waits as long for the
+    # next request's. Clients' pools drop idle connections sooner (httpx 5 s, aiohttp 15 s): a server closing
+    # first races a client reusing the connection, whose request then meets a reset.
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # a response whose client reads nothing this long is cut
 
     def __post_init__(self):

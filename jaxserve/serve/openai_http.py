@@ -789,6 +789,7 @@ class HttpServer:
         self.host, self.port = host, port
         self.uvicorn = EmbeddedUvicorn(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                                       timeout_graceful_shutdown=grace_period_s,
+                                                      timeout_keep_alive=limits.read_timeout_s,
                                                       http=guarded_protocol(limits)))
         self.task: asyncio.Task | None = None
 
