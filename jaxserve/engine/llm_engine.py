@@ -19,6 +19,7 @@ from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import MODEL_DRAFTERS, EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.drafter import load_draft
+from jaxserve.engine.huge_pages import collapse_to_huge_pages
 from jaxserve.engine.runner import ModelRunner, Unsampled
 from jaxserve.engine.sampling_params import (INT32_MAX, RequestOutputKind, SamplingParams, StructuredOutputsParams,
                                              check_text, short)
@@ -136,11 +137,11 @@ def sampling_defaults(loaded: LoadedModel, cfg: EngineConfig) -> dict:
 
 def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, ModelRunner, KVManager]:
     """The device side's start-up, in its one order: the KV backend's layout (the kernels address it) -> the step
-    graphs -> the cache's size (from the activation peak when memory sizes it) -> the graphs bound to that size
-    (every key final) -> precompile (before the cache takes the memory: compiling, autotuning, needs room) -> the
-    cache allocated and the runner over it (with every graph's input and output buffers) -> the host block manager.
-    A multi-host worker runs it too: sizing is a collective. max_model_len: the model's unless cfg gives one
-    (fit_to_model), in graphs.cfg."""
+    graphs (a CPU's weights moved onto huge pages) -> the cache's size (from the activation peak when memory sizes
+    it) -> the graphs bound to that size (every key final) -> precompile (before the cache takes the memory:
+    compiling, autotuning, needs room) -> the cache allocated and the runner over it (with every graph's input
+    and output buffers) -> the host block manager. A multi-host worker runs it too: sizing is a collective.
+    max_model_len: the model's unless cfg gives one (fit_to_model), in graphs.cfg."""
     cfg = fit_to_model(cfg, loaded.config.max_position_embeddings)
     mesh = tensor_parallel_mesh(loaded, cfg)
     kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, loaded.dtype, mesh.devices.flat[0].platform)
@@ -154,6 +155,8 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
         calibrate_kv_scales(draft.model, calibration_ids(loaded.tokenizer, draft.config.vocab_size))
     backend = make_kv_backend(cfg, loaded.config, mesh, kv_dtype, draft and draft.config)
     graphs = StepGraphs(loaded, cfg, mesh, backend, draft)
+    if mesh.devices.flat[0].platform == "cpu":
+        collapse_to_huge_pages(graphs.params)
     num_blocks = backend.size(graphs.activation_peak)
     graphs.bind_cache(num_blocks)
     if cfg.precompile:
