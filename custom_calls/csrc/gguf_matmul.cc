@@ -19,6 +19,7 @@ namespace ffi = xla::ffi;
 
 constexpr int kBlock = 32;      // weights a block
 constexpr int kRowTile = 4;     // rows of x one pass over a weight row serves
+constexpr int kScaleGroup = 8;  // blocks whose scales (and offsets) are widened together: one vector's lanes
 constexpr int64_t kMinChunkRows = 8;   // weight rows a chunk of a thread's work holds at least
 // How far ahead of the block being multiplied its row's bytes are prefetched. A row is a few hundred bytes, too
 // short a stream for some CPUs' hardware prefetchers: on a Sapphire Rapids core a Q4_1 block took 12.2 ns from
@@ -28,10 +29,21 @@ constexpr int kPrefetchBytes = 2048;
 // GGML type ids (ggml.h), the attribute naming the block format.
 enum BlockType : int32_t { kQ4_1 = 3, kQ8_0 = 8 };
 
-inline float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+// The two f16 at the start of n consecutive blocks (kScaleGroup at most; zeros past n) as f32: scales and, for
+// Q4_1, offsets. One gather and conversion a group instead of a conversion and a broadcast a block, which compete
+// with the widening for a port (a group's halves stored one by one and loaded as a vector stall the load instead).
+template <int kBytes>
+void Halves(const uint8_t* first, int n, __m256* d, __m256* m) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes);
+  const __m256i words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(first),
+                                                    _mm256_mullo_epi32(lanes, _mm256_set1_epi32(kBytes)), mask, 1);
+  // [d0..3 m0..3 | d4..7 m4..7] as 16-bit, then [d0..7 | m0..7]
+  const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(words, _mm256_set1_epi32(0xffff)),
+                                             _mm256_srli_epi32(words, 16));
+  const __m256i halves = _mm256_permute4x64_epi64(packed, 0xd8);
+  *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+  *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
 }
 
 inline float Sum(__m256 v) {
@@ -44,17 +56,17 @@ inline float Sum(__m256 v) {
 struct Q4_1 {
   static constexpr int kBytes = 20;  // half d, half m, 16 bytes of nibbles: q[j] low, q[j + 16] high
   static constexpr bool kOffset = true;
+  // Bytes widened straight from memory (vpmovzxbd's load form) and split into nibbles in 32-bit lanes: shuffles
+  // share one port, so the fewer of them, the faster a block (4 here against 6 with the nibbles split first).
   static void Widen(const uint8_t* b, __m256 q[4]) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    const __m256i lo8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4)));
+    const __m256i hi8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 12)));
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo8, mask));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi8, mask));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo8, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi8, 4));
   }
-  static float Scale(const uint8_t* b) { return Half(b); }
-  static float Offset(const uint8_t* b) { return Half(b + 2); }
 };
 
 struct Q8_0 {
@@ -66,44 +78,57 @@ struct Q8_0 {
       q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     }
   }
-  static float Scale(const uint8_t* b) { return Half(b); }
-  static float Offset(const uint8_t*) { return 0.0f; }
 };
 
 struct Problem {
   const float* x;       // [m, k]
-  const float* x_sums;  // [m, k / 32]: each block's sum of x, for Q4_1's offsets
+  const float* x_sums;  // [m, SumsStride(k)]: each block's sum of x (zeros past k's), for Q4_1's offsets
   const uint8_t* w;     // [n, k / 32 * bytes]
   float* y;             // [m, n]
   int64_t m, n, k;
 };
 
+// Blocks a row of x_sums holds: k's, then zeros to a whole scale group, so a group's sums load as one vector.
+inline int64_t SumsStride(int64_t k) { return (k / kBlock + kScaleGroup - 1) / kScaleGroup * kScaleGroup; }
+
 // y[r0:r0+R, col] for one weight row: each block is widened once and serves R rows of x. (Reading several weight
-// rows a pass, to share x's loads, measured slower: the widening, not the loads, bounds it.)
+// rows a pass, to share x's loads, measured slower: the widening, not the loads, bounds it.) Q4_1's offsets
+// multiply x's block sums a group at a time.
 template <typename B, int R>
 void DotRow(const Problem& p, int64_t r0, int64_t col) {
-  const int64_t blocks = p.k / kBlock;
+  const int64_t blocks = p.k / kBlock, stride = SumsStride(p.k);
   const uint8_t* row = p.w + col * blocks * B::kBytes;
-  __m256 acc[R];
-  float offset[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * B::kBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);  // never faults
-    __m256 q[4];
-    B::Widen(block, q);
-    const __m256 scale = _mm256_set1_ps(B::Scale(block));
-    for (int r = 0; r < R; ++r) {
-      const float* x = p.x + (r0 + r) * p.k + b * kBlock;
-      __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
-      t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), t);
-      t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), t);
-      t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), t);
-      acc[r] = _mm256_fmadd_ps(scale, t, acc[r]);
-      if constexpr (B::kOffset) offset[r] += B::Offset(block) * p.x_sums[(r0 + r) * blocks + b];
+  __m256 acc[R], offset[R];
+  for (int r = 0; r < R; ++r) acc[r] = offset[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < blocks; g += kScaleGroup) {
+    const uint8_t* first = row + g * B::kBytes;
+    const int n = static_cast<int>(std::min<int64_t>(kScaleGroup, blocks - g));
+    alignas(32) float scales[kScaleGroup];
+    __m256 d, m;
+    Halves<B::kBytes>(first, n, &d, &m);
+    _mm256_store_ps(scales, d);
+    for (int i = 0; i < n; ++i) {
+      const uint8_t* block = first + i * B::kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);  // never faults
+      __m256 q[4];
+      B::Widen(block, q);
+      const __m256 scale = _mm256_broadcast_ss(scales + i);
+      for (int r = 0; r < R; ++r) {
+        const float* x = p.x + (r0 + r) * p.k + (g + i) * kBlock;
+        __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+        t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), t);
+        t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), t);
+        t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), t);
+        acc[r] = _mm256_fmadd_ps(scale, t, acc[r]);
+      }
+    }
+    if constexpr (B::kOffset) {
+      for (int r = 0; r < R; ++r) {
+        offset[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(p.x_sums + (r0 + r) * stride + g), offset[r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.n + col] = Sum(acc[r]) + offset[r];
+  for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.n + col] = Sum(acc[r]) + (B::kOffset ? Sum(offset[r]) : 0.0f);
 }
 
 template <typename B>
@@ -125,14 +150,22 @@ template <typename B>
 void DequantizeRows(const Problem& p, int64_t begin, int64_t end) {
   const int64_t blocks = p.k / kBlock;
   for (int64_t row = begin; row < end; ++row) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = p.w + (row * blocks + b) * B::kBytes;
-      __m256 q[4];
-      B::Widen(block, q);
-      const __m256 scale = _mm256_set1_ps(B::Scale(block)), offset = _mm256_set1_ps(B::Offset(block));
-      float* y = p.y + row * p.k + b * kBlock;
-      // rounded twice, as llama.cpp's d * q + m (the build keeps the compiler from fusing them)
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(_mm256_mul_ps(q[i], scale), offset));
+    for (int64_t g = 0; g < blocks; g += kScaleGroup) {
+      const uint8_t* first = p.w + (row * blocks + g) * B::kBytes;
+      const int n = static_cast<int>(std::min<int64_t>(kScaleGroup, blocks - g));
+      alignas(32) float scales[kScaleGroup], offsets[kScaleGroup];
+      __m256 d, m;
+      Halves<B::kBytes>(first, n, &d, &m);
+      _mm256_store_ps(scales, d);
+      _mm256_store_ps(offsets, B::kOffset ? m : _mm256_setzero_ps());
+      for (int i = 0; i < n; ++i) {
+        __m256 q[4];
+        B::Widen(first + i * B::kBytes, q);
+        const __m256 scale = _mm256_broadcast_ss(scales + i), offset = _mm256_broadcast_ss(offsets + i);
+        float* y = p.y + row * p.k + (g + i) * kBlock;
+        // rounded twice, as llama.cpp's d * q + m (the build keeps the compiler from fusing them)
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + 8 * j, _mm256_add_ps(_mm256_mul_ps(q[j], scale), offset));
+      }
     }
   }
 }
@@ -152,12 +185,13 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     return ffi::Error::InvalidArgument("gguf_matmul: need x [m, k] and one output a weight");
   }
   const int64_t m = xd[0], k = xd[1], bytes = q4 ? Q4_1::kBytes : Q8_0::kBytes;
-  std::vector<float> sums(q4 ? m * (k / kBlock) : 0);
-  for (size_t i = 0; i < sums.size(); ++i) {
-    const float* v = x.typed_data() + i * kBlock;
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
-                             _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
-    sums[i] = Sum(s);
+  std::vector<float> sums(q4 ? m * SumsStride(k) : 0);
+  for (int64_t r = 0; q4 && r < m; ++r) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      const float* v = x.typed_data() + r * k + b * kBlock;
+      sums[r * SumsStride(k) + b] = Sum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
+                                                      _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24))));
+    }
   }
   std::vector<Problem> problems;
   std::vector<int64_t> first_rows{0};   // problem i's rows are [first_rows[i], first_rows[i + 1]) of the range
