@@ -87,6 +87,16 @@ def test_work_split_over_threads():
     check_close(run_cpu(batch), naive_attention(batch, sm_scale=0.125), batch, jnp.float32)
 
 
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 300}, {"soft_cap": 5.0}])
+def test_a_long_decode_is_split_into_spans_that_merge(options):
+    """One decode over 1,000 keys (a batch-1 step late in a long answer) is cut into spans of the kernel's 256 keys
+    that the threads share, a span's first key inside a block of 24, and their softmax states merged: the output
+    is the whole softmax's. Beside it a short decode stays one span."""
+    shape = {**GEOMETRY, "block_size": 24, "max_blocks": 42, "num_blocks": 96, "kv_heads": 3, "q_heads": 9}
+    batch = make_batch(np.random.default_rng(5), [1, 1], [1000, 30], **shape)
+    check_close(run_cpu(batch, **options), naive_attention(batch, sm_scale=0.125, **options), batch, jnp.float32)
+
+
 @pytest.mark.parametrize("change", ["num_seqs past the rows", "cu_q_lens past the tokens", "kv_lens below q_lens",
                                     "block ids out of range"])
 def test_malformed_metadata_stays_in_bounds(change):

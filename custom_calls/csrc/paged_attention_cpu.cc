@@ -26,7 +26,9 @@ constexpr int64_t kLanes = 8;
 constexpr int64_t kCacheLine = 64;
 // Key reads (keys x kv heads) below which a call stays on its thread: a batch-1 decode's few hundred take
 // microseconds, less than waking the pool.
-constexpr int64_t kMinParallelKeyReads = 16384;
+constexpr int64_t kMinParallelKeyReads = 2048;
+// Keys a work item walks at most: a long context's keys are shared out over the threads in spans this long.
+constexpr int64_t kSpanKeys = 256;
 
 // A cache's elements widened to f32, eight at a time (head_dim is a multiple of 8).
 struct F32Cache {
@@ -116,8 +118,8 @@ struct Problem {
   int64_t FirstKey(const Token& t) const { return window > 0 ? std::max<int64_t>(0, t.position - window + 1) : 0; }
   // a q head's scores of a block, padded to whole vectors
   int64_t ScoreWidth() const { return (block_size + kLanes - 1) / kLanes * kLanes; }
-  // AttendHead's: scores, acc, m, l, alpha, and a block's rows widened
-  int64_t ScratchFloats() const { return group * (ScoreWidth() + head_dim + 3) + block_size * head_dim; }
+  // AttendSpan's: scores, alpha, and a block's rows widened
+  int64_t ScratchFloats() const { return group * (ScoreWidth() + 1) + block_size * head_dim; }
 };
 
 // Where each token sits: its sequence (the live ones are cu_q_lens[i]..cu_q_lens[i + 1] of the first num_seqs) and
@@ -201,27 +203,26 @@ void Prefetch(const Problem& p, int64_t block, int64_t h) {
   }
 }
 
-// Token t's output rows of kv head h's q heads, by an online softmax over the keys it sees, a block at a time.
-// scratch: ScratchFloats() floats.
+// The online softmax's state of a token's q heads of one kv head over a span of keys: each q head's running max m,
+// its sum of e^(score - m) l, and its acc of values weighted so [head_dim]. out = acc / l once every key is in.
+struct SoftmaxState {
+  float *m, *l, *acc;  // [G], [G], [G, D]
+};
+
+// Token t's keys [first, last] of kv head h into st, a block at a time. scratch: ScratchFloats() floats.
 template <typename C>
-void AttendHead(const Problem& p, int64_t t, int64_t h, float* scratch) {
+void AttendSpan(const Problem& p, int64_t t, int64_t h, int64_t first, int64_t last, float* scratch,
+                SoftmaxState st) {
   using T = typename C::T;
   const int64_t D = p.head_dim, G = p.group, bs = p.block_size, width = p.ScoreWidth();
   const int64_t row = (t * p.kv_heads + h) * G * D;  // q head h * G + g reads kv head h
-  float* out = p.out + row;
-  const Token token = p.tokens[t];
-  if (token.seq < 0 || token.position < 0) {
-    std::fill(out, out + G * D, 0.0f);
-    return;
-  }
-  float *scores = scratch, *acc = scores + G * width, *m = acc + G * D, *l = m + G, *alpha = l + G;
-  float* widened = alpha + G;
+  float *scores = scratch, *alpha = scores + G * width, *widened = alpha + G;
+  float *acc = st.acc, *m = st.m, *l = st.l;
   std::fill(acc, acc + G * D, 0.0f);
   std::fill(m, m + G, -std::numeric_limits<float>::infinity());
   std::fill(l, l + G, 0.0f);
   const float* q = p.q + row;
-  const int32_t* table = p.tables + token.seq * p.table_width;
-  const int64_t first = p.FirstKey(token), last = std::min(token.position, p.table_width * bs - 1);
+  const int32_t* table = p.tables + p.tokens[t].seq * p.table_width;
   const int64_t cache_stride = p.kv_heads * D;
   const auto block_id = [&](int64_t b) {
     return std::clamp<int64_t>(table[std::min(b, p.table_width - 1)], 0, p.num_blocks - 1);
@@ -258,25 +259,80 @@ void AttendHead(const Problem& p, int64_t t, int64_t h, float* scratch) {
     const float* values = Rows<C>(static_cast<const T*>(p.v) + base, n, cache_stride, D, widened, stride);
     for (int64_t g = 0; g < G; ++g) AccumulateValues(scores + g * width, alpha[g], values, stride, n, D, acc + g * D);
   }
+}
+
+// A work item: token t's keys [first, last] of kv head h, its state at `state` floats into the call's states.
+struct Span {
+  int64_t t, h, first, last, state;
+};
+
+// Token t's output rows of kv head h's q heads from its spans' states: each rescaled to the largest max, summed.
+void Merge(const Problem& p, int64_t t, int64_t h, const std::vector<SoftmaxState>& spans) {
+  const int64_t D = p.head_dim, G = p.group;
+  float* out = p.out + (t * p.kv_heads + h) * G * D;
+  if (spans.empty()) {   // padding
+    std::fill(out, out + G * D, 0.0f);
+    return;
+  }
+  std::fill(out, out + G * D, 0.0f);
   for (int64_t g = 0; g < G; ++g) {
-    const __m256 inverse = _mm256_set1_ps(1.0f / l[g]);
+    float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+    for (const SoftmaxState& s : spans) m = std::max(m, s.m[g]);
+    for (const SoftmaxState& s : spans) {
+      const float scale = std::exp(s.m[g] - m);
+      l += scale * s.l[g];
+      for (int64_t d = 0; d < D; d += kLanes) {
+        _mm256_storeu_ps(out + g * D + d, _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_loadu_ps(s.acc + g * D + d),
+                                                          _mm256_loadu_ps(out + g * D + d)));
+      }
+    }
     for (int64_t d = 0; d < D; d += kLanes) {
-      _mm256_storeu_ps(out + g * D + d, _mm256_mul_ps(inverse, _mm256_loadu_ps(acc + g * D + d)));
+      _mm256_storeu_ps(out + g * D + d, _mm256_mul_ps(_mm256_set1_ps(1.0f / l), _mm256_loadu_ps(out + g * D + d)));
     }
   }
 }
 
+// Every (token, kv head)'s keys cut into spans of at most kSpanKeys (at multiples of it), so one long decode is
+// shared out over the threads too (flash-decoding's split), then each token's spans merged.
 template <typename C>
 void Attend(ffi::ThreadPool& pool, const Problem& p) {
-  const int64_t items = static_cast<int64_t>(p.tokens.size()) * p.kv_heads;
-  auto run = [&p](int64_t begin, int64_t end) {
+  const int64_t G = p.group, D = p.head_dim, state_floats = 2 * G + G * D;
+  std::vector<Span> spans;
+  for (int64_t t = 0; t < static_cast<int64_t>(p.tokens.size()); ++t) {
+    const Token& token = p.tokens[t];
+    if (token.seq < 0 || token.position < 0) continue;
+    const int64_t first = p.FirstKey(token), last = std::min(token.position, p.table_width * p.block_size - 1);
+    for (int64_t k = first; k <= last; k = (k / kSpanKeys + 1) * kSpanKeys) {
+      for (int64_t h = 0; h < p.kv_heads; ++h) {   // a span's kv heads in turn: the keys' lines are read once
+        spans.push_back({t, h, k, std::min(last, (k / kSpanKeys + 1) * kSpanKeys - 1),
+                         static_cast<int64_t>(spans.size()) * state_floats});
+      }
+    }
+  }
+  std::vector<float> states(spans.size() * state_floats);
+  const auto state_of = [&](const Span& s) {
+    float* at = states.data() + s.state;
+    return SoftmaxState{at, at + G, at + 2 * G};
+  };
+  auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(p.ScratchFloats());
-    for (int64_t i = begin; i < end; ++i) AttendHead<C>(p, i / p.kv_heads, i % p.kv_heads, scratch.data());
+    for (int64_t i = begin; i < end; ++i) {
+      const Span& s = spans[i];
+      AttendSpan<C>(p, s.t, s.h, s.first, s.last, scratch.data(), state_of(s));
+    }
   };
   int64_t key_reads = 0;
-  for (const Token& t : p.tokens) key_reads += t.seq < 0 ? 0 : (t.position - p.FirstKey(t) + 1) * p.kv_heads;
-  if (key_reads < kMinParallelKeyReads) return run(0, items);
-  ParallelFor(pool, items, 1, run);
+  for (const Span& s : spans) key_reads += s.last - s.first + 1;
+  if (key_reads < kMinParallelKeyReads) {
+    run(0, static_cast<int64_t>(spans.size()));
+  } else {
+    ParallelFor(pool, static_cast<int64_t>(spans.size()), 1, run);
+  }
+  std::vector<std::vector<SoftmaxState>> by_item(p.tokens.size() * p.kv_heads);
+  for (const Span& s : spans) by_item[s.t * p.kv_heads + s.h].push_back(state_of(s));
+  for (int64_t i = 0; i < static_cast<int64_t>(by_item.size()); ++i) {
+    Merge(p, i / p.kv_heads, i % p.kv_heads, by_item[i]);
+  }
 }
 
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
