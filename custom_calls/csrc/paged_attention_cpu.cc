@@ -270,12 +270,8 @@ struct Span {
 void Merge(const Problem& p, int64_t t, int64_t h, const std::vector<SoftmaxState>& spans) {
   const int64_t D = p.head_dim, G = p.group;
   float* out = p.out + (t * p.kv_heads + h) * G * D;
-  if (spans.empty()) {   // padding
-    std::fill(out, out + G * D, 0.0f);
-    return;
-  }
-  std::fill(out, out + G * D, 0.0f);
-  for (int64_t g = 0; g < G; ++g) {
+  std::fill(out, out + G * D, 0.0f);   // a padding token's stays so
+  for (int64_t g = 0; g < G && !spans.empty(); ++g) {
     float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
     for (const SoftmaxState& s : spans) m = std::max(m, s.m[g]);
     for (const SoftmaxState& s : spans) {
