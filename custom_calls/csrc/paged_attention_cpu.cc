@@ -261,9 +261,9 @@ void AttendSpan(const Problem& p, int64_t t, int64_t h, int64_t first, int64_t l
   }
 }
 
-// A work item: token t's keys [first, last] of kv head h, its state at `state` floats into the call's states.
+// A work item: token t's keys [first, last] of kv head h.
 struct Span {
-  int64_t t, h, first, last, state;
+  int64_t t, h, first, last;
 };
 
 // Token t's output rows of kv head h's q heads from its spans' states: each rescaled to the largest max, summed.
@@ -300,21 +300,20 @@ void Attend(ffi::ThreadPool& pool, const Problem& p) {
     const int64_t first = p.FirstKey(token), last = std::min(token.position, p.table_width * p.block_size - 1);
     for (int64_t k = first; k <= last; k = (k / kSpanKeys + 1) * kSpanKeys) {
       for (int64_t h = 0; h < p.kv_heads; ++h) {   // a span's kv heads in turn: the keys' lines are read once
-        spans.push_back({t, h, k, std::min(last, (k / kSpanKeys + 1) * kSpanKeys - 1),
-                         static_cast<int64_t>(spans.size()) * state_floats});
+        spans.push_back({t, h, k, std::min(last, (k / kSpanKeys + 1) * kSpanKeys - 1)});
       }
     }
   }
   std::vector<float> states(spans.size() * state_floats);
-  const auto state_of = [&](const Span& s) {
-    float* at = states.data() + s.state;
+  const auto state_of = [&](int64_t i) {   // span i's
+    float* at = states.data() + i * state_floats;
     return SoftmaxState{at, at + G, at + 2 * G};
   };
   auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(p.ScratchFloats());
     for (int64_t i = begin; i < end; ++i) {
       const Span& s = spans[i];
-      AttendSpan<C>(p, s.t, s.h, s.first, s.last, scratch.data(), state_of(s));
+      AttendSpan<C>(p, s.t, s.h, s.first, s.last, scratch.data(), state_of(i));
     }
   };
   int64_t key_reads = 0;
@@ -325,7 +324,7 @@ void Attend(ffi::ThreadPool& pool, const Problem& p) {
     ParallelFor(pool, static_cast<int64_t>(spans.size()), 1, run);
   }
   std::vector<std::vector<SoftmaxState>> by_item(p.tokens.size() * p.kv_heads);
-  for (const Span& s : spans) by_item[s.t * p.kv_heads + s.h].push_back(state_of(s));
+  for (size_t i = 0; i < spans.size(); ++i) by_item[spans[i].t * p.kv_heads + spans[i].h].push_back(state_of(i));
   for (int64_t i = 0; i < static_cast<int64_t>(by_item.size()); ++i) {
     Merge(p, i / p.kv_heads, i % p.kv_heads, by_item[i]);
   }
