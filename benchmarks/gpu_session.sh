@@ -5,7 +5,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh offline     # default vs tuned config, greedy vs sampled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1      # batch-1 decode, mosaic prefill, start-up
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh http        # HTTP beside gRPC, cold/warm start-up, mosaic prefill
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh grpc        # gRPC beside HTTP at saturation, 1 and 4 clients
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh grpc        # gRPC beside HTTP at saturation, engine process or not
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh load        # checkpoint streaming, sampler filters
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh coldstart   # start-up and offline rows by XLA flags, loading
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh attention   # the kernel sweep with every peer
@@ -174,12 +174,14 @@ case $1 in
       --out "$OUT/offline_batch1_gpu.json"
     run 150 python benchmarks/offline.py --config $CONFIG --set prefill_attention=mosaic \
       --out "$OUT/offline_configs_gpu.json" ;;
-  grpc)   # gRPC beside HTTP at saturation, one client process and four; the server's threads' CPU
-    for procs in 1 4; do
-      run 260 python benchmarks/serve_load.py --config $CONFIG --num-prompts 256 --input-len 512 --output-len 128 \
-        --max-concurrency 256 --request-rate inf --protocol grpc http --client-processes $procs \
+  grpc)   # gRPC beside HTTP at saturation, the engines in their own process (the default) and on the server's
+    # threads; the offline engine on the same workload as the ceiling
+    for server_args in "" "--no-engine-process"; do
+      run 230 python benchmarks/serve_load.py --config $CONFIG --num-prompts 256 --input-len 512 --output-len 128 \
+        --max-concurrency 256 --request-rate inf --protocol grpc http --server-args "$server_args" \
         --out "$OUT/serve_grpc_gpu.json"
-    done ;;
+    done
+    run 90 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_gpu.json" ;;
   http)
     run 260 python benchmarks/serve_load.py --config $CONFIG --num-prompts 256 --input-len 512 --output-len 128 \
       --max-concurrency 256 --request-rate 32 inf --protocol grpc http --out "$OUT/serve_http_gpu.json"

@@ -539,17 +539,27 @@ async def measure_point(transport: Transport, client: Client, args, requests: li
 
 
 def thread_cpu_s(pid: int | None) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of process pid, by "<name>:<tid>" ("main" for the event loop's
-    thread); {} without a pid."""
+    """CPU seconds (user + system) of each thread of process pid and of its children (the engine process), by
+    "<name>:<tid>" ("main" for a process's first thread; a child's prefixed "engine/"); {} without a pid."""
     if pid is None:
         return {}
     seconds = {}
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
-            seconds[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for proc, prefix in [(pid, ""), *((child, "engine/") for child in child_pids(pid))]:
+        for task in pathlib.Path(f"/proc/{proc}/task").iterdir():
+            with contextlib.suppress(OSError):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                name = "main" if task.name == str(proc) else (task / "comm").read_text().strip()
+                seconds[f"{prefix}{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return seconds
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+    return children
 
 
 def server_cpu_pct(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import functools
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.loader import DEFAULT_MODEL, EMBEDDED_MODELS, load_model, load_replicas, load_run, save_converted
 from jaxserve.serve import connections, server
 from jaxserve.serve.connections import ConnectionLimits
+from jaxserve.serve.engine_process import EngineProcess
 from jaxserve.serve.engine_loop import THROUGHPUT_INTERVAL_S
 from jaxserve.serve.tool_calls import TOOL_PARSERS
 
@@ -287,17 +289,29 @@ def cmd_serve(args) -> None:
     prepare_process(cfg)
     distributed.initialize(cluster, cfg.tensor_parallel_size)   # before anything touches a device
     names = tuple(args.served_model_name or (model_id(model, args.config),))
-    # the model (else --config's, whose `model: random` builds random weights) on each data-parallel replica
-    replicas, _ = load_replicas(model, args.config, args.dtype, cfg.tensor_parallel_size, args.data_parallel_size,
-                                quantization=args.quantization)
-    if cluster is not None and not cluster.is_leader:
-        follow_leader(cluster, start_device(replicas[0], cfg)[1])
+    if cluster is None and args.engine_process:
+        code = server.serve(opts, EngineProcess(functools.partial(start_engines, args, cfg, model)), names)
+    elif cluster is not None and not cluster.is_leader:
+        follow_leader(cluster, start_device(load_served(args, cfg, model)[0], cfg)[1])
         return
-    engines = [LLMEngine(loaded, cfg) for loaded in replicas]
-    with distributed.leading(cluster, engines[0].runner):
-        code = server.serve(opts, engines, names)
+    else:
+        engines = start_engines(args, cfg, model)
+        with distributed.leading(cluster, engines[0].runner):
+            code = server.serve(opts, engines, names)
     if code:
         raise SystemExit(code)
+
+
+def load_served(args, cfg: EngineConfig, model: str | None) -> list:
+    """The model (else --config's, whose `model: random` builds random weights) for each data-parallel replica."""
+    return load_replicas(model, args.config, args.dtype, cfg.tensor_parallel_size, args.data_parallel_size,
+                         quantization=args.quantization)[0]
+
+
+def start_engines(args, cfg: EngineConfig, model: str | None) -> list[LLMEngine]:
+    """serve's engines, one per data-parallel replica; in an engine process, its whole start (logging there too)."""
+    configure_logging(args.log_level)
+    return [LLMEngine(loaded, cfg) for loaded in load_served(args, cfg, model)]
 
 
 def follow_leader(cluster: distributed.Cluster, runner: ModelRunner) -> None:
@@ -380,6 +394,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--http-write-timeout", type=float, default=connections.DEFAULT_WRITE_TIMEOUT_S,
                    help="seconds a response may wait on a client that reads nothing; then it is cut and its "
                         "request aborted")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engines in a process of their own, so that the front ends never hold up a step "
+                        "(--no-engine-process: on threads of the server's process; a multi-host engine always is)")
     p.add_argument("--max-waiting", type=int, default=server.DEFAULT_MAX_WAITING,
                    help="requests without a first token before new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--grace-period", type=float, default=server.DEFAULT_GRACE_PERIOD_S,

@@ -233,8 +233,10 @@ SERVER_LOOP_IDS = itertools.count()
 
 
 @contextlib.contextmanager
-def in_process(engine: LLMEngine, **opts):
-    """A Server with an HTTP port on an event loop of its own thread (as `jaxserve serve` runs it)."""
+def in_process(engine, **opts):
+    """A Server with an HTTP port on an event loop of its own thread (as `jaxserve serve` runs it), over an engine
+    (on a thread of this process) or an EngineProcess."""
+    from jaxserve.serve.engine_process import EngineProcess
     from jaxserve.serve.server import ServeOptions, Server
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name=f"test-server-loop-{next(SERVER_LOOP_IDS)}", daemon=True)
@@ -242,7 +244,8 @@ def in_process(engine: LLMEngine, **opts):
     call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
 
     async def start():
-        server = Server([engine], ServeOptions(grpc_port=0, http_port=0, grace_period_s=1.0, **opts),
+        engines = engine if isinstance(engine, EngineProcess) else [engine]
+        server = Server(engines, ServeOptions(grpc_port=0, http_port=0, grace_period_s=1.0, **opts),
                         (MODEL, MODEL_ALIAS))
         await server.start()
         return server

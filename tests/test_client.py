@@ -137,7 +137,7 @@ def test_an_engine_failure_is_the_servers_unavailable_not_no_server():
         return [piece async for piece in grpc_reply(target, [1, 2, 3], SamplingParams(max_tokens=4))]
 
     with in_process(engine) as s:
-        s.engine_loop.engine.step = broken_step
+        s.engine_loop.replicas[0].engine.step = broken_step
         with pytest.raises(ClientError) as err:
             asyncio.run(reply(f"127.0.0.1:{s.grpc_port}"))
     assert str(err.value).startswith("UNAVAILABLE: ") and "injected device failure" in str(err.value)

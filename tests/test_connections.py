@@ -201,7 +201,7 @@ def test_a_stream_whose_client_stops_reading_is_cut_and_its_request_aborted(serv
     """The client reads nothing: once the server's buffers fill, the write timeout cuts the connection, which
     aborts the request and frees its blocks long before it would have finished (steps slowed to STEP_S, as a
     real model's are: the tiny one would finish first)."""
-    engine = server.engine_loop.engine
+    engine = server.engine_loop.replicas[0].engine
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: time.sleep(STEP_S) or step())
     before = wait_idle(server)

@@ -593,7 +593,7 @@ def test_engine_failure_is_unavailable_and_not_serving(smollm):
         async with in_process(smollm) as server:
             def broken_step():
                 raise RuntimeError("injected device failure")
-            server.engine_loop.engine.step = broken_step
+            server.engine_loop.replicas[0].engine.step = broken_step
             async with Client(f"127.0.0.1:{server.grpc_port}") as c:
                 healthy = await c.health()
                 errors = []

@@ -1,7 +1,9 @@
 """The engine's threads under `jaxserve serve`, shared by its front ends (gRPC and OpenAI HTTP).
 
 An engine is synchronous and not thread-safe, so one thread owns it (Replica): it runs queued commands (add,
-abort), steps while there is work and hands each step's outputs to the event loop in one `call_soon_threadsafe`.
+abort), steps while there is work and hands each step's outputs to a sink: the event loop, in one
+`call_soon_threadsafe`, or (`jaxserve serve`'s default) the pipe of an engine process (engine_process.py), where the
+engine threads never share a GIL with the front ends. Front ends read an engine only through EngineFacts.
 With data parallelism there are several engines, each on its own devices and thread; EngineLoop sends a new
 request to the least-loaded one, where it stays (its abort goes there too), and sums their stats. A replica whose
 engine fails takes no more requests; the server fails once none is left. A second thread converts,
@@ -25,10 +27,17 @@ import traceback
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import jax
+
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.engine.sequence import RequestOutput
+
+if TYPE_CHECKING:
+    from jaxserve.serve.engine_process import EngineProcess
 
 STOP = None   # the command that ends the engine thread
 THROUGHPUT_INTERVAL_S = 10.0
@@ -45,6 +54,27 @@ class Overloaded(Exception):
 
 
 REFUSALS = (ValueError, Overloaded, EngineFailed)   # what a front end answers with an error status
+
+
+@dataclass(slots=True)
+class EngineFacts:
+    """What the front ends read of an engine, picklable (an engine process sends it over): its tokenizer, configs,
+    sampling defaults and device. tokenize and check_prompt_length are the engine's own (thread-safe)."""
+    tokenizer: object | None
+    cfg: EngineConfig
+    model_config: ModelConfig
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+    sampling_defaults: dict
+    device_kind: str
+
+    tokenize = LLMEngine.tokenize
+    check_prompt_length = LLMEngine.check_prompt_length
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineFacts:
+        return cls(engine.tokenizer, engine.cfg, engine.loaded.config, str(engine.loaded.dtype),
+                   tuple(engine.eos_token_ids), engine.sampling_defaults, jax.devices()[0].device_kind)
 
 
 @dataclass(slots=True)
@@ -87,13 +117,18 @@ def summed_stats(snapshots: list[dict]) -> dict:
 
 
 class EngineLoop:
-    """Routes requests over the replicas' engines (one without data parallelism), each owned by its thread.
-    Methods without a leading underscore run on the event loop."""
+    """Routes requests over the replicas' engines (one without data parallelism), each owned by its thread, in this
+    process or in an engine process. Methods without a leading underscore run on the event loop; stepped, refused,
+    aborted and failed are the replicas' sink here (on their threads)."""
 
-    def __init__(self, engines: list[LLMEngine], max_waiting: int, on_failure: Callable):
+    def __init__(self, engines: list[LLMEngine] | EngineProcess, max_waiting: int, on_failure: Callable):
         self.max_waiting, self.on_failure = max_waiting, on_failure
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.replicas = [Replica(i, engine, self) for i, engine in enumerate(engines)]
+        if isinstance(engines, list):
+            self.process, self.facts = None, EngineFacts.of(engines[0])
+            self.replicas = [Replica(i, engine, self) for i, engine in enumerate(engines)]
+        else:
+            self.process, self.replicas, self.facts = engines, engines.replicas, engines.facts
         self.streams: dict[str, Stream] = {}
         self.num_pending = 0
         self.failure: EngineFailed | None = None   # once no replica is left
@@ -102,22 +137,19 @@ class EngineLoop:
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
         self.throughput_log: asyncio.Task | None = None
 
-    @property
-    def engine(self) -> LLMEngine:
-        """An engine, for what the replicas share (tokenizer, config) and for thread-safe calls only."""
-        return self.replicas[0].engine
-
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        if self.process is not None:
+            self.process.attach(self)
         for replica in self.replicas:
-            replica.thread.start()
+            replica.start()
         self.throughput_log = asyncio.create_task(self.log_throughput())
 
     async def stop(self) -> None:
         self.throughput_log.cancel()
         for replica in self.replicas:
             replica.commands.put(STOP)
-        await asyncio.gather(*(asyncio.to_thread(replica.thread.join) for replica in self.replicas))
+        await asyncio.gather(*(asyncio.to_thread(replica.join) for replica in self.replicas))
         self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def off_engine(self, fn, *args):
@@ -126,13 +158,17 @@ class EngineLoop:
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """A request's constraint compiled into every replica's engine (a ValueError naming the field if invalid),
-        on the tokenizer thread: no engine thread stalls on compiling one, whichever replica the request goes to."""
+        on the tokenizer thread: no engine thread stalls on compiling one, whichever replica the request goes to.
+        With an engine process, a compiler here checks it, and the process compiles it as the request arrives."""
+        if self.process is not None:
+            self.process.grammars.compile(spec)
+            return
         for replica in self.replicas:
             replica.engine.compile_grammar(spec)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int] | None:
         """A text prompt's token ids (None for token ids); on the tokenizer thread, inside a front end's conversion."""
-        return self.engine.tokenize(prompt) if isinstance(prompt, str) else None
+        return self.facts.tokenize(prompt) if isinstance(prompt, str) else None
 
     async def generate(self, submission: Submission, timer) -> AsyncIterator[RequestOutput]:
         """The request's cumulative outputs, the newest only when several queued up; `timer` counts how it ends.
@@ -178,6 +214,8 @@ class EngineLoop:
         stream.replica.num_open -= 1
         if not stream.finished:
             stream.replica.commands.put(("abort", request_id))
+        if self.process is not None:
+            self.process.forget(request_id)
 
     def stats(self) -> dict:
         """The serving replicas' latest stats summed (a failed one's last snapshot is stale; all when none is
@@ -215,6 +253,20 @@ class EngineLoop:
             stream.num_tokens, stream.finished = num_tokens, out.finished
             stream.queue.put_nowait(out)
 
+    # ---- the sink of the replicas in this process, on their threads ----
+    def stepped(self, replica: Replica, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self.loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def refused(self, request_id: str, error: ValueError) -> None:
+        self.loop.call_soon_threadsafe(self._deliver_error, request_id, error)
+
+    def aborted(self, request_id: str) -> None:
+        pass
+
+    def failed(self, replica: Replica, error: EngineFailed) -> None:
+        asyncio.run_coroutine_threadsafe(self._fail(replica, error), self.loop)
+
     def _deliver_error(self, request_id: str, error: Exception) -> None:
         if (stream := self.streams.get(request_id)) is not None:
             stream.queue.put_nowait(error)
@@ -235,10 +287,11 @@ class EngineLoop:
 
 
 class Replica:
-    """One engine and the thread that owns it; outputs, refusals and its failure go to the router's event loop."""
+    """One engine and the thread that owns it; its outputs, refusals and failure go to its sink (EngineLoop, or an
+    engine process's pipe)."""
 
-    def __init__(self, index: int, engine: LLMEngine, router: EngineLoop):
-        self.index, self.engine, self.router = index, engine, router
+    def __init__(self, index: int, engine: LLMEngine, sink):
+        self.index, self.engine, self.sink = index, engine, sink
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: EngineFailed | None = None
         self.num_open = 0   # requests routed here whose calls have not ended: the router's measure of load
@@ -246,18 +299,22 @@ class Replica:
         self.snapshot = self._stats()
         self.thread = threading.Thread(target=self._run, name=f"jaxserve-engine-{index}", daemon=True)
 
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+
     def _run(self) -> None:
-        router = self.router
         try:
             while self._drain(block=not self.engine.has_unfinished_requests()):
                 outputs = self._step() if self.engine.has_unfinished_requests() else []
                 self.snapshot = self._stats()   # first: a client that saw these outputs sees these stats
-                if outputs:
-                    router.loop.call_soon_threadsafe(router._dispatch, outputs)
+                self.sink.stepped(self, outputs)
         except Exception as e:
             traceback.print_exc()
             error = EngineFailed(f"engine failed: {type(e).__name__}: {e}")
-            asyncio.run_coroutine_threadsafe(router._fail(self, error), router.loop)
+            self.sink.failed(self, error)
             self._refuse_all(error)
 
     def _step(self) -> list[RequestOutput]:
@@ -283,15 +340,16 @@ class Replica:
                     self.engine.add_request(sub.prompt, sub.params, request_id=request_id, priority=sub.priority,
                                             cache_salt=sub.cache_salt, prompt_token_ids=sub.token_ids)
                 except ValueError as e:   # bad input: the engine is unchanged
-                    self.router.loop.call_soon_threadsafe(self.router._deliver_error, request_id, e)
+                    self.sink.refused(request_id, e)
             case ("abort", request_id):
                 self.engine.abort(request_id)
+                self.sink.aborted(request_id)
 
     def _refuse_all(self, error: EngineFailed) -> None:
         """After a failure: answer every command with the error until told to stop, so no call hangs."""
         while (command := self.commands.get()) is not STOP:
             if command[0] == "add":
-                self.router.loop.call_soon_threadsafe(self.router._deliver_error, command[1], error)
+                self.sink.refused(command[1], error)
 
     def _stats(self) -> dict:
         s = self.engine.stats()

@@ -13,20 +13,19 @@ import re
 from collections.abc import AsyncIterator
 
 import grpc
-import jax
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health
 from jinja2 import TemplateError
 
 from jaxserve.engine.llm import apply_chat_template
-from jaxserve.engine.llm_engine import AdmissionError, LLMEngine
+from jaxserve.engine.llm_engine import AdmissionError
 from jaxserve.engine.sampling_params import (DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutputsParams,
                                              default_max_tokens)
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serve.connections import bearer_matches
-from jaxserve.serve.engine_loop import REFUSALS, EngineFailed, EngineLoop, Overloaded, Submission
+from jaxserve.serve.engine_loop import REFUSALS, EngineFacts, EngineFailed, EngineLoop, Overloaded, Submission
 from jaxserve.serve.metrics import RequestTimer, ServerMetrics
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
@@ -55,7 +54,7 @@ def grpc_server(servicer: JaxServeServicer, api_key: str | None, max_message_byt
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, scheduling_policy: str):
         self.engine_loop, self.metrics, self.scheduling_policy = engine_loop, metrics, scheduling_policy
-        self.engine = engine_loop.engine   # only its thread-safe tokenize / tokenizer, on the tokenizer thread
+        self.engine = engine_loop.facts   # its tokenizer and thread-safe tokenize, on the tokenizer thread
         self.info = model_info(self.engine, model_name)
 
     async def Generate(self, request, context):
@@ -234,7 +233,7 @@ def proto_names():
         raise ValueError(re.sub(r"^structured_outputs\.json\b", "structured_outputs.json_schema", str(e))) from None
 
 
-def request_prompt(request: pb.GenerateRequest, engine: LLMEngine) -> str | list[int]:
+def request_prompt(request: pb.GenerateRequest, engine: EngineFacts) -> str | list[int]:
     """The prompt: text, token ids (counted before they are converted: a 16 MiB message holds millions), or the
     messages through the model's chat template."""
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
@@ -258,9 +257,9 @@ def chat_prompt(messages, tokenizer) -> str:
         raise ValueError(f"messages: {e}") from None
 
 
-def detokenize(engine: LLMEngine, ids, skip_special_tokens: bool) -> str:
+def detokenize(engine: EngineFacts, ids, skip_special_tokens: bool) -> str:
     """ids: a sequence (a protobuf repeated field), counted before it is converted."""
-    vocab = engine.loaded.config.vocab_size
+    vocab = engine.model_config.vocab_size
     if engine.tokenizer is None:
         raise ValueError("token_ids: this model has no tokenizer")
     if len(ids) > engine.cfg.max_model_len:   # no sequence is longer: more is work on the shared tokenizer thread
@@ -321,11 +320,11 @@ def prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprobs]:
     return [token_logprobs(t, lp) for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
 
 
-def model_info(engine: LLMEngine, model_name: str) -> pb.ModelInfoResponse:
-    mc, cfg = engine.loaded.config, engine.cfg
+def model_info(engine: EngineFacts, model_name: str) -> pb.ModelInfoResponse:
+    mc, cfg = engine.model_config, engine.cfg
     return pb.ModelInfoResponse(
-        model=model_name, arch=mc.arch, dtype=str(engine.loaded.dtype),
-        device=jax.devices()[0].device_kind, vocab_size=mc.vocab_size, max_model_len=cfg.max_model_len,
+        model=model_name, arch=mc.arch, dtype=engine.dtype,
+        device=engine.device_kind, vocab_size=mc.vocab_size, max_model_len=cfg.max_model_len,
         num_layers=mc.num_layers, hidden_size=mc.hidden_size, num_heads=mc.num_heads,
         num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, eos_token_ids=engine.eos_token_ids,
         has_tokenizer=engine.tokenizer is not None, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,

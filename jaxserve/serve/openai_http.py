@@ -534,7 +534,7 @@ class OpenAIApp:
         self.engine_loop, self.metrics, self.model_names = engine_loop, metrics, model_names
         self.model_name = model_names[0]   # the one responses give
         self.max_body_bytes, self.read_timeout_s, self.created = max_body_bytes, read_timeout_s, int(time.time())
-        self.tokenizer = tok = engine_loop.engine.tokenizer
+        self.tokenizer = tok = engine_loop.facts.tokenizer
         self.token_text = functools.cache(lambda t: tok.decode([t]) if tok is not None else f"token_id:{t}")
         self.tool_parser = tool_call_parser or template_parser(None if tok is None else tok.chat_template)
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
@@ -594,7 +594,7 @@ class OpenAIApp:
                                     "instead", legacy[0])
             check_fields(request, ENDPOINT_FIELDS[chat] | set(UNSUPPORTED))
             tools = self.tool_request(request) if chat else None
-            params = sampling_params(request, chat, self.engine_loop.engine.sampling_defaults, tools)
+            params = sampling_params(request, chat, self.engine_loop.facts.sampling_defaults, tools)
             if params.structured_outputs is not None:   # here, so that the engine's thread never compiles one
                 self.engine_loop.compile_grammar(params.structured_outputs)
             prompts, batch = (([self.chat_prompt(request, None if tools is None else tools.template_tools)], False)
@@ -619,7 +619,7 @@ class OpenAIApp:
             try:
                 ids = self.engine_loop.prompt_ids(prompt)
                 if isinstance(counted := prompt if ids is None else ids, list):
-                    self.engine_loop.engine.check_prompt_length(len(counted))
+                    self.engine_loop.facts.check_prompt_length(len(counted))
                 submissions.append(Submission(prompt, ids, params, cache_salt=cache_salt))
             except ValueError as e:
                 raise refusal(e, renames, i if batch else None) from None
@@ -677,7 +677,7 @@ class OpenAIApp:
 
     def model_card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
-                "max_model_len": self.engine_loop.engine.cfg.max_model_len}
+                "max_model_len": self.engine_loop.facts.cfg.max_model_len}
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card(name) for name in self.model_names]})
@@ -707,10 +707,10 @@ class OpenAIApp:
         else:
             raise APIError(400, "prompt must be a string (or give messages)", "prompt")
         try:
-            ids = self.engine_loop.engine.tokenize(text, add_special_tokens=special)
+            ids = self.engine_loop.facts.tokenize(text, add_special_tokens=special)
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
-        return {"count": len(ids), "max_model_len": self.engine_loop.engine.cfg.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": self.engine_loop.facts.cfg.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request) -> Response:
         body = await read_body(request, self.max_body_bytes, self.read_timeout_s)
@@ -721,8 +721,8 @@ class OpenAIApp:
         check_fields(request, {"model", "tokens"})
         if self.tokenizer is None:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
-        engine = self.engine_loop.engine
-        ids = token_list(request, "tokens", engine.loaded.config.vocab_size, engine.cfg.max_model_len)
+        engine = self.engine_loop.facts
+        ids = token_list(request, "tokens", engine.model_config.vocab_size, engine.cfg.max_model_len)
         return {"prompt": self.tokenizer.decode(ids)}
 
     async def health(self, request: Request) -> Response:

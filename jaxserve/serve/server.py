@@ -1,5 +1,6 @@
 """`jaxserve serve`: its options, and the server that runs the engine loop (engine_loop.py: one LLMEngine, or one per
-data-parallel replica, each on its thread, and a tokenizer thread) under two APIs in one event loop: OpenAI-compatible
+data-parallel replica, each on its thread, in this process or in an engine process (engine_process.py), and a
+tokenizer thread) under two APIs in one event loop: OpenAI-compatible
 HTTP (openai_http.py, with Prometheus /metrics) and, unless turned off, gRPC (grpc_api.py, on a grpc.aio server with
 health and reflection); a standalone metrics port when asked, and the signals that drain it. Once every engine
 failed, health turns NOT_SERVING (HTTP /health 503) and the process exits 1."""
@@ -18,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.serve.engine_process import EngineProcess
 from jaxserve.serve.connections import ConnectionLimits, raise_fd_limit
 from jaxserve.serve.engine_loop import EngineLoop
 from jaxserve.serve.grpc_api import SERVICE_NAME, JaxServeServicer, grpc_server
@@ -122,9 +124,9 @@ def address(host: str, port: int) -> str:
 class Server:
     """The OpenAI HTTP server, the gRPC server with its health and reflection services (unless opts.grpc_port is None),
     the standalone metrics endpoint (with opts.metrics_port) and the engine threads of one engine, or of each
-    data-parallel replica's (a list of engines of one model)."""
+    data-parallel replica's (a list of engines of one model, or the engine process running them)."""
 
-    def __init__(self, engines: list[LLMEngine], opts: ServeOptions, model_names: tuple[str, ...]):
+    def __init__(self, engines: list[LLMEngine] | EngineProcess, opts: ServeOptions, model_names: tuple[str, ...]):
         """model_names: the names requests may give the model; responses and model info give the first."""
         self.opts = opts
         self.health = health.aio.HealthServicer()
@@ -181,7 +183,8 @@ class Server:
         self.failed.set()
 
 
-async def serve_until_signal(engines: list[LLMEngine], opts: ServeOptions, model_names: tuple[str, ...]) -> int:
+async def serve_until_signal(engines: list[LLMEngine] | EngineProcess, opts: ServeOptions,
+                             model_names: tuple[str, ...]) -> int:
     """Serve until SIGTERM/SIGINT (a second one exits at once) or every engine failed; the exit code."""
     raise_fd_limit()
     server = Server(engines, opts, model_names)
@@ -211,6 +214,6 @@ def stop_then_force(stop: asyncio.Event) -> None:
     stop.set()
 
 
-def serve(opts: ServeOptions, engines: list[LLMEngine], model_names: tuple[str, ...]) -> int:
+def serve(opts: ServeOptions, engines: list[LLMEngine] | EngineProcess, model_names: tuple[str, ...]) -> int:
     """Serve until SIGTERM or SIGINT, then drain; 1 if every engine failed."""
     return asyncio.run(serve_until_signal(engines, opts, model_names))
