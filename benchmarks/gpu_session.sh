@@ -177,11 +177,11 @@ case $1 in
   grpc)   # gRPC beside HTTP at saturation, the engines in their own process (the default) and on the server's
     # threads; the offline engine on the same workload as the ceiling
     for server_args in "" "--no-engine-process"; do
-      run 230 python benchmarks/serve_load.py --config $CONFIG --num-prompts 256 --input-len 512 --output-len 128 \
-        --max-concurrency 256 --request-rate inf --protocol grpc http --server-args "$server_args" \
+      run 250 python benchmarks/serve_load.py --config $CONFIG --num-prompts 256 --input-len 512 --output-len 128 \
+        --max-concurrency 256 --request-rate inf --protocol grpc http --server-args="$server_args" \
         --out "$OUT/serve_grpc_gpu.json"
     done
-    run 90 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_gpu.json" ;;
+    run 100 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_gpu.json" ;;
   http)
     run 260 python benchmarks/serve_load.py --config $CONFIG --num-prompts 256 --input-len 512 --output-len 128 \
       --max-concurrency 256 --request-rate 32 inf --protocol grpc http --out "$OUT/serve_http_gpu.json"

@@ -260,6 +260,16 @@ def in_process(engine, **opts):
         loop.close()
 
 
+def record_tokenize_threads(monkeypatch, threads: list[str]) -> None:
+    """Every tokenize call, a front end's or an engine's, appends the name of the thread it runs on to threads."""
+    from jaxserve import LLMEngine
+    from jaxserve.serve.engine_loop import EngineFacts
+    tokenize = LLMEngine.tokenize
+    recorded = lambda *a, **k: threads.append(threading.current_thread().name) or tokenize(*a, **k)  # noqa: E731
+    monkeypatch.setattr(LLMEngine, "tokenize", recorded)
+    monkeypatch.setattr(EngineFacts, "tokenize", recorded)
+
+
 def loop_thread_name(server: Server) -> str:
     """The thread running the server's event loop, unique per in_process server: its log records carry that name,
     and a server of an earlier test that still logs does not."""

@@ -22,7 +22,8 @@ from jaxserve.serve import engine_loop
 from jaxserve.serve.engine_loop import EngineFailed, Overloaded
 from jaxserve.serve.openai_http import ENGINE_FIELDS, UNSUPPORTED, api_error
 
-from helpers import MODEL, MODEL_ALIAS, SERVER_KNOBS, TINY_NO_EOS, base_url, in_process, loop_thread_name, wait_idle
+from helpers import (MODEL, MODEL_ALIAS, SERVER_KNOBS, TINY_NO_EOS, base_url, in_process, loop_thread_name,
+                     record_tokenize_threads, wait_idle)
 
 KEY = "test-key"
 PROMPT = "The capital of France is"
@@ -278,13 +279,12 @@ def test_a_disconnected_client_frees_its_slot_and_blocks_at_once(server, stream,
 
 
 @pytest.mark.slow
-def test_refusal_statuses_and_tokenization_off_the_engine_thread(smollm):
+def test_refusal_statuses_and_tokenization_off_the_engine_thread(smollm, monkeypatch):
     """Can never fit: 400; past max_waiting: 429; after an engine failure: 503, /health 503. Text is templated
     and tokenized on the tokenizer thread."""
     gate, threads = threading.Event(), []
+    record_tokenize_threads(monkeypatch, threads)
     engine = LLMEngine(smollm, EngineConfig(precompile=False, **{**SERVER_KNOBS, "num_blocks": 24}))
-    tokenize = engine.tokenize
-    engine.tokenize = lambda *a: threads.append(threading.current_thread().name) or tokenize(*a)
 
     def stuck_step():
         gate.wait(30)

@@ -34,7 +34,7 @@ from jaxserve.models.loader import embedded_model_path
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve.server import SERVICE_NAME, ServeOptions, Server, serve_until_signal, stop_then_force
 
-from helpers import SERVER_KNOBS, TINY_HF_KWARGS, free_port
+from helpers import SERVER_KNOBS, TINY_HF_KWARGS, free_port, record_tokenize_threads
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_WAITING = 48
@@ -639,16 +639,14 @@ def test_a_second_signal_exits_without_draining(monkeypatch):
 
 
 @pytest.mark.slow
-def test_refusals_get_their_status_and_nothing_reaches_the_engine_thread(smollm):
+def test_refusals_get_their_status_and_nothing_reaches_the_engine_thread(smollm, monkeypatch):
     """Can never fit: RESOURCE_EXHAUSTED; a priority under fcfs, an oversized or undecodable request:
     INVALID_ARGUMENT; tokenization runs on the tokenizer thread, never the engine's."""
     threads = []
+    record_tokenize_threads(monkeypatch, threads)
 
     async def scenario():
         async with in_process(smollm, engine_knobs=dict(num_blocks=24)) as server:
-            tokenize = server.servicer.engine.tokenize
-            server.servicer.engine.tokenize = lambda *a: threads.append(threading.current_thread().name) or \
-                tokenize(*a)
             target, codes = f"127.0.0.1:{server.grpc_port}", {}
             async with Client(target) as c:
                 for name, call in (

@@ -9,6 +9,9 @@ class ModelLoadError(Exception):
         super().__init__(f"{path}: {reason}")
         self.path, self.reason = Path(path), reason
 
+    def __reduce__(self):   # pickled whole: an engine process sends it to the server's
+        return type(self), (self.path, self.reason)
+
 
 @contextmanager
 def blamed_on(path: Path | str) -> Iterator[None]:

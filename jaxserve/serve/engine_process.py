@@ -243,8 +243,9 @@ def compiled(engine: LLMEngine, request_id: str, submission, sink: PipeSink) -> 
 
 
 def picklable(error: BaseException) -> BaseException:
+    """error, or a RuntimeError saying it where it would not arrive whole."""
     try:
-        pickle.dumps(error)
+        pickle.loads(pickle.dumps(error))
         return error
     except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
