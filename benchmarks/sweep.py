@@ -33,10 +33,11 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.common import (Bytes, copy_bandwidth_gbps, kernel_profile, matmul_tflops, time_ms,  # noqa: E402
                                write_rows)
-from jaxserve.cache.kv_cache import kv_bytes_per_block, kv_cache_dtype, num_blocks_for_memory  # noqa: E402
+from jaxserve.cache.kv_cache import (kv_bytes_per_block, kv_cache_dtype, kv_dtype_name,  # noqa: E402
+                                     num_blocks_for_memory)
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig  # noqa: E402
-from jaxserve.engine.llm_engine import fit_to_model, start_device  # noqa: E402
+from jaxserve.engine.llm_engine import fit_to_model, start_device, weight_dtype  # noqa: E402
 from jaxserve.engine.runner import ModelRunner  # noqa: E402
 from jaxserve.engine.step_graphs import bucket_ladders  # noqa: E402
 from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -205,18 +206,23 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
             compiled[inp.model.key] = compile_step(runner, inp)
         inp.model, inp.sampler = jax.device_put((inp.model, inp.sampler))
         ms = time_step(runner, inp, warmup, repeats)
-        rows.append(sweep_row(runner, case, ms, compiled[inp.model.key], ceilings, Bytes.of(loaded, cfg)))
+        rows.append(sweep_row(runner, case, ms, compiled[inp.model.key], ceilings, Bytes.of(loaded, cfg),
+                              weight_dtype(loaded)))
         for name, kernel_ms, count in kernel_profile(runner.run, inp, top=profile) if profile else ():
             print(f"    {kernel_ms:8.3f} ms x{count:4d} {name[:100]}", file=sys.stderr, flush=True)
     return rows
 
 
-def sweep_row(runner: ModelRunner, case: SweepCase, ms: float, compile_stats, ceilings, b: Bytes) -> dict:
+def sweep_row(runner: ModelRunner, case: SweepCase, ms: float, compile_stats, ceilings, b: Bytes,
+              weights: str) -> dict:
+    """The case's row; its params name the weight and KV dtypes (one results file holds bf16 and FP8 rows)."""
     (compile_s, temp_bytes, code_bytes), (gbps, tflops) = compile_stats, ceilings
     starts, counts = case_layout(case, runner.cfg.max_model_len)
     nbytes, flops = step_cost(runner.graphs.model_config, b, starts, counts)
     roofline_ms = max(nbytes / gbps / 1e6, flops / tflops / 1e9)
-    row = {"bench": "sweep", "impl": "jaxserve", "params": dataclasses.asdict(case), "compile_s": compile_s, "ms": ms,
+    params = {**dataclasses.asdict(case), "weight_dtype": weights,
+              "kv_cache_dtype": kv_dtype_name(runner.graphs.backend.dtype)}
+    row = {"bench": "sweep", "impl": "jaxserve", "params": params, "compile_s": compile_s, "ms": ms,
            "tok_s": counts.sum() / ms * 1e3, "bytes": nbytes, "flops": flops, "roofline_ms": roofline_ms,
            "roofline_frac": roofline_ms / ms, "real_tokens": int(counts.sum()), "real_seqs": len(counts),
            "temp_bytes": temp_bytes, "code_bytes": code_bytes, "copy_gbps": gbps, "matmul_tflops": tflops}

@@ -144,9 +144,10 @@ def test_run_sweep_rows(tiny):
     assert [(r["params"]["num_tokens"], r["params"]["context"], r["params"]["kind"]) for r in rows] == [
         (8, 24, "decode"), (4, 24, "mixed"), (8, 40, "decode"), (4, 40, "mixed"), (16, 24, "mixed"), (16, 40, "mixed")]
     for r in rows:
-        assert ROW_FIELDS <= set(r) and set(r["params"]) == {"num_tokens", "num_seqs", "context", "kind"}
+        case = {k: r["params"].pop(k) for k in ("num_tokens", "num_seqs", "context", "kind")}
+        assert ROW_FIELDS <= set(r) and r["params"] == {"weight_dtype": "float32", "kv_cache_dtype": "float32"}
         assert r["ms"] > 0 and r["compile_s"] > 0 and 0 < r["roofline_frac"] and math.isfinite(r["roofline_frac"])
-        starts, counts = case_layout(SweepCase(**r["params"]), CFG.max_model_len)
+        starts, counts = case_layout(SweepCase(**case), CFG.max_model_len)
         assert (r["bytes"], r["flops"]) == step_cost(TINY, Bytes(4, 4, 4), starts, counts)
         assert r["tok_s"] == pytest.approx(counts.sum() / r["ms"] * 1e3)
     assert rows[0]["compile_s"] == rows[2]["compile_s"]   # one compile per bucket, shared by its contexts
