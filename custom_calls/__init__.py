@@ -370,13 +370,13 @@ class MoeRouting(NamedTuple):
 
 def select_experts(logits, num_live, top_k: int, renormalize: bool):
     """Each token's top_k experts by its router logits [T, E]: (weights [T, k] f32, the softmax over all experts or
-    with `renormalize` over the picks; experts [T, k] int32, E for tokens from num_live [1] on: padding, routed
-    nowhere). Equal logits: the lower expert first."""
+    with `renormalize` over the picks; experts [T, k] int32). Tokens from num_live [1] on are padding: expert E
+    (routed nowhere), weight 0. Equal logits: the lower expert first."""
     weights, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k)
-    experts = jnp.where(jnp.arange(logits.shape[0])[:, None] < num_live[0], experts, logits.shape[1])
     if renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights, experts
+    live = jnp.arange(logits.shape[0])[:, None] < num_live[0]
+    return jnp.where(live, weights, 0.0), jnp.where(live, experts, logits.shape[1])
 
 
 def sort_pairs(experts, expert_base, local_experts: int):
@@ -421,7 +421,7 @@ def moe_route(logits, num_live, expert_base, *, top_k: int, renormalize: bool, l
               block_m: int) -> MoeRouting:
     """A MoE layer's routing in one launch (two past 128 tokens): the router logits [T, E] (f32 or bf16) to each
     token's top_k experts, their weights and the grouped GEMM's plan of the pairs routed to the local experts
-    expert_base[0] ... + local_experts - 1 (tokens from num_live[0] on route nowhere). Rows within a group come in
+    expert_base[0] ... + local_experts - 1 (tokens from num_live[0] on route nowhere, weight 0). Rows within a group come in
     no fixed order. Without the library, or past MOE_ROUTE_MAX_EXPERTS experts, it runs moe_route_reference."""
     if why := moe_route_unsupported(logits, top_k, local_experts):
         raise ValueError(f"moe_route: {why}")

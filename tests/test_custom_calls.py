@@ -195,10 +195,10 @@ def moe_logits(rng, tokens, experts, dtype):
 
 
 def check_routing(route, logits, num_live, base, top_k, renormalize, local, label):
-    """route against a float64 numpy routing: the top_k (equal logits: the lower expert first) and their weights;
-    each routed pair's padded row in a tile of its expert whose sorted row holds its token; every group's rows
-    contiguous, in group order; the tiles each group's rows span from its first row rounded down to 8; the rest
-    nowhere (pair rows past the padded output, tiles and sorted rows past the plan zeros)."""
+    """route against a float64 numpy routing: the top_k (equal logits: the lower expert first) and their weights (0
+    for padding tokens); each routed pair's padded row in a tile of its expert whose sorted row holds its token;
+    every group's rows contiguous, in group order; the tiles each group's rows span from its first row rounded down
+    to 8; the rest nowhere (pair rows past the padded output, tiles and sorted rows past the plan zeros)."""
     values = np.asarray(logits, np.float64)
     tokens, experts = values.shape
     picks = np.argsort(-values, axis=1, kind="stable")[:, :top_k]
@@ -206,6 +206,7 @@ def check_routing(route, logits, num_live, base, top_k, renormalize, local, labe
     weights = np.take_along_axis(probs / probs.sum(axis=1, keepdims=True), picks, axis=1)
     if renormalize:
         weights /= weights.sum(axis=1, keepdims=True)
+    weights[num_live:] = 0.0   # padding tokens weigh nothing
     # f32 softmax against f64: a few f32 ulps
     np.testing.assert_allclose(np.asarray(route.weights), weights, rtol=1e-5, atol=1e-7, err_msg=label)
     groups = np.where((np.arange(tokens)[:, None] < num_live) & (picks >= base) & (picks < base + local),

@@ -17,8 +17,8 @@ namespace jaxserve {
 namespace {
 
 constexpr int kPlanThreads = 1024;        // the most the plan's one CTA takes: a warp a token up to 32 tokens
-constexpr int kMaxExperts = 512;          // a token's logits in 16 registers a lane; the local ones' four int32
-                                          // arrays in shared memory (8 KiB at most)
+constexpr int kMaxExperts = 512;          // a token's logits in at most 16 registers a lane; the local ones' four
+                                          // int32 arrays in shared memory (8 KiB at most)
 constexpr int kPickThreads = 256;         // a warp per token
 constexpr int kMaxTopK = 32;              // a lane holds each pick
 constexpr int kFusedMaxTokens = 128;      // up to this many tokens the plan's CTA picks the experts too: one launch,
@@ -61,16 +61,25 @@ __device__ __forceinline__ float WarpMax(float x) {
 
 // One warp: token t's top_k experts by logit (lane j keeps pick j), their softmax weights (over all experts, or
 // renormalised over the picks), and each pair's local expert in pair_groups (-1: padding, or another device's). The
-// token's logits stay in registers, expert lane + 32 i in slot i; NaN logits are no candidates (too few: the rest
-// of the picks route nowhere). num_live and expert_base: read once by the caller.
-template <typename T>
+// token's logits stay in registers, expert lane + 32 i in slot i of kSlots (experts <= 32 kSlots: a round's
+// compares are the slots a lane has, not kMaxExperts' 16); NaN logits are no candidates (too few: the rest of the
+// picks route nowhere). A padding token (t >= num_live) picks nothing: weight 0, routed nowhere. num_live and
+// expert_base: read once by the caller.
+template <typename T, int kSlots>
 __device__ void PickExperts(const RouteArgs& a, int t, int lane, int num_live, int expert_base,
                             int32_t* pair_groups) {
+  if (t >= num_live) {
+    if (lane < a.top_k) {
+      a.weights[t * a.top_k + lane] = 0.f;
+      pair_groups[t * a.top_k + lane] = -1;
+    }
+    return;
+  }
   const T* row = static_cast<const T*>(a.logits) + static_cast<int64_t>(t) * a.experts;
-  float logits[kMaxExperts / 32];
+  float logits[kSlots];
   float top = -FLT_MAX;
 #pragma unroll
-  for (int i = 0; i < kMaxExperts / 32; ++i) {
+  for (int i = 0; i < kSlots; ++i) {
     const int e = lane + 32 * i;
     logits[i] = e < a.experts ? Load(row, e) : NAN;
     top = fmaxf(top, logits[i]);
@@ -78,7 +87,7 @@ __device__ void PickExperts(const RouteArgs& a, int t, int lane, int num_live, i
   top = WarpMax(top);
   float total = 0.f;
 #pragma unroll
-  for (int i = 0; i < kMaxExperts / 32; ++i) total += logits[i] == logits[i] ? expf(logits[i] - top) : 0.f;
+  for (int i = 0; i < kSlots; ++i) total += logits[i] == logits[i] ? expf(logits[i] - top) : 0.f;
   total = WarpSum(total);
   float last = 0.f, mine = 0.f;
   int last_index = -1, my_index = -1;
@@ -86,7 +95,7 @@ __device__ void PickExperts(const RouteArgs& a, int t, int lane, int num_live, i
     float best = 0.f;
     int best_index = -1;
 #pragma unroll
-    for (int i = 0; i < kMaxExperts / 32; ++i) {
+    for (int i = 0; i < kSlots; ++i) {
       const float v = logits[i];
       const int e = lane + 32 * i;
       if (v == v && (last_index < 0 || Before(last, last_index, v, e)) && Before(v, e, best, best_index))
@@ -106,16 +115,16 @@ __device__ void PickExperts(const RouteArgs& a, int t, int lane, int num_live, i
   if (a.renormalize) weight /= WarpSum(weight);
   if (lane < a.top_k) {
     const int pair = t * a.top_k + lane, local = my_index - expert_base;
-    const bool routed = t < num_live && my_index >= 0 && local >= 0 && local < a.local_experts;
+    const bool routed = my_index >= 0 && local >= 0 && local < a.local_experts;
     a.weights[pair] = weight;
     pair_groups[pair] = routed ? local : -1;
   }
 }
 
-template <typename T>
+template <typename T, int kSlots>
 __global__ void __launch_bounds__(kPickThreads) PickKernel(RouteArgs a) {
   const int t = blockIdx.x * (kPickThreads / 32) + threadIdx.x / 32;
-  if (t < a.tokens) PickExperts<T>(a, t, threadIdx.x % 32, *a.num_live, *a.expert_base, a.pair_rows);
+  if (t < a.tokens) PickExperts<T, kSlots>(a, t, threadIdx.x % 32, *a.num_live, *a.expert_base, a.pair_rows);
 }
 
 // Warp 0: each group's first sorted row, aligned base and first tile (each lane scans a run of groups, the lanes
@@ -156,7 +165,7 @@ __device__ void ScanGroups(const RouteArgs& a, const int32_t* count, int32_t* ro
 // One CTA: counts the pairs per local expert, plans the tiles, then ranks each pair within its group (a
 // shared-memory atomic) into its sorted row and padded row. With `pick`, it picks the experts first, into shared
 // memory; else PickKernel left each pair's group in pair_rows.
-template <typename T>
+template <typename T, int kSlots>
 __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pick) {
   extern __shared__ int32_t groups[];   // count, row_start, base, tile_start: [local_experts] each; with `pick`,
                                         // each pair's group: [tokens * top_k]
@@ -168,7 +177,7 @@ __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pic
   if (pick) {
     const int num_live = *a.num_live, expert_base = *a.expert_base;
     for (int t = threadIdx.x / 32; t < a.tokens; t += blockDim.x / 32)
-      PickExperts<T>(a, t, lane, num_live, expert_base, pair_groups);
+      PickExperts<T, kSlots>(a, t, lane, num_live, expert_base, pair_groups);
   }
   for (int g = threadIdx.x; g < a.local_experts; g += blockDim.x) count[g] = 0;
   __syncthreads();
@@ -202,15 +211,25 @@ __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pic
   }
 }
 
-template <typename T>
+template <typename T, int kSlots>
 ffi::Error Launch(cudaStream_t stream, const RouteArgs& a) {
   const bool fused = a.tokens <= kFusedMaxTokens;
   const size_t shared = sizeof(int32_t) * (4 * a.local_experts + (fused ? a.tokens * a.top_k : 0));
-  if (!fused) PickKernel<T><<<CeilDiv(a.tokens, kPickThreads / 32), kPickThreads, 0, stream>>>(a);
+  if (!fused) PickKernel<T, kSlots><<<CeilDiv(a.tokens, kPickThreads / 32), kPickThreads, 0, stream>>>(a);
   // picking in the CTA: a warp a token (up to kPlanThreads / 32, then several each); fewer threads sync sooner
   const int threads = fused ? std::clamp(32 * a.tokens, 128, kPlanThreads) : kPlanThreads;
-  PlanKernel<T><<<1, threads, shared, stream>>>(a, fused);
+  PlanKernel<T, kSlots><<<1, threads, shared, stream>>>(a, fused);
   return LaunchStatus("moe_route launch");
+}
+
+// The fewest register slots a lane that hold the experts' logits: 1, 2, 4, 8 or 16.
+template <typename T>
+ffi::Error LaunchForExperts(cudaStream_t stream, const RouteArgs& a) {
+  if (a.experts <= 32) return Launch<T, 1>(stream, a);
+  if (a.experts <= 64) return Launch<T, 2>(stream, a);
+  if (a.experts <= 128) return Launch<T, 4>(stream, a);
+  if (a.experts <= 256) return Launch<T, 8>(stream, a);
+  return Launch<T, kMaxExperts / 32>(stream, a);
 }
 
 ffi::Error MoeRoute(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi::S32> num_live,
@@ -239,7 +258,7 @@ ffi::Error MoeRoute(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi:
     return ffi::Error::InvalidArgument("weights and pair_rows must be [tokens, top_k], sorted_tokens at least as "
                                        "long, tile_groups and tile_rows alike; num_tiles, num_live, expert_base [1]");
   if (a.tokens == 0) return ffi::Error::Success();
-  return type == ffi::DataType::F32 ? Launch<float>(stream, a) : Launch<__nv_bfloat16>(stream, a);
+  return type == ffi::DataType::F32 ? LaunchForExperts<float>(stream, a) : LaunchForExperts<__nv_bfloat16>(stream, a);
 }
 
 }  // namespace
