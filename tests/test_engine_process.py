@@ -7,6 +7,8 @@ import functools
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -83,8 +85,8 @@ def served(server) -> dict:
             for ch in chunk.choices:
                 pieces.setdefault(ch.index, []).append((ch.delta.content, ch.finish_reason))
         got["stream"] = pieces
-        for body in ({"max_tokens": 100_000}, {"extra_body": {"response_format": {"type": "json_schema", "json_schema": {
-                "name": "x", "schema": {"type": "nonsense"}}}}}):
+        bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+        for body in ({"max_tokens": 100_000}, {"extra_body": {"response_format": bad_schema}}):
             with pytest.raises(openai.BadRequestError) as refused:
                 c.completions.create(model=MODEL, prompt="Hi", **body)
             got.setdefault("refused", []).append(refused.value.message)
@@ -123,7 +125,8 @@ def test_a_killed_engine_process_fails_its_requests_and_the_server():
             return await client.complete([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
 
     with in_process(process) as server:
-        future = asyncio.run_coroutine_threadsafe(long_request(f"127.0.0.1:{server.grpc_port}"), server.engine_loop.loop)
+        target, loop = f"127.0.0.1:{server.grpc_port}", server.engine_loop.loop
+        future = asyncio.run_coroutine_threadsafe(long_request(target), loop)
         deadline = time.monotonic() + 60
         while server.engine_loop.stats()["running"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -147,3 +150,17 @@ def test_an_engine_process_that_cannot_start_raises_its_error():
 def test_an_engine_process_that_dies_starting_says_so():
     with pytest.raises(RuntimeError, match="exited with code 3 while starting"):
         EngineProcess(functools.partial(os._exit, 3))
+
+
+def test_ctrl_c_while_the_engines_start_stops_their_process():
+    script = """
+import functools, multiprocessing, os, signal, threading, time
+from jaxserve.serve.engine_process import EngineProcess
+threading.Timer(2, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    EngineProcess(functools.partial(time.sleep, 600))
+except KeyboardInterrupt:
+    print("interrupted; processes left:", len(multiprocessing.active_children()))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "interrupted; processes left: 0", run.stderr

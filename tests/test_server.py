@@ -34,6 +34,7 @@ from jaxserve.models.loader import embedded_model_path
 from jaxserve.serve import jaxserve_pb2 as pb
 from jaxserve.serve.server import SERVICE_NAME, ServeOptions, Server, serve_until_signal, stop_then_force
 
+from benchmarks.serve_load import child_pids
 from helpers import SERVER_KNOBS, TINY_HF_KWARGS, free_port, record_tokenize_threads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -483,15 +484,26 @@ def listening_ports(pid: int) -> set[int]:
 
 
 @pytest.mark.slow
+def test_the_engine_runs_in_a_process_of_its_own(server):
+    """The server's process listens; the engine's, its child, only steps (the other child: multiprocessing's
+    resource tracker)."""
+    server.wait_ready()
+    children = [pid for pid in child_pids(server.proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(children) == 1 and not listening_ports(children[0])
+
+
+@pytest.mark.slow
 def test_no_grpc_serves_http_alone_under_its_served_names_and_log_level_warning_drops_the_access_lines(tmp_path):
+    """Also --no-engine-process: the engine on the server's threads, no child process."""
     config = tmp_path / "tiny.yaml"   # random weights: a fast start
     config.write_text(yaml.safe_dump({"model": "random", "dtype": "f32",
                                       "random_model": {"architectures": ["LlamaForCausalLM"], **TINY_HF_KWARGS}}))
     quiet = start_server(tmp_path / "quiet.log", "--config", str(config), "--port", "0", "--no-grpc",
-                         "--log-level", "warning", "--served-model-name", "tiny-a", "tiny-b")
+                         "--log-level", "warning", "--served-model-name", "tiny-a", "tiny-b", "--no-engine-process")
     try:
         assert quiet.wait_ready() == "" and set(quiet.ready) == {"http"}
         assert listening_ports(quiet.proc.pid) == {int(quiet.http_url.rpartition(":")[2])}
+        assert child_pids(quiet.proc.pid) == []
         with urllib.request.urlopen(quiet.http_url + "/v1/models", timeout=10) as response:
             assert [m["id"] for m in json.load(response)["data"]] == ["tiny-a", "tiny-b"]
         served = post_json(quiet.http_url + "/v1/completions", {"model": "tiny-b", "prompt": list(range(3, 12)),

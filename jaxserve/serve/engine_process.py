@@ -16,6 +16,8 @@ import signal
 import threading
 from collections.abc import Callable
 
+from tqdm import tqdm
+
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.sequence import CompletionOutput, RequestOutput
 from jaxserve.engine.structured_outputs import StructuredOutputs
@@ -43,6 +45,10 @@ class EngineProcess:
     def _started(self) -> tuple[EngineFacts, list[dict]]:
         try:
             message = self.conn.recv()
+        except KeyboardInterrupt:   # Ctrl-C while the engines start: the process goes too
+            self.process.terminate()
+            self.process.join()
+            raise
         except EOFError:
             self.process.join()
             raise RuntimeError(f"the engine process exited with code {self.process.exitcode} while starting; "
@@ -201,6 +207,7 @@ def run_engines(conn, build: Callable[[], list[LLMEngine]]) -> None:
     """The engine process's main: build the engines, say so, then route the parent's commands to their threads until
     each was told to stop (or the parent is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole process group: the parent drains first
+    tqdm.set_lock(threading.RLock())   # not tqdm's multiprocessing lock, which a process stopped while starting leaks
     try:
         engines = build()
     except BaseException as e:
