@@ -66,6 +66,13 @@ def smollm_engines(**knobs) -> list[LLMEngine]:
     return [LLMEngine(load_model(dtype="f32"), EngineConfig(precompile=False, **SERVER_KNOBS, **knobs))]
 
 
+def second_replica_fails() -> list[LLMEngine]:
+    """Two engines, the second failing at its first step."""
+    engines = smollm_engines() + smollm_engines()
+    engines[1].step = lambda: (_ for _ in ()).throw(RuntimeError("injected device failure"))
+    return engines
+
+
 def cannot_start() -> list[LLMEngine]:
     raise ValueError("--model nowhere: no such file")
 
@@ -140,6 +147,31 @@ def test_a_killed_engine_process_fails_its_requests_and_the_server():
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "engine process exited (code -9)" in err.value.details()
     assert failed
+
+
+@pytest.mark.slow
+def test_a_failed_replica_of_an_engine_process_leaves_the_other_serving():
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    async def scenario(target: str) -> tuple:
+        """Two requests at once: one on each replica; then one more, which only replica 0 can take."""
+        async with Client(target) as client:
+            first, second = await asyncio.gather(client.complete([1, 2, 3], params), client.complete([4, 5, 6], params),
+                                                 return_exceptions=True)
+            after = await client.complete([7, 8, 9], params)
+            return first, second, after, await client.health()
+
+    with in_process(EngineProcess(second_replica_fails)) as server:
+        target = f"127.0.0.1:{server.grpc_port}"
+        first, second, after, health = asyncio.run_coroutine_threadsafe(scenario(target),
+                                                                        server.engine_loop.loop).result(120)
+        stats = server.engine_loop.stats()
+    failed = [r for r in (first, second) if isinstance(r, grpc.aio.AioRpcError)]   # whichever replica 1 took
+    served = [r for r in (first, second, after) if not isinstance(r, Exception)]
+    assert len(failed) == 1 and failed[0].code() == grpc.StatusCode.UNAVAILABLE
+    assert "injected device failure" in failed[0].details()
+    assert len(served) == 2 and all(len(r.outputs[0].token_ids) == 4 for r in served)
+    assert (health, stats["replicas_serving"], server.failed.is_set()) == ("SERVING", 1, False)
 
 
 def test_an_engine_process_that_cannot_start_raises_its_error():
