@@ -141,15 +141,17 @@ class EngineLoop:
         self.loop = asyncio.get_running_loop()
         if self.process is not None:
             self.process.attach(self)
-        for replica in self.replicas:
-            replica.start()
+        else:
+            for replica in self.replicas:
+                replica.thread.start()
         self.throughput_log = asyncio.create_task(self.log_throughput())
 
     async def stop(self) -> None:
         self.throughput_log.cancel()
         for replica in self.replicas:
             replica.commands.put(STOP)
-        await asyncio.gather(*(asyncio.to_thread(replica.join) for replica in self.replicas))
+        joins = [self.process.join] if self.process is not None else [r.thread.join for r in self.replicas]
+        await asyncio.gather(*(asyncio.to_thread(join) for join in joins))
         self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def off_engine(self, fn, *args):
@@ -298,12 +300,6 @@ class Replica:
         self.steps = 0
         self.snapshot = self._stats()
         self.thread = threading.Thread(target=self._run, name=f"jaxserve-engine-{index}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()
 
     def _run(self) -> None:
         try:

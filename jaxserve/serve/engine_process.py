@@ -141,13 +141,6 @@ class RemoteReplica:
         except OSError:   # the process is gone: its loss fails this replica already
             pass
 
-    def start(self) -> None:
-        pass
-
-    def join(self) -> None:
-        if self.index == 0:
-            self.process.join()
-
 
 # ---- outputs as deltas ----------------------------------------------------------------------------------------------
 class DeltaEncoder:
@@ -217,7 +210,7 @@ def run_engines(conn, build: Callable[[], list[LLMEngine]]) -> None:
     replicas = [Replica(i, engine, sink) for i, engine in enumerate(engines)]
     conn.send(("ready", EngineFacts.of(engines[0]), [r.snapshot for r in replicas]))
     for replica in replicas:
-        replica.start()
+        replica.thread.start()
     running = set(range(len(replicas)))
     while running:
         try:
@@ -232,7 +225,7 @@ def run_engines(conn, build: Callable[[], list[LLMEngine]]) -> None:
             continue
         replicas[index].commands.put(command)
     for replica in replicas:
-        replica.join()
+        replica.thread.join()
     sink.close()
 
 
