@@ -264,12 +264,13 @@ def serve_options(args) -> server.ServeOptions:
 
 
 def configure_logging(level: str) -> None:
-    """jaxserve's loggers (a line per finished request, the throughput lines) to stderr from `level` up."""
+    """jaxserve's loggers (a line per finished request, the throughput lines) to stderr from `level` up; again, the
+    same (one handler)."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
     logger = logging.getLogger("jaxserve")
     logger.setLevel(level.upper())
-    logger.addHandler(handler)
+    logger.handlers = [handler]
     logger.propagate = False   # a library's root handler would print each line twice
 
 

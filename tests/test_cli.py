@@ -5,6 +5,7 @@ import ast
 import importlib.metadata
 import io
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -288,3 +289,16 @@ def test_generate_streams_several_prompts_as_it_prints_them_to_a_pipe(monkeypatc
     assert written(piped, "stdout") == "".join(f"### {p}\n{r['text']}\n\n" for p, r in zip(prompts, rows))
     assert written(streamed, "stdout") == written(piped, "stdout")
     assert written(piped, "stderr") == written(streamed, "stderr") == "[stopped: --max-tokens 12 reached]\n"
+
+
+def test_logging_configured_twice_prints_each_line_once(capsys):
+    """serve configures it, and so does the start of its engines (in their own process, or on the server's)."""
+    logger = logging.getLogger("jaxserve")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    try:
+        cli.configure_logging("info")
+        cli.configure_logging("info")
+        logging.getLogger("jaxserve.engine").info("a finished request")
+        assert capsys.readouterr().err.count("a finished request") == 1
+    finally:
+        logger.handlers, logger.level, logger.propagate = saved
