@@ -54,8 +54,8 @@ def grpc_server(servicer: JaxServeServicer, api_key: str | None, max_message_byt
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, scheduling_policy: str):
         self.engine_loop, self.metrics, self.scheduling_policy = engine_loop, metrics, scheduling_policy
-        self.engine = engine_loop.facts   # its tokenizer and thread-safe tokenize, on the tokenizer thread
-        self.info = model_info(self.engine, model_name)
+        self.facts = engine_loop.facts   # its tokenizer and thread-safe tokenize, on the tokenizer thread
+        self.info = model_info(self.facts, model_name)
 
     async def Generate(self, request, context):
         sent: dict[int, tuple[int, int, bool]] = {}
@@ -70,11 +70,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return full_response(last)
 
     async def Tokenize(self, request, context):
-        ids = await self._off_engine(context, self.engine.tokenize, request.text, request.add_special_tokens)
+        ids = await self._off_engine(context, self.facts.tokenize, request.text, request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(self, request, context):
-        text = await self._off_engine(context, detokenize, self.engine, request.token_ids,
+        text = await self._off_engine(context, detokenize, self.facts, request.token_ids,
                                       request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
@@ -98,8 +98,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     def _submission(self, request) -> Submission:
         """On the tokenizer thread: the request converted, checked and tokenized."""
-        prompt = request_prompt(request, self.engine)
-        params = sampling_params(request.sampling, self.engine.sampling_defaults)
+        prompt = request_prompt(request, self.facts)
+        params = sampling_params(request.sampling, self.facts.sampling_defaults)
         if params.structured_outputs is not None:   # here, so that the engine's thread never compiles one
             with proto_names():
                 self.engine_loop.compile_grammar(params.structured_outputs)
@@ -233,17 +233,17 @@ def proto_names():
         raise ValueError(re.sub(r"^structured_outputs\.json\b", "structured_outputs.json_schema", str(e))) from None
 
 
-def request_prompt(request: pb.GenerateRequest, engine: EngineFacts) -> str | list[int]:
+def request_prompt(request: pb.GenerateRequest, facts: EngineFacts) -> str | list[int]:
     """The prompt: text, token ids (counted before they are converted: a 16 MiB message holds millions), or the
     messages through the model's chat template."""
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
     if len(given) > 1:
         raise ValueError(f"{' and '.join(given)}: give one of prompt, prompt_token_ids and messages")
     if request.messages:
-        return chat_prompt(request.messages, engine.tokenizer)
+        return chat_prompt(request.messages, facts.tokenizer)
     if not request.prompt_token_ids:
         return request.prompt
-    engine.check_prompt_length(len(request.prompt_token_ids))
+    facts.check_prompt_length(len(request.prompt_token_ids))
     return list(request.prompt_token_ids)
 
 
@@ -257,16 +257,16 @@ def chat_prompt(messages, tokenizer) -> str:
         raise ValueError(f"messages: {e}") from None
 
 
-def detokenize(engine: EngineFacts, ids, skip_special_tokens: bool) -> str:
+def detokenize(facts: EngineFacts, ids, skip_special_tokens: bool) -> str:
     """ids: a sequence (a protobuf repeated field), counted before it is converted."""
-    vocab = engine.model_config.vocab_size
-    if engine.tokenizer is None:
+    vocab = facts.model_config.vocab_size
+    if facts.tokenizer is None:
         raise ValueError("token_ids: this model has no tokenizer")
-    if len(ids) > engine.cfg.max_model_len:   # no sequence is longer: more is work on the shared tokenizer thread
-        raise ValueError(f"token_ids: at most max_model_len={engine.cfg.max_model_len} ids, got {len(ids):,}")
+    if len(ids) > facts.cfg.max_model_len:   # no sequence is longer: more is work on the shared tokenizer thread
+        raise ValueError(f"token_ids: at most max_model_len={facts.cfg.max_model_len} ids, got {len(ids):,}")
     if any(not 0 <= t < vocab for t in ids):
         raise ValueError(f"token_ids must be in [0, {vocab})")
-    return engine.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    return facts.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 # ---- responses ------------------------------------------------------------------------------------------
@@ -320,12 +320,12 @@ def prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprobs]:
     return [token_logprobs(t, lp) for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
 
 
-def model_info(engine: EngineFacts, model_name: str) -> pb.ModelInfoResponse:
-    mc, cfg = engine.model_config, engine.cfg
+def model_info(facts: EngineFacts, model_name: str) -> pb.ModelInfoResponse:
+    mc, cfg = facts.model_config, facts.cfg
     return pb.ModelInfoResponse(
-        model=model_name, arch=mc.arch, dtype=engine.dtype,
-        device=engine.device_kind, vocab_size=mc.vocab_size, max_model_len=cfg.max_model_len,
+        model=model_name, arch=mc.arch, dtype=facts.dtype,
+        device=facts.device_kind, vocab_size=mc.vocab_size, max_model_len=cfg.max_model_len,
         num_layers=mc.num_layers, hidden_size=mc.hidden_size, num_heads=mc.num_heads,
-        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, eos_token_ids=engine.eos_token_ids,
-        has_tokenizer=engine.tokenizer is not None, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, eos_token_ids=facts.eos_token_ids,
+        has_tokenizer=facts.tokenizer is not None, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens)

@@ -721,8 +721,8 @@ class OpenAIApp:
         check_fields(request, {"model", "tokens"})
         if self.tokenizer is None:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
-        engine = self.engine_loop.facts
-        ids = token_list(request, "tokens", engine.model_config.vocab_size, engine.cfg.max_model_len)
+        facts = self.engine_loop.facts
+        ids = token_list(request, "tokens", facts.model_config.vocab_size, facts.cfg.max_model_len)
         return {"prompt": self.tokenizer.decode(ids)}
 
     async def health(self, request: Request) -> Response:
