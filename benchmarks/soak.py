@@ -8,7 +8,8 @@ the row records:
   hung_calls       calls that did not end within --call-timeout s (the client then cancels them);
   leaked_blocks    kv_blocks_used once ServerStats shows nothing running, waiting or pending (polled for up to
                    --idle-timeout s); stuck_requests: the running + waiting + pending left then;
-  rss_*_mib        VmRSS of the server this script started, after warm-up and after the soak (None with --target);
+  rss_*_mib        VmRSS of the server this script started and its engine process, after warm-up and after the
+                   soak (None with --target);
   changed_outputs  fixed greedy probes, each sent alone before and after the soak (each phase with its own cache
                    salt, so both prefill in full), whose tokens differ or that failed;
   errors           calls that ended with another status than OK, by status code;
@@ -34,8 +35,8 @@ from dataclasses import dataclass
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # serve_load first: it keeps this process off the server's GPU before jax loads
-from benchmarks.serve_load import (DEFAULT_MAX_WAITING, HUNG, RequestResult, add_server_args, percentiles,  # noqa: E402
-                                   run_main, send, serving)
+from benchmarks.serve_load import (DEFAULT_MAX_WAITING, HUNG, RequestResult, add_server_args,  # noqa: E402
+                                   child_pids, percentiles, run_main, send, serving)
 import grpc  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -105,10 +106,14 @@ async def idle_stats(client: Client, timeout_s: float) -> ServerStatsResponse:
 
 
 def rss_mib(proc: subprocess.Popen | None) -> float | None:
+    """VmRSS of the server and its children (its engine process), summed."""
     if proc is None:
         return None
-    status = pathlib.Path(f"/proc/{proc.pid}/status").read_text()
-    return round(int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024, 1)
+    kib = 0
+    for pid in (proc.pid, *child_pids(proc.pid)):
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+        kib += int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
+    return round(kib / 1024, 1)
 
 
 def soak_row(args, model: str, wall: float, results: list[RequestResult], stats: ServerStatsResponse,
