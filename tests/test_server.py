@@ -474,6 +474,10 @@ def test_serve_refuses_bad_flags_in_one_line_before_loading_the_model(flags, mat
     assert "loading weights" not in out.stderr
 
 
+def thread_names(pid: int) -> set[str]:
+    return {(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
 def listening_ports(pid: int) -> set[int]:
     """The TCP ports a process listens on (Linux: its sockets' inodes in /proc/net/tcp and tcp6)."""
     links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
@@ -490,6 +494,8 @@ def test_the_engine_runs_in_a_process_of_its_own(server):
     server.wait_ready()
     children = [pid for pid in child_pids(server.proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
     assert len(children) == 1 and not listening_ports(children[0])
+    # the server's process starts no JAX backend (on a GPU it would claim the device's memory): no XLA threads
+    assert "tf_XLAEigen" in thread_names(children[0]) and "tf_XLAEigen" not in thread_names(server.proc.pid)
 
 
 @pytest.mark.slow
