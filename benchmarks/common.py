@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.cache.kv_cache import kv_cache_dtype
+from jaxserve.models import fp8
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,12 @@ class Bytes:
             head = blocks.embedding if loaded.model.lm_head is None else blocks.lm_head
             return cls(block_bytes(blocks.linear), model if head is None else block_bytes(head), kv)
         return cls(1 if loaded.quantization == "fp8" else model, model, kv)
+
+
+def fp8_path_params() -> dict:
+    """{"w8a8": "xla"} while FP8's W8A8 layers run through XLA's GEMM instead of the CUDA kernels (a benchmark
+    turning fp8.W8A8_KERNELS off beside them), else nothing: a row's params tell the two apart."""
+    return {} if fp8.W8A8_KERNELS else {"w8a8": "xla"}
 
 
 def block_bytes(block_type: str) -> float:

@@ -25,6 +25,9 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear  # the W8A16 decode kernel: tests, vs XLA, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tune    # decode attention's tuning over an FP8 cache
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-check   # their tests, a mixed step, bf16 beside FP8
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8         # bf16 beside FP8: batch 1, 256 x 512/128
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode  # bf16 beside FP8: 256 x 128/1024, capacity
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-anchor  # 1,000 x 1,000/1,000 in FP8 (TensorRT-LLM's)
@@ -67,6 +70,9 @@ MOE_BATCH1="python benchmarks/offline.py --config $MOE --num-prompts 1 --input-l
   --out $OUT/offline_moe_gpu.json"
 MOE_PROFILE="python benchmarks/step_timeline.py --config $MOE --num-prompts 1 --input-len 128 --steps 32 --set $B1
   --profile 30"
+# "${WITHOUT_W8A8_KERNELS[@]}" SCRIPT ARGS...: the script with FP8's W8A8 layers through XLA's GEMM
+WITHOUT_W8A8_KERNELS=(python -c "import runpy, sys; import jaxserve.models.fp8 as fp8; fp8.W8A8_KERNELS = False
+sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 case $1 in
   mosaic-decode)   # the Mosaic GPU decode kernel compiled against the reference, then beside Triton and cuDNN
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
@@ -267,6 +273,32 @@ case $1 in
       run 130 python benchmarks/sweep.py --config $CONFIG $q --token-buckets 16 256 --seq-buckets 16 256 \
         --contexts 640 --kinds decode --warmup 2 --repeats 5 --profile 12 --out "$OUT/fp8_sweep_gpu.json"
     done ;;
+  fp8-w8a8)   # the W8A8 kernels (quantize, cuBLASLt GEMM with vector scales): their GPU tests, then a 4,096-token
+    # mixed step profiled through them and through XLA (fp8.W8A8_KERNELS off), bf16 beside
+    run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_fp8_weights.py \
+      -k "fp8_quantize or fp8_scaled_mm or gpu or llama3_8b or down_projection or one_input"
+    MIXED="--token-buckets 4096 --seq-buckets 256 --contexts 640 --kinds mixed --warmup 2 --repeats 5 --profile 14"
+    for q in "" "--quantization fp8"; do
+      run 90 python benchmarks/sweep.py --config $CONFIG $q $MIXED --out "$OUT/fp8_sweep_gpu.json"; done
+    run 90 "${WITHOUT_W8A8_KERNELS[@]}" benchmarks/sweep.py --config $CONFIG --quantization fp8 $MIXED \
+      --out "$OUT/fp8_sweep_gpu.json" ;;
+  fp8-w8a8-engine)   # 256 x 512/128: bf16, FP8 through the W8A8 kernels, FP8 through XLA's GEMM; then the
+    # decode-heavy 256 x 128/1024 with FP8 weights + KV and in bf16
+    run 150 python benchmarks/offline.py --config $CONFIG --out "$OUT/fp8_offline_gpu.json"
+    run 100 python benchmarks/offline.py --config $CONFIG --quantization fp8 --out "$OUT/fp8_offline_gpu.json"
+    run 100 "${WITHOUT_W8A8_KERNELS[@]}" benchmarks/offline.py --config $CONFIG --quantization fp8 \
+      --out "$OUT/fp8_offline_gpu.json"
+    DH="--input-len 128 --output-len 1024"
+    for q in "--quantization fp8 --set kv_cache_dtype=fp8" ""; do
+      run 95 python benchmarks/offline.py --config $CONFIG $DH $q --out "$OUT/fp8_decode_gpu.json"
+    done ;;
+  fp8-w8a8-check)   # the W8A8 kernels' tests, a mixed FP8 step profiled, 256 x 512/128 bf16 beside FP8
+    run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_fp8_weights.py \
+      -k "fp8 or gpu or llama3_8b or normed or down_projection or one_input" -m "not slow"
+    run 90 python benchmarks/sweep.py --config $CONFIG --quantization fp8 --token-buckets 4096 --seq-buckets 256 \
+      --contexts 640 --kinds mixed --warmup 2 --repeats 5 --profile 14 --out "$OUT/fp8_sweep_gpu.json"
+    for q in "" "--quantization fp8"; do
+      run 110 python benchmarks/offline.py --config $CONFIG $q --out "$OUT/fp8_offline_gpu.json"; done ;;
   fp8)   # bf16, FP8 weights, FP8 weights + KV: the same workloads in one call
     B1="--num-prompts 1 --input-len 128 --output-len 512"
     for q in "" "--quantization fp8"; do run 100 python benchmarks/offline.py --config $CONFIG $B1 $q \

@@ -33,6 +33,8 @@ TARGETS = {
     "jaxserve_copy_blocks": "JaxserveCopyBlocks",
     "jaxserve_fp8_linear": "JaxserveFp8Linear",
     "jaxserve_moe_route": "JaxserveMoeRoute",
+    "jaxserve_fp8_quantize_rows": "JaxserveFp8QuantizeRows",
+    "jaxserve_fp8_scaled_mm": "JaxserveFp8ScaledMm",
 }
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)   # q's, and a cache's in q's dtype
 CACHE_DTYPES = (*DTYPES, jnp.float8_e4m3fn)
@@ -57,6 +59,14 @@ FP8_LINEAR_WARPS_N, FP8_LINEAR_WARP_TILES = (1, 2), (2, 4)
 # --decode`), with K split until the CTAs cover FP8_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5)
 FP8_LINEAR_DEFAULT_TILE = (1, 2)
 FP8_LINEAR_CTAS_PER_SM = 1
+# fp8_quantize_rows and fp8_scaled_mm: e4m3's largest finite value, which each row's amax maps to; the smallest
+# normal f32, the scale of an all-zero row (padding tokens), which no other row's amax / FP8_MAX is below; widest
+# row the quantize kernel keeps in registers; cuBLASLt's workspace (what cuBLAS sizes for Hopper)
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+FP8_MIN_SCALE = float(np.finfo(np.float32).tiny)
+FP8_QUANTIZE_MAX_K = 32768
+QUANTIZE_INPUTS = {"rows": 0, "silu_product": 1, "rms_norm": 2}   # what the quantize kernel quantizes (its `input`)
+FP8_SCALED_MM_WORKSPACE = 32 << 20
 
 
 def has_nvidia_gpu() -> bool:
@@ -348,6 +358,101 @@ def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int]) -> list
         x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))), splits=np.int32(splits),
         warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles))
     return ys
+
+
+def fp8_quantize_rows_reference(x, up=None) -> tuple[jax.Array, jax.Array]:
+    """x [N, K], or silu(x) * up -> (e4m3 [N, K], f32 scale [N, 1]) with it ~ q * scale: each row's amax maps to
+    FP8_MAX. Clipped before the cast: e4m3fn has no infinity, an overflowing conversion is NaN, and amax / scale can
+    round past FP8_MAX."""
+    h = x if up is None else jax.nn.silu(x) * up
+    hf = h.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(hf), axis=-1, keepdims=True) * (1 / FP8_MAX), FP8_MIN_SCALE)
+    return jnp.clip(hf * (1 / scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
+
+
+def rms_norm(x, weight, eps: float):
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis, normalised in f32 and rounded to x's dtype before the
+    weight's product (Llama's RMSNorm)."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def fp8_rms_norm_quantize_rows(x, weight, eps: float):
+    """fp8_quantize_rows_reference(rms_norm(x, weight, eps)) through the CUDA kernel, one read of x, where it runs
+    (bf16 x [N, K] and weight [K], K a multiple of 8 up to FP8_QUANTIZE_MAX_K); else the reference. The kernel's sum
+    of squares runs in another order than XLA's: a row's normalised values may round to bf16 differently."""
+    if quantize_kernel_unsupported(x) or weight.shape != x.shape[1:] or weight.dtype != x.dtype:
+        return fp8_quantize_rows_reference(rms_norm(x, weight, eps))
+    return call_fp8_quantize_rows(x, weight, input=QUANTIZE_INPUTS["rms_norm"], eps=eps)
+
+
+def fp8_scaled_mm_reference(x, x_scale, w, w_scale, dtype=jnp.bfloat16):
+    """y [N, M] = (x [N, K] . w [M, K]^T) * x_scale [N, 1] * w_scale [M] in dtype: both operands e4m3, never
+    widened before the dot (XLA lowers it to cuBLASLt's FP8 GEMM with an f32 result)."""
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * x_scale * w_scale).astype(dtype)
+
+
+@functools.cache
+def has_cublaslt() -> bool:
+    """Whether the registered library holds fp8_scaled_mm (built where cuBLASLt's header was found)."""
+    return available() and bool(register(str(build.build_library())).JaxserveHasCublasLt())
+
+
+def fp8_w8a8_unsupported(x, w) -> str | None:
+    """Why the W8A8 kernels cannot take x [N, K] (bf16 before fp8_quantize_rows, e4m3 after it) and the e4m3
+    weight w [M, K] (None when they can)."""
+    if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float8_e4m3fn) or x.shape[1] % 16 or \
+            x.shape[1] > FP8_QUANTIZE_MAX_K:
+        return f"x must be bfloat16 or float8_e4m3fn [N, K] with K a multiple of 16 up to {FP8_QUANTIZE_MAX_K}, " \
+               f"got {x.dtype} {x.shape}"
+    if w.dtype != jnp.float8_e4m3fn or w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] % 16:
+        return f"w must be float8_e4m3fn [M, {x.shape[1]}] with M a multiple of 16, got {w.dtype} {w.shape}"
+    if not has_cublaslt():
+        return "the CUDA library is unavailable or was built without cuBLASLt"
+    return None
+
+
+def quantize_kernel_unsupported(x) -> bool:
+    return x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] % 8 or x.shape[1] > FP8_QUANTIZE_MAX_K or \
+        not available()
+
+
+def fp8_quantize_rows(x, up=None):
+    """fp8_quantize_rows_reference(x, up) through the CUDA kernel, one read of the input, where it runs (bf16 x
+    [N, K], K a multiple of 8 up to FP8_QUANTIZE_MAX_K); else the reference."""
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
+        raise ValueError(f"fp8_quantize_rows: up must match x, got {up.dtype} {up.shape} and {x.dtype} {x.shape}")
+    if quantize_kernel_unsupported(x):
+        return fp8_quantize_rows_reference(x, up)
+    return call_fp8_quantize_rows(x, up, input=QUANTIZE_INPUTS["rows" if up is None else "silu_product"])
+
+
+def fp8_scaled_mm(x, x_scale, w, w_scale):
+    """fp8_scaled_mm_reference(x, x_scale, w, w_scale) in bf16 through cuBLASLt's FP8 GEMM with both scales in its
+    epilogue, where it runs (fp8_w8a8_unsupported); else the reference."""
+    if fp8_w8a8_unsupported(x, w):
+        return fp8_scaled_mm_reference(x, x_scale, w, w_scale)
+    return call_fp8_scaled_mm(x, x_scale, w, w_scale)
+
+
+def call_fp8_quantize_rows(x, other=None, *, input: int, eps: float = 0.0):
+    """The FFI call of the quantize (the library must be registered): (e4m3 [N, K], f32 scale [N, 1]) of x, or of
+    what x and `other` (up, or the norm's weight) make (QUANTIZE_INPUTS)."""
+    q, scale = jax.ffi.ffi_call("jaxserve_fp8_quantize_rows", (
+        jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32)))(
+        *((x,) if other is None else (x, other)), input=np.int32(input), eps=np.float32(eps))
+    return q, scale
+
+
+def call_fp8_scaled_mm(x, x_scale, w, w_scale):
+    """The FFI call of the GEMM (the library must be registered, with cuBLASLt): bf16 [N, M]."""
+    y, _ = jax.ffi.ffi_call("jaxserve_fp8_scaled_mm", (
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.bfloat16),
+        jax.ShapeDtypeStruct((FP8_SCALED_MM_WORKSPACE,), jnp.uint8)))(
+        x, w, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
+    return y
 
 
 # moe_route: picks a lane of a warp holds; experts a warp's registers hold (more: the reference runs)

@@ -65,9 +65,34 @@ def find_cxx() -> str:
     raise BuildError("no C++ compiler (set CXX, or install g++)")
 
 
+def find_cublaslt() -> Path | None:
+    """The CUDA directory holding include/cublasLt.h and lib/libcublasLt.so*: CUDA_HOME's, or the NVIDIA wheels'
+    (nvidia/cu13 or nvidia/cublas, as jax's CUDA plugin and torch install them), which XLA itself loads. None: the
+    library is built without the cuBLASLt GEMM (fp8_w8a8.cu)."""
+    roots = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))]
+    for entry in sys.path:
+        roots += [Path(entry) / "nvidia" / "cu13", Path(entry) / "nvidia" / "cublas"]
+    for root in roots:
+        lib = root / "lib64" if (root / "lib64").is_dir() else root / "lib"
+        if (root / "include" / "cublasLt.h").is_file() and any(lib.glob("libcublasLt.so*")):
+            return root
+    return None
+
+
+def cublaslt_flags() -> list[str]:
+    """Include, link and run-path flags for cuBLASLt, or none without it."""
+    if (root := find_cublaslt()) is None:
+        return []
+    lib = root / "lib64" if (root / "lib64").is_dir() else root / "lib"
+    name = "cublasLt" if (lib / "libcublasLt.so").exists() else f":{sorted(lib.glob('libcublasLt.so.*'))[0].name}"
+    # searched after the toolkit's own headers: the wheels also carry a CUDA runtime's, maybe not nvcc's version
+    return [f"-Xcompiler=-idirafter,{root / 'include'}", f"-L{lib}", f"-l{name}", f"-Xlinker=-rpath={lib}"]
+
+
 def nvcc_command(nvcc: str, include_dir: str, archs=ARCHS) -> list[str]:
     """The command without its output path (its last argument)."""
-    return [nvcc, *FLAGS, *gencode_flags(archs), f"-I{include_dir}", f"-I{SOURCE_DIR}", *map(str, sources()), "-o"]
+    return [nvcc, *FLAGS, *gencode_flags(archs), f"-I{include_dir}", f"-I{SOURCE_DIR}", *cublaslt_flags(),
+            *map(str, sources()), "-o"]
 
 
 def cache_key(compiler: str, files, flags, jax_version: str) -> str:
@@ -111,7 +136,8 @@ def build_library(archs=None) -> Path:
 
     nvcc, archs = find_nvcc(), archs or local_archs()
     files = [*sources(), *SOURCE_DIR.glob("*.h")]
-    out = cache_root() / cache_key(nvcc, files, [*FLAGS, *gencode_flags(archs)], jax.__version__) / LIBRARY_NAME
+    flags = [*FLAGS, *gencode_flags(archs), *cublaslt_flags()]
+    out = cache_root() / cache_key(nvcc, files, flags, jax.__version__) / LIBRARY_NAME
     if not out.exists():   # tens of seconds: say so (scripts/setup.sh builds it at install on a GPU machine)
         print(f"jaxserve: building the CUDA custom calls for {','.join(archs)} with nvcc, once per machine "
               f"(cached in {out.parent})", file=sys.stderr, flush=True)

@@ -252,9 +252,11 @@ def test_forks_wider_than_their_prompt_compile_nothing():
     assert len(out.outputs) == 6 and llm.engine.stats()["compiles_after_start"] == 0
 
 
-def test_host_only_knobs_keep_the_executables_and_graph_knobs_do_not():
+def test_host_only_knobs_keep_the_executables_and_graph_knobs_do_not(monkeypatch):
     """The executable cache's fingerprint: a knob only the host reads (admission bounds, watermark, cache dir)
-    leaves it as it is, so a warm start with new bounds loads every executable; a bucket ladder changes it."""
+    leaves it as it is, so a warm start with new bounds loads every executable; a bucket ladder changes it, and so
+    does a switch of the FP8 layers' paths (a benchmark timing XLA's GEMMs beside the kernels)."""
+    from jaxserve.models import fp8
     model = random_model(TINY, jnp.float32)
 
     def fingerprint(**knobs) -> str:
@@ -263,6 +265,8 @@ def test_host_only_knobs_keep_the_executables_and_graph_knobs_do_not():
     base = fingerprint()
     assert fingerprint(max_queued_requests=5, watermark=0.2, compile_cache_dir="/tmp/elsewhere") == base
     assert fingerprint(seq_buckets=(8,)) != base and fingerprint(block_size=8) != base
+    monkeypatch.setattr(fp8, "W8A8_KERNELS", False)
+    assert fingerprint() != base
 
 
 def test_a_step_traces_its_layers_once(monkeypatch):

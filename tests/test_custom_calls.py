@@ -25,7 +25,7 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 FP8 = jnp.float8_e4m3fn
 CACHE_DTYPES = [pytest.param(None, id="cache=q"), pytest.param(FP8, id="cache=fp8")]   # None: q's dtype
 SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks", "JaxserveFp8Linear",
-           "JaxserveMoeRoute")
+           "JaxserveMoeRoute", "JaxserveFp8QuantizeRows", "JaxserveFp8ScaledMm", "JaxserveHasCublasLt")
 
 
 def fresh_rng():
@@ -418,7 +418,11 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
                                              sliding_window=64, soft_cap=30.0, num_splits=3)
         route = cc.call_moe_route(x[:, :16], kv_lens[:1], kv_lens[1:], top_k=3, renormalize=True, local_experts=8,
                                   block_m=64)
-        return k_cache, v_cache, out, cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2)), route
+        xq, x_scale = cc.call_fp8_quantize_rows(x, x, input=1)
+        normed = cc.call_fp8_quantize_rows(x, x[0], input=2, eps=1e-5)
+        mm = cc.call_fp8_scaled_mm(cc.call_fp8_quantize_rows(x, input=0)[0], x_scale, w, scale)
+        return (k_cache, v_cache, out, cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2)),
+                route, xq, normed, mm)
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
     args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32)]
@@ -439,6 +443,11 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         assert attr in text, attr
     # weights, sorted tokens (9 pairs, a 64-row margin, 8-row tiles), the plan's tiles ((9 + 8 * 70) / 64 at most)
     assert "tensor<3x3xf32>, tensor<80xi32>, tensor<9xi32>, tensor<9xi32>, tensor<1xi32>, tensor<3x3xi32>" in text
+    assert "(tensor<3x128xbf16>, tensor<3x128xbf16>) -> (tensor<3x128xf8E4M3FN>, tensor<3x1xf32>)" in text  # gated
+    assert "(tensor<3x128xbf16>, tensor<128xbf16>) -> (tensor<3x128xf8E4M3FN>, tensor<3x1xf32>)" in text  # normed
+    for attr in ("input = 1 : i32", "input = 2 : i32", "eps = 9.99999974E-6 : f32"):
+        assert attr in text, attr
+    assert f"-> (tensor<3x64xbf16>, tensor<{cc.FP8_SCALED_MM_WORKSPACE}xui8>)" in text  # y + cuBLASLt's workspace
 
 
 # ---------------------------------------------------------------- GPU: CUDA ops vs references
@@ -555,3 +564,114 @@ def test_moe_route_plans_every_pair(tokens, experts, top_k, local, base, live, r
     poison_device_memory((tokens, top_k), jnp.float32)
     logits, route = run_moe_route(cc.moe_route, tokens, experts, top_k, local, base, live, renormalize, dtype, rng)
     check_routing(route, logits, live, base, top_k, renormalize, local, f"seed {seed}")
+
+
+def fp8_rows(rng, rows: int, k: int) -> jax.Array:
+    """bf16 rows of magnitudes 2^-8 to 2^8, a row of zeros (a padding token) and a row with one outlier."""
+    x = rng.standard_normal((rows, k)) * 2.0 ** rng.integers(-8, 9, (rows, 1))
+    x[0] = 0.0
+    if rows > 1:
+        x[1] = 1e-3
+        x[1, rng.integers(k)] = -3e4
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+def test_fp8_scaled_mm_reference_matches_f64():
+    """The reference (what the GPU's cuBLASLt call must give) against float64 from the same e4m3 operands: f32
+    summation over K of products exact in f32, then the bf16 rounding of the scaled result (2^-8 of itself). On a
+    GPU XLA's FP8 GEMM accumulates with fewer bits (see test_fp8_scaled_mm_matches_f64)."""
+    seed, rng = fresh_rng()
+    x, w = random_values(rng, (7, 96), FP8), random_values(rng, (32, 96), FP8)
+    x_scale = rng.uniform(0.5, 2.0, (7, 1)).astype(np.float32)
+    w_scale = (rng.uniform(0.5, 2.0, 32) * 2.0 ** rng.integers(-12, 4, 32)).astype(np.float32)
+    out = np.asarray(cc.fp8_scaled_mm_reference(x, x_scale, w, w_scale), np.float64)
+    ref, bound = fp8_scaled_mm_bound(x, x_scale, w, w_scale, accumulation=2e-3 if ON_GPU else 98 * 2.0 ** -24)
+    assert np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())
+
+
+def fp8_scaled_mm_bound(x, x_scale, w, w_scale, accumulation: float):
+    """(x w^T x_scale w_scale in f64, the error allowed in bf16 out): 2^-8 of itself (rounding to bf16, scales
+    applied in f32) plus `accumulation` of sum |x w| x_scale w_scale (the GEMM's summation)."""
+    xd, wd = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    scales = np.asarray(x_scale, np.float64).reshape(-1, 1) * np.asarray(w_scale, np.float64)
+    ref = (xd @ wd.T) * scales
+    return ref, 2.0 ** -8 * np.abs(ref) + accumulation * (np.abs(xd) @ np.abs(wd).T) * scales
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, k", [(1, 576), (40, 4096), (300, 14336), (17, 1536), (2, 32768)])
+def test_fp8_quantize_rows_gives_the_references_bits(rows, k):
+    """The CUDA quantize (a row in one CTA's registers) against XLA's reduction and conversion, its outputs'
+    memory NaN-poisoned first: the same e4m3 bytes and scales, a zero row's included."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    x = fp8_rows(rng, rows, k)
+    poison_device_memory((rows, k), FP8)
+    poison_device_memory((rows, 1), jnp.float32)
+    q, scale = jax.jit(cc.fp8_quantize_rows)(x)
+    ref_q, ref_scale = jax.jit(cc.fp8_quantize_rows_reference)(x)
+    assert_same_bits(q, ref_q, seed)
+    assert_same_bits(scale, ref_scale, seed)
+
+
+def check_quantized_rows(q, scale, h, rounding: float, seed) -> None:
+    """q [N, K] e4m3 and scale [N, 1] against the float64 rows h they quantize, made in bf16 within `rounding` of
+    h: each scale within `rounding` of its row's amax / 448, each element within half an e4m3 step (2^-4 of itself,
+    2^-10 of the scale for subnormals) plus `rounding` of itself."""
+    scale = np.asarray(scale, np.float64)
+    ref_scale = np.maximum(np.abs(h).max(axis=1, keepdims=True) / cc.FP8_MAX, cc.FP8_MIN_SCALE)
+    np.testing.assert_allclose(scale, ref_scale, rtol=rounding, err_msg=f"seed {seed}")
+    out = np.asarray(q, np.float64) * scale
+    bound = (2.0 ** -4 + rounding) * np.abs(h) + 2.0 ** -9 * scale
+    assert np.isfinite(out).all() and (np.abs(out - h) <= bound).all(), (f"seed {seed}", np.abs(out - h).max())
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, k", [(40, 14336), (3, 1536)])
+def test_fp8_quantize_rows_of_the_silu_product_within_e4m3_rounding(rows, k):
+    """silu(x) * up quantized in one read of x and up, against the product in float64: the kernel's product in f32
+    rounded to bf16 once is within 2^-8 of it (plus f32's exp), so each row's scale is within 2^-7 of its amax /
+    448 and each element within half an e4m3 step (2^-4 of itself, 2^-10 of the scale for subnormals) plus that.
+    (XLA's bf16 product is further off: it rounds each op of 0.5 + 0.5 tanh(x / 2) to bf16.)"""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    x, up = fp8_rows(rng, rows, k), fp8_rows(rng, rows, k)
+    poison_device_memory((rows, k), FP8)
+    q, scale = jax.jit(cc.fp8_quantize_rows)(x, up)
+    xd, ud = np.asarray(x, np.float64), np.asarray(up, np.float64)
+    check_quantized_rows(q, scale, xd / (1.0 + np.exp(-xd)) * ud, 2.0 ** -7, seed)
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, k", [(40, 4096), (3, 576), (300, 2048)])
+def test_fp8_quantize_rows_of_the_rms_norm_within_e4m3_rounding(rows, k):
+    """RMSNorm(x) quantized in one read of x against the norm in float64: the kernel rounds x / rms to bf16 and its
+    product with the weight to bf16 again (2^-8 each, the norm's own roundings; its sum of squares runs in another
+    order than XLA's), so each row's scale is within 2^-6 of its amax / 448 and each element within half an e4m3
+    step (2^-4 of itself, 2^-10 of the scale for subnormals) plus those."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    x, eps = fp8_rows(rng, rows, k), 1e-5
+    weight = jnp.asarray(rng.uniform(-2.0, 2.0, k), jnp.bfloat16)
+    poison_device_memory((rows, k), FP8)
+    q, scale = jax.jit(cc.fp8_rms_norm_quantize_rows, static_argnums=2)(x, weight, eps)
+    xd = np.asarray(x, np.float64)
+    h = xd / np.sqrt((xd * xd).mean(axis=1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+    check_quantized_rows(q, scale, h, 2.0 ** -6, seed)
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, k, m", [(17, 4096, 1024), (40, 576, 1536), (256, 14336, 4096), (4096, 4096, 256)])
+def test_fp8_scaled_mm_matches_f64(rows, k, m):
+    """cuBLASLt's FP8 GEMM with per-row and per-channel scales in its epilogue, over every e4m3 bit pattern, its
+    output memory NaN-poisoned first. The FP8 tensor cores' fast accumulation keeps fewer mantissa bits than f32
+    (an H100 measured up to 8e-4 of sum |x w| over K = 4096 and 14336): 2e-3 of it allowed."""
+    assert cc.has_cublaslt(), "the CUDA library was built without cuBLASLt"
+    seed, rng = fresh_rng()
+    x, w = random_values(rng, (rows, k), FP8), random_values(rng, (m, k), FP8)
+    x_scale = (rng.uniform(0.5, 2.0, (rows, 1)) * 2.0 ** rng.integers(-12, 4, (rows, 1))).astype(np.float32)
+    w_scale = (rng.uniform(0.5, 2.0, m) * 2.0 ** rng.integers(-12, 4, m)).astype(np.float32)
+    poison_device_memory((rows, m), jnp.bfloat16)
+    out = np.asarray(jax.jit(cc.fp8_scaled_mm)(x, x_scale, w, w_scale), np.float64)
+    ref, bound = fp8_scaled_mm_bound(x, x_scale, w, w_scale, accumulation=2e-3)
+    assert np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())

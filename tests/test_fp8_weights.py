@@ -23,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.fp8 import FP8, W8A16_MAX_ROWS, Fp8Linear, fp8_linears, quantize_rows, quantize_weight
+from jaxserve.models.fp8 import (FP8, W8A16_MAX_ROWS, Fp8Linear, NormedRows, fp8_linears, gated_linear,
+                                 quantize_rows, quantize_weight)
+from jaxserve.models.llama import RMSNorm
 from jaxserve.models.loader import load_model, load_run, random_model, save_converted
 from jaxserve.sharding import make_mesh, param_spec
 
@@ -103,15 +105,55 @@ def test_fp8_linear_matches_the_dequantized_reference(rows):
     np.testing.assert_array_equal(out[rows // 2], b)   # the zero row: exactly the bias
 
 
-@pytest.mark.parametrize("rows", [1, W8A16_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, W8A16_MAX_ROWS, W8A16_MAX_ROWS + 1])
 def test_layers_of_one_input_give_what_each_gives(rows):
-    """fp8_linears (q/k/v, gate/up: one W8A16 launch on a GPU) against each layer alone, biases included: the same
-    products in each output, so the same bits. (Above W8A16_MAX_ROWS fp8_linears calls each layer.)"""
+    """fp8_linears (q/k/v, gate/up: one W8A16 launch on a GPU, or one quantize of x for W8A8) against each layer
+    alone, biases included: the same products in each output, so the same bits."""
     rng = np.random.default_rng()
     layers = [fp8_linear(rng, 256, n, jnp.bfloat16)[0] for n in (128, 64, 64)]
     x = jnp.asarray(activations(rng, rows, 256), jnp.bfloat16)
     for together, alone in zip(nnx.jit(fp8_linears)(layers, x), [nnx.jit(layer)(x) for layer in layers]):
         np.testing.assert_array_equal(np.asarray(together, np.float32), np.asarray(alone, np.float32))
+
+
+def test_layers_normalise_normed_rows_as_the_norm_does():
+    """NormedRows (an RMSNorm left to the W8A8 quantize kernel) through fp8_linears: what the layers give on the
+    norm's output, biases included. Exactly where the norm is XLA's; within an e4m3 step of each input element
+    (2^-3) where a GPU's kernel normalises (its sum of squares, in another order, may round a value differently)."""
+    rng = np.random.default_rng()
+    layers = [fp8_linear(rng, 256, n, jnp.bfloat16)[0] for n in (128, 64)]
+    norm = RMSNorm(256, 1e-5, jnp.bfloat16)
+    norm.weight.set_value(jnp.asarray(rng.uniform(-2, 2, 256), jnp.bfloat16))
+    x = jnp.asarray(activations(rng, W8A16_MAX_ROWS + 8, 256), jnp.bfloat16)
+    got = nnx.jit(lambda ls, n, x: fp8_linears(ls, NormedRows(x, n.weight[...], n.eps)))(layers, norm, x)
+    want = nnx.jit(lambda ls, n, x: fp8_linears(ls, n(x)))(layers, norm, x)
+    h = np.abs(np.asarray(norm(x), np.float64))
+    for layer, g, w in zip(layers, got, want):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if not on_gpu():
+            np.testing.assert_array_equal(g, w)
+        _, wd = dequantized(layer, np.zeros((1, 256)))
+        assert (np.abs(g - w) <= 2.0 ** -7 * np.abs(w) + 2.0 ** -3 * (h @ np.abs(wd).T)).all()
+
+
+@pytest.mark.parametrize("rows", [W8A16_MAX_ROWS, W8A16_MAX_ROWS + 1], ids=["w8a16", "w8a8"])
+def test_the_down_projection_takes_the_silu_product_as_its_input(rows):
+    """gated_linear (the MLP's down projection; W8A8 steps quantize the product where it is made) gives what the
+    layer gives on silu(gate) * up, and not what it gives on gate * up. The same bits where the product is XLA's;
+    the GPU's quantize kernel may round a product differently (its exp is not XLA's), which moves that element
+    by an e4m3 step (2^-3 of it) at most."""
+    rng = np.random.default_rng()
+    layer = fp8_linear(rng, 256, 64, jnp.bfloat16)[0]
+    gate, up = (jnp.asarray(activations(rng, rows, 256), jnp.bfloat16) for _ in range(2))
+    out = np.asarray(nnx.jit(gated_linear)(layer, gate, up), np.float64)
+    _, wd = dequantized(layer, np.zeros((1, 256)))
+    for product, same in ((lambda g, u: jax.nn.silu(g) * u, True), (lambda g, u: g * u, False)):
+        ref = np.asarray(nnx.jit(lambda m, g, u: m(product(g, u)))(layer, gate, up), np.float64)
+        h = np.abs(np.asarray(product(gate, up), np.float64))
+        bound = 2.0 ** -7 * np.abs(ref) + 2.0 ** -3 * (h @ np.abs(wd).T)
+        close = np.array_equal(out, ref) if rows <= W8A16_MAX_ROWS or not on_gpu() else \
+            (np.abs(out - ref) <= bound).all()
+        assert close == same
 
 
 @pytest.mark.parametrize("rows", [W8A16_MAX_ROWS, W8A16_MAX_ROWS + 1], ids=["w8a16", "w8a8"])
@@ -420,7 +462,8 @@ LLAMA3_8B_LAYERS = dataclasses.replace(TINY, vocab_size=32768, hidden_size=4096,
                                        num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128,
                                        rope_theta=500000.0, max_position_embeddings=8192)
 PREFILL_TOKENS = 256   # no activation [256, .] shares a weight's shape
-FP8_GEMM = "__cublas$lt$matmul$f8"
+# XLA's FP8 GEMM, and the W8A8 kernels' (cuBLASLt's FP8 GEMM with vector scales) that one GPU takes
+FP8_GEMMS = ('"__cublas$lt$matmul$f8"', '"jaxserve_fp8_scaled_mm"')
 
 
 @pytest.fixture
@@ -443,7 +486,8 @@ def fp8_gemm_inputs(hlo: str) -> tuple[set[str], set[str]]:
            for m in map(INSTRUCTION.match, hlo[hlo.index("\nENTRY"):].splitlines()[1:]) if m}
     weights = {name for name, (kind, op, _, _) in ops.items()
                if op == "parameter" and re.match(r"f8e4m3fn\[\d+,\d+\]", kind)}
-    todo = [arg for _, op, args, rest in ops.values() if op == "custom-call" and FP8_GEMM in rest for arg in args]
+    todo = [arg for _, op, args, rest in ops.values()
+            if op == "custom-call" and any(f"custom_call_target={gemm}" in rest for gemm in FP8_GEMMS) for arg in args]
     reached = set()
     while todo:
         if (name := todo.pop()) in weights:
@@ -455,7 +499,8 @@ def fp8_gemm_inputs(hlo: str) -> tuple[set[str], set[str]]:
 
 def test_llama3_8b_layers_compile_to_fp8_gemms_on_the_weights_as_stored(fp8_gpu):
     """Every linear's e4m3 weight feeds a cuBLASLt FP8 GEMM, and nothing (no fusion either) makes a float copy of
-    a weight: an f8 -> bf16 convert feeding a dot would."""
+    a weight: an f8 -> bf16 convert feeding a dot would. On one GPU they are the W8A8 kernels': a quantize for
+    each input (q/k/v's one, the SiLU product's inside it), a GEMM for each weight."""
     cfg = LLAMA3_8B_LAYERS
     loaded = random_model(cfg, jnp.bfloat16, quantization="fp8")
     fn = nnx.jit(lambda m, ids: m(ids, jnp.arange(ids.shape[0]))[0])
@@ -464,6 +509,9 @@ def test_llama3_8b_layers_compile_to_fp8_gemms_on_the_weights_as_stored(fp8_gpu)
     assert len(weights) == 7 * cfg.num_layers and reached == weights, sorted(weights - reached)
     float_arrays = {(int(a), int(b)) for a, b in re.findall(r"\b(?:bf16|f16|f32)\[(\d+),(\d+)\]", hlo)}
     assert not float_arrays & weight_shapes(cfg), float_arrays & weight_shapes(cfg)
+    if jax.device_count() == 1:
+        assert hlo.count('custom_call_target="jaxserve_fp8_scaled_mm"') == 7 * cfg.num_layers
+        assert hlo.count('custom_call_target="jaxserve_fp8_quantize_rows"') == 4 * cfg.num_layers
 
 
 def test_llama3_8b_decode_steps_read_the_e4m3_weights_inside_their_gemms(fp8_gpu):

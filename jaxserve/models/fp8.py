@@ -1,37 +1,37 @@
 """FP8 linear layers: weights in float8 e4m3 with a scale per output channel. Steps of many rows run W8A8:
-activations quantized per token at run time, one FP8 GEMM with an f32 result; on sm_89+ GPUs XLA lowers the dot of
-two e4m3 operands to cuBLASLt's FP8 GEMM (custom call `__cublas$lt$matmul$f8`): half the weight bytes of bf16 and
-twice its tensor-core rate. Decode steps run W8A16 (W8A16_MAX_ROWS): on one NVIDIA GPU through the CUDA kernel
-custom_calls.fp8_linear, elsewhere through XLA (its reference)."""
+activations quantized per token at run time, one FP8 GEMM on the tensor cores (half the weight bytes of bf16 and
+twice its rate): on one NVIDIA GPU through custom_calls.fp8_w8a8 (a quantize kernel, the MLP's SiLU product inside
+it, and cuBLASLt's FP8 GEMM with both scales in its epilogue), elsewhere through XLA (on sm_89+ GPUs its
+`__cublas$lt$matmul$f8` with an f32 result, scaled by a fusion after it). Decode steps run W8A16 (W8A16_MAX_ROWS):
+on one NVIDIA GPU through the CUDA kernel custom_calls.fp8_linear, elsewhere through XLA (its reference)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import custom_calls
-from jaxserve.cache.kv_cache import FP8_MAX
-
 FP8 = jnp.float8_e4m3fn
 # Steps of at most this many rows (decode) read the e4m3 weight into a bf16 GEMM (W8A16), the weight read once, as
 # e4m3: such steps are bound by weight reads, and quantizing their activations costs kernels and accuracy. Larger
 # steps run W8A8 on the FP8 tensor cores.
 W8A16_MAX_ROWS = custom_calls.FP8_LINEAR_MAX_ROWS
-# W8A16 through the CUDA kernel where it runs (benchmarks turn it off to time XLA's GEMM beside it)
+# W8A16 and W8A8 through the CUDA kernels where they run (benchmarks turn them off to time XLA's GEMMs beside them)
 W8A16_KERNEL = True
-# The smallest normal f32: an all-zero row (padding tokens, a pruned channel) gets a finite scale and quantizes to
-# zeros, and no other row's scale (its amax / FP8_MAX) is this small
-MIN_SCALE = float(np.finfo(np.float32).tiny)
+W8A8_KERNELS = True
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [N, K] -> (e4m3 [N, K], f32 scale [N, 1]) with x ~ q * scale: each row's amax maps to FP8_MAX. Clipped
-    before the cast: e4m3fn has no infinity, an overflowing conversion is NaN, and amax / scale can round past
-    FP8_MAX."""
-    xf = x.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX, MIN_SCALE)
-    return jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+def switches() -> tuple:
+    """The switches above, as they stand: they change what a traced step holds (an executable cache's fingerprint
+    carries them)."""
+    return W8A16_MAX_ROWS, W8A16_KERNEL, W8A8_KERNELS
+
+
+# x [N, K] -> (e4m3 [N, K], f32 scale [N, 1]), a scale per row; an all-zero row (padding tokens, a pruned channel)
+# gets the smallest normal f32 and quantizes to zeros
+quantize_rows = custom_calls.fp8_quantize_rows_reference
 
 
 def quantize_weight(w: jax.Array, out_axis: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -60,18 +60,21 @@ class Fp8Linear(nnx.Module):
         self.weight_scale = nnx.Param(scale)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
-    def __call__(self, x):
-        """x [..., in] -> [..., out] in x's dtype."""
+    def __call__(self, x, up=None):
+        """x [..., in] (or silu(x) * up, the MLP's product, which W8A8 steps quantize where it is made) -> [..., out]
+        in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])
-        y = self.w8a16(x2) if x2.shape[0] <= W8A16_MAX_ROWS else self.w8a8(x2)
-        y = y.astype(x.dtype).reshape(*x.shape[:-1], -1)
+        up2 = None if up is None else up.reshape(x2.shape)
+        if x2.shape[0] > W8A16_MAX_ROWS:
+            y = self.w8a8(x2, up2)
+        else:
+            y = self.w8a16(x2 if up2 is None else jax.nn.silu(x2) * up2)
+        y = y.reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias[...]
 
-    def w8a8(self, x):
-        """x [N, in] -> f32 [N, out]: both operands e4m3, never upcast (XLA turns that into the FP8 GEMM)."""
-        xq, x_scale = quantize_rows(x)
-        y = jax.lax.dot_general(xq, self.weight[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return y * x_scale * self.weight_scale[...]
+    def w8a8(self, x, up=None):
+        """x [N, in] (or silu(x) * up) -> [N, out] in x's dtype: both operands e4m3, never upcast."""
+        return linears_w8a8([self], x, up)[0]
 
     def w8a16(self, x):
         """x [N, in] -> [N, out] in x's dtype, the weight widened to x's dtype inside the GEMM."""
@@ -90,13 +93,66 @@ def linears_w8a16(layers, x) -> list:
     return [custom_calls.fp8_linear_reference(x, w, s) for w, s in zip(ws, scales)]
 
 
+@dataclass(frozen=True)
+class NormedRows:
+    """RMSNorm(x) [N, K] left to the quantize kernel of the FP8 layers that read it (normed_input)."""
+    x: jax.Array
+    weight: jax.Array
+    eps: float
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+
+def w8a8_kernels(x, layers) -> bool:
+    """Whether Fp8Linear layers reading x run W8A8 through the CUDA kernels (one NVIDIA GPU: a sharded weight would
+    be gathered whole for them)."""
+    return W8A8_KERNELS and jax.device_count() == 1 and x.ndim == 2 and x.shape[0] > W8A16_MAX_ROWS and \
+        x.dtype == jnp.bfloat16 and not any(custom_calls.fp8_w8a8_unsupported(x, layer.weight[...]) for layer in layers)
+
+
+def normed_input(norm, x, layers):
+    """norm(x) for the linear layers that read it; FP8 layers running W8A8 through the kernels take it as
+    NormedRows, normalised inside their quantize kernel (one read of x, no normalised copy written)."""
+    if all(isinstance(layer, Fp8Linear) for layer in layers) and w8a8_kernels(x, layers):
+        return NormedRows(x, norm.weight[...], norm.eps)
+    return norm(x)
+
+
+def linears_w8a8(layers, x, up=None) -> list:
+    """x [N, in] (or silu(x) * up, or NormedRows) through Fp8Linear layers that read it, W8A8, without their
+    biases: x quantized once for all. On one NVIDIA GPU through the CUDA kernels (w8a8_kernels:
+    custom_calls.fp8_quantize_rows or fp8_rms_norm_quantize_rows, and fp8_scaled_mm), elsewhere through XLA."""
+    ws, scales = [layer.weight[...] for layer in layers], [layer.weight_scale[...] for layer in layers]
+    if isinstance(x, NormedRows):
+        xq, x_scale = custom_calls.fp8_rms_norm_quantize_rows(x.x, x.weight, x.eps)
+    elif w8a8_kernels(x, layers):
+        xq, x_scale = custom_calls.fp8_quantize_rows(x, up)
+    else:
+        xq, x_scale = quantize_rows(x if up is None else jax.nn.silu(x) * up)
+        return [custom_calls.fp8_scaled_mm_reference(xq, x_scale, w, s, x.dtype) for w, s in zip(ws, scales)]
+    return [custom_calls.fp8_scaled_mm(xq, x_scale, w, s) for w, s in zip(ws, scales)]
+
+
+def gated_linear(layer, gate, up):
+    """layer(silu(gate) * up), the MLP's down projection: an FP8 layer of W8A8 rows quantizes the product in the
+    kernel that makes it."""
+    return layer(gate, up) if isinstance(layer, Fp8Linear) else layer(jax.nn.silu(gate) * up)
+
+
 def fp8_linears(layers, x) -> list:
     """[layer(x) for layer in layers] for linear layers that read the same x; FP8 decode rows in one W8A16 launch
-    (linears_w8a16)."""
+    (linears_w8a16), other FP8 rows quantized once (linears_w8a8), NormedRows normalised in that quantize."""
+    if isinstance(x, NormedRows):
+        return [y if layer.bias is None else y + layer.bias[...] for layer, y in zip(layers, linears_w8a8(layers, x))]
     x2 = x.reshape(-1, x.shape[-1])
-    if len(layers) == 1 or not all(isinstance(layer, Fp8Linear) for layer in layers) or \
-            x2.shape[0] > W8A16_MAX_ROWS:
+    if len(layers) == 1 or not all(isinstance(layer, Fp8Linear) for layer in layers):
         return [layer(x) for layer in layers]
-    ys = linears_w8a16(layers, x2)
+    ys = linears_w8a16(layers, x2) if x2.shape[0] <= W8A16_MAX_ROWS else linears_w8a8(layers, x2)
     return [(y if layer.bias is None else y + layer.bias[...]).reshape(*x.shape[:-1], -1)
             for layer, y in zip(layers, ys)]

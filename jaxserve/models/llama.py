@@ -16,7 +16,7 @@ import custom_calls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
-from jaxserve.models.fp8 import Fp8Linear, fp8_linears
+from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, per_shard
 from pallas_kernels.ragged_paged_attention import gpu_capability
@@ -52,9 +52,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * y.astype(x.dtype)
+        return custom_calls.rms_norm(x, self.weight[...], self.eps)
 
 
 class Linear(nnx.Linear):
@@ -137,7 +135,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         gate, up = linears((self.gate_proj, self.up_proj), x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return gated_linear(self.down_proj, gate, up)
 
 
 EXPERT_DOT = jax.lax.RaggedDotDimensionNumbers(   # rows sorted by expert [N, in] . weights [E, out, in] -> [N, out]
@@ -270,11 +268,14 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, dtype, rngs) if cfg.is_moe_layer(layer) else MLP(cfg, dtype, rngs, quantization)
 
     def __call__(self, x, positions, kv_layer, paged):
-        h, kv_layer = self.self_attn(self.input_layernorm(x), positions, kv_layer, paged)
+        attn = self.self_attn
+        h, kv_layer = attn(normed_input(self.input_layernorm, x, (attn.q_proj, attn.k_proj, attn.v_proj)), positions,
+                           kv_layer, paged)
         x = x + h
-        y = self.post_attention_layernorm(x)
-        mlp = self.mlp(y, *moe_context(paged)) if isinstance(self.mlp, MoE) else self.mlp(y)
-        return x + mlp, kv_layer
+        if isinstance(self.mlp, MoE):
+            return x + self.mlp(self.post_attention_layernorm(x), *moe_context(paged)), kv_layer
+        mlp_input = normed_input(self.post_attention_layernorm, x, (self.mlp.gate_proj, self.mlp.up_proj))
+        return x + self.mlp(mlp_input), kv_layer
 
 
 class LlamaForCausalLM(nnx.Module):
