@@ -1,5 +1,5 @@
 """CUDA custom calls through the XLA FFI: paged decode attention, in-place KV-cache updates, the W8A16 linear
-layer of decode-sized steps and MoE routing.
+layer of decode-sized steps, the W8A8 quantize and GEMM of larger steps, and MoE routing.
 
 Cache layout (shared with the Pallas kernels and the engine): per layer K and V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; block 0 is a null block for padding
@@ -378,15 +378,6 @@ def rms_norm(x, weight, eps: float):
     return weight * y.astype(x.dtype)
 
 
-def fp8_rms_norm_quantize_rows(x, weight, eps: float):
-    """fp8_quantize_rows_reference(rms_norm(x, weight, eps)) through the CUDA kernel, one read of x, where it runs
-    (bf16 x [N, K] and weight [K], K a multiple of 8 up to FP8_QUANTIZE_MAX_K); else the reference. The kernel's sum
-    of squares runs in another order than XLA's: a row's normalised values may round to bf16 differently."""
-    if quantize_kernel_unsupported(x) or weight.shape != x.shape[1:] or weight.dtype != x.dtype:
-        return fp8_quantize_rows_reference(rms_norm(x, weight, eps))
-    return call_fp8_quantize_rows(x, weight, input=QUANTIZE_INPUTS["rms_norm"], eps=eps)
-
-
 def fp8_scaled_mm_reference(x, x_scale, w, w_scale, dtype=jnp.bfloat16):
     """y [N, M] = (x [N, K] . w [M, K]^T) * x_scale [N, 1] * w_scale [M] in dtype: both operands e4m3, never
     widened before the dot (XLA lowers it to cuBLASLt's FP8 GEMM with an f32 result)."""
@@ -415,8 +406,9 @@ def fp8_w8a8_unsupported(x, w) -> str | None:
 
 
 def quantize_kernel_unsupported(x) -> bool:
-    return x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] % 8 or x.shape[1] > FP8_QUANTIZE_MAX_K or \
-        not available()
+    """Whether the quantize kernel cannot take x (it takes bf16 [N, K], K a multiple of 8 up to FP8_QUANTIZE_MAX_K)."""
+    return bool(x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] % 8 or x.shape[1] > FP8_QUANTIZE_MAX_K or
+                not available())
 
 
 def fp8_quantize_rows(x, up=None):
@@ -427,6 +419,15 @@ def fp8_quantize_rows(x, up=None):
     if quantize_kernel_unsupported(x):
         return fp8_quantize_rows_reference(x, up)
     return call_fp8_quantize_rows(x, up, input=QUANTIZE_INPUTS["rows" if up is None else "silu_product"])
+
+
+def fp8_rms_norm_quantize_rows(x, weight, eps: float):
+    """fp8_quantize_rows_reference(rms_norm(x, weight, eps)) through the CUDA kernel, one read of x, where it runs
+    (bf16 x [N, K] and weight [K], K a multiple of 8 up to FP8_QUANTIZE_MAX_K); else the reference. The kernel's sum
+    of squares runs in another order than XLA's: a row's normalised values may round to bf16 differently."""
+    if quantize_kernel_unsupported(x) or weight.shape != x.shape[1:] or weight.dtype != x.dtype:
+        return fp8_quantize_rows_reference(rms_norm(x, weight, eps))
+    return call_fp8_quantize_rows(x, weight, input=QUANTIZE_INPUTS["rms_norm"], eps=eps)
 
 
 def fp8_scaled_mm(x, x_scale, w, w_scale):

@@ -1,8 +1,8 @@
 """FP8 linear layers: weights in float8 e4m3 with a scale per output channel. Steps of many rows run W8A8:
 activations quantized per token at run time, one FP8 GEMM on the tensor cores (half the weight bytes of bf16 and
-twice its rate): on one NVIDIA GPU through custom_calls.fp8_w8a8 (a quantize kernel, the MLP's SiLU product inside
-it, and cuBLASLt's FP8 GEMM with both scales in its epilogue), elsewhere through XLA (on sm_89+ GPUs its
-`__cublas$lt$matmul$f8` with an f32 result, scaled by a fusion after it). Decode steps run W8A16 (W8A16_MAX_ROWS):
+twice its rate): on one NVIDIA GPU through CUDA calls (custom_calls.fp8_quantize_rows, which makes the RMS norm or the
+SiLU product it quantizes, and fp8_scaled_mm, cuBLASLt's FP8 GEMM with both scales in its epilogue), elsewhere
+through XLA (on sm_89+ GPUs its `__cublas$lt$matmul$f8` with an f32 result, scaled by a fusion after it). Decode steps run W8A16 (W8A16_MAX_ROWS):
 on one NVIDIA GPU through the CUDA kernel custom_calls.fp8_linear, elsewhere through XLA (its reference)."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import custom_calls
+
 FP8 = jnp.float8_e4m3fn
 # Steps of at most this many rows (decode) read the e4m3 weight into a bf16 GEMM (W8A16), the weight read once, as
 # e4m3: such steps are bound by weight reads, and quantizing their activations costs kernels and accuracy. Larger
