@@ -76,7 +76,7 @@ def layer_slot_mapping(slot_mapping: jax.Array, block_size: int, num_layers: int
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # kv_cache_dtype -> the cache's dtype; "auto" (None) keeps the model's
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8}
-FP8_MAX = float(jnp.finfo(FP8).max)   # 448
+FP8_MAX = custom_calls.FP8_MAX   # 448
 
 
 def kv_cache_dtype(name: str, model_dtype, platform: str | None = None) -> jnp.dtype:
