@@ -190,11 +190,24 @@ def test_an_engine_process_that_dies_starting_says_so():
         EngineProcess(functools.partial(os._exit, 3))
 
 
-def test_ctrl_c_while_the_engines_start_stops_their_process():
-    script = """
+# A Ctrl-C 2 s after the spawn (the engines building), or inside Process.start() itself (the child already running)
+CTRL_C_AT = {"while_building": "threading.Timer(2, os.kill, (os.getpid(), signal.SIGINT)).start()",
+             "inside_the_spawn": """
+from multiprocessing import context
+start = context.SpawnProcess.start
+def interrupted_start(self):
+    start(self)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)
+context.SpawnProcess.start = interrupted_start"""}
+
+
+@pytest.mark.parametrize("when", CTRL_C_AT)
+def test_ctrl_c_while_the_engines_start_stops_their_process(when):
+    script = f"""
 import functools, multiprocessing, os, signal, threading, time
 from jaxserve.serve.engine_process import EngineProcess
-threading.Timer(2, os.kill, (os.getpid(), signal.SIGINT)).start()
+{CTRL_C_AT[when]}
 try:
     EngineProcess(functools.partial(time.sleep, 600))
 except KeyboardInterrupt:

@@ -24,6 +24,21 @@ from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.serve.engine_loop import STOP, EngineFailed, EngineFacts, EngineLoop, Replica
 
 
+def spawn_uninterrupted(process) -> bool:
+    """process.start() with a Ctrl-C held until it returns (whether one came): interrupted inside it, the child
+    could be left running, unknown to the parent, holding its terminal. Only the main thread handles signals."""
+    if threading.current_thread() is not threading.main_thread():
+        process.start()
+        return False
+    interrupts = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupts.append(True))
+    try:
+        process.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return bool(interrupts)
+
+
 class EngineProcess:
     """Starts the engine process, `build()` making its engines there, and waits until they are up."""
 
@@ -32,9 +47,9 @@ class EngineProcess:
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(target=run_engines, args=(child_conn, build), name="jaxserve-engines",
                                        daemon=True)
-        self.process.start()
+        interrupted = spawn_uninterrupted(self.process)
         child_conn.close()
-        self.facts, snapshots = self._started()
+        self.facts, snapshots = self._started(interrupted)
         self.grammars = StructuredOutputs(self.facts.tokenizer, self.facts.model_config.vocab_size,
                                           self.facts.eos_token_ids)   # checks requests' constraints
         self.replicas = [RemoteReplica(i, self, snapshot) for i, snapshot in enumerate(snapshots)]
@@ -42,8 +57,10 @@ class EngineProcess:
         self.router: EngineLoop | None = None
         self.stopped = threading.Event()
 
-    def _started(self) -> tuple[EngineFacts, list[dict]]:
+    def _started(self, interrupted: bool) -> tuple[EngineFacts, list[dict]]:
         try:
+            if interrupted:
+                raise KeyboardInterrupt
             message = self.conn.recv()
         except KeyboardInterrupt:   # Ctrl-C while the engines start: the process goes too
             self.process.terminate()
