@@ -190,8 +190,11 @@ def test_an_engine_process_that_dies_starting_says_so():
         EngineProcess(functools.partial(os._exit, 3))
 
 
-# A Ctrl-C 2 s after the spawn (the engines building), or inside Process.start() itself (the child already running)
+# A Ctrl-C 2 s after the spawn (the engines building), taken by the main thread or by another (the kernel gives a
+# process's signal to any thread), or inside Process.start() itself (the child already running)
 CTRL_C_AT = {"while_building": "threading.Timer(2, os.kill, (os.getpid(), signal.SIGINT)).start()",
+             "taken_by_another_thread": "threading.Timer(2, lambda: signal.pthread_kill(threading.get_ident(), "
+                                        "signal.SIGINT)).start()",
              "inside_the_spawn": """
 from multiprocessing import context
 start = context.SpawnProcess.start

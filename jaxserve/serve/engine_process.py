@@ -61,6 +61,8 @@ class EngineProcess:
         try:
             if interrupted:
                 raise KeyboardInterrupt
+            while not self.conn.poll(0.2):   # a Ctrl-C another thread took would not wake a blocking recv
+                pass
             message = self.conn.recv()
         except KeyboardInterrupt:   # Ctrl-C while the engines start: the process goes too
             self.process.terminate()
