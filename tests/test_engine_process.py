@@ -191,7 +191,8 @@ def test_an_engine_process_that_dies_starting_says_so():
 
 
 # A Ctrl-C 2 s after the spawn (the engines building), taken by the main thread or by another (the kernel gives a
-# process's signal to any thread), or inside Process.start() itself (the child already running)
+# process's signal to any thread), or inside Process.start() itself (the child already running); or with a child that
+# ignores SIGTERM (killed after STOP_WAIT_S)
 CTRL_C_AT = {"while_building": "threading.Timer(2, os.kill, (os.getpid(), signal.SIGINT)).start()",
              "taken_by_another_thread": "threading.Timer(2, lambda: signal.pthread_kill(threading.get_ident(), "
                                         "signal.SIGINT)).start()",
@@ -202,13 +203,18 @@ def interrupted_start(self):
     start(self)
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(1)
-context.SpawnProcess.start = interrupted_start"""}
+context.SpawnProcess.start = interrupted_start""",
+             "the_child_ignoring_sigterm": "signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the child inherits it\n"
+                                           "threading.Timer(2, os.kill, (os.getpid(), signal.SIGINT)).start()"}
 
 
 @pytest.mark.parametrize("when", CTRL_C_AT)
 def test_ctrl_c_while_the_engines_start_stops_their_process(when):
     script = f"""
-import functools, multiprocessing, os, signal, threading, time
+import faulthandler, functools, multiprocessing, os, signal, threading, time
+faulthandler.dump_traceback_later(90, exit=True)   # where it hangs, if it does
+signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C live, whatever the test runner's process left
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT, signal.SIGTERM}})
 from jaxserve.serve.engine_process import EngineProcess
 {CTRL_C_AT[when]}
 try:
@@ -216,5 +222,11 @@ try:
 except KeyboardInterrupt:
     print("interrupted; processes left:", len(multiprocessing.active_children()))
 """
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert run.stdout.strip() == "interrupted; processes left: 0", run.stderr
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        out, err = run.communicate(timeout=120)
+    except subprocess.TimeoutExpired:   # a process left holding the pipes: end them all, then say where it was
+        os.killpg(run.pid, signal.SIGKILL)
+        out, err = run.communicate()
+    assert out.strip() == "interrupted; processes left: 0", err

@@ -24,6 +24,9 @@ from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.serve.engine_loop import STOP, EngineFailed, EngineFacts, EngineLoop, Replica
 
 
+STOP_WAIT_S = 10   # for a starting engine process to end on SIGTERM, before SIGKILL
+
+
 def spawn_uninterrupted(process) -> bool:
     """process.start() with a Ctrl-C held until it returns (whether one came): interrupted inside it, the child
     could be left running, unknown to the parent, holding its terminal. Only the main thread handles signals."""
@@ -66,7 +69,10 @@ class EngineProcess:
             message = self.conn.recv()
         except KeyboardInterrupt:   # Ctrl-C while the engines start: the process goes too
             self.process.terminate()
-            self.process.join()
+            self.process.join(STOP_WAIT_S)
+            if self.process.is_alive():   # SIGTERM ignored (a disposition inherited from its parent)
+                self.process.kill()
+                self.process.join()
             raise
         except EOFError:
             self.process.join()
