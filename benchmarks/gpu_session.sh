@@ -24,8 +24,6 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-layers  # a step's linear layers by XLA options, profiled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear  # the W8A16 decode kernel: tests, vs XLA, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tune    # decode attention's tuning over an FP8 cache
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-prefetch  # W8A16 launches warming weights: tests, steps
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-prefetch-engine  # batch 1: bf16, FP8 with/without it
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
@@ -75,9 +73,6 @@ MOE_PROFILE="python benchmarks/step_timeline.py --config $MOE --num-prompts 1 --
 # "${WITHOUT_W8A8_KERNELS[@]}" SCRIPT ARGS...: the script with FP8's W8A8 layers through XLA's GEMM
 WITHOUT_W8A8_KERNELS=(python -c "import runpy, sys; import jaxserve.models.fp8 as fp8; fp8.W8A8_KERNELS = False
 sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-# "${WITH_L2_PREFETCH[@]}" BYTES SCRIPT ARGS...: the script with FP8's W8A16 launches warming BYTES of the next weights
-WITH_L2_PREFETCH=(python -c "import runpy, sys; import jaxserve.models.fp8 as fp8; fp8.L2_PREFETCH_BYTES = int(sys.argv[1])
-sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 case $1 in
   mosaic-decode)   # the Mosaic GPU decode kernel compiled against the reference, then beside Triton and cuDNN
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
@@ -271,24 +266,6 @@ case $1 in
     B1="--num-prompts 1 --input-len 128 --output-len 512"
     for q in "" "--quantization fp8"; do run 100 python benchmarks/offline.py --config $CONFIG $B1 $q \
       --out "$OUT/fp8_batch1_gpu.json"; done ;;
-  fp8-prefetch)   # the W8A16 launches warming the next weights in L2: their GPU tests, a batch-1 FP8 step by the
-    # bytes warmed (two rounds, bf16 beside), then batch 1 in the engine, bf16 beside FP8 at the default
-    run 150 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_fp8_weights.py \
-      -k "prefetch or decode_steps_read or lower_for_cuda"
-    STEP="--token-buckets 16 --seq-buckets 16 --contexts 640 --kinds decode --warmup 3 --repeats 10 --profile 8"
-    for round in 1 2; do
-      for bytes in 0 8388608 16777216 33554432; do
-        JAXSERVE_COMMIT=${JAXSERVE_COMMIT:-dev}-l2-$bytes run 60 "${WITH_L2_PREFETCH[@]}" $bytes benchmarks/sweep.py \
-          --config $CONFIG --quantization fp8 $STEP --out "$OUT/fp8_sweep_gpu.json"
-      done
-      run 60 python benchmarks/sweep.py --config $CONFIG $STEP --out "$OUT/fp8_sweep_gpu.json"
-    done ;;
-  fp8-prefetch-engine)
-    B1="--num-prompts 1 --input-len 128 --output-len 512"
-    for q in "--quantization fp8" "" "--quantization fp8"; do run 150 python benchmarks/offline.py --config $CONFIG \
-      $B1 $q --out "$OUT/fp8_batch1_gpu.json"; done
-    JAXSERVE_COMMIT=${JAXSERVE_COMMIT:-dev}-l2-0 run 150 "${WITH_L2_PREFETCH[@]}" 0 benchmarks/offline.py \
-      --config $CONFIG $B1 --quantization fp8 --out "$OUT/fp8_batch1_gpu.json" ;;
   fp8-tune)
     run 300 python benchmarks/attention.py --tune --kv-dtype fp8 --out "$OUT/attention_tune_fp8.json" ;;
   fp8-profile)

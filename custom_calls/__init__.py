@@ -321,25 +321,19 @@ def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, in
     return max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
 
 
-def fp8_linear(x, weights, scales, *, launch=None, prefetch=(), prefetch_bytes: int = 0) -> list:
+def fp8_linear(x, weights, scales, *, launch=None) -> list:
     """[fp8_linear_reference(x, w, s) for w, s in zip(weights, scales)] through the CUDA kernel, in one launch:
     one read of each e4m3 weight on the tensor cores, for the decode-sized steps (up to FP8_LINEAR_MAX_ROWS rows)
     that such reads bound; fp8_linear_unsupported names what it does not take. Without the library it runs the
-    reference. launch (splits of K, warps_n, warp_tiles) defaults to choose_linear_launch. prefetch: up to
-    FP8_LINEAR_MAX_GROUPS arrays read next (the next linears' weights), of which the launch warms the first
-    prefetch_bytes in L2 as it ends (on sm_90; the results do not depend on it)."""
+    reference. launch (splits of K, warps_n, warp_tiles) defaults to choose_linear_launch."""
     if why := fp8_linear_unsupported(x, weights, scales):
         raise ValueError(f"fp8_linear: {why}")
-    if len(prefetch) > FP8_LINEAR_MAX_GROUPS or prefetch_bytes < 0:
-        raise ValueError(f"fp8_linear: prefetches at most {FP8_LINEAR_MAX_GROUPS} arrays and >= 0 bytes, got "
-                         f"{len(prefetch)} and {prefetch_bytes}")
     ns = tuple(w.shape[0] for w in weights)
     if launch is not None:
         check_linear_launch(launch, ns, x.shape[1])
     if not available():
         return [fp8_linear_reference(x, w, s) for w, s in zip(weights, scales)]
-    return call_fp8_linear(x, weights, scales, launch=launch or choose_linear_launch(ns, x.shape[1], sm_count()),
-                           prefetch=prefetch if prefetch_bytes else (), prefetch_bytes=prefetch_bytes)
+    return call_fp8_linear(x, weights, scales, launch=launch or choose_linear_launch(ns, x.shape[1], sm_count()))
 
 
 def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
@@ -354,17 +348,15 @@ def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
                          f"{16 * warp_tiles * warps_n}")
 
 
-def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int], prefetch=(), prefetch_bytes: int = 0
-                    ) -> list:
+def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int]) -> list:
     """The FFI call itself (the library must be registered). Splits of K meet in a cluster's shared memory on
     sm_90, elsewhere as f32 partials in the workspace."""
     splits, warps_n, warp_tiles = launch
     workspace = splits * x.shape[0] * sum(w.shape[0] for w in weights) if splits > 1 else 1
     outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype) for w in weights]
     *ys, _ = jax.ffi.ffi_call("jaxserve_fp8_linear", (*outs, jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
-        x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))), *prefetch,
-        splits=np.int32(splits), warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles),
-        prefetches=np.int32(len(prefetch)), prefetch_bytes=np.int64(prefetch_bytes))
+        x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))), splits=np.int32(splits),
+        warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles))
     return ys
 
 

@@ -15,14 +15,7 @@
 // warp_tiles m16 tiles share them in registers, the warps of a row share them through L1. The warps' sums meet
 // in shared memory. Splits of one tile meet in a thread-block cluster's distributed shared memory on sm_90 (no
 // second kernel), elsewhere as f32 partials in the workspace that a second kernel sums.
-//
-// A decode step runs small kernels between its linears (norms, rope, attention) that leave DRAM nearly idle. So a
-// launch may be given the weights read next (prefetch args) and a byte budget: on sm_90 each CTA, as it finishes,
-// asks L2 for its share of their first bytes (bulk prefetches, which complete after the CTA exits), and the next
-// launch finds them there.
 #include <cooperative_groups.h>
-
-#include <algorithm>
 
 #include "common.h"
 
@@ -36,7 +29,6 @@ constexpr int kMaxRows = 16;  // tokens: two n8 tiles
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 constexpr int kMergeThreads = 256;
 constexpr int kMaxGroups = 3;
-constexpr int kPrefetchPiece = 8192;  // bytes a bulk prefetch asks for; each weight's budget is a multiple
 
 struct LinearParams {
   const __nv_bfloat16* x;             // [M, K]
@@ -47,10 +39,7 @@ struct LinearParams {
   int tile_begin[kMaxGroups + 1];     // each weight's first CTA column, then the grid's width
   int col_begin[kMaxGroups + 1];      // each weight's first column in the partials, then their width
   float* partial;                     // [splits, M, sum N_g] when splits > 1 outside a cluster
-  const uint8_t* prefetch[kMaxGroups];  // weights read next
-  int64_t prefetch_len[kMaxGroups];   // the bytes of each warmed in L2, from its start (multiples of the piece)
-  int64_t prefetch_total;
-  int groups, m, k, chunks_per_split, prefetches;
+  int groups, m, k, chunks_per_split;
   bool cluster;                       // splits meet in the cluster's shared memory
 };
 
@@ -129,22 +118,6 @@ struct Chunk {
       }
   }
 };
-
-// This CTA's share of the bytes to warm in L2, a piece a lane of the first warp.
-__device__ __forceinline__ void PrefetchShare(const LinearParams& p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (p.prefetch_total == 0 || threadIdx.x >= 32) return;
-  const int64_t ctas = int64_t{gridDim.x} * gridDim.y, cta = int64_t{blockIdx.y} * gridDim.x + blockIdx.x;
-  const int64_t pieces = p.prefetch_total / kPrefetchPiece, share = (pieces + ctas - 1) / ctas;
-  for (int64_t piece = cta * share + threadIdx.x; piece < min(pieces, (cta + 1) * share); piece += 32) {
-    int64_t at = piece * kPrefetchPiece;
-    int a = 0;
-    for (; a < p.prefetches - 1 && at >= Pick(p.prefetch_len, a); ++a) at -= Pick(p.prefetch_len, a);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(Pick(p.prefetch, a) + at), "r"(kPrefetchPiece)
-                 : "memory");
-  }
-#endif
-}
 
 // Lane (g = lane / 4, t = lane % 4) of a warp. mma fragments: A row g (and g + 8) holds columns 2t, 2t + 1 (and
 // 2t + 8, 2t + 9); B column g holds rows 2t, 2t + 1, 2t + 8, 2t + 9; C row g (g + 8), columns 2t, 2t + 1. For k16
@@ -239,7 +212,6 @@ __global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
     cluster.sync();  // no CTA leaves while another reads its shared memory
   }
 #endif
-  PrefetchShare(p);
 }
 
 __global__ void __launch_bounds__(kMergeThreads) MergeSplitsKernel(LinearParams p, int splits) {
@@ -294,32 +266,14 @@ cudaError_t DispatchTile(const LinearParams& p, int warps_n, int warp_tiles, int
   }
 }
 
-// Up to prefetch_bytes of the `prefetches` weights read next, from their starts in order, in kPrefetchPiece pieces.
-ffi::Error SetPrefetch(LinearParams& p, const ffi::RemainingArgs& args, int first, int prefetches,
-                       int64_t prefetch_bytes) {
-  if (prefetches < 0 || prefetches > kMaxGroups || prefetch_bytes < 0)
-    return ffi::Error::InvalidArgument("fp8_linear prefetches 0 to 3 weights, a budget of >= 0 bytes");
-  p.prefetches = prefetches;
-  for (int i = 0; i < prefetches; ++i) {
-    auto w = args.get<ffi::AnyBuffer>(first + i);
-    if (!w.has_value()) return ffi::Error::InvalidArgument("fp8_linear: a prefetched weight of the wrong kind");
-    p.prefetch[i] = static_cast<const uint8_t*>(w->untyped_data());
-    const int64_t left = prefetch_bytes - p.prefetch_total, bytes = static_cast<int64_t>(w->size_bytes());
-    p.prefetch_len[i] = std::min(left, bytes) / kPrefetchPiece * kPrefetchPiece;
-    p.prefetch_total += p.prefetch_len[i];
-  }
-  return ffi::Error::Success();
-}
-
-// args: (w_g, scale_g) for each weight, then the `prefetches` weights read next; rets: y_g for each, then the
-// workspace.
+// args: (w_g, scale_g) for each weight; rets: y_g for each, then the workspace.
 ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     int32_t splits, int32_t warps_n, int32_t warp_tiles, int32_t prefetches, int64_t prefetch_bytes) {
+                     int32_t splits, int32_t warps_n, int32_t warp_tiles) {
   const auto xd = x.dimensions();
-  const int groups = (static_cast<int>(args.size()) - prefetches) / 2;
+  const int groups = args.size() / 2;
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2)
     return ffi::Error::InvalidArgument("fp8_linear takes bf16 x [M, K]");
-  if (groups < 1 || groups > kMaxGroups || args.size() != 2 * groups + prefetches || rets.size() != groups + 1)
+  if (groups < 1 || groups > kMaxGroups || args.size() != 2 * groups || rets.size() != groups + 1)
     return ffi::Error::InvalidArgument("fp8_linear takes 1 to 3 (weight, scale) pairs and gives one y each");
   if (warps_n != 1 && warps_n != 2) return ffi::Error::InvalidArgument("warps_n must be 1 or 2");
   if (warp_tiles != 2 && warp_tiles != 4) return ffi::Error::InvalidArgument("warp_tiles must be 2 or 4");
@@ -356,7 +310,6 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
   if (splits < 1 || splits > chunks ||
       (splits > 1 && !cluster && (*workspace)->element_count() < size_t{1} * splits * m * p.col_begin[kMaxGroups]))
     return ffi::Error::InvalidArgument("fp8_linear: splits must be in [1, K / 64] with a workspace of splits * M * N");
-  if (auto err = SetPrefetch(p, args, 2 * groups, prefetches, prefetch_bytes); err.failure()) return err;
   p.partial = (*workspace)->typed_data();
   p.groups = groups;
   p.m = m;
@@ -382,7 +335,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8Linear, jaxserve::Fp8Linear,
                                   .RemainingRets()
                                   .Attr<int32_t>("splits")
                                   .Attr<int32_t>("warps_n")
-                                  .Attr<int32_t>("warp_tiles")
-                                  .Attr<int32_t>("prefetches")
-                                  .Attr<int64_t>("prefetch_bytes"),
+                                  .Attr<int32_t>("warp_tiles"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

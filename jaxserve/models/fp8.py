@@ -22,15 +22,12 @@ W8A16_MAX_ROWS = custom_calls.FP8_LINEAR_MAX_ROWS
 # W8A16 and W8A8 through the CUDA kernels where they run (benchmarks turn them off to time XLA's GEMMs beside them)
 W8A16_KERNEL = True
 W8A8_KERNELS = True
-# The bytes of the weights read next that a W8A16 launch warms in L2 as it ends (custom_calls.fp8_linear's
-# prefetch): the kernels between two decode linears leave DRAM idle; a third of an H100's or H200's 50 MB L2
-L2_PREFETCH_BYTES = 16 << 20
 
 
 def switches() -> tuple:
     """The switches above, as they stand: they change what a traced step holds (an executable cache's fingerprint
     carries them)."""
-    return W8A16_MAX_ROWS, W8A16_KERNEL, W8A8_KERNELS, L2_PREFETCH_BYTES
+    return W8A16_MAX_ROWS, W8A16_KERNEL, W8A8_KERNELS
 
 
 # x [N, K] -> (e4m3 [N, K], f32 scale [N, 1]), a scale per row; an all-zero row (padding tokens, a pruned channel)
@@ -64,15 +61,15 @@ class Fp8Linear(nnx.Module):
         self.weight_scale = nnx.Param(scale)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
-    def __call__(self, x, up=None, then=()):
+    def __call__(self, x, up=None):
         """x [..., in] (or silu(x) * up, the MLP's product, which W8A8 steps quantize where it is made) -> [..., out]
-        in x's dtype. then: the weights the step reads next, which a W8A16 launch warms (linears_w8a16)."""
+        in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])
         up2 = None if up is None else up.reshape(x2.shape)
         if x2.shape[0] > W8A16_MAX_ROWS:
             y = self.w8a8(x2, up2)
         else:
-            y = self.w8a16(x2 if up2 is None else jax.nn.silu(x2) * up2, then)
+            y = self.w8a16(x2 if up2 is None else jax.nn.silu(x2) * up2)
         y = y.reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias[...]
 
@@ -80,31 +77,20 @@ class Fp8Linear(nnx.Module):
         """x [N, in] (or silu(x) * up) -> [N, out] in x's dtype: both operands e4m3, never upcast."""
         return linears_w8a8([self], x, up)[0]
 
-    def w8a16(self, x, then=()):
+    def w8a16(self, x):
         """x [N, in] -> [N, out] in x's dtype, the weight widened to x's dtype inside the GEMM."""
-        return linears_w8a16([self], x, then)[0]
+        return linears_w8a16([self], x)[0]
 
 
-def fp8_weights(layers) -> tuple:
-    """The e4m3 weights of the Fp8Linear layers among layers (what a W8A16 launch before them may warm)."""
-    return tuple(layer.weight[...] for layer in layers if isinstance(layer, Fp8Linear))
-
-
-def linear(layer, x, then=()):
-    """layer(x), an Fp8Linear's W8A16 launch warming `then` in L2."""
-    return layer(x, then=then) if isinstance(layer, Fp8Linear) else layer(x)
-
-
-def linears_w8a16(layers, x, then=()) -> list:
+def linears_w8a16(layers, x) -> list:
     """x [N, in] through Fp8Linear layers that read it (q, k, v; gate, up), W8A16, without their biases. On one
     NVIDIA GPU one launch of the CUDA kernel reads all their weights (custom_calls.fp8_linear: faster than XLA's
-    fused GEMM, and a launch's fixed cost is paid once), and warms the first L2_PREFETCH_BYTES of `then`, the
-    weights read next, as it ends; it runs on one device only (a sharded weight would be gathered whole for it).
-    Elsewhere XLA's GEMM for each."""
+    fused GEMM, and a launch's fixed cost is paid once); it runs on one device only (a sharded weight would be
+    gathered whole for it). Elsewhere XLA's GEMM for each."""
     ws, scales = [layer.weight[...] for layer in layers], [layer.weight_scale[...] for layer in layers]
     if (W8A16_KERNEL and jax.device_count() == 1 and not custom_calls.fp8_linear_unsupported(x, ws, scales)
             and custom_calls.available()):
-        return custom_calls.fp8_linear(x, ws, scales, prefetch=then, prefetch_bytes=L2_PREFETCH_BYTES)
+        return custom_calls.fp8_linear(x, ws, scales)
     return [custom_calls.fp8_linear_reference(x, w, s) for w, s in zip(ws, scales)]
 
 
@@ -154,21 +140,20 @@ def linears_w8a8(layers, x, up=None) -> list:
     return [custom_calls.fp8_scaled_mm(xq, x_scale, w, s) for w, s in zip(ws, scales)]
 
 
-def gated_linear(layer, gate, up, then=()):
+def gated_linear(layer, gate, up):
     """layer(silu(gate) * up), the MLP's down projection: an FP8 layer of W8A8 rows quantizes the product in the
     kernel that makes it."""
-    return layer(gate, up, then) if isinstance(layer, Fp8Linear) else layer(jax.nn.silu(gate) * up)
+    return layer(gate, up) if isinstance(layer, Fp8Linear) else layer(jax.nn.silu(gate) * up)
 
 
-def fp8_linears(layers, x, then=()) -> list:
+def fp8_linears(layers, x) -> list:
     """[layer(x) for layer in layers] for linear layers that read the same x; FP8 decode rows in one W8A16 launch
-    (linears_w8a16, warming `then`), other FP8 rows quantized once (linears_w8a8), NormedRows normalised in that
-    quantize."""
+    (linears_w8a16), other FP8 rows quantized once (linears_w8a8), NormedRows normalised in that quantize."""
     if isinstance(x, NormedRows):
         return [y if layer.bias is None else y + layer.bias[...] for layer, y in zip(layers, linears_w8a8(layers, x))]
     x2 = x.reshape(-1, x.shape[-1])
     if len(layers) == 1 or not all(isinstance(layer, Fp8Linear) for layer in layers):
-        return [linear(layer, x, then) for layer in layers]
-    ys = linears_w8a16(layers, x2, then) if x2.shape[0] <= W8A16_MAX_ROWS else linears_w8a8(layers, x2)
+        return [layer(x) for layer in layers]
+    ys = linears_w8a16(layers, x2) if x2.shape[0] <= W8A16_MAX_ROWS else linears_w8a8(layers, x2)
     return [(y if layer.bias is None else y + layer.bias[...]).reshape(*x.shape[:-1], -1)
             for layer, y in zip(layers, ys)]

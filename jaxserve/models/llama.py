@@ -16,7 +16,7 @@ import custom_calls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
-from jaxserve.models.fp8 import Fp8Linear, fp8_linears, fp8_weights, gated_linear, linear, normed_input
+from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, per_shard
 from pallas_kernels.ragged_paged_attention import gpu_capability
@@ -102,7 +102,7 @@ class Attention(nnx.Module):
     def project(self, x, positions):
         """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], as attention sees them (normed, rotated)."""
         cfg, t = self.cfg, x.shape[0]
-        q, k, v = linears((self.q_proj, self.k_proj, self.v_proj), x, fp8_weights((self.o_proj,)))
+        q, k, v = linears((self.q_proj, self.k_proj, self.v_proj), x)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k, v = (a.reshape(t, cfg.num_kv_heads, cfg.head_dim) for a in (k, v))
         if self.q_norm is not None:
@@ -110,21 +110,20 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(cfg)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def __call__(self, x, positions, kv_layer, paged, then=()):
-        """then: the weights the step reads after o_proj's (FP8 decode launches warm them in L2)."""
+    def __call__(self, x, positions, kv_layer, paged):
         q, k, v = self.project(x, positions)
         out, kv_layer = attend(q, k, v, positions, kv_layer, paged, sm_scale=self.cfg.head_dim ** -0.5,
                                sliding_window=self.cfg.sliding_window,
                                kv_scales=(self.k_scale[...], self.v_scale[...]))
-        return linear(self.o_proj, out.reshape(x.shape[0], -1), then), kv_layer
+        return self.o_proj(out.reshape(x.shape[0], -1)), kv_layer
 
 
-def linears(layers, x, then=()) -> list:
+def linears(layers, x) -> list:
     """[layer(x) for layer in layers] for linear layers that read the same x (q, k, v; gate, up): GGUF blocks of one
-    type in one kernel call (gguf_linears), FP8 decode rows in one W8A16 launch (fp8_linears, warming `then`)."""
+    type in one kernel call (gguf_linears), FP8 decode rows in one W8A16 launch (fp8_linears)."""
     if all(isinstance(layer, GgufLinear) for layer in layers) and len({layer.block_type for layer in layers}) == 1:
         return gguf_linears(layers, x)
-    return fp8_linears(layers, x, then)
+    return fp8_linears(layers, x)
 
 
 class MLP(nnx.Module):
@@ -134,10 +133,9 @@ class MLP(nnx.Module):
         self.up_proj = _linear(h, i, dtype, rngs, quantization=quantization)
         self.down_proj = _linear(i, h, dtype, rngs, quantization=quantization)
 
-    def __call__(self, x, then=()):
-        """then: the weights the step reads after down_proj's (FP8 decode launches warm them in L2)."""
-        gate, up = linears((self.gate_proj, self.up_proj), x, fp8_weights((self.down_proj,)))
-        return gated_linear(self.down_proj, gate, up, then)
+    def __call__(self, x):
+        gate, up = linears((self.gate_proj, self.up_proj), x)
+        return gated_linear(self.down_proj, gate, up)
 
 
 EXPERT_DOT = jax.lax.RaggedDotDimensionNumbers(   # rows sorted by expert [N, in] . weights [E, out, in] -> [N, out]
@@ -269,15 +267,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MoE(cfg, dtype, rngs) if cfg.is_moe_layer(layer) else MLP(cfg, dtype, rngs, quantization)
 
-    def __call__(self, x, positions, kv_layer, paged, then=()):
-        """then: the weights the step reads after this layer's (FP8 decode launches warm them in L2)."""
-        attn, mlp = self.self_attn, self.mlp
+    def __call__(self, x, positions, kv_layer, paged):
+        attn = self.self_attn
         h, kv_layer = attn(normed_input(self.input_layernorm, x, (attn.q_proj, attn.k_proj, attn.v_proj)), positions,
-                           kv_layer, paged, () if isinstance(mlp, MoE) else fp8_weights((mlp.gate_proj, mlp.up_proj)))
+                           kv_layer, paged)
         x = x + h
-        if isinstance(mlp, MoE):
-            return x + mlp(self.post_attention_layernorm(x), *moe_context(paged)), kv_layer
-        return x + mlp(normed_input(self.post_attention_layernorm, x, (mlp.gate_proj, mlp.up_proj)), then), kv_layer
+        if isinstance(self.mlp, MoE):
+            return x + self.mlp(self.post_attention_layernorm(x), *moe_context(paged)), kv_layer
+        mlp_input = normed_input(self.post_attention_layernorm, x, (self.mlp.gate_proj, self.mlp.up_proj))
+        return x + self.mlp(mlp_input), kv_layer
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -311,18 +309,9 @@ class LlamaForCausalLM(nnx.Module):
             aux += [x] * aux_layers.count(i)
             graphdef, state = nnx.split(layer)
             x, kv_layer = run_layer(graphdef, state, x, positions, None if kv_cache is None else layer_of(kv_cache, i),
-                                    batch, self.reads_after(i), kernels=kernels, mesh=mesh)
+                                    batch, kernels=kernels, mesh=mesh)
             kv_cache = None if kv_cache is None else with_layer(kv_cache, i, kv_layer)
         return self.norm(x), kv_cache, aux
-
-    def reads_after(self, i: int) -> tuple:
-        """What FP8 decode launches at the end of layer i warm in L2 (fp8.linears_w8a16): the next layer's q/k/v
-        weights, the LM head's after the last (the layers all take the same arguments, so they trace once)."""
-        attn = self.layers[(i + 1) % len(self.layers)].self_attn
-        qkv = fp8_weights((attn.q_proj, attn.k_proj, attn.v_proj))
-        if i + 1 < len(self.layers) or not qkv:
-            return qkv
-        return (self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...],)
 
     def logits(self, hidden):
         """hidden [N, H] -> f32 logits [N, V]."""
@@ -336,13 +325,13 @@ class LlamaForCausalLM(nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "mesh"))
-def run_layer(graphdef, state, x, positions, kv_layer, batch: AttentionBatch | None, then=(), *,
+def run_layer(graphdef, state, x, positions, kv_layer, batch: AttentionBatch | None, *,
               kernels: AttentionKernels | None, mesh):
     """One decoder layer, a jitted call: the layers share a structure, so it is traced once per step shape rather
     than once per layer (the step graphs' tracing, on the start-up's critical path, shrinks by the layer count);
     XLA inlines the calls, so the compiled step is the same."""
     paged = None if batch is None else PagedAttention(batch, kernels, mesh)
-    return nnx.merge(graphdef, state)(x, positions, kv_layer, paged, then)
+    return nnx.merge(graphdef, state)(x, positions, kv_layer, paged)
 
 
 def abstract_model(cfg: ModelConfig, dtype, quantization: str | GgufBlocks | None = None) -> LlamaForCausalLM:
