@@ -1,8 +1,9 @@
 """The CPU custom calls: libjaxserve_cpu.so (`csrc/*.cc`, x86-64 with AVX2, FMA and F16C) through the XLA FFI,
 built with the C++ compiler on first use (`build.build_cpu_library`). Its handlers: the GGUF block matmul and
-dequantization (`gguf_matmul`), ragged paged attention (`paged_attention_cpu`) and the in-place cache write and
-block copy (`custom_calls.reshape_and_cache`, `copy_blocks`). Each module runs its pure-JAX
-reference where the library does not (`available()`), after one logged notice naming why."""
+dequantization (`gguf_matmul`), the f32 linears of decode steps (`f32_matmul`), ragged paged attention
+(`paged_attention_cpu`) and the in-place cache write and block copy (`custom_calls.reshape_and_cache`,
+`copy_blocks`). Each module runs its pure-JAX reference where the library does not (`available()`), after one
+logged notice naming why."""
 import ctypes
 import functools
 import logging
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 TARGETS = {
     "jaxserve_gguf_matmul": "JaxserveGgufMatmul",
     "jaxserve_gguf_dequantize": "JaxserveGgufDequantize",
+    "jaxserve_f32_matmul": "JaxserveF32Matmul",
     "jaxserve_ragged_paged_attention_cpu": "JaxserveRaggedPagedAttentionCpu",
     # the CUDA library's cache ops under the same names (custom_calls.reshape_and_cache, copy_blocks)
     "jaxserve_reshape_and_cache": "JaxserveReshapeAndCacheCpu",

@@ -103,25 +103,6 @@ def test_mistral_window_changes_the_output(tmp_path):
     assert rel_err(forward_logits(ours, ids)[-1], windowed[-1]) > 1e-3
 
 
-def test_linear_splits_one_rows_product_on_a_lone_cpu_and_equals_the_plain_one():
-    """On one CPU device a single row's product runs as a batched dot of the contraction's two halves (XLA CPU's
-    faster path for a decode step): the result is nnx.Linear's, bias included; two rows take the plain product."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jaxserve.models.llama import Linear
-    layer = Linear(64, 48, use_bias=True, rngs=nnx.Rngs(0))
-    layer.bias[...] = jax.random.normal(jax.random.key(2), (48,))
-    for rows in (1, 2):
-        x = jax.random.normal(jax.random.key(1), (rows, 64))
-        np.testing.assert_allclose(layer(x), nnx.Linear.__call__(layer, x), rtol=1e-5, atol=1e-6)
-
-    def batched(rows):
-        eqns = jax.make_jaxpr(layer)(jnp.ones((rows, 64))).eqns
-        return any(e.primitive.name == "dot_general" and e.params["dimension_numbers"][1][0] for e in eqns)
-    assert batched(1) == (jax.device_count() == 1) and not batched(2)
-
-
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
 

@@ -18,7 +18,13 @@ namespace jaxserve {
 // Chunks a thread's share is cut into, so that a thread the pool starts late still finds work.
 constexpr int64_t kChunksPerThread = 4;
 
-// run(begin, end) over [0, n) in chunks of at least min_chunk, taken from a shared counter by the calling thread and
+// The size of the chunks ParallelFor cuts [0, n) into: at least min_chunk, about kChunksPerThread a thread.
+inline int64_t ChunkSize(xla::ffi::ThreadPool& pool, int64_t n, int64_t min_chunk) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  return std::max(min_chunk, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+}
+
+// run(begin, end) over [0, n) in chunks of ChunkSize, taken from a shared counter by the calling thread and
 // the pool's; returns when every chunk is done. A task the pool starts late finds no chunk left; the state lives as
 // long as its last holder, so a late task never reads freed memory.
 inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t min_chunk,
@@ -39,7 +45,7 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t min_chunk
   auto work = std::make_shared<Work>();
   work->run = std::move(run);
   work->n = n;
-  work->chunk = std::max(min_chunk, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+  work->chunk = ChunkSize(pool, n, min_chunk);
   work->chunks = (n + work->chunk - 1) / work->chunk;
   for (int64_t t = 1; t < std::min(threads, work->chunks); ++t) pool.Schedule([work] { work->Drain(); });
   work->Drain();

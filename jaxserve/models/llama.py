@@ -19,6 +19,8 @@ from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAtt
 from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, per_shard
+from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS
+from custom_calls.f32_matmul import f32_matmuls
 from pallas_kernels.ragged_paged_attention import gpu_capability
 
 
@@ -56,17 +58,24 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Linear):
-    """nnx.Linear, but one row on a lone CPU device (a stream's decode) multiplies the two halves of the contraction
-    as one batched dot and adds them: XLA CPU runs that ~30% faster than its matrix-vector product. Not under a
-    device mesh, where the halves could cut across the kernel's shards."""
+    """nnx.Linear, but a decode step's few f32 rows on a lone CPU device go through the CPU library's streaming
+    kernel (f32_linears). Not under a device mesh, where the kernel's rows could be another device's shards."""
 
     def __call__(self, x):
-        if x.shape[0] != 1 or self.in_features % 2 or jax.default_backend() != "cpu" or jax.device_count() > 1:
-            return super().__call__(x)
-        halves = self.kernel[...].reshape(2, self.in_features // 2, self.out_features)
-        y = jax.lax.dot_general(x.reshape(2, 1, -1), halves, (((2,), (1,)), ((0,), (0,))),
-                                preferred_element_type=jnp.float32).sum(0).astype(self.dtype)
-        return y if self.bias is None else y + self.bias[...]
+        return f32_linears([self], x)[0] if f32_kernel_takes([self], x) else super().__call__(x)
+
+
+def f32_kernel_takes(layers, x) -> bool:
+    """Whether f32_linears runs these Linear layers reading x [T, in] through custom_calls.f32_matmuls."""
+    return (x.ndim == 2 and x.shape[0] <= F32_KERNEL_MAX_ROWS and x.dtype == jnp.float32
+            and jax.default_backend() == "cpu" and jax.device_count() == 1
+            and all(isinstance(layer, Linear) and layer.kernel.dtype == jnp.float32 for layer in layers))
+
+
+def f32_linears(layers, x) -> list:
+    """[layer(x) for layer in layers], f32 Linear layers that read the same x, in one call of the CPU kernel."""
+    ys = f32_matmuls(x, [layer.kernel[...] for layer in layers])
+    return [y if layer.bias is None else y + layer.bias[...] for layer, y in zip(layers, ys)]
 
 
 def _linear(cfg_in, cfg_out, dtype, rngs, bias=False, quantization=None):
@@ -120,9 +129,12 @@ class Attention(nnx.Module):
 
 def linears(layers, x) -> list:
     """[layer(x) for layer in layers] for linear layers that read the same x (q, k, v; gate, up): GGUF blocks of one
-    type in one kernel call (gguf_linears), FP8 decode rows in one W8A16 launch (fp8_linears)."""
+    type in one kernel call (gguf_linears), a CPU's f32 decode rows in one (f32_linears), FP8 decode rows in one
+    W8A16 launch (fp8_linears)."""
     if all(isinstance(layer, GgufLinear) for layer in layers) and len({layer.block_type for layer in layers}) == 1:
         return gguf_linears(layers, x)
+    if f32_kernel_takes(layers, x):
+        return f32_linears(layers, x)
     return fp8_linears(layers, x)
 
 
