@@ -10,7 +10,7 @@ Rows: bench "fp8_gemm", impl bf16 | fp8_linear | fp8_gemm_f32 | fp8_gemm_bf16, p
 ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json. With --layers: bench "fp8_layers", impl
 "<weights>/<XLA options>", params {tokens, layers}, ms per layer, gbps of weight bytes, and the step's costliest
 GPU kernels printed. With --decode: bench "fp8_decode_gemm", impl xla | bf16 | kernel/auto |
-kernel/splits=<s>/warps_n=<w>/warp_tiles=<t>/run=<r>, params {tokens, group, in, out: [N of each weight]}, ms of device
+kernel/splits=<s>/warps_n=<w>/warp_tiles=<t>, params {tokens, group, in, out: [N of each weight]}, ms of device
 time per launch group (DECODE_GROUPS, timed over enough distinct weights to pass the L2 cache) and gbps of weight
 bytes, rows fp8_decode_gemm_<backend>.json.
 """
@@ -138,7 +138,7 @@ DECODE_GROUPS = (("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate
                  ("down", 14336, (4096,)), ("q", 4096, (4096,)), ("k", 4096, (1024,)), ("gate", 4096, (14336,)))
 
 
-def decode_cases(ns: tuple[int, ...], k: int):
+def decode_cases(ns: tuple[int, ...]):
     """(impl, fn(x, groups of weights, groups of scales)): XLA's GEMMs (one a weight), bf16's, and the kernel (one
     launch a group) at its default launch and at every launch it takes."""
     dims = (((1,), (1,)), ((), ()))
@@ -147,14 +147,11 @@ def decode_cases(ns: tuple[int, ...], k: int):
                   compiler_options=XLA_OPTIONS["no_merge"])
     bf16 = jax.jit(lambda x, gws, gss: [jax.lax.dot_general(x, w, dims) for ws in gws for w in ws])
     cases = [("xla", xla), ("bf16", bf16)]
-    auto = custom_calls.choose_linear_launch(ns, k, custom_calls.sm_count())
-    launches = [None] + [(splits, warps_n, tiles, run) for splits in (1, 2, 4, 8)
+    launches = [None] + [(splits, warps_n, tiles) for splits in (1, 2, 4, 8)
                          for warps_n in custom_calls.FP8_LINEAR_WARPS_N for tiles in custom_calls.FP8_LINEAR_WARP_TILES
-                         for run in custom_calls.FP8_LINEAR_RUNS
-                         if all(n % (16 * tiles * warps_n) == 0 for n in ns) and (run == 1 or (warps_n, tiles) ==
-                                                                                  auto[1:3])]
+                         if all(n % (16 * tiles * warps_n) == 0 for n in ns)]
     for launch in launches:
-        name = "kernel/auto" if launch is None else "kernel/splits={}/warps_n={}/warp_tiles={}/run={}".format(*launch)
+        name = "kernel/auto" if launch is None else "kernel/splits={}/warps_n={}/warp_tiles={}".format(*launch)
         cases.append((name, jax.jit(lambda x, gws, gss, launch=launch: [
             custom_calls.fp8_linear(x, ws, ss, launch=launch) for ws, ss in zip(gws, gss)])))
     return cases
@@ -173,7 +170,7 @@ def bench_decode(tokens: int = 16) -> list[dict]:
         errs = [jnp.max(jnp.abs(y.astype(jnp.float32) - custom_calls.fp8_linear_reference(x, w, s)))
                 / jnp.max(jnp.abs(custom_calls.fp8_linear_reference(x, w, s).astype(jnp.float32)))
                 for y, w, s in zip(custom_calls.fp8_linear(x, gws[0], gss[0]), gws[0], gss[0])]
-        cases = decode_cases(ns, k)
+        cases = decode_cases(ns)
         for impl, fn in cases:
             weights = [[w.astype(jnp.bfloat16) for w in ws] for ws in gws] if impl == "bf16" else list(gws)
             ms = float(np.median(device_busy_ms(fn, x, weights, list(gss)))) / copies

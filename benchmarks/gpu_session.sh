@@ -24,7 +24,6 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-layers  # a step's linear layers by XLA options, profiled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear  # the W8A16 decode kernel: tests, vs XLA, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tune    # decode attention's tuning over an FP8 cache
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-run  # W8A16 warps reading runs of chunks
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
@@ -74,9 +73,6 @@ MOE_PROFILE="python benchmarks/step_timeline.py --config $MOE --num-prompts 1 --
 # "${WITHOUT_W8A8_KERNELS[@]}" SCRIPT ARGS...: the script with FP8's W8A8 layers through XLA's GEMM
 WITHOUT_W8A8_KERNELS=(python -c "import runpy, sys; import jaxserve.models.fp8 as fp8; fp8.W8A8_KERNELS = False
 sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-# "${WITH_LINEAR_RUN[@]}" RUN SCRIPT ARGS...: the script with the W8A16 kernel's warps taking RUN chunks at a time
-WITH_LINEAR_RUN=(python -c "import runpy, sys; import custom_calls; custom_calls.FP8_LINEAR_DEFAULT_RUN = int(sys.argv[1])
-sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 case $1 in
   mosaic-decode)   # the Mosaic GPU decode kernel compiled against the reference, then beside Triton and cuDNN
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
@@ -270,16 +266,6 @@ case $1 in
     B1="--num-prompts 1 --input-len 128 --output-len 512"
     for q in "" "--quantization fp8"; do run 100 python benchmarks/offline.py --config $CONFIG $B1 $q \
       --out "$OUT/fp8_batch1_gpu.json"; done ;;
-  fp8-linear-run)   # the W8A16 kernel's warps reading runs of chunks: its GPU tests, every launch alone, then a
-    # batch-1 FP8 step by run (bf16 beside)
-    run 150 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py \
-      -k "fp8_linear_matches and (auto or runs or wide or cluster)"
-    run 200 python benchmarks/fp8_gemm.py --decode --out "$OUT/fp8_decode_gemm_gpu.json"
-    STEP="--token-buckets 16 --seq-buckets 16 --contexts 640 --kinds decode --warmup 3 --repeats 10 --profile 4"
-    for r in 1 2 4 8 1; do
-      JAXSERVE_COMMIT=${JAXSERVE_COMMIT:-dev}-run$r run 60 "${WITH_LINEAR_RUN[@]}" $r benchmarks/sweep.py \
-        --config $CONFIG --quantization fp8 $STEP --out "$OUT/fp8_sweep_gpu.json"
-    done ;;
   fp8-tune)
     run 300 python benchmarks/attention.py --tune --kv-dtype fp8 --out "$OUT/attention_tune_fp8.json" ;;
   fp8-profile)

@@ -50,16 +50,14 @@ MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 MAX_GROUP_TILE = 8  # query heads per CTA in the kernel
 # fp8_linear: rows (tokens) a call takes; k per chunk (K must be a multiple); the launch's choices: CTA columns of
-# warps (warps_n), m16 tiles of output channels per warp (warp_tiles), N a multiple of 16 * warp_tiles * warps_n,
-# and the consecutive chunks a warp takes (run)
+# warps (warps_n) and m16 tiles of output channels per warp (warp_tiles), N a multiple of 16 * warp_tiles * warps_n
 FP8_LINEAR_MAX_ROWS, FP8_LINEAR_MAX_GROUPS = 16, 3   # weights of one input a launch reads (q, k, v)
 FP8_LINEAR_CHUNK_K = 64
-FP8_LINEAR_WARPS_N, FP8_LINEAR_WARP_TILES, FP8_LINEAR_RUNS = (1, 2), (2, 4), (1, 2, 4, 8)
+FP8_LINEAR_WARPS_N, FP8_LINEAR_WARP_TILES = (1, 2), (2, 4)
 # fp8_linear's default launch: (warps_n, warp_tiles) one warp column of two tiles, 32 channels a CTA, which every N
 # it takes divides (the best or within 3% of it at every Llama-3-8B decode shape on an H100, `benchmarks/fp8_gemm.py
 # --decode`), with K split until the CTAs cover FP8_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5)
 FP8_LINEAR_DEFAULT_TILE = (1, 2)
-FP8_LINEAR_DEFAULT_RUN = 1
 FP8_LINEAR_CTAS_PER_SM = 1
 # fp8_quantize_rows and fp8_scaled_mm: e4m3's largest finite value, which each row's amax maps to; the smallest
 # normal f32, the scale of an all-zero row (padding tokens), which no other row's amax / FP8_MAX is below; widest
@@ -315,20 +313,19 @@ def fp8_linear_reference(x, w, scale):
     return (y * scale).astype(x.dtype)
 
 
-def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int, int]:
-    """(splits, warps_n, warp_tiles, run) for weights [n, k] (n in ns) of one launch: FP8_LINEAR_DEFAULT_TILE and
-    FP8_LINEAR_DEFAULT_RUN, K split to fill the SMs while each split keeps 8 chunks."""
+def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int]:
+    """(splits, warps_n, warp_tiles) for weights [n, k] (n in ns) of one launch: FP8_LINEAR_DEFAULT_TILE, K split
+    to fill the SMs while each split keeps 8 chunks."""
     warps_n, warp_tiles = FP8_LINEAR_DEFAULT_TILE
     tiles, chunks = sum(ns) // (16 * warp_tiles * warps_n), k // FP8_LINEAR_CHUNK_K
-    splits = max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8))
-    return splits, warps_n, warp_tiles, FP8_LINEAR_DEFAULT_RUN
+    return max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
 
 
 def fp8_linear(x, weights, scales, *, launch=None) -> list:
     """[fp8_linear_reference(x, w, s) for w, s in zip(weights, scales)] through the CUDA kernel, in one launch:
     one read of each e4m3 weight on the tensor cores, for the decode-sized steps (up to FP8_LINEAR_MAX_ROWS rows)
     that such reads bound; fp8_linear_unsupported names what it does not take. Without the library it runs the
-    reference. launch (splits of K, warps_n, warp_tiles, run) defaults to choose_linear_launch."""
+    reference. launch (splits of K, warps_n, warp_tiles) defaults to choose_linear_launch."""
     if why := fp8_linear_unsupported(x, weights, scales):
         raise ValueError(f"fp8_linear: {why}")
     ns = tuple(w.shape[0] for w in weights)
@@ -340,9 +337,7 @@ def fp8_linear(x, weights, scales, *, launch=None) -> list:
 
 
 def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
-    splits, warps_n, warp_tiles, run = launch
-    if run not in FP8_LINEAR_RUNS:
-        raise ValueError(f"fp8_linear: run must be one of {FP8_LINEAR_RUNS}, got {run}")
+    splits, warps_n, warp_tiles = launch
     if not 1 <= splits <= k // FP8_LINEAR_CHUNK_K:
         raise ValueError(f"fp8_linear: splits must be in [1, {k // FP8_LINEAR_CHUNK_K}], got {splits}")
     if warps_n not in FP8_LINEAR_WARPS_N or warp_tiles not in FP8_LINEAR_WARP_TILES:
@@ -353,15 +348,15 @@ def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
                          f"{16 * warp_tiles * warps_n}")
 
 
-def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int, int]) -> list:
+def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int]) -> list:
     """The FFI call itself (the library must be registered). Splits of K meet in a cluster's shared memory on
     sm_90, elsewhere as f32 partials in the workspace."""
-    splits, warps_n, warp_tiles, run = launch
+    splits, warps_n, warp_tiles = launch
     workspace = splits * x.shape[0] * sum(w.shape[0] for w in weights) if splits > 1 else 1
     outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype) for w in weights]
     *ys, _ = jax.ffi.ffi_call("jaxserve_fp8_linear", (*outs, jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
         x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))), splits=np.int32(splits),
-        warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles), run=np.int32(run))
+        warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles))
     return ys
 
 

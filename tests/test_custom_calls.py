@@ -325,9 +325,8 @@ def test_fp8_linear_without_the_library_runs_the_reference_per_weight():
     (dict(w=jnp.zeros((48, 128), FP8), scale=jnp.ones(48)), "multiple of 32"),
     (dict(x=jnp.zeros((2, 96), jnp.bfloat16), w=jnp.zeros((64, 96), FP8)), "K must be a multiple of 64"),
     (dict(scale=jnp.ones(32)), "scale"), (dict(w=jnp.zeros((64, 64), FP8)), "N, 128"),
-    (dict(launch=(3, 1, 2, 1)), "splits must be in"), (dict(launch=(1, 2, 4, 1)), "multiple of 16 \\* warp_tiles"),
-    (dict(launch=(1, 4, 2, 1)), "warps_n must be"), (dict(launch=(1, 1, 3, 1)), "warp_tiles one of"),
-    (dict(launch=(1, 1, 2, 3)), "run must be one of")])
+    (dict(launch=(3, 1, 2)), "splits must be in"), (dict(launch=(1, 2, 4)), "multiple of 16 \\* warp_tiles"),
+    (dict(launch=(1, 4, 2)), "warps_n must be"), (dict(launch=(1, 1, 3)), "warp_tiles one of")])
 def test_fp8_linear_rejects_what_the_kernel_cannot_take(change, field):
     args = dict(x=jnp.zeros((2, 128), jnp.bfloat16), w=jnp.zeros((64, 128), FP8), scale=jnp.ones(64), launch=None)
     args.update(change)
@@ -422,7 +421,7 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         xq, x_scale = cc.call_fp8_quantize_rows(x, x, input=1)
         normed = cc.call_fp8_quantize_rows(x, x[0], input=2, eps=1e-5)
         mm = cc.call_fp8_scaled_mm(cc.call_fp8_quantize_rows(x, input=0)[0], x_scale, w, scale)
-        return (k_cache, v_cache, out, cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2, 4)),
+        return (k_cache, v_cache, out, cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2)),
                 route, xq, normed, mm)
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
@@ -437,7 +436,7 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         assert attr in text, attr
     assert "tensor<2x8x128xbf16>, tensor<6240xf32>" in text  # out + workspace B*Hq*S*(D+2)
     assert "tensor<3x64xbf16>, tensor<3x32xbf16>, tensor<576xf32>" in text  # the ys + workspace S*M*sum(N)
-    for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32", "run = 4 : i32"):
+    for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32"):
         assert attr in text, attr
     for attr in ("top_k = 3 : i32", "renormalize = 1 : i32", "local_experts = 8 : i32", "block_m = 64 : i32",
                  "row_align = 8 : i32"):
@@ -532,8 +531,8 @@ def test_copy_blocks_in_place_matches_reference(dtype):
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 16])
 @pytest.mark.parametrize("k,ns", [(576, (192,)), (4096, (1024,)), (1024, (4096,)), (576, (576, 192, 192))],
                          ids=["smollm_kv", "8b_kv", "k1024", "smollm_qkv"])
-@pytest.mark.parametrize("launch", [None, (1, 1, 2, 1), (3, 1, 4, 2), (9, 2, 2, 1), (2, 2, 4, 8), (1, 1, 2, 4)],
-                         ids=["auto", "one_split", "cluster_splits", "merged_splits", "wide", "runs"])
+@pytest.mark.parametrize("launch", [None, (1, 1, 2), (3, 1, 4), (9, 2, 2), (2, 2, 4)],
+                         ids=["auto", "one_split", "cluster_splits", "merged_splits", "wide"])
 def test_fp8_linear_matches_f64(rows, k, ns, launch):
     """The kernel over every e4m3 bit pattern (subnormals and -0 included) within fp8_linear_bound, for one weight
     and for three of one input, its output memory NaN-poisoned first; splits of K meet in a cluster (up to 8) or

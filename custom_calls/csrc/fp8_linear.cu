@@ -10,8 +10,8 @@
 //
 // Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 16 * warp_tiles * warps_n output channels of one weight
 // and one of `splits` slices of K. Its warps form warps_n columns of 16 * warp_tiles channels by kWarps / warps_n
-// rows that take the slice's kChunkK-wide chunks in turn, `run` consecutive chunks each (so the CTA reads
-// run * kWarpsK chunks of a row at a time), each chunk's loads issued before the chunk before it is multiplied. At 16 rows the activations are as many bytes as the weight tiles they multiply: a warp's
+// rows that take the slice's kChunkK-wide chunks in turn, each chunk's loads issued before the chunk before it
+// is multiplied. At 16 rows the activations are as many bytes as the weight tiles they multiply: a warp's
 // warp_tiles m16 tiles share them in registers, the warps of a row share them through L1. The warps' sums meet
 // in shared memory. Splits of one tile meet in a thread-block cluster's distributed shared memory on sm_90 (no
 // second kernel), elsewhere as f32 partials in the workspace that a second kernel sums.
@@ -39,7 +39,7 @@ struct LinearParams {
   int tile_begin[kMaxGroups + 1];     // each weight's first CTA column, then the grid's width
   int col_begin[kMaxGroups + 1];      // each weight's first column in the partials, then their width
   float* partial;                     // [splits, M, sum N_g] when splits > 1 outside a cluster
-  int groups, m, k, chunks_per_split, run_log2;
+  int groups, m, k, chunks_per_split;
   bool cluster;                       // splits meet in the cluster's shared memory
 };
 
@@ -119,12 +119,6 @@ struct Chunk {
   }
 };
 
-// The q-th chunk warp row wk of a CTA multiplies: runs of 2^run_log2 consecutive chunks, the warp rows' runs side
-// by side.
-__device__ __forceinline__ int ChunkOf(const LinearParams& p, int begin, int warps_k, int wk, int q) {
-  return begin + (((q >> p.run_log2) * warps_k + wk) << p.run_log2) + (q & ((1 << p.run_log2) - 1));
-}
-
 // Lane (g = lane / 4, t = lane % 4) of a warp. mma fragments: A row g (and g + 8) holds columns 2t, 2t + 1 (and
 // 2t + 8, 2t + 9); B column g holds rows 2t, 2t + 1, 2t + 8, 2t + 9; C row g (g + 8), columns 2t, 2t + 1. For k16
 // step j of a chunk, logical columns {2t, 2t + 1 | 2t + 8, 2t + 9} are physical k 16t + 4j + {0, 1 | 2, 3}: the
@@ -162,18 +156,15 @@ __global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
   // Two chunks' registers: the next chunk's loads are in flight while the current one is multiplied.
   float acc[kTiles][kRowTiles][4] = {};
   Chunk<kTiles, kRowTiles> even, odd;
-  int q = 0, c = ChunkOf(p, begin, kWarpsK, wk, 0), next = ChunkOf(p, begin, kWarpsK, wk, 1);
+  int c = begin + wk;
   if (c < end) even.Load(w_rows, x_rows, x_live, c);
   while (c < end) {
-    if (next < end) odd.Load(w_rows, x_rows, x_live, next);
+    if (c + kWarpsK < end) odd.Load(w_rows, x_rows, x_live, c + kWarpsK);
     even.Multiply(acc);
-    c = next;
-    next = ChunkOf(p, begin, kWarpsK, wk, (q += 1) + 1);
-    if (c >= end) break;
-    if (next < end) even.Load(w_rows, x_rows, x_live, next);
+    if ((c += kWarpsK) >= end) break;
+    if (c + kWarpsK < end) even.Load(w_rows, x_rows, x_live, c + kWarpsK);
     odd.Multiply(acc);
-    c = next;
-    next = ChunkOf(p, begin, kWarpsK, wk, (q += 1) + 1);
+    c += kWarpsK;
   }
 
 #pragma unroll
@@ -277,7 +268,7 @@ cudaError_t DispatchTile(const LinearParams& p, int warps_n, int warp_tiles, int
 
 // args: (w_g, scale_g) for each weight; rets: y_g for each, then the workspace.
 ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     int32_t splits, int32_t warps_n, int32_t warp_tiles, int32_t run) {
+                     int32_t splits, int32_t warps_n, int32_t warp_tiles) {
   const auto xd = x.dimensions();
   const int groups = args.size() / 2;
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2)
@@ -286,7 +277,6 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
     return ffi::Error::InvalidArgument("fp8_linear takes 1 to 3 (weight, scale) pairs and gives one y each");
   if (warps_n != 1 && warps_n != 2) return ffi::Error::InvalidArgument("warps_n must be 1 or 2");
   if (warp_tiles != 2 && warp_tiles != 4) return ffi::Error::InvalidArgument("warp_tiles must be 2 or 4");
-  if (run != 1 && run != 2 && run != 4 && run != 8) return ffi::Error::InvalidArgument("run must be 1, 2, 4 or 8");
   const int m = xd[0], k = xd[1], tile_n = 16 * warp_tiles * warps_n;
   if (m < 1 || m > kMaxRows || k % kChunkK)
     return ffi::Error::InvalidArgument("fp8_linear needs 1 <= M <= 16, K % 64 == 0");
@@ -325,7 +315,6 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
   p.m = m;
   p.k = k;
   p.chunks_per_split = CeilDiv(chunks, splits);
-  p.run_log2 = run == 1 ? 0 : run == 2 ? 1 : run == 4 ? 2 : 3;
   p.cluster = cluster;
   const cudaError_t err = m <= 8 ? DispatchTile<1>(p, warps_n, warp_tiles, splits, stream)
                                  : DispatchTile<2>(p, warps_n, warp_tiles, splits, stream);
@@ -346,6 +335,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8Linear, jaxserve::Fp8Linear,
                                   .RemainingRets()
                                   .Attr<int32_t>("splits")
                                   .Attr<int32_t>("warps_n")
-                                  .Attr<int32_t>("warp_tiles")
-                                  .Attr<int32_t>("run"),
+                                  .Attr<int32_t>("warp_tiles"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
