@@ -31,6 +31,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8         # bf16 beside FP8: batch 1, 256 x 512/128
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode  # bf16 beside FP8: 256 x 128/1024, capacity
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-anchor  # 1,000 x 1,000/1,000 in FP8 (TensorRT-LLM's)
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-anchor-seqs  # the same, default and 512 sequences
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh structured  # JSON schema vs none at 256 x 512/128, TTFT
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative # n-gram, draft models: embedded model, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-cost     # 8B verify steps, 1B / EAGLE-3 drafting
@@ -314,6 +315,12 @@ case $1 in
   fp8-anchor)   # TensorRT-LLM's published Llama-3.1-8B FP8 workload: 1,000 prompts of 1,000 in / 1,000 out
     run 540 python benchmarks/offline.py --config configs/llama3-8b-fp8.yaml --num-prompts 1000 --input-len 1000 \
       --output-len 1000 --out "$OUT/fp8_anchor_gpu.json" ;;
+  fp8-anchor-seqs)   # the same at the default config (256 sequences), then 512 at once, a 512-row decode bucket
+    # (their 1M tokens fit an H200's FP8 cache whole; an H100's ~713K hold 352)
+    ANCHOR="--config configs/llama3-8b-fp8.yaml --num-prompts 1000 --input-len 1000 --output-len 1000"
+    run 280 python benchmarks/offline.py $ANCHOR --out "$OUT/fp8_anchor_gpu.json"
+    run 280 python benchmarks/offline.py $ANCHOR --set max_num_seqs=512 "seq_buckets=[16,64,256,512]" \
+      --out "$OUT/fp8_anchor_gpu.json" ;;
   sweep)
     run 540 python benchmarks/sweep.py --config $CONFIG --token-buckets 256 1024 4096 --seq-buckets 64 256 \
       --contexts 512 2048 --kinds decode --warmup 2 --repeats 5 --out "$OUT/sweep_gpu_decode.json" ;;
