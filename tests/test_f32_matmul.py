@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from custom_calls import cpu as cpu_calls, f32_matmul as fm
+from jaxserve.models.fp8 import Fp8Linear, NormedRows
 from jaxserve.models.llama import Linear, f32_kernel_takes, linears
 
 # (rows of x, input features, output features of each weight): every row count the kernel takes, contractions
@@ -86,3 +87,11 @@ def test_decode_rows_of_the_f32_model_take_the_kernel_and_prefill_rows_xla():
             # f32 sums of 64 products of order 1 round within ~1e-5; a wrong or missing product is off by ~0.1
             np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=1e-4)
     assert not f32_kernel_takes(layers, jnp.zeros((1, 64), jnp.bfloat16))
+
+
+def test_fp8_layers_and_their_normed_rows_keep_their_path():
+    """FP8 layers (whose W8A8 input may be NormedRows, no array) never reach the f32 kernel's checks of x."""
+    layers = [Fp8Linear(64, n, use_bias=False, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)) for n in (64, 32)]
+    x = jnp.ones((2, 64), jnp.bfloat16)
+    assert not f32_kernel_takes(layers, NormedRows(x, jnp.ones(64, jnp.bfloat16), 1e-5))
+    assert not f32_kernel_takes(layers, x.astype(jnp.float32))

@@ -66,10 +66,11 @@ class Linear(nnx.Linear):
 
 
 def f32_kernel_takes(layers, x) -> bool:
-    """Whether f32_linears runs these Linear layers reading x [T, in] through custom_calls.f32_matmuls."""
-    return (x.ndim == 2 and x.shape[0] <= F32_KERNEL_MAX_ROWS and x.dtype == jnp.float32
-            and jax.default_backend() == "cpu" and jax.device_count() == 1
-            and all(isinstance(layer, Linear) and layer.kernel.dtype == jnp.float32 for layer in layers))
+    """Whether f32_linears runs these Linear layers reading x [T, in] through custom_calls.f32_matmuls (other
+    layers' inputs may be no array: fp8.NormedRows)."""
+    return (all(isinstance(layer, Linear) and layer.kernel.dtype == jnp.float32 for layer in layers)
+            and len(x.shape) == 2 and x.shape[0] <= F32_KERNEL_MAX_ROWS and x.dtype == jnp.float32
+            and jax.default_backend() == "cpu" and jax.device_count() == 1)
 
 
 def f32_linears(layers, x) -> list:
