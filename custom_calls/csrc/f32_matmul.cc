@@ -1,9 +1,9 @@
 // y_i = x W_i on the CPU for a decode step's few rows of x, W_i f32 [k, n_i] as the model stores a linear's kernel
 // (flax's [in, out]): such a step is bound by reading the weights, and XLA's matrix-vector product reads them at
 // 11-37 GB/s by shape where the CPU streams ~22. Each thread takes whole rows of W (a slice of the contraction),
-// read front to back as one stream (four rows at once, which lie end to end in memory), and adds x[r, j] W[j, :]
-// into an f32 row of partial sums kept in L1; the slices' partial sums are added in slice order after, so the
-// result does not depend on which thread ran which slice.
+// read as kStreams streams at once, and adds x[r, j] W[j, :] into an f32 row of partial sums kept in L1; the
+// slices' partial sums are added in slice order after, so the result does not depend on which thread ran which
+// slice.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -55,8 +55,8 @@ void AddRows(const float* x, int64_t k, const Weight& wt, const int64_t (&rows)[
       for (int i = 0; i < R; ++i) partial[r * columns + wt.column + c] += x[r * k + rows[i]] * w[i][c];
 }
 
-// partial += x[:, j0:j1] W[j0:j1, :] for one weight. The slice is read as kStreams streams at once, each a quarter
-// of it front to back: one stream a core reads at ~8 GB/s here, several keep more lines in flight.
+// partial += x[:, j0:j1] W[j0:j1, :] for one weight. The slice is read as kStreams streams at once, each an equal
+// part of it front to back: one stream a core reads at ~8 GB/s here, several keep more lines in flight.
 template <int M>
 void AddSlice(const float* x, int64_t k, const Weight& wt, int64_t j0, int64_t j1, float* partial, int64_t columns) {
   const int64_t part = (j1 - j0 + kStreams - 1) / kStreams;

@@ -13,14 +13,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import custom_calls
+from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS, f32_matmuls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, per_shard
-from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS
-from custom_calls.f32_matmul import f32_matmuls
 from pallas_kernels.ragged_paged_attention import gpu_capability
 
 
