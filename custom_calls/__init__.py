@@ -306,11 +306,12 @@ def fp8_linear_unsupported(x, weights, scales) -> str | None:
     return None
 
 
-def fp8_linear_reference(x, w, scale):
+def fp8_linear_reference(x, w, scale, live=None):
     """y [M, N] = (x [M, K] . w [N, K]^T) * scale [N] in x's dtype: the e4m3 weight widened to x's dtype, products
-    summed in f32."""
+    summed in f32; with live (int32 [] or [1]: the first rows that are real) the rows past them zeros."""
     y = jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (y * scale).astype(x.dtype)
+    y = (y * scale).astype(x.dtype)
+    return y if live is None else jnp.where(jnp.arange(x.shape[0])[:, None] < live.reshape(()), y, 0)
 
 
 def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int]:
@@ -321,10 +322,11 @@ def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, in
     return max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
 
 
-def fp8_linear(x, weights, scales, *, launch=None) -> list:
-    """[fp8_linear_reference(x, w, s) for w, s in zip(weights, scales)] through the CUDA kernel, in one launch:
+def fp8_linear(x, weights, scales, *, launch=None, live=None) -> list:
+    """[fp8_linear_reference(x, w, s, live) for w, s in zip(weights, scales)] through the CUDA kernel, in one launch:
     one read of each e4m3 weight on the tensor cores, for the decode-sized steps (up to FP8_LINEAR_MAX_ROWS rows)
-    that such reads bound; fp8_linear_unsupported names what it does not take. Without the library it runs the
+    that such reads bound; with live (the step's real rows, the first ones: int32 [] or [1]) the kernel reads no
+    activation past them. fp8_linear_unsupported names what it does not take. Without the library it runs the
     reference. launch (splits of K, warps_n, warp_tiles) defaults to choose_linear_launch."""
     if why := fp8_linear_unsupported(x, weights, scales):
         raise ValueError(f"fp8_linear: {why}")
@@ -332,8 +334,9 @@ def fp8_linear(x, weights, scales, *, launch=None) -> list:
     if launch is not None:
         check_linear_launch(launch, ns, x.shape[1])
     if not available():
-        return [fp8_linear_reference(x, w, s) for w, s in zip(weights, scales)]
-    return call_fp8_linear(x, weights, scales, launch=launch or choose_linear_launch(ns, x.shape[1], sm_count()))
+        return [fp8_linear_reference(x, w, s, live) for w, s in zip(weights, scales)]
+    return call_fp8_linear(x, weights, scales, launch=launch or choose_linear_launch(ns, x.shape[1], sm_count()),
+                           live=live)
 
 
 def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
@@ -348,15 +351,16 @@ def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
                          f"{16 * warp_tiles * warps_n}")
 
 
-def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int]) -> list:
+def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int], live=None) -> list:
     """The FFI call itself (the library must be registered). Splits of K meet in a cluster's shared memory on
     sm_90, elsewhere as f32 partials in the workspace."""
     splits, warps_n, warp_tiles = launch
     workspace = splits * x.shape[0] * sum(w.shape[0] for w in weights) if splits > 1 else 1
     outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype) for w in weights]
     *ys, _ = jax.ffi.ffi_call("jaxserve_fp8_linear", (*outs, jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
-        x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))), splits=np.int32(splits),
-        warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles))
+        x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))),
+        *(() if live is None else (live.reshape(1).astype(jnp.int32),)), splits=np.int32(splits),
+        warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles), with_live=np.int32(live is not None))
     return ys
 
 

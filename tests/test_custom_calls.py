@@ -421,8 +421,8 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         xq, x_scale = cc.call_fp8_quantize_rows(x, x, input=1)
         normed = cc.call_fp8_quantize_rows(x, x[0], input=2, eps=1e-5)
         mm = cc.call_fp8_scaled_mm(cc.call_fp8_quantize_rows(x, input=0)[0], x_scale, w, scale)
-        return (k_cache, v_cache, out, cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2)),
-                route, xq, normed, mm)
+        linear = cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2), live=kv_lens[0])
+        return k_cache, v_cache, out, linear, route, xq, normed, mm
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
     args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32)]
@@ -436,7 +436,7 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         assert attr in text, attr
     assert "tensor<2x8x128xbf16>, tensor<6240xf32>" in text  # out + workspace B*Hq*S*(D+2)
     assert "tensor<3x64xbf16>, tensor<3x32xbf16>, tensor<576xf32>" in text  # the ys + workspace S*M*sum(N)
-    for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32"):
+    for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32", "with_live = 1 : i32"):
         assert attr in text, attr
     for attr in ("top_k = 3 : i32", "renormalize = 1 : i32", "local_experts = 8 : i32", "block_m = 64 : i32",
                  "row_align = 8 : i32"):
@@ -552,6 +552,35 @@ def test_fp8_linear_matches_f64(rows, k, ns, launch):
         ref, bound = fp8_linear_bound(x, w, scale)
         out = np.asarray(out, np.float64)
         assert np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, live", [(16, 1), (16, 9), (16, 8), (8, 3), (16, 0), (16, 16)])
+def test_fp8_linear_reads_no_row_past_the_live_ones(rows, live):
+    """Given a step's live rows the kernel reads no activation past them (NaN there reaches no output) and writes
+    zeros there; the live rows are what the kernel gives on the rows alone, bit for bit."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((rows, 4096)), jnp.bfloat16)
+    cases = [fp8_linear_case(rng, rows, 4096, n)[1:] for n in (1024, 512, 512)]
+    ws, scales = [w for w, _ in cases], [s for _, s in cases]
+    poisoned = x.at[live:].set(jnp.nan)
+    poison_device_memory((rows, 2048), jnp.bfloat16)
+    outs = jax.jit(lambda x, ws, ss, live: cc.fp8_linear(x, ws, ss, live=live))(poisoned, ws, scales,
+                                                                               jnp.int32(live))
+    alone = jax.jit(lambda x, ws, ss: cc.fp8_linear(x, ws, ss))(x.at[live:].set(0), ws, scales)
+    for out, want in zip(outs, alone):
+        assert_same_bits(out, want, seed)
+        assert not np.asarray(out[live:], np.float32).any(), f"seed {seed}"
+
+
+def test_fp8_linear_reference_zeros_the_rows_past_the_live_ones():
+    rng = np.random.default_rng(4)
+    x, w, scale = fp8_linear_case(rng, 6, 128, 64)
+    full = np.asarray(cc.fp8_linear_reference(x, w, scale), np.float32)
+    got = np.asarray(cc.fp8_linear_reference(x, w, scale, jnp.int32(4)), np.float32)
+    np.testing.assert_array_equal(got[:4], full[:4])
+    assert not got[4:].any()
 
 
 @needs_gpu

@@ -6,7 +6,8 @@
 // the tokens as B, 8 a tile: 16 rows cost what one does. Within one k16 step of an mma the order of k is free, so
 // a lane reads 16 contiguous bytes of a weight row (four k16 steps) and the 16 activations they multiply, not
 // the mma's interleaved fragment layout. A launch costs a few microseconds of ramp and tail whatever it reads,
-// so the weights of one input share one.
+// so the weights of one input share one. A step's live rows (the first ones; the rest pad its bucket) may be given:
+// past them no activation is read and no product made, and those outputs are zeros.
 //
 // Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 16 * warp_tiles * warps_n output channels of one weight
 // and one of `splits` slices of K. Its warps form warps_n columns of 16 * warp_tiles channels by kWarps / warps_n
@@ -32,6 +33,7 @@ constexpr int kMaxGroups = 3;
 
 struct LinearParams {
   const __nv_bfloat16* x;             // [M, K]
+  const int32_t* live;                // [1]: the live rows (null: all M)
   const uint8_t* w[kMaxGroups];       // [N_g, K] e4m3
   const float* scale[kMaxGroups];     // [N_g]
   __nv_bfloat16* y[kMaxGroups];       // [M, N_g]
@@ -106,7 +108,8 @@ struct Chunk {
                x[b] + 4 * i);
   }
 
-  __device__ __forceinline__ void Multiply(float (&acc)[kTiles][kRowTiles][4]) const {
+  // live_tiles: the n8 row tiles holding a live row (the same for the whole CTA)
+  __device__ __forceinline__ void Multiply(float (&acc)[kTiles][kRowTiles][4], int live_tiles) const {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -114,7 +117,8 @@ struct Chunk {
         const uint32_t frag[4] = {WidenPair(w[a][0][j], kLowPair), WidenPair(w[a][1][j], kLowPair),
                                   WidenPair(w[a][0][j], kHighPair), WidenPair(w[a][1][j], kHighPair)};
 #pragma unroll
-        for (int b = 0; b < kRowTiles; ++b) Mma(acc[a][b], frag, x[b][2 * j], x[b][2 * j + 1]);
+        for (int b = 0; b < kRowTiles; ++b)
+          if (b < live_tiles) Mma(acc[a][b], frag, x[b][2 * j], x[b][2 * j + 1]);
       }
   }
 };
@@ -146,10 +150,11 @@ __global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
     for (int h = 0; h < 2; ++h)
       w_rows[a][h] = w + static_cast<int64_t>(n0 + kWarpN * wn + 16 * a + 8 * h + g) * p.k + 16 * t;
   const __nv_bfloat16* x_rows[kRowTiles];
-  bool x_live[kRowTiles];  // tokens past M read as zeros
+  bool x_live[kRowTiles];  // tokens past the live ones read as zeros
+  const int live = p.live ? max(0, min(*p.live, p.m)) : p.m, live_tiles = CeilDiv(live, 8);
 #pragma unroll
   for (int b = 0; b < kRowTiles; ++b) {
-    x_live[b] = 8 * b + g < p.m;
+    x_live[b] = 8 * b + g < live;
     x_rows[b] = p.x + static_cast<int64_t>(min(8 * b + g, p.m - 1)) * p.k + 16 * t;
   }
 
@@ -160,10 +165,10 @@ __global__ void __launch_bounds__(kThreads) Fp8LinearKernel(LinearParams p) {
   if (c < end) even.Load(w_rows, x_rows, x_live, c);
   while (c < end) {
     if (c + kWarpsK < end) odd.Load(w_rows, x_rows, x_live, c + kWarpsK);
-    even.Multiply(acc);
+    even.Multiply(acc, live_tiles);
     if ((c += kWarpsK) >= end) break;
     if (c + kWarpsK < end) even.Load(w_rows, x_rows, x_live, c + kWarpsK);
-    odd.Multiply(acc);
+    odd.Multiply(acc, live_tiles);
     c += kWarpsK;
   }
 
@@ -266,14 +271,16 @@ cudaError_t DispatchTile(const LinearParams& p, int warps_n, int warp_tiles, int
   }
 }
 
-// args: (w_g, scale_g) for each weight; rets: y_g for each, then the workspace.
+// args: (w_g, scale_g) for each weight, then (with_live) the live rows, int32 [1]; rets: y_g for each, then the
+// workspace.
 ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     int32_t splits, int32_t warps_n, int32_t warp_tiles) {
+                     int32_t splits, int32_t warps_n, int32_t warp_tiles, int32_t with_live) {
   const auto xd = x.dimensions();
-  const int groups = args.size() / 2;
+  const int groups = (static_cast<int>(args.size()) - (with_live ? 1 : 0)) / 2;
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2)
     return ffi::Error::InvalidArgument("fp8_linear takes bf16 x [M, K]");
-  if (groups < 1 || groups > kMaxGroups || args.size() != 2 * groups || rets.size() != groups + 1)
+  if (groups < 1 || groups > kMaxGroups || args.size() != 2 * groups + (with_live ? 1 : 0) ||
+      rets.size() != groups + 1)
     return ffi::Error::InvalidArgument("fp8_linear takes 1 to 3 (weight, scale) pairs and gives one y each");
   if (warps_n != 1 && warps_n != 2) return ffi::Error::InvalidArgument("warps_n must be 1 or 2");
   if (warp_tiles != 2 && warp_tiles != 4) return ffi::Error::InvalidArgument("warp_tiles must be 2 or 4");
@@ -302,6 +309,12 @@ ffi::Error Fp8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs a
   for (int g = groups; g < kMaxGroups; ++g) {
     p.tile_begin[g + 1] = p.tile_begin[g];
     p.col_begin[g + 1] = p.col_begin[g];
+  }
+  if (with_live) {
+    auto live = args.get<ffi::Buffer<ffi::S32>>(2 * groups);
+    if (!live.has_value() || live->element_count() != 1)
+      return ffi::Error::InvalidArgument("fp8_linear: the live rows must be one int32");
+    p.live = live->typed_data();
   }
   auto workspace = rets.get<ffi::Buffer<ffi::F32>>(groups);
   if (!workspace.has_value()) return ffi::Error::InvalidArgument("fp8_linear: the workspace must be f32");
@@ -335,5 +348,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8Linear, jaxserve::Fp8Linear,
                                   .RemainingRets()
                                   .Attr<int32_t>("splits")
                                   .Attr<int32_t>("warps_n")
-                                  .Attr<int32_t>("warp_tiles"),
+                                  .Attr<int32_t>("warp_tiles")
+                                  .Attr<int32_t>("with_live"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

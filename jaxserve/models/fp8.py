@@ -61,15 +61,15 @@ class Fp8Linear(nnx.Module):
         self.weight_scale = nnx.Param(scale)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
-    def __call__(self, x, up=None):
+    def __call__(self, x, up=None, live=None):
         """x [..., in] (or silu(x) * up, the MLP's product, which W8A8 steps quantize where it is made) -> [..., out]
-        in x's dtype."""
+        in x's dtype. live: a step's real rows (linears_w8a16)."""
         x2 = x.reshape(-1, x.shape[-1])
         up2 = None if up is None else up.reshape(x2.shape)
         if x2.shape[0] > W8A16_MAX_ROWS:
             y = self.w8a8(x2, up2)
         else:
-            y = self.w8a16(x2 if up2 is None else jax.nn.silu(x2) * up2)
+            y = self.w8a16(x2 if up2 is None else jax.nn.silu(x2) * up2, live)
         y = y.reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias[...]
 
@@ -77,21 +77,32 @@ class Fp8Linear(nnx.Module):
         """x [N, in] (or silu(x) * up) -> [N, out] in x's dtype: both operands e4m3, never upcast."""
         return linears_w8a8([self], x, up)[0]
 
-    def w8a16(self, x):
+    def w8a16(self, x, live=None):
         """x [N, in] -> [N, out] in x's dtype, the weight widened to x's dtype inside the GEMM."""
-        return linears_w8a16([self], x)[0]
+        return linears_w8a16([self], x, live)[0]
 
 
-def linears_w8a16(layers, x) -> list:
+def linear(layer, x, live=None):
+    """layer(x), an Fp8Linear told the step's real rows."""
+    return layer(x, live=live) if isinstance(layer, Fp8Linear) else layer(x)
+
+
+def linears_w8a16(layers, x, live=None) -> list:
     """x [N, in] through Fp8Linear layers that read it (q, k, v; gate, up), W8A16, without their biases. On one
     NVIDIA GPU one launch of the CUDA kernel reads all their weights (custom_calls.fp8_linear: faster than XLA's
-    fused GEMM, and a launch's fixed cost is paid once); it runs on one device only (a sharded weight would be
-    gathered whole for it). Elsewhere XLA's GEMM for each."""
+    fused GEMM, and a launch's fixed cost is paid once), and given live (int32 [] or [1]: the step's real rows, the
+    first ones) no padding row's activations (their outputs are zeros); it runs on one device only (a sharded
+    weight would be gathered whole for it). Elsewhere XLA's GEMM for each, on every row."""
     ws, scales = [layer.weight[...] for layer in layers], [layer.weight_scale[...] for layer in layers]
-    if (W8A16_KERNEL and jax.device_count() == 1 and not custom_calls.fp8_linear_unsupported(x, ws, scales)
-            and custom_calls.available()):
-        return custom_calls.fp8_linear(x, ws, scales)
+    if w8a16_kernel(x, ws, scales):
+        return custom_calls.fp8_linear(x, ws, scales, live=live)
     return [custom_calls.fp8_linear_reference(x, w, s) for w, s in zip(ws, scales)]
+
+
+def w8a16_kernel(x, weights, scales) -> bool:
+    """Whether linears_w8a16 runs the CUDA kernel on x and these e4m3 weights."""
+    return (W8A16_KERNEL and jax.device_count() == 1 and not custom_calls.fp8_linear_unsupported(x, weights, scales)
+            and custom_calls.available())
 
 
 @dataclass(frozen=True)
@@ -140,20 +151,21 @@ def linears_w8a8(layers, x, up=None) -> list:
     return [custom_calls.fp8_scaled_mm(xq, x_scale, w, s) for w, s in zip(ws, scales)]
 
 
-def gated_linear(layer, gate, up):
+def gated_linear(layer, gate, up, live=None):
     """layer(silu(gate) * up), the MLP's down projection: an FP8 layer of W8A8 rows quantizes the product in the
     kernel that makes it."""
-    return layer(gate, up) if isinstance(layer, Fp8Linear) else layer(jax.nn.silu(gate) * up)
+    return layer(gate, up, live) if isinstance(layer, Fp8Linear) else layer(jax.nn.silu(gate) * up)
 
 
-def fp8_linears(layers, x) -> list:
+def fp8_linears(layers, x, live=None) -> list:
     """[layer(x) for layer in layers] for linear layers that read the same x; FP8 decode rows in one W8A16 launch
-    (linears_w8a16), other FP8 rows quantized once (linears_w8a8), NormedRows normalised in that quantize."""
+    (linears_w8a16, told the real rows), other FP8 rows quantized once (linears_w8a8), NormedRows normalised in
+    that quantize."""
     if isinstance(x, NormedRows):
         return [y if layer.bias is None else y + layer.bias[...] for layer, y in zip(layers, linears_w8a8(layers, x))]
     x2 = x.reshape(-1, x.shape[-1])
     if len(layers) == 1 or not all(isinstance(layer, Fp8Linear) for layer in layers):
-        return [layer(x) for layer in layers]
-    ys = linears_w8a16(layers, x2) if x2.shape[0] <= W8A16_MAX_ROWS else linears_w8a8(layers, x2)
+        return [linear(layer, x, live) for layer in layers]
+    ys = linears_w8a16(layers, x2, live) if x2.shape[0] <= W8A16_MAX_ROWS else linears_w8a8(layers, x2)
     return [(y if layer.bias is None else y + layer.bias[...]).reshape(*x.shape[:-1], -1)
             for layer, y in zip(layers, ys)]

@@ -17,7 +17,7 @@ from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS, f32_matmuls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
-from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
+from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, per_shard
 from pallas_kernels.ragged_paged_attention import gpu_capability
@@ -108,10 +108,11 @@ class Attention(nnx.Module):
         self.v_scale = KVScale(jnp.ones((cfg.num_kv_heads,), jnp.float32))
         self.cfg = cfg
 
-    def project(self, x, positions):
-        """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], as attention sees them (normed, rotated)."""
+    def project(self, x, positions, live=None):
+        """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], as attention sees them (normed, rotated). live: the real
+        tokens (live_tokens), which FP8 decode launches read alone."""
         cfg, t = self.cfg, x.shape[0]
-        q, k, v = linears((self.q_proj, self.k_proj, self.v_proj), x)
+        q, k, v = linears((self.q_proj, self.k_proj, self.v_proj), x, live)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k, v = (a.reshape(t, cfg.num_kv_heads, cfg.head_dim) for a in (k, v))
         if self.q_norm is not None:
@@ -120,14 +121,15 @@ class Attention(nnx.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def __call__(self, x, positions, kv_layer, paged):
-        q, k, v = self.project(x, positions)
+        live = live_tokens(paged)
+        q, k, v = self.project(x, positions, live)
         out, kv_layer = attend(q, k, v, positions, kv_layer, paged, sm_scale=self.cfg.head_dim ** -0.5,
                                sliding_window=self.cfg.sliding_window,
                                kv_scales=(self.k_scale[...], self.v_scale[...]))
-        return self.o_proj(out.reshape(x.shape[0], -1)), kv_layer
+        return linear(self.o_proj, out.reshape(x.shape[0], -1), live), kv_layer
 
 
-def linears(layers, x) -> list:
+def linears(layers, x, live=None) -> list:
     """[layer(x) for layer in layers] for linear layers that read the same x (q, k, v; gate, up): GGUF blocks of one
     type in one kernel call (gguf_linears), a CPU's f32 decode rows in one (f32_linears), FP8 decode rows in one
     W8A16 launch (fp8_linears)."""
@@ -135,7 +137,7 @@ def linears(layers, x) -> list:
         return gguf_linears(layers, x)
     if f32_kernel_takes(layers, x):
         return f32_linears(layers, x)
-    return fp8_linears(layers, x)
+    return fp8_linears(layers, x, live)
 
 
 class MLP(nnx.Module):
@@ -145,9 +147,10 @@ class MLP(nnx.Module):
         self.up_proj = _linear(h, i, dtype, rngs, quantization=quantization)
         self.down_proj = _linear(i, h, dtype, rngs, quantization=quantization)
 
-    def __call__(self, x):
-        gate, up = linears((self.gate_proj, self.up_proj), x)
-        return gated_linear(self.down_proj, gate, up)
+    def __call__(self, x, live=None):
+        """live: the real tokens (live_tokens), which FP8 decode launches read alone."""
+        gate, up = linears((self.gate_proj, self.up_proj), x, live)
+        return gated_linear(self.down_proj, gate, up, live)
 
 
 EXPERT_DOT = jax.lax.RaggedDotDimensionNumbers(   # rows sorted by expert [N, in] . weights [E, out, in] -> [N, out]
@@ -263,13 +266,15 @@ def combine(out, pair_rows, weights):
     return jnp.einsum("tk,tkh->th", weights, rows.astype(jnp.float32))
 
 
+def live_tokens(paged):
+    """A paged step's real tokens (int32 []): its first cu_q_lens[num_seqs], the rest pad the bucket; None outside
+    one."""
+    return None if paged is None else paged.batch.cu_q_lens[paged.batch.num_seqs]
+
+
 def moe_context(paged):
-    """(mesh, live tokens [1]) of a paged step for its MoE layers: its first cu_q_lens[num_seqs] tokens are real,
-    the rest pad the bucket; (None, None) outside one."""
-    if paged is None:
-        return None, None
-    batch = paged.batch
-    return paged.mesh, batch.cu_q_lens[batch.num_seqs]
+    """(mesh, live tokens) of a paged step for its MoE layers; (None, None) outside one."""
+    return (None, None) if paged is None else (paged.mesh, live_tokens(paged))
 
 
 class DecoderLayer(nnx.Module):
@@ -287,7 +292,7 @@ class DecoderLayer(nnx.Module):
         if isinstance(self.mlp, MoE):
             return x + self.mlp(self.post_attention_layernorm(x), *moe_context(paged)), kv_layer
         mlp_input = normed_input(self.post_attention_layernorm, x, (self.mlp.gate_proj, self.mlp.up_proj))
-        return x + self.mlp(mlp_input), kv_layer
+        return x + self.mlp(mlp_input, live_tokens(paged)), kv_layer
 
 
 class LlamaForCausalLM(nnx.Module):
