@@ -10,7 +10,7 @@ Rows: bench "fp8_gemm", impl bf16 | fp8_linear | fp8_gemm_f32 | fp8_gemm_bf16, p
 ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json. With --layers: bench "fp8_layers", impl
 "<weights>/<XLA options>", params {tokens, layers}, ms per layer, gbps of weight bytes, and the step's costliest
 GPU kernels printed. With --decode: bench "fp8_decode_gemm", impl xla | bf16 | kernel/auto |
-kernel/splits=<s>/warps_n=<w>/warp_tiles=<t>, params {tokens, group, in, out: [N of each weight]}, ms of device
+kernel/splits=<s>/warps_n=<w>/warp_tiles=<t> | kernel/auto/live=1 (only the first row read), params {tokens, group, in, out: [N of each weight]}, ms of device
 time per launch group (DECODE_GROUPS, timed over enough distinct weights to pass the L2 cache) and gbps of weight
 bytes, rows fp8_decode_gemm_<backend>.json.
 """
@@ -154,6 +154,8 @@ def decode_cases(ns: tuple[int, ...]):
         name = "kernel/auto" if launch is None else "kernel/splits={}/warps_n={}/warp_tiles={}".format(*launch)
         cases.append((name, jax.jit(lambda x, gws, gss, launch=launch: [
             custom_calls.fp8_linear(x, ws, ss, launch=launch) for ws, ss in zip(gws, gss)])))
+    cases.append(("kernel/auto/live=1", jax.jit(lambda x, gws, gss: [   # a batch-1 step's one real row
+        custom_calls.fp8_linear(x, ws, ss, live=jnp.int32(1)) for ws, ss in zip(gws, gss)])))
     return cases
 
 
@@ -179,7 +181,7 @@ def bench_decode(tokens: int = 16) -> list[dict]:
             rows.append({"bench": "fp8_decode_gemm", "impl": impl,
                          "params": {"tokens": tokens, "group": name, "in": k, "out": list(ns)},
                          "ms": ms, "gbps": nbytes / ms / 1e6})
-            if not impl.startswith("kernel/splits"):
+            if not impl.startswith("kernel/splits"):   # auto, live=1, XLA, bf16
                 print(f"T={tokens:3d} {name:8s} {impl:12s} {ms * 1e3:7.2f} us {rows[-1]['gbps']:6.0f} GB/s"
                       f"{f'  (kernel: max err / max |y| {max(map(float, errs)):.1e})' if impl == 'xla' else ''}",
                       flush=True)
