@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -105,15 +106,16 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
     columns += wd[1];
   }
   const int64_t slice_rows = ChunkSize(pool, k, kMinSliceRows), slices = (k + slice_rows - 1) / slice_rows;
-  std::vector<float> partials(slices * m * columns);
+  // each slice zeroes its own sums before adding: no zeroed allocation
+  const std::unique_ptr<float[]> partials(new float[slices * m * columns]);
   const auto add = m == 1 ? AddSlices<1> : m == 2 ? AddSlices<2> : m == 3 ? AddSlices<3> : AddSlices<4>;
   ParallelFor(pool, k, kMinSliceRows, [&](int64_t begin, int64_t end) {
-    add(x.typed_data(), k, weights, columns, slice_rows, partials.data(), begin, end);
+    add(x.typed_data(), k, weights, columns, slice_rows, partials.get(), begin, end);
   });
   for (const Weight& wt : weights) {
     for (int64_t r = 0; r < m; ++r) {
       float* y = wt.y + r * wt.n;
-      const float* first = partials.data() + r * columns + wt.column;
+      const float* first = partials.get() + r * columns + wt.column;
       std::copy(first, first + wt.n, y);
       for (int64_t s = 1; s < slices; ++s) {
         const float* p = first + s * m * columns;
