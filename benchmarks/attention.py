@@ -462,9 +462,10 @@ MOSAIC_DECODE_VARIANTS = [{"mosaic_decode_steps": 2}, {"mosaic_decode_block_kv":
 MOSAIC_TUNE_POINTS = ((64, 512), (8, 4096))
 
 
-def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP):
+def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP, variants=None):
     """The decode-only launch on each backend (Mosaic GPU beside Triton) over each of KV_RUNS' caches, cuDNN and the
-    CUDA custom call, at each point; the Mosaic kernel's tuning variants at the tuning points."""
+    CUDA custom call, at each point; the Mosaic kernel's tuning `variants` at every point, or (None) its
+    MOSAIC_DECODE_VARIANTS at the tuning points."""
     measure_copy(rec)
     for batch_size, context in sorted(points, key=lambda p: -p[0]):  # large batches first
         if not fits(batch_size, context, free_bytes):
@@ -473,8 +474,9 @@ def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP):
         for kv_dtype, batch, expected in kv_variants(bf16):
             params = {"batch": batch_size, "context": context, "kv_dtype": kv_dtype, "path": "decode-only"}
             sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-            variants = [{}] + (MOSAIC_DECODE_VARIANTS if (batch_size, context) in MOSAIC_TUNE_POINTS else [])
-            for backend, variant in [("triton", {})] + [("mosaic", v) for v in variants]:
+            tuned = (MOSAIC_DECODE_VARIANTS if (batch_size, context) in MOSAIC_TUNE_POINTS else []) \
+                if variants is None else variants
+            for backend, variant in [("triton", {})] + [("mosaic", v) for v in [{}] + tuned]:
                 rec.measure("decode", f"jaxserve-{backend}", {**params, "tuning": variant or "default"},
                             ours({**TUNING, **variant, "decode_backend": backend}, decode_only=True), sets, batch,
                             expected, info)
@@ -573,6 +575,9 @@ def main():
     parser.add_argument("--mosaic-decode", action="store_true", help="decode-only on Mosaic GPU beside Triton")
     parser.add_argument("--points", nargs="+", metavar="BxCTX", help="--mosaic-decode at these points (default: "
                         "the sweep's)")
+    parser.add_argument("--mosaic-variants", metavar="JSON", help="--mosaic-decode: a JSON list of Tuning "
+                        "overrides for the Mosaic kernel, timed at every point (default: its variants at the tuning "
+                        "points)")
     parser.add_argument("--max-calls", type=int, default=MAX_CALLS, help="most calls per timed program")
     parser.add_argument("--target-ms", type=float, default=TARGET_RUN_S * 1e3, help="GPU time per timed program")
     parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
@@ -599,7 +604,8 @@ def main():
         run_plans(rec)
     elif args.mosaic_decode:
         points = [tuple(map(int, p.split("x"))) for p in args.points] if args.points else DECODE_SWEEP
-        run_mosaic_decode(rec, free, points)
+        variants = json.loads(args.mosaic_variants) if args.mosaic_variants else None
+        run_mosaic_decode(rec, free, points, variants)
     else:
         run_full(rec, free)
         plot(rec.rows, os.path.splitext(args.out)[0] + ".png")

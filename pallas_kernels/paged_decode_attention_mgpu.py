@@ -11,15 +11,18 @@ The decode-only launch of `ragged_paged_attention` without Pallas's Triton backe
   pipeline's ramp once per CTA, not once per item, and no wave is left a few CTAs long.
 - The q heads of one kv head (GQA) are the first rows of a 64-row wgmma tile, the rest zeros: decode is bound by
   the K/V reads, and the tensor cores' idle rows cost less than moving the dots off them.
-- Two warpgroups per CTA: the memory warpgroup TMA-copies each step's pages (block_kv // block_size for K and for
-  V) into a ring `max_concurrent_steps` deep, running on into the next item's; the compute warpgroup runs QK,
-  the online softmax and PV as the pages land, and frees each slot after its PV.
+- A memory warpgroup TMA-copies each step's pages (block_kv // block_size for K and for V) into a ring
+  `max_concurrent_steps` deep, running on into the next item's. `compute_warpgroups` (1 or 2) run QK, the online
+  softmax and PV as the pages land, each freeing a slot after its PV. Two take alternate steps of an item, so one's
+  chain of dependent latencies (over an fp8 cache: the tiles' conversion, the dots, the softmax) overlaps the
+  other's, and are merged by log-sum-exp through SMEM at the item's end.
 - Keys past the context (the last step's tail: the null block) are masked and their V rows zeroed, since
   0 x NaN would leak; pages before a sliding window's start are not read.
 - FP8 (e4m3) caches are read as their values (any scale is the caller's): each K and V tile is converted in
   registers to float16 into a swizzled tile for wgmma (e4m3 -> bf16 takes a newer PTX than CUDA 13's), and q is
   clipped to float16's range, as the Triton kernels do.
 """
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (LOG2E, log2_logits, mosaic_interpret_params, normalize, online_softmax_step,
-                                   per_row)
+from pallas_kernels.common import (LOG2E, exp2_shift, log2_logits, mosaic_interpret_params, normalize,
+                                   online_softmax_step, per_row)
 from pallas_kernels.paged_prefill_attention_mgpu import page_addressing, wgmma_carry, zero_rows_from
 
 FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)
@@ -48,6 +51,8 @@ class DecodeTuning:
     programs: int = 132  # work items a launch aims for: small batches split their contexts until they fill it
     max_splits: int = 16
     num_ctas: int = 132  # persistent grid, one CTA per SM (H100); the caller passes the device's core count
+    compute_warpgroups: int = 1  # 2: alternate steps of an item (max_concurrent_steps even), merged at its end;
+    # pays over fp8 caches (their tiles' conversion is on the chain), not over bf16 ones
 
 
 def supported(q, k_cache, tuning: DecodeTuning = DecodeTuning()) -> str | None:
@@ -64,6 +69,10 @@ def supported(q, k_cache, tuning: DecodeTuning = DecodeTuning()) -> str | None:
         return f"block_size {block_size} (needs a multiple of 8 dividing block_kv={tuning.block_kv})"
     if group > TILE_ROWS:
         return f"{group} q heads per kv head (at most {TILE_ROWS})"
+    if tuning.compute_warpgroups not in (1, 2) or tuning.max_concurrent_steps % tuning.compute_warpgroups:
+        return (f"compute_warpgroups={tuning.compute_warpgroups} with max_concurrent_steps="
+                f"{tuning.max_concurrent_steps} (needs 1, or 2 with an even ring: a slot's steps stay one "
+                "warpgroup's)")
     return None
 
 
@@ -98,7 +107,7 @@ def paged_decode_attention(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *,
     out = plgpu.kernel(
         kernel, out_type=out_type,
         scratch_types=(scratch(q.dtype, k_cache.dtype, head_dim, tuning, k_cache.shape[1], splits > 1, interpret),),
-        grid=(num_ctas,), grid_names=("cta",), num_threads=2, thread_name="wg",
+        grid=(num_ctas,), grid_names=("cta",), num_threads=tuning.compute_warpgroups + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params(interpret),
     )(jnp.asarray(num_decodes, jnp.int32).reshape(1), kv_lens, q, k_cache, v_cache, blocks)
@@ -138,38 +147,76 @@ class Scratch:
     # start anywhere in HBM)
     k: Ring
     v: Ring
-    free: Any  # per ring slot: the compute warpgroup is done with its K and V
+    free: Any  # per ring slot: its compute warpgroup is done with its K and V
     q_ready: Any  # [2], one per staging buffer
     p_tile: Any  # softmax probabilities for the interpreter's wgmma (SMEM operands only); None on the GPU
     parts: Any  # float32 partial and its log2-sum-exp when the contexts are split; else None
     lse: Any
     k_tile: Any  # an fp8 cache's K and V tiles converted for wgmma; None when the ring holds q's dtype
     v_tile: Any
+    merge: Any  # two compute warpgroups: the second's (acc, m, l) for the first to merge; else None
+    q_set: Any  # two: the first wrote the item's q_tile / read the second's partial
+    merge_free: Any
+    merged: Any  # the second wrote its partial (so is done with q_tile)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Merge:
+    acc: Any  # [64, head_dim] float32 (the split partial's buffer where there is one: it is written after)
+    m: Any
+    l: Any
 
 
 def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, split, interpret) -> Scratch:
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     steps, pages = tuning.max_concurrent_steps, tuning.block_kv // block_size
+    wgs = tuning.compute_warpgroups
     fp8 = jnp.dtype(cache_dtype) == FP8_CACHE
     compute = jnp.float16 if fp8 else dtype
 
-    def ring():  # an fp8 ring is only read into registers: plain
+    def ring():  # an fp8 ring is only read into registers: plain (swizzled measured no faster)
         return Ring(plgpu.SMEM((steps, tuning.block_kv, head_dim), cache_dtype, transforms=() if fp8 else swizzled),
                     plgpu.Barrier(num_arrivals=pages, num_barriers=steps))
 
-    def converted():
-        return plgpu.SMEM((tuning.block_kv, head_dim), compute, transforms=swizzled) if fp8 else None
+    def per_warpgroup(shape, dtype):
+        return plgpu.SMEM((wgs, *shape), dtype, transforms=swizzled)
 
+    def converted():
+        return per_warpgroup((tuning.block_kv, head_dim), compute) if fp8 else None
+
+    parts = plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32) if split else None
+    merge, signals = None, (None,) * 3
+    if wgs == 2:
+        # float32 swizzled (8 x 32 tiles): the accumulator's layout stores and loads it without bank conflicts
+        acc = plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32,
+                         transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+        merge = Merge(acc if parts is None else None,
+                      plgpu.SMEM((TILE_ROWS,), jnp.float32), plgpu.SMEM((TILE_ROWS,), jnp.float32))
+        signals = tuple(plgpu.Barrier() for _ in range(3))
     return Scratch(
         q_tile=plgpu.SMEM((TILE_ROWS, head_dim), compute, transforms=swizzled),
         staging=plgpu.SMEM((2, TILE_ROWS, head_dim), dtype),
         k=ring(), v=ring(),
         free=plgpu.Barrier(num_barriers=steps),
         q_ready=plgpu.Barrier(num_barriers=2),
-        p_tile=plgpu.SMEM((TILE_ROWS, tuning.block_kv), compute, transforms=swizzled) if interpret else None,
-        parts=plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32) if split else None,
+        p_tile=per_warpgroup((TILE_ROWS, tuning.block_kv), compute) if interpret else None,
+        parts=parts,
         lse=plgpu.SMEM((TILE_ROWS,), jnp.float32) if split else None,
-        k_tile=converted(), v_tile=converted())
+        k_tile=converted(), v_tile=converted(),
+        merge=merge, q_set=signals[0], merge_free=signals[1], merged=signals[2])
+
+
+def of_warpgroup(scratch: Scratch, wg: int) -> Scratch:
+    """The CTA's scratch as compute warpgroup `wg` uses it: its own converted tiles and interpreter operand."""
+    def own(ref):
+        return None if ref is None else ref.at[wg]
+
+    merge = scratch.merge
+    if merge is not None and merge.acc is None:
+        merge = Merge(scratch.parts, merge.m, merge.l)
+    return dataclasses.replace(scratch, p_tile=own(scratch.p_tile), k_tile=own(scratch.k_tile),
+                               v_tile=own(scratch.v_tile), merge=merge)
 
 
 @jax.tree_util.register_dataclass
@@ -201,38 +248,64 @@ def locate(n, num_ref, kv_lens_ref, *, kv_heads, num_ctas, splits, block_kv, sli
 
 def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, tuning, splits, num_ctas, sm_scale,
                   sliding_window, soft_cap, blocks_per_row, block_stride):
-    """A persistent CTA: its two warpgroups walk the same work items in the same order, the memory warpgroup
-    running ahead into the next item's pages while the compute warpgroup finishes one."""
+    """A persistent CTA: its warpgroups walk the same work items in the same order, the memory warpgroup running
+    ahead into the next item's pages while the compute warpgroups finish one."""
     *outs, scratch = refs
     kv_heads = k_ref.shape[2]
     group = q_ref.shape[1] // kv_heads
     num_items = pl.cdiv(outs[0].shape[0] * kv_heads - lax.axis_index("cta"), num_ctas)
     item = functools.partial(locate, num_ref=num_ref, kv_lens_ref=kv_lens_ref, kv_heads=kv_heads, num_ctas=num_ctas,
                              splits=splits, block_kv=tuning.block_kv, sliding_window=sliding_window)
-    wg = lax.axis_index("wg")
+    attend_item = functools.partial(attend, tuning=tuning, sm_scale=sm_scale, soft_cap=soft_cap)
+    wg, wgs = lax.axis_index("wg"), tuning.compute_warpgroups
 
     @pl.when(wg == 0)
     def _():
         plgpu.set_max_registers(232, action="increase")
+        own = of_warpgroup(scratch, 0)
 
         def one(n, carry):
             step, work = carry
             nxt = item(n + 1)  # its length loads now, its q once this item's q is in place
-            buffer = n % 2
-            plgpu.barrier_wait(scratch.q_ready.at[buffer])
-            scratch.q_tile[...] = as_compute(scratch.staging[buffer], scratch.q_tile.dtype)  # rows past the group:
-            # leftovers, harmless: wgmma's rows are independent and only the group's are stored
-            plgpu.commit_smem()
-            pl.when(n + 1 < num_items)(lambda: load_q(nxt, 1 - buffer, q_ref, scratch, group))
-            acc, m, l = attend(work, step, scratch, tuning=tuning, sm_scale=sm_scale, soft_cap=soft_cap)
+            buffer, more = n % 2, n + 1 < num_items
+            pl.when(more)(lambda: load_q(nxt, 1 - buffer, q_ref, scratch, group))
+            acc, m, l = attend_item(work, step, own, 0)
+            if wgs == 2:  # the second is done with q_tile once its partial is written
+                plgpu.barrier_wait(scratch.merged)
+            pl.when(more)(lambda: set_q_tile(scratch, 1 - buffer))
+            if wgs == 2:
+                acc, m, l = merge_states((acc, m, l), read_partial(own.merge))
             store(work, acc, m, l, outs, scratch, group, scratch.staging.at[buffer])
+            if wgs == 2:  # after the store: a split's partial leaves through the merge buffer
+                plgpu.barrier_arrive(scratch.merge_free)
             return step + work.hi - work.lo, nxt
 
-        first = item(0)
-        pl.when(num_items > 0)(lambda: load_q(first, 0, q_ref, scratch, group))
-        lax.fori_loop(0, num_items, one, (0, first))
+        @pl.when(num_items > 0)
+        def _():
+            load_q(item(0), 0, q_ref, scratch, group)
+            set_q_tile(scratch, 0)
 
-    @pl.when(wg == 1)
+        lax.fori_loop(0, num_items, one, (0, item(0)))
+
+    if wgs == 2:
+        @pl.when(wg == 1)
+        def _():
+            plgpu.set_max_registers(232, action="increase")
+            own = of_warpgroup(scratch, 1)
+
+            def one(n, carry):
+                step, work = carry
+                plgpu.barrier_wait(scratch.q_set)
+                partial = attend_item(work, step, own, 1)
+                pl.when(n > 0)(lambda: plgpu.barrier_wait(scratch.merge_free))
+                write_partial(own.merge, *partial)
+                plgpu.barrier_arrive(scratch.merged)
+                return step + work.hi - work.lo, item(n + 1)
+
+            lax.fori_loop(0, num_items, one, (0, item(0)))
+            pl.when(num_items > 0)(lambda: plgpu.barrier_wait(scratch.merge_free))  # the last item's
+
+    @pl.when(wg == wgs)
     def _():
         plgpu.set_max_registers(40, action="decrease")
         pages = page_addressing(blocks_ref, blocks_per_row, block_stride)
@@ -242,6 +315,39 @@ def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, 
         for i in range(depth):  # observe the last releases before the barriers go
             last = steps - depth + i
             pl.when(last >= 0)(lambda: plgpu.barrier_wait(scratch.free.at[last % depth]))
+
+
+def set_q_tile(scratch: Scratch, buffer):
+    """q_tile from staging[buffer] once its q landed; the second compute warpgroup is told."""
+    plgpu.barrier_wait(scratch.q_ready.at[buffer])
+    # rows past the group: leftovers, harmless: wgmma's rows are independent and only the group's are stored
+    scratch.q_tile[...] = as_compute(scratch.staging[buffer], scratch.q_tile.dtype)
+    plgpu.commit_smem()
+    if scratch.q_set is not None:
+        plgpu.barrier_arrive(scratch.q_set)
+
+
+def write_partial(merge: Merge, acc, m, l):
+    merge.acc[...] = acc
+    merge.m[...] = m
+    merge.l[...] = l
+    plgpu.commit_smem()
+
+
+def read_partial(merge: Merge):
+    row = plgpu.Layout.WGMMA.reduce(1)
+    return (plgpu.load(merge.acc, layout=plgpu.Layout.WGMMA, optimized=False),
+            plgpu.load(merge.m, layout=row, optimized=False), plgpu.load(merge.l, layout=row, optimized=False))
+
+
+def merge_states(a, b):
+    """Two online-softmax states (acc, m, l) over disjoint keys as one: each weighed by exp2(its max - the max)."""
+    (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    shift = exp2_shift(m)
+    alpha_a, alpha_b = jnp.exp2(m_a - shift), jnp.exp2(m_b - shift)
+    return (acc_a * per_row(alpha_a, acc_a.shape) + acc_b * per_row(alpha_b, acc_b.shape), m,
+            l_a * alpha_a + l_b * alpha_b)
 
 
 def stream(work: Work, step, k_ref, v_ref, pages, scratch: Scratch, tuning: DecodeTuning):
@@ -274,18 +380,26 @@ def load_q(work: Work, buffer, q_ref, scratch: Scratch, group):
                             scratch.staging.at[buffer, pl.ds(0, group)], scratch.q_ready.at[buffer])
 
 
-def attend(work: Work, step, scratch: Scratch, *, tuning, sm_scale, soft_cap):
-    """Compute warpgroup: the online softmax of the item's q heads (in q_tile) over its steps; (acc, m, l)."""
-    bkv = tuning.block_kv
+def attend(work: Work, step, scratch: Scratch, wg: int, *, tuning, sm_scale, soft_cap):
+    """Compute warpgroup `wg`: the online softmax of the item's q heads (in q_tile) over its steps, (acc, m, l).
+    With two, a warpgroup takes the steps whose ring count (step on) has its parity."""
+    bkv, wgs = tuning.block_kv, tuning.compute_warpgroups
     # steps inside [full_lo, full_hi) need no mask: every key visible
     full_lo = jnp.clip(pl.cdiv(work.first, bkv), work.lo, work.hi)
     full_hi = jnp.clip(work.kv_len // bkv, full_lo, work.hi)
-    attend_one = functools.partial(attend_step, base=step - work.lo, work=work, scratch=scratch, tuning=tuning,
+    base = step - work.lo
+    attend_one = functools.partial(attend_step, base=base, work=work, scratch=scratch, tuning=tuning,
                                    sm_scale=sm_scale, soft_cap=soft_cap)
+
+    def steps(lo, hi, masked, carry):  # this warpgroup's steps of [lo, hi)
+        first = lo + (wg + wgs - (base + lo) % wgs) % wgs
+        count = pl.cdiv(jnp.maximum(hi - first, 0), wgs)
+        return lax.fori_loop(0, count, lambda i, c: attend_one(first + i * wgs, c, masked=masked), carry)
+
     carry = wgmma_carry(scratch.q_tile.shape)
-    carry = lax.fori_loop(work.lo, full_lo, functools.partial(attend_one, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend_one, masked=False), carry)
-    return lax.fori_loop(full_hi, work.hi, functools.partial(attend_one, masked=True), carry)
+    carry = steps(work.lo, full_lo, True, carry)
+    carry = steps(full_lo, full_hi, False, carry)
+    return steps(full_hi, work.hi, True, carry)
 
 
 def as_compute(q, dtype):

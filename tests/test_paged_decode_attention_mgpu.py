@@ -35,19 +35,23 @@ def check_decode(batch, tuning, label, **options):
     check_close(out, expected, batch, jnp.bfloat16, label)  # float16 is held to bfloat16's (looser) tolerance
 
 
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("tuning, options, cache", [
     (SPLIT, {"sliding_window": 33}, None),  # splits merged after the launch; a window starting inside a step
     (WHOLE, {}, None),  # one item a context: the output written by the kernel itself
     (SPLIT, {}, FP8),  # e4m3 tiles converted to float16 for wgmma
 ])
-def test_decode_matches_reference(tuning, options, cache):
+def test_decode_matches_reference(tuning, options, cache, warpgroups):
     """Contexts of 1 key, one page, a page and one key, a whole 64-key step, several steps with a ragged tail;
     a row past the decodes (token 7) and padding tokens past the sequence slots come out zeros. An fp8 cache is
-    checked against the reference over the same cache: e4m3 values are exact in float16, so bf16 q's tolerance holds."""
+    checked against the reference over the same cache: e4m3 values are exact in float16, so bf16 q's tolerance holds.
+    Two compute warpgroups take alternate steps (an odd count leaves the second one fewer, a 1-step context none)
+    and merge."""
     shape = {**GEOMETRY, "num_tokens": 16, "max_blocks": 16}
     batch = cached_as(make_batch(np.random.default_rng(5), [1] * 7, [1, 16, 17, 64, 99, 250, 3], **shape,
                                  dtype=jnp.bfloat16), cache)
-    check_decode(batch, tuning, f"{tuning} {cache}", **options)
+    check_decode(batch, {**tuning, "mosaic_decode_warpgroups": warpgroups}, f"{tuning} {cache} {warpgroups}",
+                 **options)
 
 
 @pytest.mark.slow
