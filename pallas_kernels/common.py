@@ -58,6 +58,16 @@ def online_softmax_step(m, logits, *, rows_see_keys=False):
     return m_new, jnp.exp2(logits - per_row(shift, logits.shape)), jnp.exp2(m - shift)
 
 
+def merge_carries(a, b):
+    """Two carries (acc, m, l) over disjoint keys as one: each weighed by exp2(its max - the max)."""
+    (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    shift = exp2_shift(m)
+    alpha_a, alpha_b = jnp.exp2(m_a - shift), jnp.exp2(m_b - shift)
+    return (acc_a * per_row(alpha_a, acc_a.shape) + acc_b * per_row(alpha_b, acc_b.shape), m,
+            l_a * alpha_a + l_b * alpha_b)
+
+
 def normalize(acc, l):
     """acc / l row by row; rows that saw no key (l == 0) come out as zeros."""
     return acc / per_row(jnp.where(l == 0, 1.0, l), acc.shape)

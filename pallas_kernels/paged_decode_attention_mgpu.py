@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (LOG2E, exp2_shift, log2_logits, mosaic_interpret_params, normalize,
+from pallas_kernels.common import (LOG2E, log2_logits, merge_carries, mosaic_interpret_params, normalize,
                                    online_softmax_step, per_row)
 from pallas_kernels.paged_prefill_attention_mgpu import page_addressing, wgmma_carry, zero_rows_from
 
@@ -274,7 +274,7 @@ def decode_kernel(num_ref, kv_lens_ref, q_ref, k_ref, v_ref, blocks_ref, *refs, 
                 plgpu.barrier_wait(scratch.merged)
             pl.when(more)(lambda: set_q_tile(scratch, 1 - buffer))
             if wgs == 2:
-                acc, m, l = merge_states((acc, m, l), read_partial(own.merge))
+                acc, m, l = merge_carries((acc, m, l), read_partial(own.merge))
             store(work, acc, m, l, outs, scratch, group, scratch.staging.at[buffer])
             if wgs == 2:  # after the store: a split's partial leaves through the merge buffer
                 plgpu.barrier_arrive(scratch.merge_free)
@@ -338,16 +338,6 @@ def read_partial(merge: Merge):
     row = plgpu.Layout.WGMMA.reduce(1)
     return (plgpu.load(merge.acc, layout=plgpu.Layout.WGMMA, optimized=False),
             plgpu.load(merge.m, layout=row, optimized=False), plgpu.load(merge.l, layout=row, optimized=False))
-
-
-def merge_states(a, b):
-    """Two online-softmax states (acc, m, l) over disjoint keys as one: each weighed by exp2(its max - the max)."""
-    (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
-    m = jnp.maximum(m_a, m_b)
-    shift = exp2_shift(m)
-    alpha_a, alpha_b = jnp.exp2(m_a - shift), jnp.exp2(m_b - shift)
-    return (acc_a * per_row(alpha_a, acc_a.shape) + acc_b * per_row(alpha_b, acc_b.shape), m,
-            l_a * alpha_a + l_b * alpha_b)
 
 
 def stream(work: Work, step, k_ref, v_ref, pages, scratch: Scratch, tuning: DecodeTuning):
