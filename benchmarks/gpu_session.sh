@@ -48,6 +48,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-ncu       # the routing kernel under Nsight Compute
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-fp8      # Mosaic GPU decode over an FP8 cache
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-fp8-engine   # batch 1 over an FP8 cache, each backend
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-only     # no Triton kernel: tests, engine beside default
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
@@ -116,12 +117,13 @@ case $1 in
       run 120 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
         --set decode_attention=$backend --out "$OUT/offline_mosaic_decode_gpu.json"
     done ;;
-  mosaic-fp8)   # the Mosaic GPU decode over an FP8 cache: its GPU tests, beside Triton at the sweep's points (bf16
-    # caches in the same run), batch 1 in the engine over an FP8 cache on each backend
+  mosaic-fp8)   # the Mosaic GPU decode over an FP8 cache: its GPU tests, then beside Triton (bf16 caches in the same
+    # run; one compute warpgroup beside the default); the engine over an FP8 cache on each backend is mosaic-fp8-engine
     run 110 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
-    run 220 python benchmarks/attention.py --mosaic-decode --kv-dtype fp8 \
-      --points 256x512 64x512 8x512 8x4096 64x4096 256x4096 --out "$OUT/attention_mosaic_decode_gpu.json"
+    run 420 python benchmarks/attention.py --mosaic-decode --kv-dtype fp8 --points 256x4096 256x512 64x512 \
+      --mosaic-variants '[{"mosaic_decode_warpgroups": 1}]' --out "$OUT/attention_mosaic_decode_gpu.json" ;;
+  mosaic-fp8-engine)   # batch 1 in the engine over an FP8 cache on each backend
     for backend in mosaic triton; do
       run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
         --set kv_cache_dtype=fp8 decode_attention=$backend --out "$OUT/offline_mosaic_decode_gpu.json"
