@@ -6,6 +6,7 @@ past each sequence's end and garbage lengths past num_seqs, so a key read past a
 unwritten output row shows up as NaN. Every call goes through `ragged_paged_attention(decode_only=True,
 decode_backend="mosaic")`, the engine's entry point.
 """
+import dataclasses
 import importlib
 
 import jax.numpy as jnp
@@ -40,13 +41,23 @@ def check_decode(batch, tuning, label, **options):
     (SPLIT, {"sliding_window": 33}, None),  # splits merged after the launch; a window starting inside a step
     (WHOLE, {}, None),  # one item a context: the output written by the kernel itself
     (SPLIT, {}, FP8),  # e4m3 tiles converted to float16 for wgmma
+    (WHOLE, {}, FP8),  # over fp8, the output written by the kernel itself
 ])
-def test_decode_matches_reference(tuning, options, cache, warpgroups):
+@pytest.mark.parametrize("few_ctas", [False, True])
+def test_decode_matches_reference(tuning, options, cache, warpgroups, few_ctas, monkeypatch):
     """Contexts of 1 key, one page, a page and one key, a whole 64-key step, several steps with a ragged tail;
     a row past the decodes (token 7) and padding tokens past the sequence slots come out zeros. An fp8 cache is
     checked against the reference over the same cache: e4m3 values are exact in float16, so bf16 q's tolerance holds.
     Two compute warpgroups take alternate steps (an odd count leaves the second one fewer, a 1-step context none)
-    and merge."""
+    and merge. few_ctas: on the GPU, 4 CTAs as interpreted, so each walks several items, as at the engine's
+    large batches (one CTA per SM takes every item of these small batches alone)."""
+    if few_ctas:
+        if not ON_GPU:
+            pytest.skip("interpreted, every case already runs 4 CTAs of several items each")
+        kernels = importlib.import_module("pallas_kernels.ragged_paged_attention")
+        on_mosaic = kernels.decode_on_mosaic
+        monkeypatch.setattr(kernels, "decode_on_mosaic",
+                            lambda *a, **k: dataclasses.replace(on_mosaic(*a, **k), num_ctas=4))
     shape = {**GEOMETRY, "num_tokens": 16, "max_blocks": 16}
     batch = cached_as(make_batch(np.random.default_rng(5), [1] * 7, [1, 16, 17, 64, 99, 250, 3], **shape,
                                  dtype=jnp.bfloat16), cache)
