@@ -25,6 +25,7 @@ per call (benchmarks/NOTES_attention.md, v5).
   python benchmarks/attention.py --plans         # decode paths and the CUDA call's splits, with the peers
   python benchmarks/attention.py --mosaic-decode # decode-only on each backend (Mosaic GPU, Triton), cuDNN, CUDA
   python benchmarks/attention.py --kv-dtype fp8  # any of the above with fp8-cache rows beside the bf16 ones
+  python benchmarks/attention.py --mosaic-decode --kv-dtype fp8 --kv-only  # the fp8 rows alone (Triton beside)
 """
 import argparse
 import json
@@ -49,7 +50,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
 KV_DTYPES = {"bf16": DTYPE, "fp8": jnp.float8_e4m3fn}  # our kernel's caches; the peers read bf16
-KV_RUNS = ["bf16"]  # the caches our rows run over, bf16 first (--kv-dtype)
+KV_RUNS = ["bf16"]  # the caches our rows run over, bf16 first (--kv-dtype; --kv-only: that one alone)
 SM_SCALE = 1 / math.sqrt(HEAD_DIM)
 L2_BYTES = 50e6
 TARGET_RUN_S = 2e-3  # GPU time per timed program: long enough to hide launch and sync overhead
@@ -245,7 +246,7 @@ def gather_attend(q, k_cache, v_cache, tables, q_pos):
 
 
 def kv_variants(batch: Batch):
-    """(kv dtype, `batch` over its caches in that dtype, the reference output) for each of KV_RUNS, bf16 first."""
+    """(kv dtype, `batch` over its caches in that dtype, the reference output) for each of KV_RUNS."""
     for kv_dtype in KV_RUNS:
         converted = with_kv_dtype(batch, kv_dtype)
         yield kv_dtype, converted, reference(converted)
@@ -584,13 +585,15 @@ def main():
     parser.add_argument("--tuning", default="{}", help="JSON Tuning overrides for our rows")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
                         help="fp8: our rows over e4m3 caches too, beside the bf16 ones (--pick: pick from those)")
+    parser.add_argument("--kv-only", action="store_true", help="--kv-dtype's rows alone, without the bf16 ones and "
+                        "the peers that run with them (cuDNN, the CUDA call): Triton over the same cache remains")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention_h100.json"))
     args = parser.parse_args()
     if args.pick:
         with open(args.pick) as f:
             return print(json.dumps(pick_tuning(json.load(f), args.kv_dtype)))
     TUNING.update(json.loads(args.tuning))
-    KV_RUNS[:] = ["bf16"] if args.kv_dtype == "bf16" else ["bf16", args.kv_dtype]
+    KV_RUNS[:] = ["bf16"] if args.kv_dtype == "bf16" else [args.kv_dtype] if args.kv_only else ["bf16", args.kv_dtype]
     MAX_CALLS, TARGET_RUN_S = args.max_calls, args.target_ms / 1e3
     if args.profile:
         return run_profile()
