@@ -593,7 +593,7 @@ def main():
         with open(args.pick) as f:
             return print(json.dumps(pick_tuning(json.load(f), args.kv_dtype)))
     TUNING.update(json.loads(args.tuning))
-    KV_RUNS[:] = ["bf16"] if args.kv_dtype == "bf16" else [args.kv_dtype] if args.kv_only else ["bf16", args.kv_dtype]
+    KV_RUNS[:] = [args.kv_dtype] if args.kv_only or args.kv_dtype == "bf16" else ["bf16", args.kv_dtype]
     MAX_CALLS, TARGET_RUN_S = args.max_calls, args.target_ms / 1e3
     if args.profile:
         return run_profile()
