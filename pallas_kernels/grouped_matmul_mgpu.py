@@ -15,7 +15,9 @@ lhs [M, K] rows sorted by group (group g's rows are the next group_sizes[g]), rh
   CUDA launch) and gathers its tokens straight into the sorted rows with their margin.
 - A persistent grid (one CTA per SM) deals the work units round-robin, n-blocks of a tile on neighbouring CTAs (the
   tile's rows are read once into L2). Each unit pipelines K through a TMA ring `max_concurrent_steps` deep into
-  wgmma (f32 accumulator) and stores its block_m x block_n tile through SMEM.
+  wgmma (f32 accumulator) and stores its block_m x block_n tile through SMEM. Where the tiles are too few for
+  their units to fill the grid (a decode step's), the n-blocks are block_n_narrow wide, so twice the SMs stream
+  the weights: a unit's rate, not the memory's, bounds such a launch.
 - Rows past sum(group_sizes) (the pairs another device's experts hold under expert parallelism) are in no tile:
   they are not computed and come out as zeros.
 
@@ -25,7 +27,7 @@ tiles (read once) and stores silu(gate) * up in the padded layout, so the two [M
 tiles past the planned count are never written: only rows the plan maps are meaningful there.
 """
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,9 @@ GROUPED_DOT = lax.RaggedDotDimensionNumbers(
 class GroupedTuning:
     block_m: int = 64  # rows per tile: wgmma's M; also the most padding a group pays
     block_n: int = 128
+    # block_n when block_n's units would leave SMs idle and these still fit one round (a decode step's few tiles:
+    # at batch 1 each SM streams at most ~75 GB/s, so more SMs each streaming less finish sooner)
+    block_n_narrow: int = 64
     block_k: int = 64  # 64 bf16 = one 128-byte swizzled row
     max_concurrent_steps: int = 6  # TMA ring depth; fewer where a stage's tiles would not fit (`pipeline_depth`)
     num_ctas: int = 132  # persistent grid, one CTA per SM (H100/H200); the caller passes the device's core count
@@ -73,8 +78,9 @@ def supported(lhs, rhs, tuning: GroupedTuning = GroupedTuning()) -> str | None:
     n, k = rhs.shape[1:]
     if lhs.dtype not in (jnp.bfloat16, jnp.float16) or rhs.dtype != lhs.dtype:
         return f"dtypes {lhs.dtype}, {rhs.dtype} (needs bfloat16 or float16, both the same)"
-    if k % tuning.block_k or n % tuning.block_n:
-        return f"K={k}, N={n} (need multiples of block_k={tuning.block_k}, block_n={tuning.block_n})"
+    if k % tuning.block_k or n % tuning.block_n or n % tuning.block_n_narrow:
+        return (f"K={k}, N={n} (need multiples of block_k={tuning.block_k}, block_n={tuning.block_n} and "
+                f"block_n_narrow={tuning.block_n_narrow})")
     return None
 
 
@@ -171,23 +177,40 @@ def launch(lhs, weights, plan: RowPlan, tile_rows, tuning: GroupedTuning, interp
 
 
 def grouped_kernel(tile_groups_ref, tile_rows_ref, num_tiles_ref, lhs_ref, *refs, tuning: GroupedTuning):
-    """A persistent CTA: work units (tile, n-block), n-blocks fastest, dealt round-robin over the CTAs. refs: the
-    weights (one, or gate and up), then the output."""
+    """A persistent CTA: work units (tile, n-block), n-blocks fastest, dealt round-robin over the CTAs; n-blocks of
+    block_n_narrow columns where block_n's would leave SMs idle and those still fit one round. refs: the weights
+    (one, or gate and up), then the output."""
     *weight_refs, out_ref = refs
-    grid_n = weight_refs[0].shape[1] // tuning.block_n
-    accs = [plgpu.ACC((tuning.block_m, tuning.block_n))] * len(weight_refs)
+    n, num_tiles = weight_refs[0].shape[1], num_tiles_ref[0]
+    narrow = narrow_units(num_tiles, n, tuning)
+    grid_n = jnp.where(narrow, n // tuning.block_n_narrow, n // tuning.block_n)
 
-    @plgpu.nd_loop((num_tiles_ref[0] * grid_n,), collective_axes="cta")
+    @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="cta")
     def unit(info: plgpu.NDLoopInfo):
         tile, n_block = lax.div(info.index[0], grid_n), lax.rem(info.index[0], grid_n)
-        group = tile_groups_ref[tile]
-        rows = lhs_ref.at[pl.ds(pl.multiple_of(tile_rows_ref[tile], ROW_ALIGN), tuning.block_m)]
-        products = pl.run_scoped(functools.partial(
-            accumulate, lhs_ref=rows, weight_refs=[w.at[group] for w in weight_refs], n_block=n_block,
-            tuning=tuning), *accs)
-        result = products[0] if len(products) == 1 else jax.nn.silu(products[0]) * products[1]
-        pl.run_scoped(functools.partial(store, result, out_ref=out_ref, tile=tile, n_block=n_block, tuning=tuning),
-                      plgpu.SMEM((tuning.block_m, tuning.block_n), out_ref.dtype))
+        run = functools.partial(run_unit, tile_groups_ref, tile_rows_ref, lhs_ref, weight_refs, out_ref, tile, n_block)
+        lax.cond(narrow, functools.partial(run, tuning=replace(tuning, block_n=tuning.block_n_narrow)),
+                 functools.partial(run, tuning=tuning))
+
+
+def narrow_units(num_tiles, n: int, tuning: GroupedTuning):
+    """Whether a launch of num_tiles tiles over N=n runs n-blocks of block_n_narrow columns: all of its units then
+    fit one round of the persistent grid."""
+    return num_tiles * (n // tuning.block_n_narrow) <= tuning.num_ctas
+
+
+def run_unit(tile_groups_ref, tile_rows_ref, lhs_ref, weight_refs, out_ref, tile, n_block, *,
+             tuning: GroupedTuning):
+    """Work unit (tile, n_block) of tuning.block_n columns: its products into the padded output."""
+    bm, bn = tuning.block_m, tuning.block_n
+    group = tile_groups_ref[tile]
+    rows = lhs_ref.at[pl.ds(pl.multiple_of(tile_rows_ref[tile], ROW_ALIGN), tuning.block_m)]
+    products = pl.run_scoped(functools.partial(
+        accumulate, lhs_ref=rows, weight_refs=[w.at[group] for w in weight_refs], n_block=n_block, tuning=tuning),
+        *[plgpu.ACC((bm, bn))] * len(weight_refs))
+    result = products[0] if len(products) == 1 else jax.nn.silu(products[0]) * products[1]
+    pl.run_scoped(functools.partial(store, result, out_ref=out_ref, tile=tile, n_block=n_block, tuning=tuning),
+                  plgpu.SMEM((bm, bn), out_ref.dtype))
 
 
 def accumulate(*acc_refs, lhs_ref, weight_refs, n_block, tuning: GroupedTuning):

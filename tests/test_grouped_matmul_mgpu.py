@@ -25,6 +25,9 @@ from helpers import on_gpu, on_hopper
 ON_GPU = on_gpu()
 pytestmark = pytest.mark.skipif(ON_GPU and not on_hopper(), reason="the Mosaic GPU grouped matmul needs sm_90")
 TUNING = gmm.GroupedTuning(num_ctas=132 if ON_GPU else 4)
+# a grid where few tiles take narrow n-blocks (gmm.narrow_units), and TUNING's where most take wide ones; on the GPU
+# the device's grid is the first, 4 CTAs the second
+GRIDS = {"wide": gmm.GroupedTuning(num_ctas=4), "narrow": gmm.GroupedTuning(num_ctas=132 if ON_GPU else 16)}
 
 
 def operands(rng, num_rows, k, n, num_groups, dtype=jnp.bfloat16):
@@ -67,19 +70,30 @@ def decode_sizes(rng, rows=8, groups=128):
     return sizes
 
 
-@pytest.mark.parametrize("sizes, num_rows, k, n, dtype", [
-    ([30, 0, 65, 0, 3], 100, 128, 256, jnp.bfloat16),  # empty groups; one over a tile; 2 rows in no group; 2 n-blocks
-    ([0, 0, 150, 0], 150, 256, 128, jnp.float16),  # all rows one group; M not a multiple of block_m
-    ("decode", 8, 128, 128, jnp.bfloat16),  # 8 rows over 128 groups, one row each
-    ([0, 0, 0], 20, 128, 128, jnp.bfloat16),  # no group holds a row: nothing runs, all zeros
+def expect_units(grid: str, num_tiles: int, n: int) -> gmm.GroupedTuning:
+    """GRIDS[grid], checked to run num_tiles tiles over N=n in n-blocks of that width."""
+    tuning = GRIDS[grid]
+    assert bool(gmm.narrow_units(num_tiles, n, tuning)) == (grid == "narrow")
+    return tuning
+
+
+@pytest.mark.parametrize("sizes, num_rows, k, n, dtype, grid", [
+    # empty groups; one over a tile; 2 rows in no group; 4 (wide) n-blocks
+    ([30, 0, 65, 0, 3], 100, 128, 256, jnp.bfloat16, "wide"),
+    ([0, 0, 150, 0], 150, 256, 128, jnp.float16, "wide"),  # all rows one group; M not a multiple of block_m
+    ("decode", 8, 128, 128, jnp.bfloat16, "wide"),  # 8 rows over 128 groups, one row each
+    ("decode", 8, 128, 128, jnp.bfloat16, "narrow"),
+    ([0, 5, 0, 40], 45, 128, 256, jnp.bfloat16, "narrow"),  # 2 tiles, each of 4 narrow n-blocks
+    ([0, 0, 0], 20, 128, 128, jnp.bfloat16, "narrow"),  # no group holds a row: nothing runs, all zeros
 ])
-def test_matches_reference(sizes, num_rows, k, n, dtype):
+def test_matches_reference(sizes, num_rows, k, n, dtype, grid):
     rng = np.random.default_rng(len(str(sizes)) + num_rows)
     sizes = jnp.asarray(decode_sizes(rng) if sizes == "decode" else sizes, jnp.int32)
+    tuning = expect_units(grid, int(gmm.plan_rows(sizes, num_rows, 64)[0].num_tiles[0]), n)
     lhs, rhs = operands(rng, num_rows, k, n, sizes.shape[0], dtype)
     expected = reference_f32(lhs, rhs, sizes)
     poison((num_rows, n), dtype)
-    out = jax.jit(functools.partial(gmm.grouped_matmul, tuning=TUNING, interpret=not ON_GPU))(lhs, rhs, sizes)
+    out = jax.jit(functools.partial(gmm.grouped_matmul, tuning=tuning, interpret=not ON_GPU))(lhs, rhs, sizes)
     assert out.dtype == dtype
     check_close(out, expected, f"sizes {sizes.tolist()}")
     assert not np.asarray(out[int(sizes.sum()):], np.float32).any()  # rows in no group: zeros
@@ -148,20 +162,24 @@ def test_lowers_for_cuda(num_rows, k, n):
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]
 
 
-def test_swiglu_matches_reference():
+@pytest.mark.parametrize("grid", ["wide", "narrow"])
+def test_swiglu_matches_reference(grid):
     """Gate and up in one launch with the activation: silu(x . gate) * (x . up) of the f32 ragged dots, rounded once;
-    the 8-rows-over-128-groups decode shape and a mix of empty and multi-tile groups."""
+    the 8-rows-over-128-groups decode shape and a mix of empty and multi-tile groups, in wide and narrow n-blocks."""
     rng = np.random.default_rng(12)
-    for sizes, num_rows in ((decode_sizes(rng), 8), (np.asarray([70, 0, 5, 0], np.int32), 80)):
+    cases = {"wide": ((decode_sizes(rng), 8, 256), (np.asarray([70, 0, 5, 0], np.int32), 80, 256)),
+             "narrow": ((decode_sizes(rng), 8, 128), (np.asarray([0, 0, 5, 0], np.int32), 5, 256))}[grid]
+    for sizes, num_rows, n in cases:
         sizes = jnp.asarray(sizes)
-        lhs, gate = operands(rng, num_rows, 128, 256, sizes.shape[0])
-        up = operands(rng, 1, 128, 256, sizes.shape[0])[1]
+        lhs, gate = operands(rng, num_rows, 128, n, sizes.shape[0])
+        up = operands(rng, 1, 128, n, sizes.shape[0])[1]
         g, u = reference_f32(lhs, gate, sizes), reference_f32(lhs, up, sizes)
         expected = g / (1 + np.exp(-g)) * u
         plan, slots = gmm.plan_rows(sizes, num_rows, TUNING.block_m)
-        swiglu = functools.partial(gmm.grouped_swiglu, plan=plan, tuning=TUNING, interpret=not ON_GPU)
-        out = gmm.unpad_rows(jax.jit(swiglu)(gmm.with_margin(lhs, TUNING), gate, up), slots)
-        check_close(out[:int(sizes.sum())], expected[:int(sizes.sum())], f"swiglu {sizes.shape[0]} groups")
+        tuning = expect_units(grid, int(plan.num_tiles[0]), n)
+        swiglu = functools.partial(gmm.grouped_swiglu, plan=plan, tuning=tuning, interpret=not ON_GPU)
+        out = gmm.unpad_rows(jax.jit(swiglu)(gmm.with_margin(lhs, tuning), gate, up), slots)
+        check_close(out[:int(sizes.sum())], expected[:int(sizes.sum())], f"swiglu {sizes.shape[0]} groups, {grid}")
 
 
 def test_swiglu_lowers_for_cuda():
