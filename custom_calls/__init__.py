@@ -517,13 +517,15 @@ def moe_route_reference(logits, num_live, expert_base, *, top_k: int, renormaliz
     return MoeRouting(weights, sorted_tokens, plan.tile_groups, plan.tile_rows, plan.num_tiles, pair_rows)
 
 
-def moe_route_unsupported(logits, top_k: int, local_experts: int) -> str | None:
+def moe_route_unsupported(logits, top_k: int, local_experts: int, block_m: int) -> str | None:
     if logits.ndim != 2 or logits.dtype not in (jnp.float32, jnp.bfloat16):
         return f"logits must be float32 or bfloat16 [tokens, experts], got {logits.dtype} {logits.shape}"
     if not 1 <= top_k <= min(MOE_ROUTE_MAX_TOP_K, logits.shape[1]):
         return f"top_k must be in [1, min({MOE_ROUTE_MAX_TOP_K}, experts {logits.shape[1]})], got {top_k}"
     if not 1 <= local_experts <= logits.shape[1]:
         return f"local_experts must be in [1, experts {logits.shape[1]}], got {local_experts}"
+    if block_m < 1 or block_m & (block_m - 1):
+        return f"block_m must be a power of two (the plan's scan shifts), got {block_m}"
     return None
 
 
@@ -533,7 +535,7 @@ def moe_route(logits, num_live, expert_base, *, top_k: int, renormalize: bool, l
     token's top_k experts, their weights and the grouped GEMM's plan of the pairs routed to the local experts
     expert_base[0] ... + local_experts - 1 (tokens from num_live[0] on route nowhere, weight 0). Rows within a group come in
     no fixed order. Without the library, or past MOE_ROUTE_MAX_EXPERTS experts, it runs moe_route_reference."""
-    if why := moe_route_unsupported(logits, top_k, local_experts):
+    if why := moe_route_unsupported(logits, top_k, local_experts, block_m):
         raise ValueError(f"moe_route: {why}")
     options = {"top_k": top_k, "renormalize": renormalize, "local_experts": local_experts, "block_m": block_m}
     if not available() or logits.shape[1] > MOE_ROUTE_MAX_EXPERTS:

@@ -360,13 +360,13 @@ def test_fallback_logs_once_and_returns_reference_results(caplog, cache_dtype):
 @pytest.mark.parametrize("change, message", [
     ({"top_k": 0}, "top_k must be in"), ({"top_k": 33}, "top_k must be in"), ({"top_k": 9, "experts": 8}, "top_k"),
     ({"local_experts": 0}, "local_experts must be in"), ({"local_experts": 129}, "local_experts must be in"),
-    ({"dtype": jnp.int32}, "logits must be float32 or bfloat16")])
+    ({"dtype": jnp.int32}, "logits must be float32 or bfloat16"), ({"block_m": 48}, "block_m must be a power")])
 def test_moe_route_rejects_what_the_kernel_cannot_take(change, message):
-    case = {"experts": 128, "dtype": jnp.float32, "top_k": 8, "local_experts": 128, **change}
+    case = {"experts": 128, "dtype": jnp.float32, "top_k": 8, "local_experts": 128, "block_m": MOE_BLOCK_M, **change}
     logits = jnp.zeros((4, case["experts"]), case["dtype"])
     with pytest.raises(ValueError, match=message):
         cc.moe_route(logits, jnp.asarray([4]), jnp.asarray([0]), top_k=case["top_k"], renormalize=True,
-                     local_experts=case["local_experts"], block_m=MOE_BLOCK_M)
+                     local_experts=case["local_experts"], block_m=case["block_m"])
 
 
 # ---------------------------------------------------------------- CPU: nvcc build, symbols, registration

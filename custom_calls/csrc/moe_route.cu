@@ -37,14 +37,22 @@ struct RouteArgs {
   int32_t* tile_rows;          // [max_tiles]
   int32_t* num_tiles;          // [1]
   int32_t* pair_rows;          // [tokens, top_k]: padded row, max_tiles * block_m for pairs in no local group
+  int block_m_log2;            // block_m and row_align are powers of two: the plan's one-warp scan shifts and
+                               // masks where a division would cost ~20 dependent instructions
 };
 
 __device__ __forceinline__ float Load(const float* row, int e) { return row[e]; }
 __device__ __forceinline__ float Load(const __nv_bfloat16* row, int e) { return __bfloat162float(row[e]); }
 
-// (value desc, index asc): a strict order, so round r's pick is the best candidate after round r - 1's.
-__device__ __forceinline__ bool Before(float v, int i, float w, int j) {
-  return j < 0 || (i >= 0 && (v > w || (v == w && i < j)));
+// A logit as an unsigned key in the same order (-0 as +0), 0 for NaN (no candidate); every other key is > 0.
+__device__ __forceinline__ uint32_t OrderKey(float v) {
+  if (v != v) return 0u;
+  const uint32_t u = v == 0.f ? 0u : __float_as_uint(v);
+  return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+__device__ __forceinline__ float KeyValue(uint32_t key) {
+  return __uint_as_float(key & 0x80000000u ? key & 0x7fffffffu : ~key);
 }
 
 __device__ __forceinline__ float WarpSum(float x) {
@@ -89,27 +97,27 @@ __device__ void PickExperts(const RouteArgs& a, int t, int lane, int num_live, i
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) total += logits[i] == logits[i] ? expf(logits[i] - top) : 0.f;
   total = WarpSum(total);
-  float last = 0.f, mine = 0.f;
-  int last_index = -1, my_index = -1;
+  // Round j: the warp's largest key (REDUX), then among its holders the lowest expert (the complement's largest);
+  // the holder clears it. A lane's own candidates: the first slot of its largest key, the lowest expert there.
+  uint32_t keys[kSlots];
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) keys[i] = OrderKey(logits[i]);
+  float mine = 0.f;
+  int my_index = -1;
   for (int j = 0; j < a.top_k; ++j) {
-    float best = 0.f;
-    int best_index = -1;
+    uint32_t best = 0u;
+    int best_index = 0;
 #pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      const float v = logits[i];
-      const int e = lane + 32 * i;
-      if (v == v && (last_index < 0 || Before(last, last_index, v, e)) && Before(v, e, best, best_index))
-        best = v, best_index = e;
-    }
+    for (int i = 0; i < kSlots; ++i)
+      if (keys[i] > best) best = keys[i], best_index = lane + 32 * i;
+    const uint32_t top_key = __reduce_max_sync(kFullMask, best);
+    if (top_key == 0u) break;
+    const int index = ~static_cast<int>(
+        __reduce_max_sync(kFullMask, best == top_key ? ~static_cast<uint32_t>(best_index) : 0u));
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float v = __shfl_xor_sync(kFullMask, best, offset);
-      const int e = __shfl_xor_sync(kFullMask, best_index, offset);
-      if (Before(v, e, best, best_index)) best = v, best_index = e;
-    }
-    if (best_index < 0) break;
-    if (lane == j) mine = best, my_index = best_index;
-    last = best, last_index = best_index;
+    for (int i = 0; i < kSlots; ++i)
+      if (lane + 32 * i == index) keys[i] = 0u;
+    if (lane == j) mine = KeyValue(top_key), my_index = index;
   }
   float weight = my_index >= 0 ? expf(mine - top) / total : 0.f;
   if (a.renormalize) weight /= WarpSum(weight);
@@ -144,8 +152,8 @@ __device__ void ScanGroups(const RouteArgs& a, const int32_t* count, int32_t* ro
   int tiles = 0;
   for (int g = first, r = rows_before; g < end; r += count[g], ++g) {
     row_start[g] = r;
-    base[g] = r - r % a.row_align;
-    tile_start[g] = count[g] > 0 ? CeilDiv(r + count[g] - base[g], a.block_m) : 0;
+    base[g] = r & -a.row_align;
+    tile_start[g] = count[g] > 0 ? (r + count[g] - base[g] + a.block_m - 1) >> a.block_m_log2 : 0;
     tiles += tile_start[g];
   }
   int tiles_before = tiles;
@@ -187,10 +195,10 @@ __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pic
   if (threadIdx.x < 32) ScanGroups(a, count, row_start, base, tile_start, totals, lane);
   __syncthreads();
   for (int g = threadIdx.x; g < a.local_experts; g += blockDim.x) {
-    const int tiles = count[g] > 0 ? CeilDiv(row_start[g] + count[g] - base[g], a.block_m) : 0;
+    const int tiles = count[g] > 0 ? (row_start[g] + count[g] - base[g] + a.block_m - 1) >> a.block_m_log2 : 0;
     for (int i = 0; i < tiles && tile_start[g] + i < a.max_tiles; ++i) {
       a.tile_groups[tile_start[g] + i] = g;
-      a.tile_rows[tile_start[g] + i] = base[g] + i * a.block_m;
+      a.tile_rows[tile_start[g] + i] = base[g] + (i << a.block_m_log2);
     }
   }
   for (int i = totals[1] + threadIdx.x; i < a.max_tiles; i += blockDim.x) a.tile_groups[i] = a.tile_rows[i] = 0;
@@ -207,7 +215,7 @@ __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pic
     }
     const int r = row_start[g] + atomicAdd(&count[g], 1);
     a.sorted_tokens[r] = p / a.top_k;
-    a.pair_rows[p] = tile_start[g] * a.block_m + r - base[g];
+    a.pair_rows[p] = (tile_start[g] << a.block_m_log2) + r - base[g];
   }
 }
 
@@ -250,8 +258,10 @@ ffi::Error MoeRoute(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi:
   const size_t pairs = static_cast<size_t>(a.tokens) * top_k;
   if (top_k < 1 || top_k > kMaxTopK || top_k > a.experts || a.experts > kMaxExperts)
     return ffi::Error::InvalidArgument("top_k must be in [1, min(32, experts)], experts at most 512");
-  if (local_experts < 1 || local_experts > a.experts || block_m < 1 || row_align < 1)
-    return ffi::Error::InvalidArgument("local_experts must be in [1, experts]; block_m and row_align positive");
+  const auto power_of_two = [](int v) { return v > 0 && (v & (v - 1)) == 0; };
+  if (local_experts < 1 || local_experts > a.experts || !power_of_two(block_m) || !power_of_two(row_align))
+    return ffi::Error::InvalidArgument("local_experts must be in [1, experts]; block_m and row_align powers of two");
+  a.block_m_log2 = __builtin_ctz(block_m);
   if (weights->element_count() != pairs || pair_rows->element_count() != pairs ||
       sorted_tokens->element_count() < pairs || tile_rows->element_count() != tile_groups->element_count() ||
       num_tiles->element_count() != 1 || num_live.element_count() != 1 || expert_base.element_count() != 1)
