@@ -24,8 +24,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import init_carry, interpret_params
 from pallas_kernels.ragged_paged_attention import (PagedKV, Scores, Geometry, attend_range, attend_tile,
-                                                   check_inputs, check_pallas_inputs, load_q, locate_block,
-                                                   make_tuning, one_launch_decode, resolve_impl, store_partials)
+                                                   check_inputs, check_pallas_inputs, decode_on_mosaic, load_q,
+                                                   locate_block, make_tuning, one_launch_decode, resolve_impl,
+                                                   store_partials)
 from pallas_kernels.ragged_paged_attention_reference import cascade_attention_reference
 
 
@@ -42,15 +43,16 @@ class CascadeGroups:
 
 
 def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups: CascadeGroups, *,
-                      sm_scale: float, soft_cap: float | None = None, impl: str = "auto", interpret: bool = False,
-                      **tuning) -> jax.Array:
+                      sm_scale: float, soft_cap: float | None = None, impl: str = "auto", decode_backend: str = "auto",
+                      interpret: bool = False, **tuning) -> jax.Array:
     """`ragged_paged_attention(..., decode_only=True)` (token i is row i's query) over a batch whose rows may share
     leading blocks as `groups` says; the same output. impl: as ragged_paged_attention's but "cpu" (no CPU kernel here:
-    "auto" runs the reference on a CPU); "reference" is pure JAX."""
+    "auto" runs the reference on a CPU); "reference" is pure JAX. decode_backend="mosaic": both passes on the Mosaic
+    GPU decode kernel (`cascade_attention_mgpu`); else these Triton launches."""
     num_rows = kv_lens.shape[0]
     cu_q_lens = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), jnp.reshape(num_seqs, ()))
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, None, num_seqs, sm_scale, None,
-                            soft_cap, impl, "auto")
+                            soft_cap, impl, "auto", decode_backend=decode_backend)
     check_groups(groups, num_rows)
     scores = Scores(float(sm_scale), None, None if soft_cap is None else float(soft_cap))
     if impl == "cpu":
@@ -61,8 +63,22 @@ def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, grou
         return cascade_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups,
                                            sm_scale=scores.sm_scale, soft_cap=scores.soft_cap)
     check_pallas_inputs(q, k_cache, interpret)
+    if decode_backend == "mosaic":
+        return mosaic_cascade(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups, scores=scores,
+                              tuning=make_tuning(q.dtype, tuning, k_cache.dtype), interpret=interpret)
     return pallas_cascade(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, groups, scores=scores,
                           tuning=make_tuning(q.dtype, tuning, k_cache.dtype), interpret=interpret)
+
+
+def mosaic_cascade(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups: CascadeGroups, *, scores: Scores,
+                   tuning, interpret: bool):
+    from pallas_kernels.cascade_attention_mgpu import cascade_decode_attention   # Mosaic GPU's import: where it runs
+    decode = decode_on_mosaic(q, k_cache, min(q.shape[0], block_tables.shape[0]), tuning, "mosaic", interpret)
+    # the Mosaic GPU interpreter deadlocks under an outer jit on the CPU client: interpreted, it runs op by op
+    run = cascade_decode_attention if interpret else jax.jit(
+        cascade_decode_attention, static_argnames=("sm_scale", "soft_cap", "tuning", "interpret"))
+    return run(q, k_cache, v_cache, kv_lens, block_tables, jnp.reshape(num_seqs, ()), groups,
+               sm_scale=scores.sm_scale, soft_cap=scores.soft_cap, tuning=decode, interpret=interpret)
 
 
 def check_groups(groups: CascadeGroups, num_rows: int) -> None:

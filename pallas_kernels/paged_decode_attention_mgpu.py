@@ -89,12 +89,39 @@ def paged_decode_attention(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *,
     """Token i < num_decodes is decode i (one query at position kv_lens[i] - 1) over its paged keys; other rows
     come out as zeros. q [num_tokens, num_q_heads, head_dim]; blocks: the block table [max_seqs, max_blocks], or
     (blocks_per_row given) each sequence's first block, its row's blocks block_stride apart."""
+    num_tokens = q.shape[0]
+    rows = min(blocks.shape[0], num_tokens)
+    splits = num_splits(rows, k_cache.shape[2], tuning)
+    options = {"sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap, "tuning": tuning,
+               "interpret": interpret, "blocks_per_row": blocks_per_row, "block_stride": block_stride}
+    if splits == 1:
+        return launch(q, k_cache, v_cache, kv_lens, blocks, num_decodes, splits=1, partials=False, **options)
+    parts, lse = launch(q, k_cache, v_cache, kv_lens, blocks, num_decodes, splits=splits, partials=True, **options)
+    out, _ = merge_partials(parts.reshape(rows, splits, *parts.shape[1:]), split_lse(lse, q.shape[1], rows, splits))
+    return jnp.pad(out, ((0, num_tokens - rows), (0, 0), (0, 0))).astype(q.dtype)
+
+
+def decode_partials(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *, sm_scale, soft_cap=None,
+                    tuning: DecodeTuning = DecodeTuning(), interpret=False):
+    """paged_decode_attention's decodes as float32 partials to be merged with others (cascade attention's):
+    ([rows, splits, q heads, head_dim] normalised, [rows, splits, q heads] their log2-sum-exps, -inf for no keys),
+    rows = min(block table rows, tokens)."""
+    rows = min(blocks.shape[0], q.shape[0])
+    splits = num_splits(rows, k_cache.shape[2], tuning)
+    parts, lse = launch(q, k_cache, v_cache, kv_lens, blocks, num_decodes, splits=splits, partials=True,
+                        sm_scale=sm_scale, soft_cap=soft_cap, tuning=tuning, interpret=interpret)
+    return parts.reshape(rows, splits, *parts.shape[1:]), split_lse(lse, q.shape[1], rows, splits)
+
+
+def launch(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *, splits, partials, sm_scale, sliding_window=None,
+           soft_cap=None, tuning: DecodeTuning, interpret, blocks_per_row=None, block_stride=1):
+    """The kernel: its output [num_tokens, q heads, head_dim] in q's dtype, or with `partials` each (decode, split)
+    slot's normalised float32 partial [rows * splits, q heads, head_dim] and per kv head a log2-sum-exp per tile row
+    [rows * splits, kv heads, TILE_ROWS]."""
     num_tokens, num_q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    rows = min(blocks.shape[0], num_tokens)
-    splits = num_splits(rows, kv_heads, tuning)
-    slots = rows * splits if splits > 1 else num_tokens
-    if splits > 1:  # normalised float32 partials, and per kv head a log2-sum-exp per tile row
+    slots = min(blocks.shape[0], num_tokens) * splits if partials else num_tokens
+    if partials:
         out_type = (jax.ShapeDtypeStruct((slots, num_q_heads, head_dim), jnp.float32),
                     jax.ShapeDtypeStruct((slots, kv_heads, TILE_ROWS), jnp.float32))
     else:
@@ -104,31 +131,32 @@ def paged_decode_attention(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *,
         decode_kernel, tuning=tuning, splits=splits, num_ctas=num_ctas, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
         blocks_per_row=blocks_per_row, block_stride=block_stride)
-    out = plgpu.kernel(
+    return plgpu.kernel(
         kernel, out_type=out_type,
-        scratch_types=(scratch(q.dtype, k_cache.dtype, head_dim, tuning, k_cache.shape[1], splits > 1, interpret),),
+        scratch_types=(scratch(q.dtype, k_cache.dtype, head_dim, tuning, k_cache.shape[1], partials, interpret),),
         grid=(num_ctas,), grid_names=("cta",), num_threads=tuning.compute_warpgroups + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params(interpret),
     )(jnp.asarray(num_decodes, jnp.int32).reshape(1), kv_lens, q, k_cache, v_cache, blocks)
-    if splits == 1:
-        return out
-    return merge_splits(*out, rows=rows, splits=splits, num_tokens=num_tokens).astype(q.dtype)
 
 
-def merge_splits(parts, lse, *, rows, splits, num_tokens):
-    """[num_tokens, q heads, head_dim]: each decode's split partials weighed by their log2-sum-exps; zeros past
-    the decodes (all weights 0)."""
-    _, num_q_heads, head_dim = parts.shape
+def split_lse(lse, num_q_heads, rows, splits):
+    """The kernel's log2-sum-exps [rows * splits, kv heads, TILE_ROWS] -> [rows, splits, q heads] (each kv head's
+    first `group` tile rows are its q heads')."""
     group = num_q_heads // lse.shape[1]
-    lse = lse[..., :group].reshape(rows, splits, num_q_heads)
+    return lse[..., :group].reshape(rows, splits, num_q_heads)
+
+
+def merge_partials(parts, lse):
+    """Partials [rows, n, heads, head_dim] (normalised) with their log2-sum-exps [rows, n, heads] -> their exact
+    merge, float32 [rows, heads, head_dim] (zeros where none has keys), and its log2-sum-exp [rows, heads]."""
     m = lse.max(axis=1, keepdims=True)
-    weights = jnp.exp2(lse - jnp.where(m == -jnp.inf, 0.0, m))
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    weights = jnp.exp2(lse - m)
     total = weights.sum(axis=1)
     # elementwise, not a dot: a float32 dot may run in TF32 on the GPU
-    out = (weights[..., None] * parts.reshape(rows, splits, num_q_heads, head_dim)).sum(axis=1)
-    out = out / jnp.where(total == 0, 1.0, total)[..., None]
-    return jnp.pad(out, ((0, num_tokens - rows), (0, 0), (0, 0)))
+    out = (weights[..., None] * parts).sum(axis=1) / jnp.where(total == 0, 1.0, total)[..., None]
+    return out, jnp.log2(total) + m[:, 0]
 
 
 @jax.tree_util.register_dataclass
@@ -150,7 +178,7 @@ class Scratch:
     free: Any  # per ring slot: its compute warpgroup is done with its K and V
     q_ready: Any  # [2], one per staging buffer
     p_tile: Any  # softmax probabilities for the interpreter's wgmma (SMEM operands only); None on the GPU
-    parts: Any  # float32 partial and its log2-sum-exp when the contexts are split; else None
+    parts: Any  # float32 partial and its log2-sum-exp where the launch gives partials; else None
     lse: Any
     k_tile: Any  # an fp8 cache's K and V tiles converted for wgmma; None when the ring holds q's dtype
     v_tile: Any
@@ -168,7 +196,7 @@ class Merge:
     l: Any
 
 
-def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, split, interpret) -> Scratch:
+def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, partials, interpret) -> Scratch:
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     steps, pages = tuning.max_concurrent_steps, tuning.block_kv // block_size
     wgs = tuning.compute_warpgroups
@@ -185,7 +213,7 @@ def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, spli
     def converted():
         return per_warpgroup((tuning.block_kv, head_dim), compute) if fp8 else None
 
-    parts = plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32) if split else None
+    parts = plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32) if partials else None
     merge, signals = None, (None,) * 3
     if wgs == 2:
         # float32 swizzled (8 x 32 tiles): the accumulator's layout stores and loads it without bank conflicts
@@ -202,7 +230,7 @@ def scratch(dtype, cache_dtype, head_dim, tuning: DecodeTuning, block_size, spli
         q_ready=plgpu.Barrier(num_barriers=2),
         p_tile=per_warpgroup((TILE_ROWS, tuning.block_kv), compute) if interpret else None,
         parts=parts,
-        lse=plgpu.SMEM((TILE_ROWS,), jnp.float32) if split else None,
+        lse=plgpu.SMEM((TILE_ROWS,), jnp.float32) if partials else None,
         k_tile=converted(), v_tile=converted(),
         merge=merge, q_set=signals[0], merge_free=signals[1], merged=signals[2])
 

@@ -20,7 +20,7 @@ from pallas_kernels.cascade_attention import CascadeGroups, cascade_attention
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 from helpers import (KNOBS, TINY, Batch, check_close, interpret_tuning, mixed_requests, naive_attention, on_gpu,
-                     poison_allocator)
+                     on_hopper, poison_allocator)
 
 INTERPRET = not on_gpu()
 GEOMETRY = {"q_heads": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16, "max_seqs": 16, "max_blocks": 12,
@@ -117,6 +117,41 @@ def test_kernel_matches_float64(dtype, tuning, options):
         check_close(out, expected, batch, dtype, layout)
 
 
+@pytest.mark.skipif(on_gpu() and not on_hopper(), reason="the Mosaic GPU decode kernel needs sm_90")
+@pytest.mark.parametrize("options", [{}, {"soft_cap": 5.0}])
+def test_mosaic_kernel_matches_float64(options):
+    """Both passes on the Mosaic GPU decode kernel (decode_backend="mosaic"), bf16: a group's members packed 16 to a
+    shared tile (4 q heads a kv head), the own passes through shifted tables."""
+    rng = np.random.default_rng(3)
+    for layout, (groups, loners) in LAYOUTS.items():
+        batch, cascade, expected = make_cascade_batch(rng, groups, loners, **GEOMETRY, dtype=jnp.bfloat16, **options)
+        poison_allocator(batch)
+        out = run(batch, cascade, impl="pallas", decode_backend="mosaic", interpret=INTERPRET, **options)
+        check_close(out, expected, batch, jnp.bfloat16, layout)
+
+
+def test_mosaic_cascade_lowers_for_cuda():
+    """Llama-3-8B's heads (32 q, 8 kv, head_dim 128) lowered for CUDA (here without a GPU: Mosaic GPU's layout
+    inference runs, which the interpreter skips): two Mosaic GPU launches, the shared pass's tile full (16 members x
+    4 q heads), and no Triton kernel."""
+    import re
+
+    import jax
+    rows, groups = 64, 8
+    shapes = [((rows, 32, 128), jnp.bfloat16), ((512, 16, 8, 128), jnp.bfloat16), ((512, 16, 8, 128), jnp.bfloat16),
+              ((rows,), jnp.int32), ((rows, 32), jnp.int32), ((1,), jnp.int32), ((rows,), jnp.int32),
+              ((rows,), jnp.int32), ((groups + 1,), jnp.int32), ((groups,), jnp.int32), ((groups,), jnp.int32),
+              ((1,), jnp.int32)]
+
+    def attend(q, k_cache, v_cache, kv_lens, tables, num_seqs, *cascade):
+        return cascade_attention(q, k_cache, v_cache, kv_lens, tables, num_seqs, CascadeGroups(*cascade),
+                                 sm_scale=0.125, impl="pallas", decode_backend="mosaic")
+
+    text = jax.jit(attend).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"] * 2
+
+
 def test_rejects_malformed_groups():
     batch, cascade, _ = make_cascade_batch(np.random.default_rng(2), *LAYOUTS["one_group"], **GEOMETRY)
     bad = CascadeGroups(cascade.kv_starts[:3], cascade.rows, cascade.cu_rows, cascade.shared_lens, cascade.table_rows,
@@ -153,10 +188,8 @@ def test_cascade_rule_by_mode_and_kernels():
         cascade_rule("on", pallas, 4096)
     with pytest.raises(ValueError, match="vattention's contiguous kernels"):
         cascade_rule("on", AttentionKernels("pallas", blocks_per_row=8), None)
-    mosaic = AttentionKernels("pallas", decode_backend="mosaic")  # no Triton kernel asked for: cascade extends one
-    assert cascade_rule("auto", mosaic, None) is None
-    with pytest.raises(ValueError, match="decode_attention='mosaic'"):
-        cascade_rule("on", mosaic, None)
+    mosaic = AttentionKernels("pallas", decode_backend="mosaic")  # its cascade runs when asked for, not by default
+    assert cascade_rule("auto", mosaic, None) is None and cascade_rule("on", mosaic, None) == (2, 1)
 
 
 def test_the_rule_keeps_large_groups_that_save_enough():

@@ -546,16 +546,17 @@ def apply_cascade_rule(groups: list[tuple[np.ndarray, int]], rule: tuple[int, in
 def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | None) -> tuple[int, int] | None:
     """(members a group needs, key reads saved) from which a decode-only step attends by cascade
     (config.cascade_attention); None: never. It needs paged blocks (shared by the prefix cache), no sliding window
-    and the Pallas (Triton) or reference decode."""
+    and the Pallas (Triton or, under decode_attention='mosaic', Mosaic GPU) or reference decode. "auto" keeps it off
+    over the Mosaic GPU kernels, which its thresholds were not measured on."""
     why_not = ("a sliding window" if sliding_window is not None else
                "vattention's contiguous kernels" if kernels.blocks_per_row is not None else
-               "decode_attention='cuda'" if kernels.decode == "cuda" else
-               "decode_attention='mosaic' (cascade extends the Triton decode kernel)"
-               if kernels.decode_backend == "mosaic" else None)
+               "decode_attention='cuda'" if kernels.decode == "cuda" else None)
     if mode == "on" and why_not:
         raise ValueError(f"cascade_attention='on' cannot run with {why_not}; set it to 'auto' or 'off'")
     if mode == "off" or why_not:
         return None
     if mode == "on":
         return 2, 1
+    if kernels.decode_backend == "mosaic":
+        return None
     return (CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS) if kernels.decode == "pallas" else None

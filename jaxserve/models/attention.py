@@ -169,7 +169,7 @@ def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: Attent
     if batch.cascade is not None:   # paged, no window (step_graphs.cascade_rule)
         return cascade_attention(q, k_cache, v_cache, batch.kv_lens,
                                  layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs, batch.cascade,
-                                 sm_scale=kw["sm_scale"])
+                                 sm_scale=kw["sm_scale"], decode_backend=kernels.decode_backend)
     kw.update(prefill_backend=kernels.prefill, decode_backend=kernels.decode_backend, decode_only=batch.decode_only)
     lens = (q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens)
     if kernels.blocks_per_row is None:
