@@ -90,31 +90,29 @@ def paged_decode_attention(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *,
     come out as zeros. q [num_tokens, num_q_heads, head_dim]; blocks: the block table [max_seqs, max_blocks], or
     (blocks_per_row given) each sequence's first block, its row's blocks block_stride apart."""
     num_tokens = q.shape[0]
-    rows = min(blocks.shape[0], num_tokens)
-    splits = num_splits(rows, k_cache.shape[2], tuning)
     options = {"sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap, "tuning": tuning,
                "interpret": interpret, "blocks_per_row": blocks_per_row, "block_stride": block_stride}
-    if splits == 1:
+    if num_splits(min(blocks.shape[0], num_tokens), k_cache.shape[2], tuning) == 1:
         return launch(q, k_cache, v_cache, kv_lens, blocks, num_decodes, splits=1, partials=False, **options)
-    parts, lse = launch(q, k_cache, v_cache, kv_lens, blocks, num_decodes, splits=splits, partials=True, **options)
-    out, _ = merge_partials(parts.reshape(rows, splits, *parts.shape[1:]), split_lse(lse, q.shape[1], rows, splits))
-    return jnp.pad(out, ((0, num_tokens - rows), (0, 0), (0, 0))).astype(q.dtype)
+    out, _ = merge_partials(*decode_partials(q, k_cache, v_cache, kv_lens, blocks, num_decodes, **options))
+    return jnp.pad(out, ((0, num_tokens - out.shape[0]), (0, 0), (0, 0))).astype(q.dtype)
 
 
-def decode_partials(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *, sm_scale, soft_cap=None,
-                    tuning: DecodeTuning = DecodeTuning(), interpret=False):
-    """paged_decode_attention's decodes as float32 partials to be merged with others (cascade attention's):
+def decode_partials(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *, tuning: DecodeTuning = DecodeTuning(),
+                    **options):
+    """paged_decode_attention's decodes as float32 partials to merge (its splits', cascade attention's):
     ([rows, splits, q heads, head_dim] normalised, [rows, splits, q heads] their log2-sum-exps, -inf for no keys),
-    rows = min(block table rows, tokens)."""
+    rows = min(block table rows, tokens); options: paged_decode_attention's."""
     rows = min(blocks.shape[0], q.shape[0])
     splits = num_splits(rows, k_cache.shape[2], tuning)
     parts, lse = launch(q, k_cache, v_cache, kv_lens, blocks, num_decodes, splits=splits, partials=True,
-                        sm_scale=sm_scale, soft_cap=soft_cap, tuning=tuning, interpret=interpret)
-    return parts.reshape(rows, splits, *parts.shape[1:]), split_lse(lse, q.shape[1], rows, splits)
+                        tuning=tuning, **options)
+    group = q.shape[1] // lse.shape[1]   # each kv head's first `group` tile rows are its q heads'
+    return parts.reshape(rows, splits, *parts.shape[1:]), lse[..., :group].reshape(rows, splits, q.shape[1])
 
 
 def launch(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *, splits, partials, sm_scale, sliding_window=None,
-           soft_cap=None, tuning: DecodeTuning, interpret, blocks_per_row=None, block_stride=1):
+           soft_cap=None, tuning: DecodeTuning, interpret=False, blocks_per_row=None, block_stride=1):
     """The kernel: its output [num_tokens, q heads, head_dim] in q's dtype, or with `partials` each (decode, split)
     slot's normalised float32 partial [rows * splits, q heads, head_dim] and per kv head a log2-sum-exp per tile row
     [rows * splits, kv heads, TILE_ROWS]."""
@@ -138,13 +136,6 @@ def launch(q, k_cache, v_cache, kv_lens, blocks, num_decodes, *, splits, partial
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params(interpret),
     )(jnp.asarray(num_decodes, jnp.int32).reshape(1), kv_lens, q, k_cache, v_cache, blocks)
-
-
-def split_lse(lse, num_q_heads, rows, splits):
-    """The kernel's log2-sum-exps [rows * splits, kv heads, TILE_ROWS] -> [rows, splits, q heads] (each kv head's
-    first `group` tile rows are its q heads')."""
-    group = num_q_heads // lse.shape[1]
-    return lse[..., :group].reshape(rows, splits, num_q_heads)
 
 
 def merge_partials(parts, lse):
