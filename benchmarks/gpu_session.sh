@@ -152,7 +152,8 @@ case $1 in
     run 190 python benchmarks/cascade.py --threshold --out "$OUT/cascade_gpu.json" ;;
   cascade-mosaic)   # cascade on the Mosaic GPU decode kernel: its tests compiled, then its kernel points beside Triton's,
     # then the engine's shared-prefix workload with no Triton kernel, cascade on beside off
-    run 150 python -m pytest -q -x -p no:cacheprovider tests/test_cascade_attention.py -k "mosaic"
+    run 200 python -m pytest -q -x -p no:cacheprovider tests/test_cascade_attention.py -k "mosaic" \
+      tests/test_llm_engine.py::test_cascade_steps_on_mosaic
     run 200 python benchmarks/cascade.py --mosaic --out "$OUT/cascade_gpu.json"
     for set in cascade_attention=on cascade_attention=off; do
       run 150 python benchmarks/offline.py --config $CONFIG --shared-prefix-len 1024 --input-len 64 \

@@ -460,3 +460,28 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend
     # a Pallas Triton kernel is its own custom call (XLA's own GEMM fusions may say "triton" too: not Pallas)
     pallas_triton = [key for key, executable in models.items() if "__gpu$xla.gpu.triton" in executable.as_text()]
     assert bool(pallas_triton) == (prefill == "triton")
+
+
+@pytest.mark.skipif(not (on_gpu() and on_hopper()), reason="the Mosaic GPU kernels run on Hopper only; interpreted, "
+                    "tests/test_cascade_attention.py holds the Mosaic cascade to the reference")
+def test_cascade_steps_on_mosaic(tiny, monkeypatch):
+    """Requests behind one shared prompt with every attention kernel on Mosaic GPU and cascade_attention: on: the
+    cascade graphs ran, hold no Pallas Triton kernel, and give pure-JAX attention's greedy tokens up to near-ties
+    (a bf16 copy of the model: Mosaic GPU's kernels read bf16/f16)."""
+    import jaxserve.engine.step_graphs as step_graphs
+
+    def engine(kernels, cascade):
+        monkeypatch.setattr(step_graphs, "resolve_attention_kernels", lambda *_: kernels)
+        return LLM(model, **BASE, cascade_attention=cascade)
+
+    model = load_model(tiny[0].source, dtype="bf16")
+    system = list(range(10, 60))   # 50 tokens: three whole blocks of 16 shared
+    prompts = [system + [60 + i] * (i + 1) for i in range(6)]
+    mosaic = engine(AttentionKernels("pallas", "mosaic", decode_backend="mosaic"), "on")
+    outputs = mosaic.generate(prompts, LOGPROBS)
+    assert mosaic.engine.stats()["cascade_steps"] > 0
+    assert_greedy_up_to_near_ties(outputs, engine(AttentionKernels("reference", "triton"), "off").generate(
+        prompts, LOGPROBS))
+    cascades = [executable for key, executable in mosaic.engine.graphs.manager.executables.items()
+                if key.kind == "model" and key.dims[4]]
+    assert cascades and not any("__gpu$xla.gpu.triton" in executable.as_text() for executable in cascades)
