@@ -74,11 +74,11 @@ def mosaic_cascade(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups:
                    tuning, interpret: bool):
     from pallas_kernels.cascade_attention_mgpu import cascade_decode_attention   # Mosaic GPU's import: where it runs
     decode = decode_on_mosaic(q, k_cache, min(q.shape[0], block_tables.shape[0]), tuning, "mosaic", interpret)
-    # the Mosaic GPU interpreter deadlocks under an outer jit on the CPU client: interpreted, it runs op by op
-    run = cascade_decode_attention if interpret else jax.jit(
-        cascade_decode_attention, static_argnames=("sm_scale", "soft_cap", "tuning", "interpret"))
-    return run(q, k_cache, v_cache, kv_lens, block_tables, jnp.reshape(num_seqs, ()), groups,
-               sm_scale=scores.sm_scale, soft_cap=scores.soft_cap, tuning=decode, interpret=interpret)
+    # not jitted here: the Mosaic GPU interpreter deadlocks under a jit on the CPU client (the engine's step and the
+    # benchmarks jit the whole)
+    return cascade_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, jnp.reshape(num_seqs, ()), groups,
+                                    sm_scale=scores.sm_scale, soft_cap=scores.soft_cap, tuning=decode,
+                                    interpret=interpret)
 
 
 def check_groups(groups: CascadeGroups, num_rows: int) -> None:

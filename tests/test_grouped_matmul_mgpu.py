@@ -25,8 +25,8 @@ from helpers import on_gpu, on_hopper
 ON_GPU = on_gpu()
 pytestmark = pytest.mark.skipif(ON_GPU and not on_hopper(), reason="the Mosaic GPU grouped matmul needs sm_90")
 TUNING = gmm.GroupedTuning(num_ctas=132 if ON_GPU else 4)
-# a grid where few tiles take narrow n-blocks (gmm.narrow_units), and TUNING's where most take wide ones; on the GPU
-# the device's grid is the first, 4 CTAs the second
+# grids for either n-block width (gmm.narrow_units): 4 CTAs, where these cases' tiles take block_n columns, and one
+# wide enough for a few tiles to take block_n_narrow (on the GPU the device's)
 GRIDS = {"wide": gmm.GroupedTuning(num_ctas=4), "narrow": gmm.GroupedTuning(num_ctas=132 if ON_GPU else 16)}
 
 
