@@ -34,9 +34,9 @@ LAYOUTS = {
 
 
 def make_cascade_batch(rng, groups, loners, *, q_heads, kv_heads, head_dim, block_size, max_seqs, max_blocks,
-                       num_blocks, max_groups, dtype=jnp.float32, **options):
-    """(Batch decode-only, CascadeGroups, the float64 expected output under `options`), the tables already poisoned
-    (see the module)."""
+                       num_blocks, max_groups, dtype=jnp.float32, cache_dtype=None, **options):
+    """(Batch decode-only, CascadeGroups, the float64 expected output under `options` over the caches as stored in
+    cache_dtype (default: dtype)), the tables already poisoned (see the module)."""
     members = [(g, own) for g, (_, owns) in enumerate(groups) for own in owns]
     num_rows = len(members) + len(loners)
     order = rng.permutation(num_rows)   # row of each member, then of each loner
@@ -63,7 +63,8 @@ def make_cascade_batch(rng, groups, loners, *, q_heads, kv_heads, head_dim, bloc
         fill(row, 0, n)
         kv_lens[row] = n
     q = rng.standard_normal((max_seqs, q_heads, head_dim)).astype(np.float32)
-    batch = Batch(jnp.asarray(q, dtype), jnp.asarray(cache[0], dtype), jnp.asarray(cache[1], dtype),
+    cache_dtype = cache_dtype or dtype
+    batch = Batch(jnp.asarray(q, dtype), jnp.asarray(cache[0], cache_dtype), jnp.asarray(cache[1], cache_dtype),
                   jnp.minimum(jnp.arange(max_seqs + 1, dtype=jnp.int32), num_rows), jnp.asarray(kv_lens),
                   jnp.asarray(tables), jnp.asarray([num_rows], jnp.int32), num_rows)
     expected = naive_attention(batch, sm_scale=0.125, **options)
@@ -118,13 +119,16 @@ def test_kernel_matches_float64(dtype, tuning, options):
 
 
 @pytest.mark.skipif(on_gpu() and not on_hopper(), reason="the Mosaic GPU decode kernel needs sm_90")
-@pytest.mark.parametrize("options", [{}, {"soft_cap": 5.0}])
-def test_mosaic_kernel_matches_float64(options):
-    """Both passes on the Mosaic GPU decode kernel (decode_backend="mosaic"), bf16: a group's members packed 16 to a
-    shared tile (4 q heads a kv head), the own passes through shifted tables."""
+@pytest.mark.parametrize("cache_dtype, options", [(jnp.bfloat16, {}), (jnp.bfloat16, {"soft_cap": 5.0}),
+                                                  (jnp.float8_e4m3fn, {})])
+def test_mosaic_kernel_matches_float64(cache_dtype, options):
+    """Both passes on the Mosaic GPU decode kernel (decode_backend="mosaic"), bf16 q: a group's members packed 16 to
+    a shared tile (4 q heads a kv head), the own passes through shifted tables. An e4m3 cache is held to attention
+    over its own values (exact in the kernel's float16), so bf16's tolerance holds."""
     rng = np.random.default_rng(3)
     for layout, (groups, loners) in LAYOUTS.items():
-        batch, cascade, expected = make_cascade_batch(rng, groups, loners, **GEOMETRY, dtype=jnp.bfloat16, **options)
+        batch, cascade, expected = make_cascade_batch(rng, groups, loners, **GEOMETRY, dtype=jnp.bfloat16,
+                                                      cache_dtype=cache_dtype, **options)
         poison_allocator(batch)
         out = run(batch, cascade, impl="pallas", decode_backend="mosaic", interpret=INTERPRET, **options)
         check_close(out, expected, batch, jnp.bfloat16, layout)
