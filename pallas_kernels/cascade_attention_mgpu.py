@@ -39,10 +39,10 @@ def cascade_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, num_dec
     members = TILE_ROWS // (num_q_heads // kv_heads)
     options = {"sm_scale": sm_scale, "soft_cap": soft_cap, "tuning": tuning, "interpret": interpret}
     tiles = member_tiles(groups, members)
-    live = jnp.arange(tiles.group.shape[0]) < tiles.count
+    # tiles past tiles.count are no decodes: the kernel reads none of their keys
     parts, lse = decode_partials(packed_queries(q, tiles.rows, kv_heads), k_cache, v_cache,
-                                 jnp.where(live, groups.shared_lens[tiles.group], 0),
-                                 block_tables[groups.table_rows[tiles.group]], tiles.count, **options)
+                                 groups.shared_lens[tiles.group], block_tables[groups.table_rows[tiles.group]],
+                                 tiles.count, **options)
     shared, shared_lse = unpacked(*merge_partials(parts, lse), tiles.slot_of_row, kv_heads, members)
     own_tables = shifted_tables(block_tables, groups.kv_starts // block_size)
     parts, lse = decode_partials(q, k_cache, v_cache, kv_lens - groups.kv_starts, own_tables, num_decodes, **options)
@@ -59,8 +59,9 @@ def member_tiles(groups: CascadeGroups, members: int) -> MemberTiles:
     num_tiles = num_rows // members + num_groups + 1
     cu = groups.cu_rows
     sizes = jnp.where(jnp.arange(num_groups) < groups.num_groups[0], cu[1:] - cu[:-1], 0)
-    tile_end = jnp.cumsum(-(-sizes // members))
-    tile_start = tile_end - -(-sizes // members)
+    group_tiles = -(-sizes // members)
+    tile_end = jnp.cumsum(group_tiles)
+    tile_start = tile_end - group_tiles
     place = jnp.arange(num_rows)
     is_member = place < cu[groups.num_groups[0]]
     group = jnp.minimum(jnp.searchsorted(cu[1:], place, side="right", method="compare_all"), num_groups - 1)
