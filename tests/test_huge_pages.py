@@ -1,8 +1,11 @@
 """A CPU device's weights on 2 MiB pages (jaxserve/engine/huge_pages.py), seen where the kernel reports them:
 /proc/self/smaps counts a mapping's huge pages in AnonHugePages."""
+import ctypes
+import mmap
 import os
 import re
 import sys
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +44,21 @@ def test_an_array_is_collapsed_in_place_its_values_unchanged():
     assert a.unsafe_buffer_pointer() == address
     np.testing.assert_array_equal(np.asarray(a), expected)
     np.testing.assert_array_equal(np.asarray(a + 1), expected + 1)
+
+
+def test_a_region_straddling_two_mappings_is_not_counted_collapsed():
+    """madvise answers 0 for such a region yet collapses nothing in it."""
+    area = mmap.mmap(-1, 4 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.write(b"\1" * len(area))                        # collapse needs pages in place
+    start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    first = -(-start // HUGE_PAGE)                       # the first whole region inside the area
+    mprotect = ctypes.CDLL(None).mprotect
+    mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    middle = (first + 1) * HUGE_PAGE + HUGE_PAGE // 2    # splits region first + 1 between two mappings
+    assert mprotect(middle, HUGE_PAGE // 2 + HUGE_PAGE, mmap.PROT_READ) == 0
+    buffer = SimpleNamespace(unsafe_buffer_pointer=lambda: first * HUGE_PAGE, nbytes=2 * HUGE_PAGE)
+    assert collapse_to_huge_pages([SimpleNamespace(addressable_shards=[SimpleNamespace(data=buffer)])]) == HUGE_PAGE
+    assert huge_bytes_of_mapping(first * HUGE_PAGE) == HUGE_PAGE
 
 
 @pytest.mark.slow
