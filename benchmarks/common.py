@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.cache.kv_cache import kv_cache_dtype
-from jaxserve.models import fp8
+from jaxserve.models import fp8, llama
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +38,13 @@ class Bytes:
         return cls(1 if loaded.quantization == "fp8" else model, model, kv)
 
 
-def fp8_path_params() -> dict:
-    """{"w8a8": "xla"} while FP8's W8A8 layers run through XLA's GEMM instead of the CUDA kernels (a benchmark
-    turning fp8.W8A8_KERNELS off beside them), else nothing: a row's params tell the two apart."""
-    return {} if fp8.W8A8_KERNELS else {"w8a8": "xla"}
+def linear_path_params() -> dict:
+    """The linear layers' paths where a benchmark switched them from the default, so that a row's params tell the
+    runs apart: {"w8a8": "xla"} while FP8's W8A8 layers run through XLA's GEMM instead of the CUDA kernels
+    (fp8.W8A8_KERNELS off), {"bf16_decode": "kernel"} while bf16 decode rows run through the CUDA kernel
+    (llama.BF16_DECODE_KERNEL on)."""
+    return ({} if fp8.W8A8_KERNELS else {"w8a8": "xla"}) | ({"bf16_decode": "kernel"} if llama.BF16_DECODE_KERNEL
+                                                            else {})
 
 
 def block_bytes(block_type: str) -> float:

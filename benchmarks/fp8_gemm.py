@@ -148,7 +148,8 @@ def decode_cases(ns: tuple[int, ...]):
     bf16 = jax.jit(lambda x, gws, gss: [jax.lax.dot_general(x, w, dims) for ws in gws for w in ws])
     cases = [("xla", xla), ("bf16", bf16)]
     launches = [None] + [(splits, warps_n, tiles) for splits in (1, 2, 4, 8)
-                         for warps_n in custom_calls.FP8_LINEAR_WARPS_N for tiles in custom_calls.FP8_LINEAR_WARP_TILES
+                         for warps_n in custom_calls.DECODE_LINEAR_WARPS_N
+                         for tiles in custom_calls.DECODE_LINEAR_WARP_TILES
                          if all(n % (16 * tiles * warps_n) == 0 for n in ns)]
     for launch in launches:
         name = "kernel/auto" if launch is None else "kernel/splits={}/warps_n={}/warp_tiles={}".format(*launch)

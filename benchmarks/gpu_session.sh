@@ -47,6 +47,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-route     # the routing call's tests, expert blocks, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-profile   # MoE batch 1 profiled, then 256 x 512/128
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-ncu       # the routing kernel under Nsight Compute
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh bf16-linear   # bf16 decode linears: tests, beside XLA
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh bf16-linear-engine   # batch 1 through them and through XLA
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-fp8      # Mosaic GPU decode over an FP8 cache
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-fp8-engine   # batch 1 over an FP8 cache, each backend
@@ -76,7 +78,22 @@ MOE_PROFILE="python benchmarks/step_timeline.py --config $MOE --num-prompts 1 --
 # "${WITHOUT_W8A8_KERNELS[@]}" SCRIPT ARGS...: the script with FP8's W8A8 layers through XLA's GEMM
 WITHOUT_W8A8_KERNELS=(python -c "import runpy, sys; import jaxserve.models.fp8 as fp8; fp8.W8A8_KERNELS = False
 sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+# "${WITH_BF16_DECODE_KERNEL[@]}" SCRIPT ARGS...: the script with bf16 decode rows through the CUDA linear kernel
+WITH_BF16_DECODE_KERNEL=(python -c "import runpy, sys; import jaxserve.models.llama as llama
+llama.BF16_DECODE_KERNEL = True; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 case $1 in
+  bf16-linear)   # the bf16 decode linear kernel's GPU tests, then beside XLA's GEMMs at every launch it takes
+    run 150 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_decode_linears.py \
+      -k "bf16_linear or model_through"
+    run 300 python benchmarks/bf16_decode_gemm.py --out "$OUT/bf16_decode_gemm_gpu.json" ;;
+  bf16-linear-engine)   # batch 1 on the mixture of experts and the dense 8B through XLA's GEMMs and through the bf16
+    # decode kernel, the same call (the first run of each compiles cold)
+    BATCH1_8B="benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512
+      --out $OUT/offline_batch1_gpu.json"
+    run 180 $MOE_BATCH1
+    run 180 "${WITH_BF16_DECODE_KERNEL[@]}" ${MOE_BATCH1#python }
+    run 100 python $BATCH1_8B
+    run 100 "${WITH_BF16_DECODE_KERNEL[@]}" $BATCH1_8B ;;
   mosaic-decode)   # the Mosaic GPU decode kernel compiled against the reference, then beside Triton and cuDNN
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import Bytes, copy_bandwidth_gbps, fp8_path_params, matmul_tflops, write_rows  # noqa: E402
+from benchmarks.common import Bytes, copy_bandwidth_gbps, linear_path_params, matmul_tflops, write_rows  # noqa: E402
 
 from jaxserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from jaxserve.config import QUANTIZATIONS, load_run_config, model_config_from_hf  # noqa: E402
@@ -221,7 +221,7 @@ def main(argv=None):
               "decode_attention": engine_cfg.decode_attention, "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
               "token_buckets": list(engine_cfg.token_buckets or []), "async_scheduling": engine_cfg.async_scheduling,
               "tensor_parallel_size": engine_cfg.tensor_parallel_size, "quantization": loaded.quantization,
-              "kv_cache_dtype": engine_cfg.kv_cache_dtype, **fp8_path_params(),
+              "kv_cache_dtype": engine_cfg.kv_cache_dtype, **linear_path_params(),
               **({"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}),
               "model": pathlib.Path(args.config).stem if loaded.source == "random" else loaded.source}
     rows = [{"bench": "offline", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": ntok / wall,

@@ -9,11 +9,14 @@
 Prints the median per step of: schedule (scheduler), prepare (runner: block tables, inputs to the device), enqueue
 (the compiled graphs' calls), wait (the host blocked on the previous step's samples: the device is the
 bottleneck when it is large) and finish (samples -> sequences, outputs). The period is what TPOT sees.
+With --profile, each costly kernel XLA made is followed by the op it came from (the compiled model graphs' HLO
+metadata: the model's named scopes and the JAX primitive).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -116,8 +119,28 @@ def print_device_profile(engine, top: int, steps: int = 16) -> None:
     busy = sum(d for _, d, _ in events) / 1e6 / steps
     print(f"GPU per step: span {span:.2f} ms, busy {busy:.2f} ms, idle {span - busy:.2f} ms, "
           f"{len(events) / steps:.0f} launches", flush=True)
+    sources = kernel_sources(engine)
     for name, ms, count in costliest(events, steps, top):
         print(f"    {ms:8.3f} ms x{count / steps:6.1f} {name[:100]}", flush=True)
+        if name in sources:
+            print(f"                      <- {sources[name]}", flush=True)
+
+
+def kernel_sources(engine) -> dict[str, str]:
+    """Kernel name (an HLO instruction's, '.' and '-' as '_', as the profiler reports XLA's kernels) -> the op_name
+    of its metadata in the compiled model graphs (the model's named scopes, then the JAX primitive); graphs whose
+    text cannot be read (some executables loaded from disk) give none."""
+    sources = {}
+    for key, executable in engine.graphs.manager.executables.items():
+        if key[0] != "model":
+            continue
+        try:
+            text = executable.as_text() or ""
+        except Exception:   # what a deserialized executable raises varies by jax version
+            continue
+        for name, op in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"', text, re.M):
+            sources.setdefault(re.sub(r"[.\-]", "_", name), op[-90:])
+    return sources
 
 
 if __name__ == "__main__":

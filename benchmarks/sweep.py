@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.common import (Bytes, copy_bandwidth_gbps, fp8_path_params, kernel_profile,  # noqa: E402
+from benchmarks.common import (Bytes, copy_bandwidth_gbps, linear_path_params, kernel_profile,  # noqa: E402
                                matmul_tflops, time_ms, write_rows)
 from jaxserve.cache.kv_cache import (kv_bytes_per_block, kv_cache_dtype, kv_dtype_name,  # noqa: E402
                                      num_blocks_for_memory)
@@ -221,7 +221,7 @@ def sweep_row(runner: ModelRunner, case: SweepCase, ms: float, compile_stats, ce
     nbytes, flops = step_cost(runner.graphs.model_config, b, starts, counts)
     roofline_ms = max(nbytes / gbps / 1e6, flops / tflops / 1e9)
     params = {**dataclasses.asdict(case), "weight_dtype": weights,
-              "kv_cache_dtype": kv_dtype_name(runner.graphs.backend.dtype), **fp8_path_params()}
+              "kv_cache_dtype": kv_dtype_name(runner.graphs.backend.dtype), **linear_path_params()}
     row = {"bench": "sweep", "impl": "jaxserve", "params": params, "compile_s": compile_s, "ms": ms,
            "tok_s": counts.sum() / ms * 1e3, "bytes": nbytes, "flops": flops, "roofline_ms": roofline_ms,
            "roofline_frac": roofline_ms / ms, "real_tokens": int(counts.sum()), "real_seqs": len(counts),

@@ -1,5 +1,5 @@
-"""CUDA custom calls through the XLA FFI: paged decode attention, in-place KV-cache updates, the W8A16 linear
-layer of decode-sized steps, the W8A8 quantize and GEMM of larger steps, and MoE routing.
+"""CUDA custom calls through the XLA FFI: paged decode attention, in-place KV-cache updates, the linear layers of
+decode-sized steps (bf16 and W8A16), the W8A8 quantize and GEMM of larger steps, and MoE routing.
 
 Cache layout (shared with the Pallas kernels and the engine): per layer K and V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; block 0 is a null block for padding
@@ -31,7 +31,7 @@ TARGETS = {
     "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention",
     "jaxserve_reshape_and_cache": "JaxserveReshapeAndCache",
     "jaxserve_copy_blocks": "JaxserveCopyBlocks",
-    "jaxserve_fp8_linear": "JaxserveFp8Linear",
+    "jaxserve_decode_linear": "JaxserveDecodeLinear",
     "jaxserve_moe_route": "JaxserveMoeRoute",
     "jaxserve_fp8_quantize_rows": "JaxserveFp8QuantizeRows",
     "jaxserve_fp8_scaled_mm": "JaxserveFp8ScaledMm",
@@ -49,16 +49,19 @@ TARGET_CTAS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 MAX_GROUP_TILE = 8  # query heads per CTA in the kernel
-# fp8_linear: rows (tokens) a call takes; k per chunk (K must be a multiple); the launch's choices: CTA columns of
-# warps (warps_n) and m16 tiles of output channels per warp (warp_tiles), N a multiple of 16 * warp_tiles * warps_n
-FP8_LINEAR_MAX_ROWS, FP8_LINEAR_MAX_GROUPS = 16, 3   # weights of one input a launch reads (q, k, v)
-FP8_LINEAR_CHUNK_K = 64
-FP8_LINEAR_WARPS_N, FP8_LINEAR_WARP_TILES = (1, 2), (2, 4)
+# decode linears (fp8_linear, bf16_linear): rows (tokens) a call takes; k per chunk (K must be a multiple); the
+# launch's choices: CTA columns of warps (warps_n) and m16 tiles of output channels per warp (warp_tiles), N a
+# multiple of 16 * warp_tiles * warps_n
+DECODE_LINEAR_MAX_ROWS, DECODE_LINEAR_MAX_GROUPS = 16, 3   # weights of one input a launch reads (q, k, v)
+DECODE_LINEAR_CHUNK_K = 64
+DECODE_LINEAR_WARPS_N, DECODE_LINEAR_WARP_TILES = (1, 2), (2, 4)
 # fp8_linear's default launch: (warps_n, warp_tiles) one warp column of two tiles, 32 channels a CTA, which every N
 # it takes divides (the best or within 3% of it at every Llama-3-8B decode shape on an H100, `benchmarks/fp8_gemm.py
-# --decode`), with K split until the CTAs cover FP8_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5)
-FP8_LINEAR_DEFAULT_TILE = (1, 2)
-FP8_LINEAR_CTAS_PER_SM = 1
+# --decode`), with K split until the CTAs cover DECODE_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5).
+# bf16_linear's: four tiles a warp where every N divides, the lanes of a K row reading 128 contiguous bytes (two
+# tiles read 64); not yet tuned on a GPU.
+FP8_LINEAR_DEFAULT_TILE, BF16_LINEAR_DEFAULT_TILE = (1, 2), (1, 4)
+DECODE_LINEAR_CTAS_PER_SM = 1
 # fp8_quantize_rows and fp8_scaled_mm: e4m3's largest finite value, which each row's amax maps to; the smallest
 # normal f32, the scale of an all-zero row (padding tokens), which no other row's amax / FP8_MAX is below; widest
 # row the quantize kernel keeps in registers; cuBLASLt's workspace (what cuBLAS sizes for Hopper)
@@ -289,20 +292,26 @@ def copy_blocks(k_cache, v_cache, src, dst):
     return call_in_place("jaxserve_copy_blocks", k_cache, v_cache, src, dst)
 
 
-def fp8_linear_unsupported(x, weights, scales) -> str | None:
-    """Why fp8_linear cannot take x [M, K] and the weights w_g [N_g, K] with scales [N_g] (None when it can)."""
-    if not 1 <= len(weights) <= FP8_LINEAR_MAX_GROUPS or len(scales) != len(weights):
-        return f"takes 1 to {FP8_LINEAR_MAX_GROUPS} weights with a scale each, got {len(weights)} and {len(scales)}"
-    if x.ndim != 2 or x.dtype != jnp.bfloat16 or not 1 <= x.shape[0] <= FP8_LINEAR_MAX_ROWS:
-        return f"x must be bfloat16 [1 to {FP8_LINEAR_MAX_ROWS}, K], got {x.dtype} {x.shape}"
-    if x.shape[1] % FP8_LINEAR_CHUNK_K:
-        return f"K must be a multiple of {FP8_LINEAR_CHUNK_K}, got {x.shape[1]}"
-    for w, scale in zip(weights, scales):
-        if w.dtype != jnp.float8_e4m3fn or w.ndim != 2 or w.shape[1] != x.shape[1] or scale.shape != w.shape[:1]:
+def decode_linear_unsupported(x, weights, scales=None) -> str | None:
+    """Why the decode linear kernel cannot take x [M, K] and the weights (None when it can): e4m3 w_g [N_g, K] with
+    scales [N_g] (fp8_linear), or without scales bf16 w_g [K, N_g] (bf16_linear, nnx.Linear's kernel layout)."""
+    kn = scales is None
+    if not 1 <= len(weights) <= DECODE_LINEAR_MAX_GROUPS or not (kn or len(scales) == len(weights)):
+        return f"takes 1 to {DECODE_LINEAR_MAX_GROUPS} weights{'' if kn else ' with a scale each'}, got " \
+               f"{len(weights)}{'' if kn else f' and {len(scales)}'}"
+    if x.ndim != 2 or x.dtype != jnp.bfloat16 or not 1 <= x.shape[0] <= DECODE_LINEAR_MAX_ROWS:
+        return f"x must be bfloat16 [1 to {DECODE_LINEAR_MAX_ROWS}, K], got {x.dtype} {x.shape}"
+    if x.shape[1] % DECODE_LINEAR_CHUNK_K:
+        return f"K must be a multiple of {DECODE_LINEAR_CHUNK_K}, got {x.shape[1]}"
+    for i, w in enumerate(weights):
+        k, n = (w.shape if kn else w.shape[::-1]) if w.ndim == 2 else (None, None)
+        if kn and (w.dtype != jnp.bfloat16 or k != x.shape[1]):
+            return f"each w must be bfloat16 [{x.shape[1]}, N], got {w.dtype} {w.shape}"
+        if not kn and (w.dtype != jnp.float8_e4m3fn or k != x.shape[1] or scales[i].shape != (n,)):
             return f"each w must be float8_e4m3fn [N, {x.shape[1]}] with a scale [N], got {w.dtype} {w.shape} " \
-                   f"and {scale.shape}"
-        if w.shape[0] % 32:
-            return f"each w's N must be a multiple of 32, got {w.shape[0]}"
+                   f"and {scales[i].shape}"
+        if n % 32:
+            return f"each w's N must be a multiple of 32, got {n}"
     return None
 
 
@@ -310,57 +319,86 @@ def fp8_linear_reference(x, w, scale, live=None):
     """y [M, N] = (x [M, K] . w [N, K]^T) * scale [N] in x's dtype: the e4m3 weight widened to x's dtype, products
     summed in f32; with live (int32 [] or [1]: the first rows that are real) the rows past them zeros."""
     y = jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    y = (y * scale).astype(x.dtype)
-    return y if live is None else jnp.where(jnp.arange(x.shape[0])[:, None] < live.reshape(()), y, 0)
+    return live_rows((y * scale).astype(x.dtype), live)
 
 
-def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int]:
-    """(splits, warps_n, warp_tiles) for weights [n, k] (n in ns) of one launch: FP8_LINEAR_DEFAULT_TILE, K split
-    to fill the SMs while each split keeps 8 chunks."""
-    warps_n, warp_tiles = FP8_LINEAR_DEFAULT_TILE
-    tiles, chunks = sum(ns) // (16 * warp_tiles * warps_n), k // FP8_LINEAR_CHUNK_K
-    return max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
+def bf16_linear_reference(x, w, live=None):
+    """y [M, N] = x [M, K] . w [K, N] in x's dtype, products summed in f32; with live the rows past them zeros."""
+    return live_rows(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), live)
+
+
+def live_rows(y, live):
+    """y with its rows from live on (int32 [] or [1]; None: none) zeros."""
+    return y if live is None else jnp.where(jnp.arange(y.shape[0])[:, None] < live.reshape(()), y, 0)
+
+
+def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int, tile=FP8_LINEAR_DEFAULT_TILE) -> tuple[int, int, int]:
+    """(splits, warps_n, warp_tiles) for weights of n output channels (n in ns) and K k of one launch: tile
+    (warps_n, warp_tiles) where every n divides its channels (else two tiles a warp), K split to fill the SMs while
+    each split keeps 8 chunks."""
+    warps_n, warp_tiles = tile if not any(n % (16 * tile[0] * tile[1]) for n in ns) else (1, 2)
+    tiles, chunks = sum(ns) // (16 * warp_tiles * warps_n), k // DECODE_LINEAR_CHUNK_K
+    return max(1, min(math.ceil(DECODE_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
 
 
 def fp8_linear(x, weights, scales, *, launch=None, live=None) -> list:
     """[fp8_linear_reference(x, w, s, live) for w, s in zip(weights, scales)] through the CUDA kernel, in one launch:
-    one read of each e4m3 weight on the tensor cores, for the decode-sized steps (up to FP8_LINEAR_MAX_ROWS rows)
+    one read of each e4m3 weight on the tensor cores, for the decode-sized steps (up to DECODE_LINEAR_MAX_ROWS rows)
     that such reads bound; with live (the step's real rows, the first ones: int32 [] or [1]) the kernel reads no
-    activation past them. fp8_linear_unsupported names what it does not take. Without the library it runs the
+    activation past them. decode_linear_unsupported names what it does not take. Without the library it runs the
     reference. launch (splits of K, warps_n, warp_tiles) defaults to choose_linear_launch."""
-    if why := fp8_linear_unsupported(x, weights, scales):
-        raise ValueError(f"fp8_linear: {why}")
-    ns = tuple(w.shape[0] for w in weights)
+    return decode_linear(x, weights, scales, launch, live)
+
+
+def bf16_linear(x, weights, *, launch=None, live=None) -> list:
+    """[bf16_linear_reference(x, w, live) for w in weights], bf16 weights [K, N] (nnx.Linear's kernels) that read
+    x, through the CUDA kernel in one launch, as fp8_linear (its tile default BF16_LINEAR_DEFAULT_TILE)."""
+    return decode_linear(x, weights, None, launch, live)
+
+
+def decode_linear(x, weights, scales, launch, live) -> list:
+    """fp8_linear (scales given) or bf16_linear (None): checked, then the kernel or, without the library, the
+    reference."""
+    name = "bf16_linear" if scales is None else "fp8_linear"
+    if why := decode_linear_unsupported(x, weights, scales):
+        raise ValueError(f"{name}: {why}")
+    ns, k = tuple(w.shape[1] if scales is None else w.shape[0] for w in weights), x.shape[1]
     if launch is not None:
-        check_linear_launch(launch, ns, x.shape[1])
+        check_linear_launch(launch, ns, k)
     if not available():
-        return [fp8_linear_reference(x, w, s, live) for w, s in zip(weights, scales)]
-    return call_fp8_linear(x, weights, scales, launch=launch or choose_linear_launch(ns, x.shape[1], sm_count()),
-                           live=live)
+        return [bf16_linear_reference(x, w, live) for w in weights] if scales is None else \
+            [fp8_linear_reference(x, w, s, live) for w, s in zip(weights, scales)]
+    tile = BF16_LINEAR_DEFAULT_TILE if scales is None else FP8_LINEAR_DEFAULT_TILE
+    return call_decode_linear(x, weights, scales, launch=launch or choose_linear_launch(ns, k, sm_count(), tile),
+                              live=live)
 
 
 def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
     splits, warps_n, warp_tiles = launch
-    if not 1 <= splits <= k // FP8_LINEAR_CHUNK_K:
-        raise ValueError(f"fp8_linear: splits must be in [1, {k // FP8_LINEAR_CHUNK_K}], got {splits}")
-    if warps_n not in FP8_LINEAR_WARPS_N or warp_tiles not in FP8_LINEAR_WARP_TILES:
-        raise ValueError(f"fp8_linear: warps_n must be one of {FP8_LINEAR_WARPS_N} and warp_tiles one of "
-                         f"{FP8_LINEAR_WARP_TILES}, got {warps_n} and {warp_tiles}")
+    if not 1 <= splits <= k // DECODE_LINEAR_CHUNK_K:
+        raise ValueError(f"decode linear: splits must be in [1, {k // DECODE_LINEAR_CHUNK_K}], got {splits}")
+    if warps_n not in DECODE_LINEAR_WARPS_N or warp_tiles not in DECODE_LINEAR_WARP_TILES:
+        raise ValueError(f"decode linear: warps_n must be one of {DECODE_LINEAR_WARPS_N} and warp_tiles one of "
+                         f"{DECODE_LINEAR_WARP_TILES}, got {warps_n} and {warp_tiles}")
     if any(n % (16 * warp_tiles * warps_n) for n in ns):
-        raise ValueError(f"fp8_linear: each N ({ns}) must be a multiple of 16 * warp_tiles * warps_n = "
+        raise ValueError(f"decode linear: each N ({ns}) must be a multiple of 16 * warp_tiles * warps_n = "
                          f"{16 * warp_tiles * warps_n}")
 
 
-def call_fp8_linear(x, weights, scales, *, launch: tuple[int, int, int], live=None) -> list:
-    """The FFI call itself (the library must be registered). Splits of K meet in a cluster's shared memory on
-    sm_90, elsewhere as f32 partials in the workspace."""
+def call_decode_linear(x, weights, scales, *, launch: tuple[int, int, int], live=None) -> list:
+    """The FFI call itself (the library must be registered): e4m3 weights [N, K] with their scales, or (scales
+    None) bf16 weights [K, N]. Splits of K meet in a cluster's shared memory on sm_90, elsewhere as f32 partials in
+    the workspace."""
     splits, warps_n, warp_tiles = launch
-    workspace = splits * x.shape[0] * sum(w.shape[0] for w in weights) if splits > 1 else 1
-    outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype) for w in weights]
-    *ys, _ = jax.ffi.ffi_call("jaxserve_fp8_linear", (*outs, jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
-        x, *(a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))),
-        *(() if live is None else (live.reshape(1).astype(jnp.int32),)), splits=np.int32(splits),
-        warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles), with_live=np.int32(live is not None))
+    kn = scales is None
+    ns = [w.shape[1] if kn else w.shape[0] for w in weights]
+    workspace = splits * x.shape[0] * sum(ns) if splits > 1 else 1
+    outs = [jax.ShapeDtypeStruct((x.shape[0], n), x.dtype) for n in ns]
+    operands = weights if kn else [a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))]
+    *ys, _ = jax.ffi.ffi_call("jaxserve_decode_linear", (*outs, jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
+        x, *operands, *(() if live is None else (live.reshape(1).astype(jnp.int32),)), splits=np.int32(splits),
+        warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles), with_live=np.int32(live is not None),
+        weights_kn=np.int32(kn))
     return ys
 
 

@@ -255,8 +255,8 @@ def test_forks_wider_than_their_prompt_compile_nothing():
 def test_host_only_knobs_keep_the_executables_and_graph_knobs_do_not(monkeypatch):
     """The executable cache's fingerprint: a knob only the host reads (admission bounds, watermark, cache dir)
     leaves it as it is, so a warm start with new bounds loads every executable; a bucket ladder changes it, and so
-    does a switch of the FP8 layers' paths (a benchmark timing XLA's GEMMs beside the kernels)."""
-    from jaxserve.models import fp8
+    does a switch of the linear layers' paths (a benchmark timing XLA's GEMMs beside the kernels)."""
+    from jaxserve.models import fp8, llama
     model = random_model(TINY, jnp.float32)
 
     def fingerprint(**knobs) -> str:
@@ -265,6 +265,9 @@ def test_host_only_knobs_keep_the_executables_and_graph_knobs_do_not(monkeypatch
     base = fingerprint()
     assert fingerprint(max_queued_requests=5, watermark=0.2, compile_cache_dir="/tmp/elsewhere") == base
     assert fingerprint(seq_buckets=(8,)) != base and fingerprint(block_size=8) != base
+    monkeypatch.setattr(llama, "BF16_DECODE_KERNEL", not llama.BF16_DECODE_KERNEL)
+    assert fingerprint() != base
+    monkeypatch.undo()
     monkeypatch.setattr(fp8, "W8A8_KERNELS", False)
     assert fingerprint() != base
 

@@ -24,7 +24,7 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU; CPU CI c
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 FP8 = jnp.float8_e4m3fn
 CACHE_DTYPES = [pytest.param(None, id="cache=q"), pytest.param(FP8, id="cache=fp8")]   # None: q's dtype
-SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks", "JaxserveFp8Linear",
+SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks", "JaxserveDecodeLinear",
            "JaxserveMoeRoute", "JaxserveFp8QuantizeRows", "JaxserveFp8ScaledMm", "JaxserveHasCublasLt")
 
 
@@ -293,18 +293,27 @@ def fp8_linear_case(rng, rows: int, k: int, n: int):
     return x, jnp.asarray(random_values(rng, (n, k), FP8)), scale
 
 
-def fp8_linear_bound(x, w, scale) -> tuple[np.ndarray, np.ndarray]:
-    """(x w^T scale in f64, the error allowed in bf16 out): the output's rounding to bf16 (2^-8 of itself, two
-    roundings' worth) plus f32 summation in any order over K ((K + 2) 2^-24 sum |x w| scale)."""
-    xd, wd, sd = (np.asarray(a, np.float64) for a in (x, w, scale))
-    ref = (xd @ wd.T) * sd
-    return ref, 2.0 ** -8 * np.abs(ref) + (xd.shape[1] + 2) * 2.0 ** -24 * (np.abs(xd) @ np.abs(wd).T) * sd
+def bf16_linear_case(rng, rows: int, k: int, n: int):
+    """bf16 x [rows, k] and w [k, n], w's magnitudes spread over 2^-16 .. 2^15 (-0 among them)."""
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = rng.standard_normal((k, n)) * 2.0 ** rng.integers(-16, 16, (k, n))
+    return x, jnp.asarray(np.where(rng.random((k, n)) < 0.01, -0.0, w), jnp.bfloat16)
+
+
+def linear_bound(x, w, scale=None) -> tuple[np.ndarray, np.ndarray]:
+    """(x w in f64, the error allowed in bf16 out) for w [K, N], or with a scale e4m3 w [N, K] times it: the
+    output's rounding to bf16 (2^-8 of itself, two roundings' worth) plus f32 summation in any order over K
+    ((K + 2) 2^-24 sum |x w|)."""
+    xd, wd = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    wd = wd if scale is None else wd.T * np.asarray(scale, np.float64)
+    ref = xd @ wd
+    return ref, 2.0 ** -8 * np.abs(ref) + (xd.shape[1] + 2) * 2.0 ** -24 * (np.abs(xd) @ np.abs(wd))
 
 
 def test_fp8_linear_reference_matches_f64():
     seed, rng = fresh_rng()
     x, w, scale = fp8_linear_case(rng, 5, 128, 96)
-    ref, bound = fp8_linear_bound(x, w, scale)
+    ref, bound = linear_bound(x, w, scale)
     out = np.asarray(cc.fp8_linear_reference(x, w, scale), np.float64)
     assert out.shape == (5, 96) and np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), f"seed {seed}"
 
@@ -332,6 +341,41 @@ def test_fp8_linear_rejects_what_the_kernel_cannot_take(change, field):
     args.update(change)
     with pytest.raises(ValueError, match=field):
         cc.fp8_linear(args.pop("x"), [args.pop("w")], [args.pop("scale")], **args)
+
+
+def test_bf16_linear_reference_matches_f64():
+    seed, rng = fresh_rng()
+    x, w = bf16_linear_case(rng, 5, 128, 96)
+    ref, bound = linear_bound(x, w)
+    out = np.asarray(cc.bf16_linear_reference(x, w), np.float64)
+    assert out.shape == (5, 96) and np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), f"seed {seed}"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
+def test_bf16_linear_without_the_library_runs_the_reference_per_weight():
+    seed, rng = fresh_rng()
+    x, w = bf16_linear_case(rng, 3, 128, 64)
+    w2 = bf16_linear_case(rng, 3, 128, 32)[1]
+    outs = cc.bf16_linear(x, [w, w2], live=jnp.int32(2))
+    for out, ref in zip(outs, (cc.bf16_linear_reference(x, w, jnp.int32(2)), cc.bf16_linear_reference(x, w2))):
+        assert_same_bits(out[:2], ref[:2], seed)
+        assert not np.asarray(out[2:], np.float32).any()
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(x=jnp.zeros((2, 128), jnp.float32)), "bfloat16 \\[1 to 16"),
+    (dict(w=jnp.zeros((128, 64), FP8)), "bfloat16 \\[128, N"),
+    (dict(x=jnp.zeros((17, 128), jnp.bfloat16)), "1 to 16, K"),
+    (dict(w=jnp.zeros((64, 128), jnp.bfloat16)), "\\[128, N\\]"),
+    (dict(w=jnp.zeros((128, 48), jnp.bfloat16)), "multiple of 32"), (dict(ws=4), "1 to 3 weights"),
+    (dict(launch=(3, 1, 2)), "splits must be in"), (dict(launch=(1, 2, 4), w=jnp.zeros((128, 96), jnp.bfloat16)),
+                                                    "multiple of 16 \\* warp_tiles")])
+def test_bf16_linear_rejects_what_the_kernel_cannot_take(change, field):
+    args = dict(x=jnp.zeros((2, 128), jnp.bfloat16), w=jnp.zeros((128, 64), jnp.bfloat16), ws=1, launch=None)
+    args.update(change)
+    with pytest.raises(ValueError, match=field) as error:
+        cc.bf16_linear(args["x"], [args["w"]] * args["ws"], launch=args["launch"])
+    assert str(error.value).startswith("decode linear" if "launch" in change else "bf16_linear")
 
 
 @pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
@@ -411,7 +455,7 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
     seed, rng = fresh_rng()
     case = make_paged_case(rng, lens=[5, 9], q_heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
 
-    def step(k_cache, v_cache, new_k, new_v, slots, q, kv_lens, block_tables, x, w, scale):
+    def step(k_cache, v_cache, new_k, new_v, slots, q, kv_lens, block_tables, x, w, scale, kernel):
         k_cache, v_cache = cc.call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, new_k, new_v, slots)
         k_cache, v_cache = cc.call_in_place("jaxserve_copy_blocks", k_cache, v_cache, slots[:1], slots[1:])
         out = cc.call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=0.5,
@@ -421,11 +465,13 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         xq, x_scale = cc.call_fp8_quantize_rows(x, x, input=1)
         normed = cc.call_fp8_quantize_rows(x, x[0], input=2, eps=1e-5)
         mm = cc.call_fp8_scaled_mm(cc.call_fp8_quantize_rows(x, input=0)[0], x_scale, w, scale)
-        linear = cc.call_fp8_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2), live=kv_lens[0])
-        return k_cache, v_cache, out, linear, route, xq, normed, mm
+        linear = cc.call_decode_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2), live=kv_lens[0])
+        bf16 = cc.call_decode_linear(x, [kernel, kernel[:, :32]], None, launch=(1, 1, 2))
+        return k_cache, v_cache, out, linear, bf16, route, xq, normed, mm
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
-    args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32)]
+    args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32),
+             jnp.zeros((128, 64), jnp.bfloat16)]
     text = jax.jit(step, donate_argnums=(0, 1)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     for target in cc.TARGETS:
         assert f"stablehlo.custom_call @{target}(" in text
@@ -436,8 +482,12 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         assert attr in text, attr
     assert "tensor<2x8x128xbf16>, tensor<6240xf32>" in text  # out + workspace B*Hq*S*(D+2)
     assert "tensor<3x64xbf16>, tensor<3x32xbf16>, tensor<576xf32>" in text  # the ys + workspace S*M*sum(N)
-    for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32", "with_live = 1 : i32"):
+    for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32", "with_live = 1 : i32",
+                 "weights_kn = 0 : i32", "splits = 1 : i32", "weights_kn = 1 : i32"):
         assert attr in text, attr
+    # bf16 weights [K, N], no scales: the ys and a one-element workspace
+    assert "(tensor<3x128xbf16>, tensor<128x64xbf16>, tensor<128x32xbf16>) -> (tensor<3x64xbf16>, " \
+           "tensor<3x32xbf16>, tensor<1xf32>)" in text
     for attr in ("top_k = 3 : i32", "renormalize = 1 : i32", "local_experts = 8 : i32", "block_m = 64 : i32",
                  "row_align = 8 : i32"):
         assert attr in text, attr
@@ -534,7 +584,7 @@ def test_copy_blocks_in_place_matches_reference(dtype):
 @pytest.mark.parametrize("launch", [None, (1, 1, 2), (3, 1, 4), (9, 2, 2), (2, 2, 4)],
                          ids=["auto", "one_split", "cluster_splits", "merged_splits", "wide"])
 def test_fp8_linear_matches_f64(rows, k, ns, launch):
-    """The kernel over every e4m3 bit pattern (subnormals and -0 included) within fp8_linear_bound, for one weight
+    """The kernel over every e4m3 bit pattern (subnormals and -0 included) within linear_bound, for one weight
     and for three of one input, its output memory NaN-poisoned first; splits of K meet in a cluster (up to 8) or
     through the workspace (more)."""
     assert cc.available(), cc.unavailable_reason()
@@ -549,7 +599,7 @@ def test_fp8_linear_matches_f64(rows, k, ns, launch):
     poison_device_memory((rows, sum(ns)), jnp.bfloat16)
     outs = jax.jit(lambda x, ws, ss: cc.fp8_linear(x, ws, ss, launch=launch))(x, ws, scales)
     for out, w, scale in zip(outs, ws, scales):
-        ref, bound = fp8_linear_bound(x, w, scale)
+        ref, bound = linear_bound(x, w, scale)
         out = np.asarray(out, np.float64)
         assert np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())
 
@@ -569,6 +619,47 @@ def test_fp8_linear_reads_no_row_past_the_live_ones(rows, live):
     outs = jax.jit(lambda x, ws, ss, live: cc.fp8_linear(x, ws, ss, live=live))(poisoned, ws, scales,
                                                                                jnp.int32(live))
     alone = jax.jit(lambda x, ws, ss: cc.fp8_linear(x, ws, ss))(x.at[live:].set(0), ws, scales)
+    for out, want in zip(outs, alone):
+        assert_same_bits(out, want, seed)
+        assert not np.asarray(out[live:], np.float32).any(), f"seed {seed}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 5, 9, 16])
+@pytest.mark.parametrize("k,ns", [(576, (576, 192, 192)), (2048, (4096, 512, 512)), (4096, (2048,)), (2048, (128,)),
+                                  (1024, (96, 32))], ids=["smollm_qkv", "moe_qkv", "moe_o", "router", "narrow"])
+@pytest.mark.parametrize("launch", [None, (1, 1, 2), (3, 1, 4), (9, 2, 2), (2, 2, 4)],
+                         ids=["auto", "one_split", "cluster_splits", "merged_splits", "wide"])
+def test_bf16_linear_matches_f64(rows, k, ns, launch):
+    """bf16 weights [K, N] through the kernel within linear_bound of f64, one weight and three of one input, output
+    memory NaN-poisoned first; a launch whose tile N does not divide is refused (auto takes two tiles a warp)."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    ws = [bf16_linear_case(rng, rows, k, n)[1] for n in ns]
+    if launch and any(n % (16 * launch[1] * launch[2]) for n in ns):
+        with pytest.raises(ValueError, match="must be a multiple"):
+            cc.bf16_linear(x, ws, launch=launch)
+        return
+    poison_device_memory((rows, sum(ns)), jnp.bfloat16)
+    outs = jax.jit(lambda x, ws: cc.bf16_linear(x, ws, launch=launch))(x, ws)
+    for out, w in zip(outs, ws):
+        ref, bound = linear_bound(x, w)
+        out = np.asarray(out, np.float64)
+        assert np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, live", [(16, 1), (16, 9), (8, 3), (16, 0), (16, 16)])
+def test_bf16_linear_reads_no_row_past_the_live_ones(rows, live):
+    """As test_fp8_linear_reads_no_row_past_the_live_ones, for bf16 weights [K, N]."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((rows, 2048)), jnp.bfloat16)
+    ws = [bf16_linear_case(rng, rows, 2048, n)[1] for n in (1024, 512, 512)]
+    poison_device_memory((rows, 2048), jnp.bfloat16)
+    outs = jax.jit(lambda x, ws, live: cc.bf16_linear(x, ws, live=live))(x.at[live:].set(jnp.nan), ws, jnp.int32(live))
+    alone = jax.jit(lambda x, ws: cc.bf16_linear(x, ws))(x.at[live:].set(0), ws)
     for out, want in zip(outs, alone):
         assert_same_bits(out, want, seed)
         assert not np.asarray(out[live:], np.float32).any(), f"seed {seed}"

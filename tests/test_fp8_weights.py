@@ -552,7 +552,7 @@ def test_llama3_8b_decode_steps_read_the_e4m3_weights_inside_their_gemms(fp8_gpu
     entry = hlo[hlo.index("\nENTRY"):]
     float_arrays = {(int(a), int(b)) for a, b in re.findall(r"\b(?:bf16|f16|f32)\[(\d+),(\d+)\]", entry)}
     assert "f8e4m3fn[" in entry and not float_arrays & weight_shapes(cfg), float_arrays & weight_shapes(cfg)
-    assert entry.count('custom_call_target="jaxserve_fp8_linear"') == 4 * cfg.num_layers   # qkv, o, gate_up, down
+    assert entry.count('custom_call_target="jaxserve_decode_linear"') == 4 * cfg.num_layers   # qkv, o, gate_up, down
 
 
 @pytest.mark.parametrize("rows", [W8A16_MAX_ROWS, PREFILL_TOKENS], ids=["w8a16", "w8a8"])

@@ -126,6 +126,7 @@ def allocate_cross_layer_cache(num_layers: int, num_blocks: int, block_size: int
     return VAttentionCache(jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
 
 
+@jax.named_scope("kv_write")
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array, cross_layer: bool = False) -> tuple[jax.Array, jax.Array]:
     """Write token t's K/V to flat slot slot_mapping[t] (= block * block_size + offset); padding uses slot 0.

@@ -37,7 +37,7 @@ from jaxserve.engine.sampler import (PenaltyState, SamplerOutput, init_penalty_s
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs, share_prefixes
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
-from jaxserve.models import fp8
+from jaxserve.models import fp8, llama
 from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.loader import LoadedModel
 from pallas_kernels.ragged_paged_attention import resolve_impl
@@ -257,6 +257,7 @@ class StepGraphs:
         self.cascade_rule = cascade_rule(cfg.cascade_attention, self.kernels, mc.sliding_window)
         self.replicated = NamedSharding(mesh, P())
         graphs_fingerprint = fingerprint(mc, graph_knobs(cfg), str(self.dtype), loaded.quantization, fp8.switches(),
+                                         llama.BF16_DECODE_KERNEL,
                                          draft and (draft.config, draft.quantization),
                                          [(d.id, d.device_kind) for d in mesh.devices.flat], self.kernels,
                                          # "auto" attention takes the CPU kernel only where its library loads

@@ -115,6 +115,7 @@ def dense_causal_attention(q, k, v, positions, *, sm_scale: float, sliding_windo
     return jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
 
 
+@jax.named_scope("attend")
 def attend(q, k, v, positions, kv_layer, paged: PagedAttention | None, *, sm_scale: float,
            sliding_window: int | None = None, kv_scales: tuple[jax.Array, jax.Array] | None = None):
     """Returns (out [T, Hq, D], updated kv_layer).

@@ -18,7 +18,7 @@ FP8 = jnp.float8_e4m3fn
 # Steps of at most this many rows (decode) read the e4m3 weight into a bf16 GEMM (W8A16), the weight read once, as
 # e4m3: such steps are bound by weight reads, and quantizing their activations costs kernels and accuracy. Larger
 # steps run W8A8 on the FP8 tensor cores.
-W8A16_MAX_ROWS = custom_calls.FP8_LINEAR_MAX_ROWS
+W8A16_MAX_ROWS = custom_calls.DECODE_LINEAR_MAX_ROWS
 # W8A16 and W8A8 through the CUDA kernels where they run (benchmarks turn them off to time XLA's GEMMs beside them)
 W8A16_KERNEL = True
 W8A8_KERNELS = True
@@ -82,11 +82,6 @@ class Fp8Linear(nnx.Module):
         return linears_w8a16([self], x, live)[0]
 
 
-def linear(layer, x, live=None):
-    """layer(x), an Fp8Linear told the step's real rows."""
-    return layer(x, live=live) if isinstance(layer, Fp8Linear) else layer(x)
-
-
 def linears_w8a16(layers, x, live=None) -> list:
     """x [N, in] through Fp8Linear layers that read it (q, k, v; gate, up), W8A16, without their biases. On one
     NVIDIA GPU one launch of the CUDA kernel reads all their weights (custom_calls.fp8_linear: faster than XLA's
@@ -101,7 +96,7 @@ def linears_w8a16(layers, x, live=None) -> list:
 
 def w8a16_kernel(x, weights, scales) -> bool:
     """Whether linears_w8a16 runs the CUDA kernel on x and these e4m3 weights."""
-    return (W8A16_KERNEL and jax.device_count() == 1 and not custom_calls.fp8_linear_unsupported(x, weights, scales)
+    return (W8A16_KERNEL and jax.device_count() == 1 and not custom_calls.decode_linear_unsupported(x, weights, scales)
             and custom_calls.available())
 
 
@@ -154,7 +149,7 @@ def linears_w8a8(layers, x, up=None) -> list:
 def gated_linear(layer, gate, up, live=None):
     """layer(silu(gate) * up), the MLP's down projection: an FP8 layer of W8A8 rows quantizes the product in the
     kernel that makes it."""
-    return layer(gate, up, live) if isinstance(layer, Fp8Linear) else layer(jax.nn.silu(gate) * up)
+    return layer(gate, up, live) if isinstance(layer, Fp8Linear) else layer(jax.nn.silu(gate) * up, live=live)
 
 
 def fp8_linears(layers, x, live=None) -> list:
@@ -165,7 +160,7 @@ def fp8_linears(layers, x, live=None) -> list:
         return [y if layer.bias is None else y + layer.bias[...] for layer, y in zip(layers, linears_w8a8(layers, x))]
     x2 = x.reshape(-1, x.shape[-1])
     if len(layers) == 1 or not all(isinstance(layer, Fp8Linear) for layer in layers):
-        return [linear(layer, x, live) for layer in layers]
+        return [layer(x, live=live) for layer in layers]
     ys = linears_w8a16(layers, x2, live) if x2.shape[0] <= W8A16_MAX_ROWS else linears_w8a8(layers, x2)
     return [(y if layer.bias is None else y + layer.bias[...]).reshape(*x.shape[:-1], -1)
             for layer, y in zip(layers, ys)]

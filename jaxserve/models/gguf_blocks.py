@@ -28,7 +28,8 @@ class GgufLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.block_type, self.dtype = block_type, dtype
 
-    def __call__(self, x):
+    def __call__(self, x, live=None):
+        """live: the step's real rows, which the GGUF kernels do not use (they run every row)."""
         return self.output(gguf_matmul(x.reshape(-1, x.shape[-1]), self.weight[...], self.block_type), x)
 
     def output(self, y, x):

@@ -17,7 +17,7 @@ from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS, f32_matmuls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
-from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, linear, normed_input
+from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, per_shard
 from pallas_kernels.ragged_paged_attention import gpu_capability
@@ -39,6 +39,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(is_mid, mid, scaled).astype(np.float32)
 
 
+@jax.named_scope("rope")   # the name a profile's kernels carry (benchmarks/step_timeline.py)
 def apply_rope(x, positions, inv_freq):
     """x [T, H, D] with HF's rotate-half layout."""
     freqs = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
@@ -52,16 +53,26 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
+    @jax.named_scope("rms_norm")
     def __call__(self, x):
         return custom_calls.rms_norm(x, self.weight[...], self.eps)
 
 
+# bf16 decode rows on one NVIDIA GPU through custom_calls.bf16_linear (bf16_kernel_takes): off until measured
+# against XLA's GEMMs on the GPU
+BF16_DECODE_KERNEL = False
+
+
 class Linear(nnx.Linear):
     """nnx.Linear, but a decode step's few f32 rows on a lone CPU device go through the CPU library's streaming
-    kernel (f32_linears). Not under a device mesh, where the kernel's rows could be another device's shards."""
+    kernel (f32_linears), and with BF16_DECODE_KERNEL a decode step's bf16 rows on one NVIDIA GPU through the CUDA
+    one (bf16_linears). Not under a device mesh, where the kernel's rows could be another device's shards."""
 
-    def __call__(self, x):
-        return f32_linears([self], x)[0] if f32_kernel_takes([self], x) else super().__call__(x)
+    def __call__(self, x, live=None):
+        """live: the step's real rows (live_tokens), which the CUDA kernel reads alone."""
+        if f32_kernel_takes([self], x):
+            return f32_linears([self], x)[0]
+        return bf16_linears([self], x, live)[0] if bf16_kernel_takes([self], x) else super().__call__(x)
 
 
 def f32_kernel_takes(layers, x) -> bool:
@@ -75,6 +86,21 @@ def f32_kernel_takes(layers, x) -> bool:
 def f32_linears(layers, x) -> list:
     """[layer(x) for layer in layers], f32 Linear layers that read the same x, in one call of the CPU kernel."""
     ys = f32_matmuls(x, [layer.kernel[...] for layer in layers])
+    return [y if layer.bias is None else y + layer.bias[...] for layer, y in zip(layers, ys)]
+
+
+def bf16_kernel_takes(layers, x) -> bool:
+    """Whether bf16_linears runs these Linear layers reading x [T, in] through custom_calls.bf16_linear."""
+    return (BF16_DECODE_KERNEL and all(isinstance(layer, Linear) for layer in layers) and isinstance(x, jax.Array)
+            and jax.device_count() == 1
+            and not custom_calls.decode_linear_unsupported(x, [layer.kernel[...] for layer in layers])
+            and custom_calls.available())
+
+
+def bf16_linears(layers, x, live=None) -> list:
+    """[layer(x) for layer in layers], bf16 Linear layers that read the same x, in one launch of the CUDA kernel; with
+    live its rows past them are zeros."""
+    ys = custom_calls.bf16_linear(x, [layer.kernel[...] for layer in layers], live=live)
     return [y if layer.bias is None else y + layer.bias[...] for layer, y in zip(layers, ys)]
 
 
@@ -108,6 +134,7 @@ class Attention(nnx.Module):
         self.v_scale = KVScale(jnp.ones((cfg.num_kv_heads,), jnp.float32))
         self.cfg = cfg
 
+    @jax.named_scope("qkv")
     def project(self, x, positions, live=None):
         """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], as attention sees them (normed, rotated). live: the real
         tokens (live_tokens), which FP8 decode launches read alone."""
@@ -126,17 +153,20 @@ class Attention(nnx.Module):
         out, kv_layer = attend(q, k, v, positions, kv_layer, paged, sm_scale=self.cfg.head_dim ** -0.5,
                                sliding_window=self.cfg.sliding_window,
                                kv_scales=(self.k_scale[...], self.v_scale[...]))
-        return linear(self.o_proj, out.reshape(x.shape[0], -1), live), kv_layer
+        with jax.named_scope("o_proj"):
+            return self.o_proj(out.reshape(x.shape[0], -1), live=live), kv_layer
 
 
 def linears(layers, x, live=None) -> list:
     """[layer(x) for layer in layers] for linear layers that read the same x (q, k, v; gate, up): GGUF blocks of one
-    type in one kernel call (gguf_linears), a CPU's f32 decode rows in one (f32_linears), FP8 decode rows in one
-    W8A16 launch (fp8_linears)."""
+    type in one kernel call (gguf_linears), a CPU's f32 decode rows in one (f32_linears), a GPU's bf16 decode rows
+    in one launch (bf16_linears), FP8 decode rows in one W8A16 launch (fp8_linears)."""
     if all(isinstance(layer, GgufLinear) for layer in layers) and len({layer.block_type for layer in layers}) == 1:
         return gguf_linears(layers, x)
     if f32_kernel_takes(layers, x):
         return f32_linears(layers, x)
+    if bf16_kernel_takes(layers, x):
+        return bf16_linears(layers, x, live)
     return fp8_linears(layers, x, live)
 
 
@@ -147,6 +177,7 @@ class MLP(nnx.Module):
         self.up_proj = _linear(h, i, dtype, rngs, quantization=quantization)
         self.down_proj = _linear(i, h, dtype, rngs, quantization=quantization)
 
+    @jax.named_scope("mlp")
     def __call__(self, x, live=None):
         """live: the real tokens (live_tokens), which FP8 decode launches read alone."""
         gate, up = linears((self.gate_proj, self.up_proj), x, live)
@@ -183,6 +214,7 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, dtype, rngs)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
+    @jax.named_scope("moe")
     def __call__(self, x, mesh=None, num_live=None):
         """num_live [] or [1]: the step's real tokens, the first ones (default: all); padding's pairs go to no
         expert, so a small batch in a large bucket reads only its own tokens' experts (its output rows: zeros)."""
@@ -259,6 +291,7 @@ def mosaic_experts(x, logits, num_live, expert_base, gate_proj, up_proj, down_pr
     return combine(gmm.grouped_matmul_padded(hidden, down_proj, **options), route.pair_rows, route.weights)
 
 
+@jax.named_scope("combine")
 def combine(out, pair_rows, weights):
     """Each token's pairs' rows of out, weighed and summed (a gather and a reduction, no scatter-add): f32 [T, H];
     pair_rows [T, k] past out's rows: zeros."""
