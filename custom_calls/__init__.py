@@ -57,11 +57,11 @@ DECODE_LINEAR_CHUNK_K = 64
 DECODE_LINEAR_WARPS_N, DECODE_LINEAR_WARP_TILES = (1, 2), (2, 4)
 # fp8_linear's default launch: (warps_n, warp_tiles) one warp column of two tiles, 32 channels a CTA, which every N
 # it takes divides (the best or within 3% of it at every Llama-3-8B decode shape on an H100, `benchmarks/fp8_gemm.py
-# --decode`), with K split until the CTAs cover DECODE_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5).
-# bf16_linear's: four tiles a warp where every N divides, the lanes of a K row reading 128 contiguous bytes (two
-# tiles read 64); not yet tuned on a GPU.
-FP8_LINEAR_DEFAULT_TILE, BF16_LINEAR_DEFAULT_TILE = (1, 2), (1, 4)
-DECODE_LINEAR_CTAS_PER_SM = 1
+# --decode`), with K split until the CTAs cover FP8_LINEAR_CTAS_PER_SM a SM (down: 2; k or v alone: 4-5)
+FP8_LINEAR_DEFAULT_TILE = (1, 2)
+FP8_LINEAR_CTAS_PER_SM = 1
+DECODE_LINEAR_CLUSTER_SPLITS = 8   # splits of K that meet in a cluster (the portable cluster size), not a workspace
+BF16_LINEAR_CTA_CHUNKS = 2   # a CTA's fixed cost in chunks streamed (choose_bf16_launch's model; a guess, unmeasured)
 # fp8_quantize_rows and fp8_scaled_mm: e4m3's largest finite value, which each row's amax maps to; the smallest
 # normal f32, the scale of an all-zero row (padding tokens), which no other row's amax / FP8_MAX is below; widest
 # row the quantize kernel keeps in registers; cuBLASLt's workspace (what cuBLAS sizes for Hopper)
@@ -332,13 +332,29 @@ def live_rows(y, live):
     return y if live is None else jnp.where(jnp.arange(y.shape[0])[:, None] < live.reshape(()), y, 0)
 
 
-def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int, tile=FP8_LINEAR_DEFAULT_TILE) -> tuple[int, int, int]:
-    """(splits, warps_n, warp_tiles) for weights of n output channels (n in ns) and K k of one launch: tile
-    (warps_n, warp_tiles) where every n divides its channels (else two tiles a warp), K split to fill the SMs while
-    each split keeps 8 chunks."""
-    warps_n, warp_tiles = tile if not any(n % (16 * tile[0] * tile[1]) for n in ns) else (1, 2)
+def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int]:
+    """fp8_linear's (splits, warps_n, warp_tiles) for e4m3 weights of n output channels (n in ns) and K k:
+    FP8_LINEAR_DEFAULT_TILE, K split to fill the SMs while each split keeps 8 chunks."""
+    warps_n, warp_tiles = FP8_LINEAR_DEFAULT_TILE
     tiles, chunks = sum(ns) // (16 * warp_tiles * warps_n), k // DECODE_LINEAR_CHUNK_K
-    return max(1, min(math.ceil(DECODE_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
+    return max(1, min(math.ceil(FP8_LINEAR_CTAS_PER_SM * sms / tiles), chunks // 8)), warps_n, warp_tiles
+
+
+def choose_bf16_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int]:
+    """bf16_linear's (splits, warps_n, warp_tiles): four tiles a warp where every n divides (a K row's 8 lanes read
+    128 contiguous bytes; two tiles read 64). Those hold one CTA a SM (195-234 registers a thread), so a launch
+    takes waves of CTAs; the tile and splits (each split 8 chunks or more, meeting in a cluster) of the shortest
+    modelled time: waves x a CTA's chunks (plus BF16_LINEAR_CTA_CHUNKS for its ramp and epilogue) x its width;
+    fewer waves, then fewer splits, among equals."""
+    chunks, options = k // DECODE_LINEAR_CHUNK_K, []
+    tiles = [(1, 4), (2, 4)] if not any(n % 64 for n in ns) else [(1, 2), (2, 2)]
+    for warps_n, warp_tiles in (t for t in tiles if not any(n % (16 * t[0] * t[1]) for n in ns)):
+        width = sum(ns) // (16 * warp_tiles * warps_n)
+        for splits in range(1, max(1, min(chunks // 8, DECODE_LINEAR_CLUSTER_SPLITS)) + 1):
+            waves = math.ceil(width * splits / sms)
+            time = waves * (math.ceil(chunks / splits) + BF16_LINEAR_CTA_CHUNKS) * warps_n * warp_tiles
+            options.append((time, waves, splits, (splits, warps_n, warp_tiles)))
+    return min(options)[-1]
 
 
 def fp8_linear(x, weights, scales, *, launch=None, live=None) -> list:
@@ -352,7 +368,7 @@ def fp8_linear(x, weights, scales, *, launch=None, live=None) -> list:
 
 def bf16_linear(x, weights, *, launch=None, live=None) -> list:
     """[bf16_linear_reference(x, w, live) for w in weights], bf16 weights [K, N] (nnx.Linear's kernels) that read
-    x, through the CUDA kernel in one launch, as fp8_linear (its tile default BF16_LINEAR_DEFAULT_TILE)."""
+    x, through the CUDA kernel in one launch, as fp8_linear (launch default: choose_bf16_launch)."""
     return decode_linear(x, weights, None, launch, live)
 
 
@@ -368,9 +384,8 @@ def decode_linear(x, weights, scales, launch, live) -> list:
     if not available():
         return [bf16_linear_reference(x, w, live) for w in weights] if scales is None else \
             [fp8_linear_reference(x, w, s, live) for w, s in zip(weights, scales)]
-    tile = BF16_LINEAR_DEFAULT_TILE if scales is None else FP8_LINEAR_DEFAULT_TILE
-    return call_decode_linear(x, weights, scales, launch=launch or choose_linear_launch(ns, k, sm_count(), tile),
-                              live=live)
+    choose = choose_bf16_launch if scales is None else choose_linear_launch
+    return call_decode_linear(x, weights, scales, launch=launch or choose(ns, k, sm_count()), live=live)
 
 
 def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:

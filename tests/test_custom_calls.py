@@ -378,6 +378,18 @@ def test_bf16_linear_rejects_what_the_kernel_cannot_take(change, field):
     assert str(error.value).startswith("decode linear" if "launch" in change else "bf16_linear")
 
 
+@pytest.mark.parametrize("k,ns", [(2048, (4096, 512, 512)), (4096, (2048,)), (2048, (128,)), (14336, (4096,)),
+                                  (4096, (14336, 14336)), (576, (576, 192, 192)), (1024, (96, 32)), (128, (32,))])
+@pytest.mark.parametrize("sms", [132, 78])
+def test_bf16_launch_choice_is_one_the_kernel_takes(k, ns, sms):
+    """Every shape gets a launch the kernel takes, four tiles a warp where N allows (two where N is not a multiple
+    of 64), its splits meeting in a cluster."""
+    splits, warps_n, warp_tiles = launch = cc.choose_bf16_launch(ns, k, sms)
+    cc.check_linear_launch(launch, ns, k)
+    assert splits <= cc.DECODE_LINEAR_CLUSTER_SPLITS
+    assert warp_tiles == (2 if any(n % 64 for n in ns) else 4)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_fallback_logs_once_and_returns_reference_results(caplog, cache_dtype):
