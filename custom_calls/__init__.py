@@ -352,8 +352,8 @@ def choose_bf16_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int,
         width = sum(ns) // (16 * warp_tiles * warps_n)
         for splits in range(1, max(1, min(chunks // 8, DECODE_LINEAR_CLUSTER_SPLITS)) + 1):
             waves = math.ceil(width * splits / sms)
-            time = waves * (math.ceil(chunks / splits) + BF16_LINEAR_CTA_CHUNKS) * warps_n * warp_tiles
-            options.append((time, waves, splits, (splits, warps_n, warp_tiles)))
+            cost = waves * (math.ceil(chunks / splits) + BF16_LINEAR_CTA_CHUNKS) * warps_n * warp_tiles
+            options.append((cost, waves, splits, (splits, warps_n, warp_tiles)))
     return min(options)[-1]
 
 
