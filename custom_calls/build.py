@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).absolute().parent / "csrc"  # not resolved: stays inside Bazel's sandbox
@@ -89,10 +90,11 @@ def cublaslt_flags() -> list[str]:
     return [f"-Xcompiler=-idirafter,{root / 'include'}", f"-L{lib}", f"-l{name}", f"-Xlinker=-rpath={lib}"]
 
 
-def nvcc_command(nvcc: str, include_dir: str, archs=ARCHS) -> list[str]:
-    """The command without its output path (its last argument)."""
-    return [nvcc, *FLAGS, *gencode_flags(archs), f"-I{include_dir}", f"-I{SOURCE_DIR}", *cublaslt_flags(),
-            *map(str, sources()), "-o"]
+def nvcc_object_command(nvcc: str, include_dir: str, source: Path, archs=ARCHS) -> list[str]:
+    """One source's compile to an object, without its output path (its last argument)."""
+    flags = [flag for flag in FLAGS if flag != "-shared"]
+    return [nvcc, *flags, *gencode_flags(archs), f"-I{include_dir}", f"-I{SOURCE_DIR}", *cublaslt_flags(), "-c",
+            str(source), "-o"]
 
 
 def cache_key(compiler: str, files, flags, jax_version: str) -> str:
@@ -117,7 +119,16 @@ def compile_to(command, out: Path) -> None:
 
 
 def compile_library(nvcc: str, include_dir: str, out: Path, archs=ARCHS) -> None:
-    compile_to(nvcc_command(nvcc, include_dir, archs), out)
+    """Each source compiled to an object on a thread of its own (one nvcc over them all compiles them in turn;
+    paged_attention.cu alone is half of that), then linked into out."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = {source: Path(tmp) / f"{source.stem}.o" for source in sources()}
+        with ThreadPoolExecutor(min(len(objects), os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda item: compile_to(nvcc_object_command(nvcc, include_dir, item[0], archs), item[1]),
+                          objects.items()))
+        compile_to([nvcc, "-shared", *gencode_flags(archs), *map(str, objects.values()), *cublaslt_flags(), "-o"],
+                   out)
 
 
 def local_archs() -> tuple[str, ...]:
