@@ -430,7 +430,7 @@ def test_moe_route_rejects_what_the_kernel_cannot_take(change, message):
 @pytest.fixture(scope="session")
 def library():
     """A real nvcc build (sm_90a only, to keep CI fast), in the machine's cache as jaxserve keeps it: keyed by the
-    sources, flags, nvcc and jax, so a change to any of them builds it again (~160 s on two cores), and a machine
+    sources, flags, nvcc and jax, so a change to any of them builds it again (~130 s on two cores), and a machine
     that built these sources before reuses it."""
     try:
         build.find_nvcc()
