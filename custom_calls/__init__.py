@@ -61,7 +61,7 @@ DECODE_LINEAR_WARPS_N, DECODE_LINEAR_WARP_TILES = (1, 2), (2, 4)
 FP8_LINEAR_DEFAULT_TILE = (1, 2)
 FP8_LINEAR_CTAS_PER_SM = 1
 DECODE_LINEAR_CLUSTER_SPLITS = 8   # splits of K that meet in a cluster (the portable cluster size), not a workspace
-BF16_LINEAR_CTA_CHUNKS = 2   # a CTA's fixed cost in chunks streamed (choose_bf16_launch's model; a guess, unmeasured)
+BF16_LINEAR_MIN_FILL = 2 / 3   # of the SMs a bf16 launch gives a CTA before it splits K further (measured, H200)
 # fp8_quantize_rows and fp8_scaled_mm: e4m3's largest finite value, which each row's amax maps to; the smallest
 # normal f32, the scale of an all-zero row (padding tokens), which no other row's amax / FP8_MAX is below; widest
 # row the quantize kernel keeps in registers; cuBLASLt's workspace (what cuBLAS sizes for Hopper)
@@ -341,20 +341,19 @@ def choose_linear_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, in
 
 
 def choose_bf16_launch(ns: tuple[int, ...], k: int, sms: int) -> tuple[int, int, int]:
-    """bf16_linear's (splits, warps_n, warp_tiles): four tiles a warp where every n divides (a K row's 8 lanes read
-    128 contiguous bytes; two tiles read 64). Those hold one CTA a SM (195-234 registers a thread), so a launch
-    takes waves of CTAs; the tile and splits (each split 8 chunks or more, meeting in a cluster) of the shortest
-    modelled time: waves x a CTA's chunks (plus BF16_LINEAR_CTA_CHUNKS for its ramp and epilogue) x its width;
-    fewer waves, then fewer splits, among equals."""
-    chunks, options = k // DECODE_LINEAR_CHUNK_K, []
-    tiles = [(1, 4), (2, 4)] if not any(n % 64 for n in ns) else [(1, 2), (2, 2)]
-    for warps_n, warp_tiles in (t for t in tiles if not any(n % (16 * t[0] * t[1]) for n in ns)):
-        width = sum(ns) // (16 * warp_tiles * warps_n)
-        for splits in range(1, max(1, min(chunks // 8, DECODE_LINEAR_CLUSTER_SPLITS)) + 1):
-            waves = math.ceil(width * splits / sms)
-            cost = waves * (math.ceil(chunks / splits) + BF16_LINEAR_CTA_CHUNKS) * warps_n * warp_tiles
-            options.append((cost, waves, splits, (splits, warps_n, warp_tiles)))
-    return min(options)[-1]
+    """bf16_linear's (splits, warps_n, warp_tiles), as the H200 sweep (benchmarks/bf16_decode_gemm.py) ranks them:
+    a split of K costs more than a CTA short of a full wave, so the fewest splits that give at least
+    BF16_LINEAR_MIN_FILL of the SMs a CTA; among those the CTA count nearest the SM count, then more tiles a warp
+    (wider loads). Where no launch fills that many, the most CTAs."""
+    chunks = k // DECODE_LINEAR_CHUNK_K
+    tiles = [(w, t) for t in (4, 2) for w in (1, 2) if not any(n % (16 * w * t) for n in ns)]
+    options = [(splits, sum(ns) // (16 * w * t) * splits, (splits, w, t)) for w, t in tiles
+               for splits in range(1, max(1, min(chunks // 4, DECODE_LINEAR_CLUSTER_SPLITS)) + 1)]
+    filling = [o for o in options if o[1] >= BF16_LINEAR_MIN_FILL * sms]
+    if not filling:
+        return max(options, key=lambda o: (o[1], -o[0]))[-1]
+    fewest = min(o[0] for o in filling)
+    return min((o for o in filling if o[0] == fewest), key=lambda o: abs(o[1] - sms))[-1]
 
 
 def fp8_linear(x, weights, scales, *, launch=None, live=None) -> list:

@@ -382,12 +382,20 @@ def test_bf16_linear_rejects_what_the_kernel_cannot_take(change, field):
                                   (4096, (14336, 14336)), (576, (576, 192, 192)), (1024, (96, 32)), (128, (32,))])
 @pytest.mark.parametrize("sms", [132, 78])
 def test_bf16_launch_choice_is_one_the_kernel_takes(k, ns, sms):
-    """Every shape gets a launch the kernel takes, four tiles a warp where N allows (two where N is not a multiple
-    of 64), its splits meeting in a cluster."""
+    """Every shape gets a launch the kernel takes, its splits meeting in a cluster: the fewest splits that give
+    BF16_LINEAR_MIN_FILL of the SMs a CTA, or, where none does, as many CTAs as any launch gives."""
     splits, warps_n, warp_tiles = launch = cc.choose_bf16_launch(ns, k, sms)
     cc.check_linear_launch(launch, ns, k)
     assert splits <= cc.DECODE_LINEAR_CLUSTER_SPLITS
-    assert warp_tiles == (2 if any(n % 64 for n in ns) else 4)
+    ctas = sum(ns) // (16 * warps_n * warp_tiles) * splits
+    most = max(sum(ns) // (16 * w * t) * s for w in cc.DECODE_LINEAR_WARPS_N for t in cc.DECODE_LINEAR_WARP_TILES
+               for s in range(1, max(1, min(k // cc.DECODE_LINEAR_CHUNK_K // 4, cc.DECODE_LINEAR_CLUSTER_SPLITS)) + 1)
+               if not any(n % (16 * w * t) for n in ns))
+    if most < cc.BF16_LINEAR_MIN_FILL * sms:
+        assert ctas == most
+    else:
+        assert ctas >= cc.BF16_LINEAR_MIN_FILL * sms
+        assert splits == 1 or sum(ns) // 32 * (splits - 1) < cc.BF16_LINEAR_MIN_FILL * sms
 
 
 @pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
