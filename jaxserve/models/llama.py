@@ -58,8 +58,8 @@ class RMSNorm(nnx.Module):
         return custom_calls.rms_norm(x, self.weight[...], self.eps)
 
 
-# bf16 decode rows on one NVIDIA GPU through custom_calls.bf16_linear (bf16_kernel_takes): off until measured
-# against XLA's GEMMs on the GPU
+# bf16 decode rows on one NVIDIA GPU through custom_calls.bf16_linear (bf16_kernel_takes): off, as on the H200 it
+# ties XLA's GEMMs inside a step (benchmarks/NOTES_moe.md); fewer launches a layer, for when those count
 BF16_DECODE_KERNEL = False
 
 
