@@ -38,6 +38,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-offline  # 256 x 512/128, speculation on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade     # cascade attention: GPU tests, kernel points
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-mosaic  # cascade on the Mosaic decode kernel
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-mosaic-engine  # no Triton kernel: cascade auto/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-timeline  # a shared-prefix decode step: host vs device
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-decode   # Mosaic GPU decode: GPU tests, beside Triton
@@ -167,14 +168,17 @@ case $1 in
       tests/test_ragged_paged_attention.py -k "split_k or one_launch or kernel_matches or float64 or share or rule"
     run 170 python benchmarks/cascade.py --programs 132 264 528 --profile --out "$OUT/cascade_gpu.json"
     run 190 python benchmarks/cascade.py --threshold --out "$OUT/cascade_gpu.json" ;;
-  cascade-mosaic)   # cascade on the Mosaic GPU decode kernel: its tests compiled, then its kernel points beside Triton's,
-    # then the engine's shared-prefix workload with no Triton kernel, cascade on beside off
+  cascade-mosaic)   # cascade on the Mosaic GPU decode kernel: its tests compiled, then its kernel points beside Triton's
     run 200 python -m pytest -q -x -p no:cacheprovider tests/test_cascade_attention.py -k "mosaic" \
       tests/test_llm_engine.py::test_cascade_steps_on_mosaic
-    run 200 python benchmarks/cascade.py --mosaic --out "$OUT/cascade_gpu.json"
-    for set in cascade_attention=on cascade_attention=off; do
-      run 150 python benchmarks/offline.py --config $CONFIG --shared-prefix-len 1024 --input-len 64 \
-        --set decode_attention=mosaic prefill_attention=mosaic $set --out "$OUT/offline_cascade_gpu.json"
+    run 240 python benchmarks/cascade.py --mosaic --out "$OUT/cascade_gpu.json" ;;
+  cascade-mosaic-engine)   # the shared prefix and n = 8 with no Triton kernel, cascade auto beside off, same run
+    MOSAIC="decode_attention=mosaic prefill_attention=mosaic"
+    for set in cascade_attention=auto cascade_attention=off; do
+      run 130 python benchmarks/offline.py --config $CONFIG --shared-prefix-len 1024 --input-len 64 \
+        --set $MOSAIC $set --out "$OUT/offline_cascade_gpu.json"
+      run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 32 --input-len 1024 --n 8 $SAMPLED \
+        --set $MOSAIC $set --out "$OUT/offline_cascade_gpu.json"
     done ;;
   cascade-engine)   # shared-prefix workloads, cascade auto (the default) beside off, same run; the first compiles cold
     for set in cascade_attention=auto cascade_attention=off; do

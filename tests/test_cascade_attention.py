@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.step_graphs import CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS, apply_cascade_rule, cascade_rule
+from jaxserve.engine.step_graphs import (CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS, CASCADE_MOSAIC_MIN_MEMBERS,
+                                        apply_cascade_rule, cascade_rule)
 from jaxserve.engine.step_inputs import share_prefixes
 from jaxserve.models.attention import AttentionKernels
 from jaxserve.models.loader import random_model
@@ -192,8 +193,9 @@ def test_cascade_rule_by_mode_and_kernels():
         cascade_rule("on", pallas, 4096)
     with pytest.raises(ValueError, match="vattention's contiguous kernels"):
         cascade_rule("on", AttentionKernels("pallas", blocks_per_row=8), None)
-    mosaic = AttentionKernels("pallas", decode_backend="mosaic")  # its cascade runs when asked for, not by default
-    assert cascade_rule("auto", mosaic, None) is None and cascade_rule("on", mosaic, None) == (2, 1)
+    mosaic = AttentionKernels("pallas", decode_backend="mosaic")
+    assert cascade_rule("auto", mosaic, None) == (CASCADE_MOSAIC_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS)
+    assert cascade_rule("on", mosaic, None) == (2, 1)
 
 
 def test_the_rule_keeps_large_groups_that_save_enough():
@@ -204,6 +206,17 @@ def test_the_rule_keeps_large_groups_that_save_enough():
     assert apply_cascade_rule([*samples[:3], system], rule) == [system]
     assert apply_cascade_rule([(np.arange(256), 16)], rule) == []   # 16 x 255 key reads saved: too few
     assert apply_cascade_rule(samples, cascade_rule("on", AttentionKernels("pallas"), None)) == samples
+
+
+def test_over_mosaic_the_rule_keeps_groups_of_eight_that_save_enough():
+    """The Mosaic GPU kernel reads a small group's prefix per member: n = 8 pays there; one group of 64 or of 8
+    members behind 1,024 tokens does not (measured), nor do pairs."""
+    rule = cascade_rule("auto", AttentionKernels("pallas", decode_backend="mosaic"), None)
+    samples = [(np.arange(8 * i, 8 * i + 8), 1024) for i in range(32)]
+    assert apply_cascade_rule(samples, rule) == samples
+    assert apply_cascade_rule([(np.arange(64), 1024)], rule) == []
+    assert apply_cascade_rule([(np.arange(8), 1024)], rule) == []
+    assert apply_cascade_rule([(np.arange(2 * i, 2 * i + 2), 1024) for i in range(64)], rule) == []
 
 
 @pytest.fixture(scope="module")

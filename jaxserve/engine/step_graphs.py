@@ -57,6 +57,10 @@ TRITON_GEMM_MAX_ROWS = 64   # bf16 weights; FP8 ones: see compiler_options
 # n = 8 over 32 prompts of 1,024 lost in the engine (0.965x), though 1.7x against shuffled rows at kernel level.
 CASCADE_MIN_MEMBERS = 128
 CASCADE_MIN_SAVED_KEYS = 65536
+# The Mosaic GPU decode kernel's order reads a small group's prefix from HBM per member (H200, cascade.py --mosaic:
+# 32 x 8 side by side, 1,024 shared: plain 261 us, cascade 120), so over it groups of 8 pay; one group of 64 x
+# 1,024 (saving 64,512 keys) tied and 8 x 1,024 lost (50 against 12 us): the saved keys' bound keeps both out.
+CASCADE_MOSAIC_MIN_MEMBERS = 8
 CASCADE_MAX_GROUPS = 64   # groups a step's shared pass takes (the most saving ones): n = 8 over 32 prompts fits
 
 
@@ -547,8 +551,7 @@ def apply_cascade_rule(groups: list[tuple[np.ndarray, int]], rule: tuple[int, in
 def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | None) -> tuple[int, int] | None:
     """(members a group needs, key reads saved) from which a decode-only step attends by cascade
     (config.cascade_attention); None: never. It needs paged blocks (shared by the prefix cache), no sliding window
-    and the Pallas (Triton or, under decode_attention='mosaic', Mosaic GPU) or reference decode. "auto" keeps it off
-    over the Mosaic GPU kernels, which its thresholds were not measured on."""
+    and the Pallas (Triton or, under decode_attention='mosaic', Mosaic GPU) or reference decode."""
     why_not = ("a sliding window" if sliding_window is not None else
                "vattention's contiguous kernels" if kernels.blocks_per_row is not None else
                "decode_attention='cuda'" if kernels.decode == "cuda" else None)
@@ -558,6 +561,7 @@ def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | Non
         return None
     if mode == "on":
         return 2, 1
-    if kernels.decode_backend == "mosaic":
+    if kernels.decode != "pallas":
         return None
-    return (CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS) if kernels.decode == "pallas" else None
+    mosaic = kernels.decode_backend == "mosaic"
+    return CASCADE_MOSAIC_MIN_MEMBERS if mosaic else CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS
