@@ -97,7 +97,7 @@ case $1 in
     run 100 "${WITH_BF16_DECODE_KERNEL[@]}" $BATCH1_8B ;;
   mosaic-decode)   # the Mosaic GPU decode kernel compiled against the reference, then beside Triton and cuDNN
     run 100 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
-      tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
+      tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads or mosaic_prefill"
     run 440 python benchmarks/attention.py --mosaic-decode --out "$OUT/attention_mosaic_decode_gpu.json" ;;
   moe)   # the mixture of experts at 256 x 512/128 beside the dense 8B, in one call (the MoE's eight 48-layer token
          # buckets take most of its limit to compile on a fresh machine)
@@ -129,7 +129,7 @@ case $1 in
       --out "$OUT/moe_gemm_gpu.json" ;;
   mosaic-check)   # after a kernel change: its GPU tests, the short-context points, batch 1 in the engine on each backend
     run 110 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
-      tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
+      tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads or mosaic_prefill"
     run 180 python benchmarks/attention.py --mosaic-decode --points 256x512 64x512 8x512 256x4096 \
       --out "$OUT/attention_mosaic_decode_gpu.json"
     for backend in mosaic triton; do
@@ -139,7 +139,7 @@ case $1 in
   mosaic-fp8)   # the Mosaic GPU decode over an FP8 cache: its GPU tests, then beside Triton (bf16 caches in the same
     # run; one compute warpgroup beside the default); the engine over an FP8 cache on each backend is mosaic-fp8-engine
     run 110 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py \
-      tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads"
+      tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads or mosaic_prefill"
     run 420 python benchmarks/attention.py --mosaic-decode --kv-dtype fp8 --points 256x4096 256x512 64x512 \
       --mosaic-variants '[{"mosaic_decode_warpgroups": 1}]' --out "$OUT/attention_mosaic_decode_gpu.json" ;;
   mosaic-fp8-engine)   # batch 1 in the engine over an FP8 cache on each backend

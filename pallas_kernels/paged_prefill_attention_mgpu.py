@@ -32,7 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import LOG2E, init_carry, mosaic_interpret_params, normalize, online_softmax_step, per_row
+from pallas_kernels.common import (init_carry, log2_logits, mosaic_interpret_params, normalize, online_softmax_step,
+                                    per_row)
 
 COMPUTE_WGS = 2
 H100_SMS = 132
@@ -49,7 +50,7 @@ class PrefillTuning:
     num_ctas: int = H100_SMS  # persistent grid; the caller passes the device's core count when it has one
 
 
-def supported(q, k_cache, soft_cap, tuning: PrefillTuning = PrefillTuning()) -> str | None:
+def supported(q, k_cache, tuning: PrefillTuning = PrefillTuning()) -> str | None:
     """None when this kernel can serve the shapes, else why not (the caller falls back to Triton)."""
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -60,8 +61,6 @@ def supported(q, k_cache, soft_cap, tuning: PrefillTuning = PrefillTuning()) -> 
         return f"head_dim {head_dim} (needs 64 or 128)"
     if block_size % 8 or tuning.block_kv % block_size:
         return f"block_size {block_size} (needs a multiple of 8 dividing block_kv={tuning.block_kv})"
-    if soft_cap is not None:
-        return "logit soft cap"
     return None
 
 
@@ -96,8 +95,8 @@ def work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, rows):
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, sm_scale,
-                            sliding_window=None, tuning: PrefillTuning = PrefillTuning(), interpret=False,
-                            blocks_per_row: int | None = None, block_stride: int = 1):
+                            sliding_window=None, soft_cap=None, tuning: PrefillTuning = PrefillTuning(),
+                            interpret=False, blocks_per_row: int | None = None, block_stride: int = 1):
     """Attention rows of the non-decode sequences and zeros for the padding tail; decode rows undefined.
     blocks: the block table [max_seqs, max_blocks], or (blocks_per_row given) each sequence's first block, its
     row's blocks block_stride apart."""
@@ -106,7 +105,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num
     meta = work_items(cu_q_lens, kv_lens, jnp.asarray(num_seqs).reshape(()), num_tokens, rows)
     kernel = functools.partial(
         mosaic_prefill_kernel, tuning=tuning, sm_scale=float(sm_scale), sliding_window=sliding_window,
-        group=num_q_heads // k_cache.shape[2], blocks_per_row=blocks_per_row, block_stride=block_stride)
+        soft_cap=None if soft_cap is None else float(soft_cap), group=num_q_heads // k_cache.shape[2],
+        blocks_per_row=blocks_per_row, block_stride=block_stride)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(scratch(q.dtype, head_dim, tuning, k_cache.shape[1], interpret),),
@@ -242,7 +242,7 @@ def locate(meta_ref, w, num_q_heads, block_q, block_kv, sliding_window) -> Item:
 
 
 def mosaic_prefill_kernel(meta_ref, q_ref, k_ref, v_ref, blocks_ref, out_ref, scratch: Scratch, *, tuning, sm_scale,
-                          sliding_window, group, blocks_per_row, block_stride):
+                          sliding_window, soft_cap, group, blocks_per_row, block_stride):
     """One CTA: its compute warpgroups and its memory warpgroup walk the same work items, in the same order."""
     num_q_heads = q_ref.shape[1]
     total = meta_ref[meta_ref.shape[0] - 1, 0] * num_q_heads
@@ -258,7 +258,8 @@ def mosaic_prefill_kernel(meta_ref, q_ref, k_ref, v_ref, blocks_ref, out_ref, sc
     def _():
         plgpu.set_max_registers(232, action="increase")
         compute = functools.partial(compute_item, refs=Warpgroup.of(wg, q_ref, out_ref, scratch), wg=wg,
-                                    tuning=tuning, sm_scale=sm_scale, sliding_window=sliding_window)
+                                    tuning=tuning, sm_scale=sm_scale, sliding_window=sliding_window,
+                                    soft_cap=soft_cap)
         lax.fori_loop(0, num_items, lambda n, step: compute(locate_w(item_of(n, cta)), step), 0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -322,7 +323,7 @@ def stream_item(item: Item, step, *, lane, kv: KVStream, pages: TablePages | Slo
     return lax.fori_loop(item.lo, item.hi, one, step)
 
 
-def compute_item(item: Item, step, *, refs: Warpgroup, wg, tuning, sm_scale, sliding_window):
+def compute_item(item: Item, step, *, refs: Warpgroup, wg, tuning, sm_scale, sliding_window, soft_cap):
     """Compute warpgroup: block_q rows of one q head over the item's KV steps; returns the running step count."""
     bq, bkv = tuning.block_q, tuning.block_kv
     row0 = item.q_start + wg * bq
@@ -346,7 +347,7 @@ def compute_item(item: Item, step, *, refs: Warpgroup, wg, tuning, sm_scale, sli
     row_pos = pos_first + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
     base = step - item.lo  # ring slot of step s: (base + s) % max_concurrent_steps, as the memory warpgroup counts
     attend = functools.partial(attend_step, base=base, hi=hi, refs=refs, row_pos=row_pos, key_bound=item.key_bound,
-                               tuning=tuning, sm_scale=sm_scale, sliding_window=sliding_window)
+                               tuning=tuning, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     skip = functools.partial(skip_step, base=base, refs=refs, tuning=tuning)
 
     carry = wgmma_carry((bq, refs.q.shape[2]))
@@ -375,7 +376,7 @@ def wgmma_carry(shape):
 
 
 def attend_step(s, carry, *, masked, base, hi, refs: Warpgroup, row_pos, key_bound, tuning, sm_scale,
-                sliding_window):
+                sliding_window, soft_cap):
     """One KV step of the online softmax (FlashAttention-3 order: QK, softmax while the other warpgroup
     multiplies, PV)."""
     acc, m, l = carry
@@ -390,7 +391,7 @@ def attend_step(s, carry, *, masked, base, hi, refs: Warpgroup, row_pos, key_bou
         take_turn(refs.turn)
         return qk_ref[...]
 
-    logits = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32)) * (sm_scale * LOG2E)
+    logits = log2_logits(pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32)), sm_scale, soft_cap)
     plgpu.barrier_arrive(refs.k.free.at[slot])
     if masked:
         key = s * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)

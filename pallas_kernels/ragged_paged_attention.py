@@ -292,7 +292,7 @@ def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backen
     """The Mosaic GPU prefill tuning when that kernel serves the prefill rows, else None (Triton does)."""
     mgpu_prefill = mosaic_prefill()
     prefill_tuning = mgpu_prefill.PrefillTuning(block_kv=tuning.mosaic_block_kv)
-    why_not = mgpu_prefill.supported(q, k_cache, scores.soft_cap, prefill_tuning)
+    why_not = mgpu_prefill.supported(q, k_cache, prefill_tuning)
     if backend == "mosaic" and why_not:
         raise ValueError(f"prefill_backend='mosaic' cannot serve this call: {why_not}; prefill_backend='triton' "
                          "(or 'auto', which falls back to it) can")
@@ -495,7 +495,7 @@ def mosaic_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *
     addressing = dict(interpret=interpret, blocks_per_row=blocks_per_row, block_stride=block_stride)
     out = mosaic_prefill().paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
                                                    sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
-                                                   tuning=prefill, **addressing)
+                                                   soft_cap=scores.soft_cap, tuning=prefill, **addressing)
     rows = min(q.shape[0], blocks.shape[0])
     num_decodes = leading_decodes(cu_q_lens, num_seqs)
     decoded = mosaic_decode(q[:rows], k_cache, v_cache, kv_lens, blocks, num_decodes, scores=scores, tuning=decode,
@@ -535,7 +535,7 @@ def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs
         return out.reshape(q.shape)
     out = mosaic_prefill().paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
                                                sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
-                                               tuning=mosaic, interpret=interpret, blocks_per_row=blocks_per_row,
+                                               soft_cap=scores.soft_cap, tuning=mosaic, interpret=interpret, blocks_per_row=blocks_per_row,
                                                block_stride=block_stride)
     out = merge_call(geo, tuning, interpret, q.dtype)(num_seqs, cu_q_lens, parts, lse, out.reshape(-1, geo.head_dim))
     return out.reshape(q.shape)

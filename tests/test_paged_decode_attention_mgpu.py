@@ -146,8 +146,9 @@ def test_leading_decodes():
     assert int(kernels.leading_decodes(jnp.asarray([0, 4, 5, 5], jnp.int32), 2)) == 0
 
 
-@pytest.mark.parametrize("decode_only, cache", [(True, jnp.bfloat16), (False, jnp.bfloat16), (True, FP8)])
-def test_both_backends_mosaic_launch_no_triton_kernel(decode_only, cache):
+@pytest.mark.parametrize("decode_only, cache, soft_cap", [(True, jnp.bfloat16, None), (False, jnp.bfloat16, None),
+                                                     (False, jnp.bfloat16, 5.0), (True, FP8, None)])
+def test_both_backends_mosaic_launch_no_triton_kernel(decode_only, cache, soft_cap):
     """Lowered for an NVIDIA GPU (here without one), decode-only and mixed steps with both backends "mosaic" hold
     Mosaic GPU kernels only: a Triton kernel would show as its own custom call (or, with no GPU here, fail to
     lower at all); and the XLA around them is what XLA's GPU compiler takes. Lowering runs Mosaic GPU's layout
@@ -159,7 +160,7 @@ def test_both_backends_mosaic_launch_no_triton_kernel(decode_only, cache):
     shapes = [((64, 8, 64), jnp.bfloat16), ((64, 16, 2, 64), cache), ((64, 16, 2, 64), cache),
               ((9,), jnp.int32), ((8,), jnp.int32), ((8, 16), jnp.int32), ((1,), jnp.int32)]
     attend = functools.partial(ragged_paged_attention, sm_scale=0.125, impl="pallas", prefill_backend="mosaic",
-                               decode_backend="mosaic", decode_only=decode_only)
+                               decode_backend="mosaic", decode_only=decode_only, soft_cap=soft_cap)
     text = jax.jit(attend).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}
