@@ -402,8 +402,6 @@ def check_engine_config(c: EngineConfig) -> None:
     if c.speculative_config is not None:
         need(c.kv_backend == "paged", "kv_backend", "must be paged with speculative_config (drafts take lookahead "
              "slots in the block tables)")
-    need(not (c.kv_cache_dtype == "fp8" and c.prefill_attention == "mosaic"), "prefill_attention",
-         "must be triton with kv_cache_dtype: fp8 (the Mosaic prefill kernel reads a cache of q's dtype only)")
     need(c.max_num_seqs + c.min_prefill_chunk <= c.max_num_batched_tokens, "max_num_batched_tokens",
          f"must be >= max_num_seqs ({c.max_num_seqs}) + min_prefill_chunk ({c.min_prefill_chunk}) so that decodes "
          "never starve prefill")

@@ -11,6 +11,16 @@ import jax.numpy as jnp
 from jax import lax
 
 LOG2E = math.log2(math.e)
+FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)  # the one cache dtype that may differ from q's
+F16_MAX = float(jnp.finfo(jnp.float16).max)
+
+
+def as_dot_dtype(q, dtype):
+    """q in the dots' dtype: as it is, or float16 (over an fp8 cache) clipped to its range, in float32: bf16 rounds
+    F16_MAX up to 65536, which float16 holds as inf."""
+    if q.dtype == dtype:
+        return q
+    return jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dtype)
 
 
 def interpret_params(interpret: bool) -> bool:

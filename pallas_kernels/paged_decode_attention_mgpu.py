@@ -33,12 +33,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (LOG2E, log2_logits, merge_carries, mosaic_interpret_params, normalize,
-                                   online_softmax_step, per_row)
-from pallas_kernels.paged_prefill_attention_mgpu import page_addressing, wgmma_carry, zero_rows_from
+from pallas_kernels.common import (FP8_CACHE, LOG2E, as_dot_dtype, log2_logits, merge_carries,
+                                   mosaic_interpret_params, normalize, online_softmax_step, per_row)
+from pallas_kernels.paged_prefill_attention_mgpu import as_operand, page_addressing, wgmma_carry, zero_rows_from
 
-FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)
-F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 TILE_ROWS = 64  # wgmma's M: the q heads of a kv head fill the first rows
 
@@ -340,7 +338,7 @@ def set_q_tile(scratch: Scratch, buffer):
     """q_tile from staging[buffer] once its q landed; the second compute warpgroup is told."""
     plgpu.barrier_wait(scratch.q_ready.at[buffer])
     # rows past the group: leftovers, harmless: wgmma's rows are independent and only the group's are stored
-    scratch.q_tile[...] = as_compute(scratch.staging[buffer], scratch.q_tile.dtype)
+    scratch.q_tile[...] = as_dot_dtype(scratch.staging[buffer], scratch.q_tile.dtype)
     plgpu.commit_smem()
     if scratch.q_set is not None:
         plgpu.barrier_arrive(scratch.q_set)
@@ -411,21 +409,10 @@ def attend(work: Work, step, scratch: Scratch, wg: int, *, tuning, sm_scale, sof
     return steps(full_hi, work.hi, True, carry)
 
 
-def as_compute(q, dtype):
-    """q in the dots' dtype: as it is, or (under an fp8 cache) float16, clipped to its range."""
-    if q.dtype == dtype:
-        return q
-    return jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dtype)
-
-
 def landed(ring: Ring, converted, slot):
     """The ring slot's tile once its pages landed, as wgmma reads it: itself, or converted into `converted`."""
     plgpu.barrier_wait(ring.ready.at[slot])
-    if converted is None:
-        return ring.buffers.at[slot]
-    converted[...] = ring.buffers[slot].astype(converted.dtype)
-    plgpu.commit_smem()
-    return converted
+    return as_operand(ring.buffers.at[slot], converted)
 
 
 def attend_step(s, carry, *, masked, base, work: Work, scratch: Scratch, tuning, sm_scale, soft_cap):

@@ -2,9 +2,9 @@
 
 The prefill half of `ragged_paged_attention` on H100-class GPUs, where it runs well ahead of the Triton path:
 prefill is compute bound, and page copies by TMA from a warpgroup of their own keep the tensor cores fed. Same
-cache layout and metadata; decodes stay with the Triton kernel. The cache must be q's dtype: K and V go from TMA
-straight into wgmma, so an fp8 (e4m3) cache would need a convert pass through SMEM per tile, in a pipeline built
-around there being none; the Triton prefill reads fp8 caches instead.
+cache layout and metadata; decodes stay with the Triton kernel. K and V go from TMA straight into wgmma, except
+from an fp8 (e4m3) cache: each compute warpgroup converts a step's K, then its V, into one float16 tile of its own
+(e4m3 -> bf16 takes a newer PTX than CUDA 13's) and q is clipped to float16's range, as the decode kernel does.
 
 - Persistent grid (one CTA per SM) looping over work items (q tile x q head), so a batch with few or no
   prefill rows costs one short wave instead of thousands of empty CTAs. Work comes longest-causal first.
@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (init_carry, log2_logits, mosaic_interpret_params, normalize, online_softmax_step,
-                                    per_row)
+from pallas_kernels.common import (FP8_CACHE, as_dot_dtype, init_carry, log2_logits, mosaic_interpret_params,
+                                   normalize, online_softmax_step, per_row)
 
 COMPUTE_WGS = 2
 H100_SMS = 132
@@ -55,8 +55,8 @@ def supported(q, k_cache, tuning: PrefillTuning = PrefillTuning()) -> str | None
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (needs bfloat16/float16)"
-    if k_cache.dtype != q.dtype:  # wgmma takes K and V from the SMEM ring as TMA lands them, in q's dtype
-        return f"KV cache dtype {k_cache.dtype} (needs q's, {q.dtype}: no in-kernel conversion)"
+    if k_cache.dtype not in (q.dtype, FP8_CACHE):
+        return f"KV cache dtype {k_cache.dtype} (needs q's, {q.dtype}, or float8_e4m3fn)"
     if head_dim not in (64, 128):
         return f"head_dim {head_dim} (needs 64 or 128)"
     if block_size % 8 or tuning.block_kv % block_size:
@@ -109,7 +109,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num
         blocks_per_row=blocks_per_row, block_stride=block_stride)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_types=(scratch(q.dtype, head_dim, tuning, k_cache.shape[1], interpret),),
+        scratch_types=(scratch(q.dtype, k_cache.dtype, head_dim, tuning, k_cache.shape[1], interpret),),
         grid=(tuning.num_ctas,), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params(interpret),
@@ -165,25 +165,31 @@ class Scratch:
     v: Ring
     staging: Any  # q in, output out: plain, so rows can start anywhere
     p_tiles: Any  # softmax probabilities for the interpreter's wgmma (SMEM operands only); None on the GPU
+    kv_tiles: Any  # per warpgroup, an fp8 cache's step converted for wgmma (K, then V); None for q's dtype
     q_ready: Any  # per warpgroup: its q landed
     turn: Any  # the compute warpgroups take turns on the tensor cores
 
 
-def scratch(dtype, head_dim, tuning: PrefillTuning, block_size, interpret) -> Scratch:
+def scratch(dtype, cache_dtype, head_dim, tuning: PrefillTuning, block_size, interpret) -> Scratch:
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     steps, pages = tuning.max_concurrent_steps, tuning.block_kv // block_size
+    fp8 = jnp.dtype(cache_dtype) == FP8_CACHE
+    compute = jnp.float16 if fp8 else dtype
 
-    def ring():
-        return Ring(plgpu.SMEM((steps, tuning.block_kv, head_dim), dtype, transforms=swizzled),
+    def ring():  # an fp8 ring is only read into registers: plain
+        return Ring(plgpu.SMEM((steps, tuning.block_kv, head_dim), cache_dtype, transforms=() if fp8 else swizzled),
                     ready=plgpu.Barrier(num_arrivals=pages, num_barriers=steps),
                     free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps))
 
+    def per_warpgroup(rows, cols, dtype):
+        return plgpu.SMEM((COMPUTE_WGS, rows, cols), dtype, transforms=swizzled)
+
     return Scratch(
-        q_tiles=plgpu.SMEM((COMPUTE_WGS, tuning.block_q, head_dim), dtype, transforms=swizzled),
+        q_tiles=per_warpgroup(tuning.block_q, head_dim, compute),
         k=ring(), v=ring(),
         staging=plgpu.SMEM((COMPUTE_WGS, tuning.block_q, head_dim), dtype),
-        p_tiles=(plgpu.SMEM((COMPUTE_WGS, tuning.block_q, tuning.block_kv), dtype, transforms=swizzled)
-                 if interpret else None),
+        p_tiles=per_warpgroup(tuning.block_q, tuning.block_kv, compute) if interpret else None,
+        kv_tiles=per_warpgroup(tuning.block_kv, head_dim, compute) if fp8 else None,
         q_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
         turn=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
 
@@ -201,9 +207,10 @@ class Warpgroup:
     the K/V rings and tensor-core turn it shares with the other."""
     q: Any  # [num_tokens, num_q_heads, head_dim]
     out: Any
-    q_tile: Any  # this warpgroup's slices of Scratch's q_tiles, staging, p_tiles and q_ready
+    q_tile: Any  # this warpgroup's slices of Scratch's q_tiles, staging, p_tiles, kv_tiles and q_ready
     staging: Any
     p_tile: Any
+    kv_tile: Any
     q_ready: Any
     k: Ring
     v: Ring
@@ -211,9 +218,10 @@ class Warpgroup:
 
     @classmethod
     def of(cls, wg, q_ref, out_ref, scratch: Scratch) -> "Warpgroup":
-        return cls(q_ref, out_ref, scratch.q_tiles.at[wg], scratch.staging.at[wg],
-                   None if scratch.p_tiles is None else scratch.p_tiles.at[wg], scratch.q_ready.at[wg], scratch.k,
-                   scratch.v, scratch.turn)
+        def own(ref):
+            return None if ref is None else ref.at[wg]
+        return cls(q_ref, out_ref, scratch.q_tiles.at[wg], scratch.staging.at[wg], own(scratch.p_tiles),
+                   own(scratch.kv_tiles), scratch.q_ready.at[wg], scratch.k, scratch.v, scratch.turn)
 
 
 @dataclass(frozen=True)
@@ -333,7 +341,7 @@ def compute_item(item: Item, step, *, refs: Warpgroup, wg, tuning, sm_scale, sli
     # buffer (free again since the last item's stores were waited for), then swizzle it over.
     plgpu.copy_gmem_to_smem(refs.q.at[pl.ds(row0, bq), item.head], refs.staging, refs.q_ready)
     plgpu.barrier_wait(refs.q_ready)
-    refs.q_tile[...] = refs.staging[...]
+    refs.q_tile[...] = as_dot_dtype(refs.staging[...], refs.q_tile.dtype)
     plgpu.commit_smem()
 
     # This warpgroup's steps: [lo, hi) attend; inside it, [full_lo, full_hi) need no mask.
@@ -382,9 +390,9 @@ def attend_step(s, carry, *, masked, base, hi, refs: Warpgroup, row_pos, key_bou
     acc, m, l = carry
     slot = (base + s) % tuning.max_concurrent_steps
     bq, bkv = row_pos.shape
-    k_tile, v_tile = refs.k.buffers.at[slot], refs.v.buffers.at[slot]
     if not tuning.wait_next_k_early:
         plgpu.barrier_wait(refs.k.ready.at[slot])
+    k_tile = as_operand(refs.k.buffers.at[slot], refs.kv_tile)
 
     def qk_scope(qk_ref):
         plgpu.wgmma(qk_ref, refs.q_tile, k_tile.T)
@@ -403,10 +411,11 @@ def attend_step(s, carry, *, masked, base, hi, refs: Warpgroup, row_pos, key_bou
     m, p, alpha = online_softmax_step(m, logits, rows_see_keys=sliding_window is None)
     acc *= per_row(alpha, acc.shape)
     l = l * alpha + p.sum(axis=1)
-    p = p.astype(v_tile.dtype)
+    p = p.astype(refs.q_tile.dtype)
     acc, l, m, p = lax.optimization_barrier((acc, l, m, p))  # softmax done before the turn (FA3)
     plgpu.barrier_arrive(refs.turn)
     plgpu.barrier_wait(refs.v.ready.at[slot])
+    v_tile = as_operand(refs.v.buffers.at[slot], refs.kv_tile)  # converted over K's, whose QK is done
     if masked:  # V rows past the visible keys may hold stale or NaN data, and 0 * NaN would leak into acc
         pl.when((s + 1) * bkv > key_bound)(lambda: zero_rows_from(v_tile, key_bound - s * bkv))
     plgpu.barrier_wait(refs.turn)
@@ -428,6 +437,15 @@ def attend_step(s, carry, *, masked, base, hi, refs: Warpgroup, row_pos, key_bou
     acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
     plgpu.barrier_arrive(refs.v.free.at[slot])
     return acc, m, l
+
+
+def as_operand(slot, tile):
+    """A landed ring slot as wgmma reads it: itself, or (an fp8 cache) converted into the warpgroup's tile."""
+    if tile is None:
+        return slot
+    tile[...] = slot[...].astype(tile.dtype)
+    plgpu.commit_smem()
+    return tile
 
 
 def zero_rows_from(v_tile, first, rows_per_pass=64):

@@ -65,8 +65,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from custom_calls import paged_attention_cpu
-from pallas_kernels.common import (exp2_shift, init_carry, interpret_params, log2_logits, normalize,
-                                   online_softmax_step, per_row)
+from pallas_kernels.common import (FP8_CACHE, as_dot_dtype, exp2_shift, init_carry, interpret_params, log2_logits,
+                                   normalize, online_softmax_step, per_row)
 from pallas_kernels.block_tables import row_starts, strided_block_tables
 from pallas_kernels.ragged_paged_attention_reference import FP8_BITS, ragged_paged_attention_reference
 
@@ -78,7 +78,6 @@ IMPLS = ("auto", "pallas", "cpu", "reference")
 BACKENDS = ("auto", "triton", "mosaic")  # prefill_backend and decode_backend
 INT32_MAX = 2**31 - 1
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # q's (and the output's), on the pallas impl
-FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)  # the one cache dtype that may differ from q's (q in KERNEL_DTYPES)
 FP8_MIN_CAPABILITY = 8.9  # Triton converts e4m3 on sm_89+ (Ada, Hopper) only
 PALLAS_MIN_CAPABILITY = 8.0
 
@@ -113,7 +112,6 @@ F32_TUNING = Tuning(decode_kv_tile=32, decode_num_warps=4, decode_num_stages=3, 
 # (benchmarks/attention.py --tune --kv-dtype fp8 on H100); the Mosaic GPU decode converts each tile, a chain two
 # compute warpgroups overlap (1.19x at 256 x 512 on H200; over bf16 caches two were no faster, and 0.9x at 64 x 512).
 FP8_TUNING = Tuning(decode_kv_tile=32, decode_num_stages=6, mosaic_decode_warpgroups=2)
-F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,9 +298,9 @@ def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backen
         return None
     device = jax.devices()[0]
     # auto: only Hopper, and only shapes with room for more tokens than sequences (a decode-only shape would
-    # pay the extra launches of the Mosaic path for nothing).
+    # pay the extra launches of the Mosaic path for nothing); an fp8 cache stays with Triton until timed there.
     if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
-                              or q.shape[0] <= blocks.shape[0]):
+                              or q.shape[0] <= blocks.shape[0] or k_cache.dtype != q.dtype):
         return None
     # one CTA per SM; the CPU interpreter (no core count) simulates a few, each taking several work items
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
@@ -396,9 +394,7 @@ def dot_dtype(q_dtype, cache_dtype=None) -> jnp.dtype:
 def load_q(q_ref, rows, ok, cache_dtype) -> jax.Array:
     """q's rows as the dots take them (dot_dtype), clipped to float16's range when converted to it."""
     q = load_tile_rows(q_ref, rows, ok)
-    compute = dot_dtype(q.dtype, cache_dtype)
-    # clipped in f32: bf16 rounds F16_MAX up to 65536, which float16 holds as inf
-    return q if compute == q.dtype else jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(compute)
+    return as_dot_dtype(q, dot_dtype(q.dtype, cache_dtype))
 
 
 def check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row, num_seqs, sm_scale,

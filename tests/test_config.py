@@ -91,11 +91,6 @@ def test_a_bad_knob_is_named_with_its_rule(name, bad, rule):
         EngineConfig(**{name: bad})
 
 
-def test_the_mosaic_prefill_is_refused_over_an_fp8_cache():
-    with pytest.raises(ValueError, match="^engine config: prefill_attention must be triton with kv_cache_dtype: fp8"):
-        EngineConfig(kv_cache_dtype="fp8", prefill_attention="mosaic")
-
-
 def test_the_cli_passes_quantization_and_the_kv_cache_dtype():
     args = cli.build_parser().parse_args(["serve", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
     assert args.quantization == "fp8" and cli.served_engine_config(args).kv_cache_dtype == "fp8"

@@ -464,15 +464,17 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend
 
 @pytest.mark.skipif(not (on_gpu() and on_hopper()), reason="the Mosaic GPU kernels run on Hopper only; interpreted, "
                     "tests/test_cascade_attention.py holds the Mosaic cascade to the reference")
-def test_cascade_steps_on_mosaic(tiny, monkeypatch):
-    """Requests behind one shared prompt with every attention kernel on Mosaic GPU and cascade_attention: on: the
-    cascade graphs ran, hold no Pallas Triton kernel, and give pure-JAX attention's greedy tokens up to near-ties
-    (a bf16 copy of the model: Mosaic GPU's kernels read bf16/f16)."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cascade_steps_on_mosaic(tiny, monkeypatch, kv_cache_dtype):
+    """Requests behind one shared prompt with every attention kernel on Mosaic GPU and cascade_attention: on, over
+    a bf16 and an FP8 cache: the cascade graphs ran, hold no Pallas Triton kernel, and give pure-JAX attention's
+    greedy tokens over the same cache up to near-ties (a bf16 copy of the model: Mosaic GPU's kernels read
+    bf16/f16)."""
     import jaxserve.engine.step_graphs as step_graphs
 
     def engine(kernels, cascade):
         monkeypatch.setattr(step_graphs, "resolve_attention_kernels", lambda *_: kernels)
-        return LLM(model, **BASE, cascade_attention=cascade)
+        return LLM(model, **BASE, cascade_attention=cascade, kv_cache_dtype=kv_cache_dtype)
 
     model = load_model(tiny[0].source, dtype="bf16")
     system = list(range(10, 60))   # 50 tokens: three whole blocks of 16 shared

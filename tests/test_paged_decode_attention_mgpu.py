@@ -147,7 +147,8 @@ def test_leading_decodes():
 
 
 @pytest.mark.parametrize("decode_only, cache, soft_cap", [(True, jnp.bfloat16, None), (False, jnp.bfloat16, None),
-                                                     (False, jnp.bfloat16, 5.0), (True, FP8, None)])
+                                                     (False, jnp.bfloat16, 5.0), (True, FP8, None),
+                                                     (False, FP8, None)])
 def test_both_backends_mosaic_launch_no_triton_kernel(decode_only, cache, soft_cap):
     """Lowered for an NVIDIA GPU (here without one), decode-only and mixed steps with both backends "mosaic" hold
     Mosaic GPU kernels only: a Triton kernel would show as its own custom call (or, with no GPU here, fail to
