@@ -327,8 +327,8 @@ def bench_jax_paged_decode(rec: Recorder, params, batch: Batch, expected):
 
 
 def bench_prefill(rec: Recorder, length, tunings=(None,)):
-    """Our prefill over each KV_RUNS cache (an fp8 one takes the Triton prefill: the Mosaic kernel reads q's dtype
-    only), the peers over bf16."""
+    """Our prefill over each KV_RUNS cache in each tuning (by default an fp8 cache takes the Triton prefill, the
+    Mosaic kernel when named), the peers over bf16."""
     for kv_dtype, batch, expected in kv_variants(make_batch(jax.random.key(7), [length], [length])):
         params = {"batch": 1, "context": length, "kv_dtype": kv_dtype}
         sets, info = rotation(batch, 3 * L2_BYTES, lambda i: batch.args())  # compute-bound: L2 residency is real
@@ -417,7 +417,8 @@ def run_full(rec: Recorder, free_bytes):
 def run_prefill(rec: Recorder):
     """Prefill backends against the peers, the Mosaic kernel's pipeline variants, and the mixed batch."""
     measure_copy(rec)
-    bench_prefill(rec, 8192, tunings=(None, {"prefill_backend": "triton"}, {"mosaic_block_kv": 64}))
+    bench_prefill(rec, 8192, tunings=(None, {"prefill_backend": "triton"}, {"prefill_backend": "mosaic"},
+                                      {"mosaic_block_kv": 64}))
     bench_mosaic_variants(rec, 8192, variants=({}, {"alternate_rounds": False}))
     bench_mixed(rec, 64, 4096, 1024, 2048)
 

@@ -53,6 +53,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-fp8      # Mosaic GPU decode over an FP8 cache
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-fp8-engine   # batch 1 over an FP8 cache, each backend
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-prefill  # its soft cap and FP8 cache: tests, sweep
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-only     # no Triton kernel: tests, engine beside default
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
@@ -142,6 +143,11 @@ case $1 in
       tests/test_contiguous_attention.py tests/test_ragged_paged_attention.py -k "mgpu or one_launch or fp8_cache_reads or mosaic_prefill"
     run 420 python benchmarks/attention.py --mosaic-decode --kv-dtype fp8 --points 256x4096 256x512 64x512 \
       --mosaic-variants '[{"mosaic_decode_warpgroups": 1}]' --out "$OUT/attention_mosaic_decode_gpu.json" ;;
+  mosaic-prefill)   # the Mosaic GPU prefill's soft cap and FP8 cache: its tests compiled, the engine with no Triton
+    # kernel over an FP8 cache, then the prefill sweep over bf16 and FP8 caches (Mosaic named beside Triton)
+    run 200 python -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py \
+      tests/test_paged_decode_attention_mgpu.py tests/test_llm_engine.py -k "mosaic_prefill or cascade_steps_on_mosaic"
+    run 300 python benchmarks/attention.py --prefill --kv-dtype fp8 --out "$OUT/attention_mosaic_prefill_gpu.json" ;;
   mosaic-fp8-engine)   # batch 1 in the engine over an FP8 cache on each backend
     for backend in mosaic triton; do
       run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
