@@ -9,6 +9,9 @@ shard (see `cache_kv_heads`, models/attention.py). Loaders place each shard stra
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import numpy as np
 from flax import nnx
@@ -17,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxserve.config import ModelConfig
 
 TP = "tp"
+STEP_DEVICES = contextvars.ContextVar("STEP_DEVICES", default=None)   # traced_on's mesh size
 HEADS = P(None, TP, None)          # q/k/v and attention outputs [T, heads, head_dim]: split on heads
 KV_CACHE = P(None, None, TP, None)  # a layer's K or V cache [blocks, block_size, kv_heads, head_dim]
 VATTENTION_CACHE = P(None, None, None, TP, None)   # kv_cache.VAttentionCache's [blocks, layers, block_size, ...]
@@ -104,3 +108,21 @@ def per_shard(fn, mesh: Mesh | None, in_specs, out_specs):
     if mesh is None or mesh.shape[TP] == 1:
         return fn
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+@contextlib.contextmanager
+def traced_on(mesh: Mesh | None):
+    """Model code traced inside runs on mesh's devices (on_one_device); None: where the enclosing trace runs."""
+    token = None if mesh is None else STEP_DEVICES.set(mesh.size)
+    try:
+        yield
+    finally:
+        if token is not None:
+            STEP_DEVICES.reset(token)
+
+
+def on_one_device() -> bool:
+    """Whether the step being traced runs on one device, where the single-device kernels may take its layers: its
+    mesh's size under traced_on (a data-parallel replica of a multi-GPU host has one), else jax.device_count()."""
+    size = STEP_DEVICES.get()
+    return (jax.device_count() if size is None else size) == 1

@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 import custom_calls
+from jaxserve import LLM, SamplingParams
 from jaxserve.models import llama
 from jaxserve.models.loader import random_model
 
-from helpers import TINY, on_gpu
+from helpers import KNOBS, TINY, on_gpu
 
 # every linear's N a multiple of 64 (the kernel's default tile): q 128, k and v 64, gate/up 256, LM head 128
 MODEL = dataclasses.replace(TINY, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1, head_dim=64)
@@ -75,6 +76,21 @@ def test_more_rows_than_a_decode_step_stay_with_xla(recorded_launches):
     loaded = random_model(MODEL, jnp.bfloat16)
     hidden(loaded, jnp.zeros(custom_calls.DECODE_LINEAR_MAX_ROWS + 1, jnp.int32))
     assert not recorded_launches
+
+
+def test_a_replica_on_one_device_of_a_larger_host_takes_the_kernel(recorded_launches, monkeypatch):
+    """A data-parallel replica runs its steps on one device of a host with several: its mesh, not the host's
+    device count, lets the kernel take its rows, in every graph the engine builds."""
+    loaded = random_model(MODEL, jnp.bfloat16)
+    monkeypatch.setattr(jax, "device_count", lambda *_: 2)
+    jax.clear_caches()
+    hidden(loaded, jnp.zeros(ROWS, jnp.int32))
+    assert not recorded_launches   # traced under no mesh: the host's two devices
+    llm = LLM(loaded, **KNOBS, num_blocks=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    h, q, kv = MODEL.hidden_size, MODEL.num_heads * 64, MODEL.num_kv_heads * 64
+    assert (((h, q), (h, kv), (h, kv)), True) in recorded_launches   # a decode step's q/k/v, told its live rows
 
 
 @pytest.mark.skipif(not on_gpu() or jax.device_count() != 1, reason="the kernel runs on one NVIDIA GPU")

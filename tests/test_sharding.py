@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from jaxserve import LLM
 from jaxserve.cli import build_parser, served_engine_config
 from jaxserve.config import EngineConfig, load_run_config
 from jaxserve.models.loader import load_run, random_model
-from jaxserve.sharding import cache_kv_heads, check_tensor_parallel, param_spec
+from jaxserve.sharding import cache_kv_heads, check_tensor_parallel, make_mesh, on_one_device, param_spec, traced_on
 
 from helpers import KNOBS, TINY
 
@@ -167,3 +168,17 @@ def test_param_spec_is_megatron_style():
     assert param_spec((*moe, "experts", "down_proj"), 3, True, True) == P("tp", None, None)   # whole experts
     assert param_spec((*moe, "gate", "kernel"), 2, True, True) == P(None, None)   # the router: every device's
     assert cache_kv_heads(8, 2) == 8 and cache_kv_heads(2, 8) == 8
+
+
+def test_a_step_traced_on_its_mesh_knows_how_many_devices_run_it(monkeypatch):
+    """The single-device kernels ask on_one_device: the traced step's mesh where one is given (a data-parallel
+    replica holds one device of several), the host's devices otherwise."""
+    monkeypatch.setattr(jax, "device_count", lambda *_: 4)
+    assert not on_one_device()
+    with traced_on(make_mesh(1)):
+        assert on_one_device()
+        with traced_on(None):   # a call with no mesh of its own runs where the enclosing step runs
+            assert on_one_device()
+        with traced_on(SimpleNamespace(size=2)):
+            assert not on_one_device()
+    assert not on_one_device()

@@ -40,6 +40,7 @@ from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_
 from jaxserve.models import fp8, llama
 from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.loader import LoadedModel
+from jaxserve.sharding import traced_on
 from pallas_kernels.ragged_paged_attention import resolve_impl
 
 MIN_TOKEN_BUCKET = 16
@@ -164,7 +165,8 @@ def run_model(params, kv_cache, last_tokens, inp: ModelInputs, features=None, ou
             kv_cache = kv_cache[:split] + head_cache
             kept = step_features[inp.logits_indices].astype(features.dtype)
             features = jnp.zeros_like(features).at[:len(kept)].set(kept)
-    logits = model.logits(hidden[inp.logits_indices])
+    with traced_on(mesh):
+        logits = model.logits(hidden[inp.logits_indices])
     if fence:   # vattention on GPU: the logits follow every cache read; unmaps wait for this fence
         logits = vmm.fence(logits)
     if outputs is not None:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import custom_calls
+from jaxserve.sharding import on_one_device
 
 FP8 = jnp.float8_e4m3fn
 # Steps of at most this many rows (decode) read the e4m3 weight into a bf16 GEMM (W8A16), the weight read once, as
@@ -96,7 +97,7 @@ def linears_w8a16(layers, x, live=None) -> list:
 
 def w8a16_kernel(x, weights, scales) -> bool:
     """Whether linears_w8a16 runs the CUDA kernel on x and these e4m3 weights."""
-    return (W8A16_KERNEL and jax.device_count() == 1 and not custom_calls.decode_linear_unsupported(x, weights, scales)
+    return (W8A16_KERNEL and on_one_device() and not custom_calls.decode_linear_unsupported(x, weights, scales)
             and custom_calls.available())
 
 
@@ -119,7 +120,7 @@ class NormedRows:
 def w8a8_kernels(x, layers) -> bool:
     """Whether Fp8Linear layers reading x run W8A8 through the CUDA kernels (one NVIDIA GPU: a sharded weight would
     be gathered whole for them)."""
-    return W8A8_KERNELS and jax.device_count() == 1 and x.ndim == 2 and x.shape[0] > W8A16_MAX_ROWS and \
+    return W8A8_KERNELS and on_one_device() and x.ndim == 2 and x.shape[0] > W8A16_MAX_ROWS and \
         x.dtype == jnp.bfloat16 and not any(custom_calls.fp8_w8a8_unsupported(x, layer.weight[...]) for layer in layers)
 
 

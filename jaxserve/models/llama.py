@@ -19,7 +19,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
-from jaxserve.sharding import TP, per_shard
+from jaxserve.sharding import TP, on_one_device, per_shard, traced_on
 from pallas_kernels.ragged_paged_attention import gpu_capability
 
 
@@ -66,7 +66,8 @@ BF16_DECODE_KERNEL = False
 class Linear(nnx.Linear):
     """nnx.Linear, but a decode step's few f32 rows on a lone CPU device go through the CPU library's streaming
     kernel (f32_linears), and with BF16_DECODE_KERNEL a decode step's bf16 rows on one NVIDIA GPU through the CUDA
-    one (bf16_linears). Not under a device mesh, where the kernel's rows could be another device's shards."""
+    one (bf16_linears). Only where the step runs on one device (sharding.on_one_device): under a mesh of several
+    the kernel's rows could be another device's shards."""
 
     def __call__(self, x, live=None):
         """live: the step's real rows (live_tokens), which the CUDA kernel reads alone."""
@@ -80,7 +81,7 @@ def f32_kernel_takes(layers, x) -> bool:
     layers' inputs may be no array: fp8.NormedRows)."""
     return (all(isinstance(layer, Linear) and layer.kernel.dtype == jnp.float32 for layer in layers)
             and len(x.shape) == 2 and x.shape[0] <= F32_KERNEL_MAX_ROWS and x.dtype == jnp.float32
-            and jax.default_backend() == "cpu" and jax.device_count() == 1)
+            and jax.default_backend() == "cpu" and on_one_device())
 
 
 def f32_linears(layers, x) -> list:
@@ -92,7 +93,7 @@ def f32_linears(layers, x) -> list:
 def bf16_kernel_takes(layers, x) -> bool:
     """Whether bf16_linears runs these Linear layers reading x [T, in] through custom_calls.bf16_linear."""
     return (BF16_DECODE_KERNEL and all(isinstance(layer, Linear) for layer in layers) and isinstance(x, jax.Array)
-            and jax.device_count() == 1
+            and on_one_device()
             and not custom_calls.decode_linear_unsupported(x, [layer.kernel[...] for layer in layers])
             and custom_calls.available())
 
@@ -381,7 +382,8 @@ def run_layer(graphdef, state, x, positions, kv_layer, batch: AttentionBatch | N
     than once per layer (the step graphs' tracing, on the start-up's critical path, shrinks by the layer count);
     XLA inlines the calls, so the compiled step is the same."""
     paged = None if batch is None else PagedAttention(batch, kernels, mesh)
-    return nnx.merge(graphdef, state)(x, positions, kv_layer, paged)
+    with traced_on(mesh):
+        return nnx.merge(graphdef, state)(x, positions, kv_layer, paged)
 
 
 def abstract_model(cfg: ModelConfig, dtype, quantization: str | GgufBlocks | None = None) -> LlamaForCausalLM:
