@@ -120,8 +120,7 @@ def test_kernel_matches_float64(dtype, tuning, options):
 
 
 @pytest.mark.skipif(on_gpu() and not on_hopper(), reason="the Mosaic GPU decode kernel needs sm_90")
-@pytest.mark.parametrize("cache_dtype, options", [(jnp.bfloat16, {}), (jnp.bfloat16, {"soft_cap": 5.0}),
-                                                  (jnp.float8_e4m3fn, {})])
+@pytest.mark.parametrize("cache_dtype, options", [(jnp.bfloat16, {}), (jnp.float8_e4m3fn, {"soft_cap": 5.0})])
 def test_mosaic_kernel_matches_float64(cache_dtype, options):
     """Both passes on the Mosaic GPU decode kernel (decode_backend="mosaic"), bf16 q: a group's members packed 16 to
     a shared tile (4 q heads a kv head), the own passes through shifted tables. An e4m3 cache is held to attention
