@@ -57,6 +57,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-only     # no Triton kernel: tests, engine beside default
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf-moe  # the same in the MoE's batch-1 steps
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
@@ -202,11 +203,14 @@ case $1 in
     run 100 $TIMELINE --set cascade_attention=off
     XLA_FLAGS="--xla_gpu_enable_command_buffer=" run 200 $TIMELINE --set cascade_attention=off
     mkdir -p "$OUT/xla_dump" && cp /tmp/xla_dump/*thunk_sequence*.txt "$OUT/xla_dump/" ;;
-  cmdbuf)   # the CUDA graphs XLA records again in steady shared-prefix decode steps (a buffer of theirs moved):
-    # per graph (by its command count) how many of the 96 logged steps recorded it and the mean cost
-    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 run 280 python benchmarks/step_timeline.py \
-      --config $CONFIG --shared-prefix-len 1024 --input-len 64 --steps 48
-    awk '/^schedule/{p=1} p' "$LOG" | grep -o "Updated command buffer in [0-9]* μs; num_commands=[0-9]*" \
+  cmdbuf|cmdbuf-moe)   # the CUDA graphs XLA records again in steady decode steps (a buffer of theirs moved), behind a
+    # shared prefix (cmdbuf) or in the mixture of experts' batch 1 (cmdbuf-moe: its TPOT 4.9-6.4 ms against a 4.0 ms
+    # step); per graph (by its command count) how many logged steps recorded it and the mean cost
+    # steady steps: those after the timed ones; the MoE's from its prefill on (its re-records follow the prefill)
+    WORKLOAD="--config $CONFIG --shared-prefix-len 1024 --input-len 64 --steps 48" FROM="^schedule"
+    [ "$1" = cmdbuf-moe ] && WORKLOAD="--config $MOE --num-prompts 1 --input-len 128 --steps 64 --set $B1" FROM=""
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 run 280 python benchmarks/step_timeline.py $WORKLOAD
+    awk -v from="$FROM" '$0 ~ from {p=1} p' "$LOG" | grep -o "Updated command buffer in [0-9]* μs; num_commands=[0-9]*" \
       | awk '{n[$NF]++; us[$NF]+=$5} END {for (k in n) printf "%s: %d updates, %.0f us each\n", k, n[k], us[k]/n[k]}' \
       | tee -a "$LOG"
     gzip -f "$LOG" ;;
