@@ -37,7 +37,6 @@ from pallas_kernels.common import (FP8_CACHE, LOG2E, as_dot_dtype, log2_logits, 
                                    mosaic_interpret_params, normalize, online_softmax_step, per_row)
 from pallas_kernels.paged_prefill_attention_mgpu import as_operand, page_addressing, wgmma_carry, zero_rows_from
 
-
 TILE_ROWS = 64  # wgmma's M: the q heads of a kv head fill the first rows
 
 
