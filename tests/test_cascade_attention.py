@@ -208,8 +208,8 @@ def test_the_rule_keeps_large_groups_that_save_enough():
 
 
 def test_over_mosaic_the_rule_keeps_groups_of_eight_that_save_enough():
-    """The Mosaic GPU kernel reads a small group's prefix per member: n = 8 pays there; one group of 64 or of 8
-    members behind 1,024 tokens does not (measured), nor do pairs."""
+    """Over the Mosaic GPU kernel n = 8 pays (measured); one group of 64 or of 8 members behind 1,024 tokens does
+    not, nor do pairs."""
     rule = cascade_rule("auto", AttentionKernels("pallas", decode_backend="mosaic"), None)
     samples = [(np.arange(8 * i, 8 * i + 8), 1024) for i in range(32)]
     assert apply_cascade_rule(samples, rule) == samples

@@ -58,9 +58,10 @@ TRITON_GEMM_MAX_ROWS = 64   # bf16 weights; FP8 ones: see compiler_options
 # n = 8 over 32 prompts of 1,024 lost in the engine (0.965x), though 1.7x against shuffled rows at kernel level.
 CASCADE_MIN_MEMBERS = 128
 CASCADE_MIN_SAVED_KEYS = 65536
-# The Mosaic GPU decode kernel's order reads a small group's prefix from HBM per member (H200, cascade.py --mosaic:
-# 32 x 8 side by side, 1,024 shared: plain 261 us, cascade 120), so over it groups of 8 pay; one group of 64 x
-# 1,024 (saving 64,512 keys) tied and 8 x 1,024 lost (50 against 12 us): the saved keys' bound keeps both out.
+# Plain decode on the Mosaic GPU kernel gains less from a shared prefix than the Triton kernel does (H200,
+# cascade.py --mosaic: 32 groups of 8 side by side, 1,024 shared: plain 261 us against Triton's 159, cascade 120),
+# so over it groups of 8 pay; one group of 64 x 1,024 (saving 64,512 keys) tied and 8 x 1,024 lost (50 against
+# 12 us): the saved keys' bound keeps both out.
 CASCADE_MOSAIC_MIN_MEMBERS = 8
 CASCADE_MAX_GROUPS = 64   # groups a step's shared pass takes (the most saving ones): n = 8 over 32 prompts fits
 
