@@ -181,8 +181,8 @@ def scratch(dtype, cache_dtype, head_dim, tuning: PrefillTuning, block_size, int
                     ready=plgpu.Barrier(num_arrivals=pages, num_barriers=steps),
                     free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps))
 
-    def per_warpgroup(rows, cols, dtype):
-        return plgpu.SMEM((COMPUTE_WGS, rows, cols), dtype, transforms=swizzled)
+    def per_warpgroup(rows, cols, element):
+        return plgpu.SMEM((COMPUTE_WGS, rows, cols), element, transforms=swizzled)
 
     return Scratch(
         q_tiles=per_warpgroup(tuning.block_q, head_dim, compute),
