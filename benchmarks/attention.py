@@ -327,8 +327,7 @@ def bench_jax_paged_decode(rec: Recorder, params, batch: Batch, expected):
 
 
 def bench_prefill(rec: Recorder, length, tunings=(None,)):
-    """Our prefill over each KV_RUNS cache in each tuning (by default an fp8 cache takes the Triton prefill, the
-    Mosaic kernel when named), the peers over bf16."""
+    """Our prefill over each KV_RUNS cache in each tuning, the peers over bf16."""
     for kv_dtype, batch, expected in kv_variants(make_batch(jax.random.key(7), [length], [length])):
         params = {"batch": 1, "context": length, "kv_dtype": kv_dtype}
         sets, info = rotation(batch, 3 * L2_BYTES, lambda i: batch.args())  # compute-bound: L2 residency is real
@@ -355,15 +354,17 @@ def bench_prefill_peers(rec: Recorder, params, batch: Batch, expected, sets, inf
                 expected, info)
 
 
-def bench_mixed(rec: Recorder, decodes, context, chunk, chunk_context):
-    """`decodes` decodes at `context` plus one `chunk`-token prefill chunk whose kv length is chunk_context."""
+def bench_mixed(rec: Recorder, decodes, context, chunk, chunk_context, tunings=(None,)):
+    """`decodes` decodes at `context` plus one `chunk`-token prefill chunk whose kv length is chunk_context, over
+    each KV_RUNS cache in each tuning."""
     q_lens, kv_lens = [1] * decodes + [chunk], [context] * decodes + [chunk_context]
     for kv_dtype, batch, expected in kv_variants(make_batch(jax.random.key(11), q_lens, kv_lens)):
         params = {"batch": decodes + 1, "context": context, "decodes": decodes, "chunk": chunk,
                   "chunk_context": chunk_context, "kv_dtype": kv_dtype}
         sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
-        rec.measure("mixed", "jaxserve-pallas", {**params, "tuning": TUNING or "default"}, ours(), sets, batch,
-                    expected, info)
+        for tuning in tunings:
+            rec.measure("mixed", "jaxserve-pallas", {**params, "tuning": tuning or TUNING or "default"},
+                        ours(tuning), sets, batch, expected, info)
         if kv_dtype == "bf16":
             bench_mixed_peers(rec, params, batch, expected, sets, info)
 
@@ -420,7 +421,7 @@ def run_prefill(rec: Recorder):
     bench_prefill(rec, 8192, tunings=(None, {"prefill_backend": "triton"}, {"prefill_backend": "mosaic"},
                                       {"mosaic_block_kv": 64}))
     bench_mosaic_variants(rec, 8192, variants=({}, {"alternate_rounds": False}))
-    bench_mixed(rec, 64, 4096, 1024, 2048)
+    bench_mixed(rec, 64, 4096, 1024, 2048, tunings=(None, {"prefill_backend": "triton"}, {"prefill_backend": "mosaic"}))
 
 
 def bench_mosaic_variants(rec: Recorder, length, variants=({}, {"wait_next_k_early": False})):

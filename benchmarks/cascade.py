@@ -8,17 +8,20 @@ read needs (shared once per group, own per row), the same bytes for both impls, 
 `--threshold` sweeps one group of M members over shared lengths: where cascade starts to pay sets
 step_graphs.CASCADE_MIN_MEMBERS and CASCADE_MIN_SAVED_KEYS. `--programs N ...` adds a cascade row per value of
 Tuning.cascade_programs (the shared pass's program budget, which sets its splits of the shared keys). `--mosaic`
-adds both on the Mosaic GPU decode kernel (Hopper; decode_backend="mosaic"): plain_mosaic and cascade_mosaic.
+adds both on the Mosaic GPU decode kernel (Hopper; decode_backend="mosaic"): plain_mosaic and cascade_mosaic,
+once per `--mosaic-variants` Tuning override (default: the defaults alone).
 
   python benchmarks/cascade.py                 # the engine's shapes: 256 x 1024 shared, n = 8 over 32 prompts
   python benchmarks/cascade.py --threshold     # where cascade starts to pay
   python benchmarks/cascade.py --programs 128 264 528 1056   # tune the shared pass's splits
   python benchmarks/cascade.py --mosaic        # the Mosaic GPU kernels' rows beside Triton's, same run (Hopper)
+  python benchmarks/cascade.py --mosaic --mosaic-variants '[{}, {"mosaic_decode_warpgroups": 2}]'
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 
@@ -72,7 +75,8 @@ def measure(fn, *args) -> tuple[float, float]:
     return (float(np.median(busy)) if busy else wall), wall
 
 
-def run_point(rng, point, interpret: bool, programs: list[int | None], profile: bool, mosaic: bool) -> list[dict]:
+def run_point(rng, point, interpret: bool, programs: list[int | None], profile: bool,
+              mosaic_variants: list[dict]) -> list[dict]:
     groups, members, shared, own, rows_order = point
     q, k, v, kv_lens, tables, num_seqs = make_batch(rng, *point)
     found = share_prefixes(tables, kv_lens, BLOCK, max_groups=64)
@@ -102,8 +106,8 @@ def run_point(rng, point, interpret: bool, programs: list[int | None], profile: 
         if profile:   # where a cascade's GPU time goes: the shared pass beside the decode launch
             for name, kernel_ms, count in kernel_profile(cascaded, *args, cascade, top=4):
                 print(f"    {kernel_ms * 1e3:8.1f} us x{count} {name[:90]}", flush=True)
-    if mosaic:
-        on_mosaic = {**opts, "decode_backend": "mosaic"}
+    for variant in mosaic_variants:
+        on_mosaic = {**opts, **variant, "decode_backend": "mosaic"}
         for impl, fn, fn_args in (
                 ("plain_mosaic", functools.partial(ragged_paged_attention, decode_only=True, **on_mosaic),
                  (q, k, v, cu, *args[3:])),
@@ -111,9 +115,10 @@ def run_point(rng, point, interpret: bool, programs: list[int | None], profile: 
             fn = jax.jit(fn)
             error = float(jnp.max(jnp.abs(fn(*fn_args).astype(jnp.float32) - expected.astype(jnp.float32))))
             ms, wall = measure(fn, *fn_args)
-            rows.append({"bench": "cascade", "impl": impl, "params": params, "ms": ms, "wall_ms": wall,
-                         "gbps": nbytes / ms / 1e6, "max_abs_err_vs_plain": error})
-            print(f"    {impl} {ms * 1e3:.1f} us ({rows[0]['ms'] / ms:.2f}x plain), max |diff| {error:.2g}", flush=True)
+            rows.append({"bench": "cascade", "impl": impl, "params": {**params, **variant}, "ms": ms,
+                         "wall_ms": wall, "gbps": nbytes / ms / 1e6, "max_abs_err_vs_plain": error})
+            print(f"    {impl}{variant or ''} {ms * 1e3:.1f} us ({rows[0]['ms'] / ms:.2f}x plain), "
+                  f"max |diff| {error:.2g}", flush=True)
     return rows
 
 
@@ -124,14 +129,19 @@ def main(argv=None):
                         help="Tuning.cascade_programs values, a cascade row each (default: the tuned default)")
     parser.add_argument("--profile", action="store_true", help="print each cascade's kernels by GPU time")
     parser.add_argument("--mosaic", action="store_true", help="plain and cascade on the Mosaic GPU decode kernel too")
+    parser.add_argument("--mosaic-variants", metavar="JSON", default="[{}]",
+                        help="--mosaic: a JSON list of Tuning overrides, their rows each")
+    parser.add_argument("--points", type=int, nargs="+", metavar="I", help="only these points of the list (indices)")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/cascade_<backend>.json)")
     args = parser.parse_args(argv)
     interpret = jax.default_backend() != "gpu"
     if args.mosaic and interpret:   # interpreted under jit, Mosaic GPU kernels deadlock on the CPU client
         parser.error("--mosaic needs a Hopper GPU (the Mosaic GPU kernels are tested interpreted: tests/)")
     rng = np.random.default_rng(0)
-    rows = [r for point in (THRESHOLD_POINTS if args.threshold else ENGINE_POINTS)
-            for r in run_point(rng, point, interpret, args.programs, args.profile, args.mosaic)]
+    points = THRESHOLD_POINTS if args.threshold else ENGINE_POINTS
+    variants = json.loads(args.mosaic_variants) if args.mosaic else []
+    rows = [r for i, point in enumerate(points) if args.points is None or i in args.points
+            for r in run_point(rng, point, interpret, args.programs, args.profile, variants)]
     command = "python benchmarks/cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_rows(args.out or f"benchmarks/results/cascade_{jax.default_backend()}.json", rows, command)
 

@@ -298,9 +298,10 @@ def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backen
         return None
     device = jax.devices()[0]
     # auto: only Hopper, and only shapes with room for more tokens than sequences (a decode-only shape would
-    # pay the extra launches of the Mosaic path for nothing); an fp8 cache stays with Triton until timed there.
+    # pay the extra launches of the Mosaic path for nothing); over bf16 and fp8 caches alike, where it measured
+    # ahead of Triton (8K prompt on H200: 2.2x, 1.27x)
     if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
-                              or q.shape[0] <= blocks.shape[0] or k_cache.dtype != q.dtype):
+                              or q.shape[0] <= blocks.shape[0]):
         return None
     # one CTA per SM; the CPU interpreter (no core count) simulates a few, each taking several work items
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
@@ -531,8 +532,8 @@ def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs
         return out.reshape(q.shape)
     out = mosaic_prefill().paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
                                                sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
-                                               soft_cap=scores.soft_cap, tuning=mosaic, interpret=interpret, blocks_per_row=blocks_per_row,
-                                               block_stride=block_stride)
+                                               soft_cap=scores.soft_cap, tuning=mosaic, interpret=interpret,
+                                               blocks_per_row=blocks_per_row, block_stride=block_stride)
     out = merge_call(geo, tuning, interpret, q.dtype)(num_seqs, cu_q_lens, parts, lse, out.reshape(-1, geo.head_dim))
     return out.reshape(q.shape)
 

@@ -124,6 +124,27 @@ def test_which_decode_kernel_serves(monkeypatch, rows, backend, cache, picked):
         assert tuning.num_ctas == FakeHopper.core_count
 
 
+@pytest.mark.parametrize("tokens, backend, cache, picked", [
+    (64, "auto", None, True),  # more tokens than sequences on Hopper: Mosaic
+    (64, "auto", FP8, True),  # fp8 too: measured faster than Triton's prefill over e4m3
+    (4, "auto", None, False),  # a decode-only shape: the Mosaic path's extra launches would buy nothing
+    (64, "triton", FP8, False),
+    (4, "mosaic", None, True),  # asked for by name: any shape
+])
+def test_which_prefill_kernel_serves(monkeypatch, tokens, backend, cache, picked):
+    import jax
+    kernels = importlib.import_module("pallas_kernels.ragged_paged_attention")
+    monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
+    q = jnp.zeros((tokens, 8, 64), jnp.bfloat16)
+    k_cache = jnp.zeros((4, 16, 2, 64), cache or jnp.bfloat16)
+    blocks = jnp.zeros((4, 4), jnp.int32)   # room for 4 sequences
+    scores = kernels.Scores(sm_scale=0.125, sliding_window=None, soft_cap=None)
+    tuning = kernels.prefill_on_mosaic(q, k_cache, blocks, scores, kernels.Tuning(), backend, interpret=False)
+    assert (tuning is not None) == picked
+    if picked:
+        assert tuning.num_ctas == FakeHopper.core_count
+
+
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 37}])
 def test_mixed_batch_on_mosaic_alone(options):
     """Both backends "mosaic": the prefill kernel's rows, the decode kernel's rows written over the leading decodes
