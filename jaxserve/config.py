@@ -323,8 +323,8 @@ class EngineConfig:
     # decode-only steps: "auto" (the Pallas decode-only launch: on sm_90 Mosaic GPU for buckets of up to 16 rows
     # over a cache of q's dtype, else Triton), "triton", "mosaic" (the Hopper kernel), "cuda" (the custom call)
     decode_attention: str = knob("auto", group="compilation", check=one_of(DECODE_ATTENTION))
-    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: faster on long prompts; off by default until
-    # its compile time inside a whole model's step is known)
+    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: 2.2x Triton's on a long prompt, but a tie in
+    # the engine's steps, and a cold start traces its kernels ~14 s longer)
     prefill_attention: str = knob("triton", group="compilation", check=one_of(PREFILL_ATTENTION))
     # decode-only steps whose sequences share leading KV blocks (a system prompt, n > 1) read each shared prefix once
     # per group (cascade attention): "auto" where the Pallas decode kernel runs, for groups that save enough reads

@@ -314,8 +314,8 @@ def decode_on_mosaic(q, k_cache, rows: int, tuning: Tuning, backend: str, interp
         return None
     device = jax.devices()[0]
     # auto: Hopper, and small batches over caches of q's dtype only, where it measured ahead of Triton (a batch of
-    # 8: 1.04-1.20x; batch 1 in the engine's 16-row bucket: even); from 64 rows Triton's is 3-4% faster, and its
-    # fp8 path is not yet measured (NOTES_attention.md).
+    # 8: 1.04-1.20x; batch 1 in the engine's 16-row bucket: even); from 64 rows Triton's is 3-4% faster, and over
+    # fp8 caches 1.5-2x (NOTES_attention.md).
     if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
                               or rows > tuning.mosaic_decode_max_rows or k_cache.dtype != q.dtype):
         return None
