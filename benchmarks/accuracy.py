@@ -26,9 +26,11 @@ from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.accuracy import compare, eval_ids, paged_log_probs, perplexity  # noqa: E402
 from jaxserve.models.loader import load_model  # noqa: E402
 
-# (name, weights dtype, quantization, kv_cache_dtype); the first is the reference
-CONFIGS = (("bf16", "bf16", None, "auto"), ("f32", "f32", None, "auto"), ("fp8-weights", "bf16", "fp8", "auto"),
-           ("fp8-kv", "bf16", None, "fp8"), ("fp8-weights+kv", "bf16", "fp8", "fp8"))
+# (name, weights dtype, quantization, kv_cache_dtype); the first is the reference. "float": the model in that dtype,
+# as a GPU serves it (on a CPU a GGUF file's blocks would otherwise stay blocks: another model than "bf16")
+CONFIGS = (("bf16", "bf16", "float", "auto"), ("f32", "f32", "float", "auto"),
+           ("fp8-weights", "bf16", "fp8", "auto"), ("fp8-kv", "bf16", "float", "fp8"),
+           ("fp8-weights+kv", "bf16", "fp8", "fp8"))
 HELD_PROMPTS = (
     "Summarise the plot of Romeo and Juliet in two sentences.", "What is the boiling point of water at sea level?",
     "Write a Python function that reverses a string.", "List three uses of copper.",

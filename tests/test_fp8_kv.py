@@ -167,18 +167,18 @@ def test_every_request_kind_runs_on_an_fp8_cache(tiny):
 
 @pytest.mark.slow
 def test_fp8_kv_and_weights_cost_the_embedded_model_what_they_measured(smollm):
-    """The shipped text's first 384 tokens, bf16 weights against FP8 where asked (benchmarks/accuracy.py measures
-    the whole text). The bounds are the measured values with margin, far below what a wrong scale does (perplexity
-    in the thousands, KL of order 1); the inputs are fixed, so only the CPU moves the values: its summation order,
-    and whether XLA's bf16 dots run natively (AVX-512 BF16, AMX) or through f32 (AVX2). Weights and KV together
-    move most with the CPU (1.24 on AMX against 1.13-1.14)."""
+    """The shipped text's first 384 tokens, the model in bf16 against FP8 where asked (benchmarks/accuracy.py
+    measures the whole text). The bounds are the measured values with margin, far below what a wrong scale does
+    (perplexity in the thousands, KL of order 1); the inputs are fixed, so only the CPU moves the values: its
+    summation order, and whether XLA's bf16 dots run natively (AVX-512 BF16, AMX) or through f32 (AVX2), which has
+    moved these ratios by up to 0.1 between CPUs."""
     from jaxserve.models.loader import load_model
     ids = eval_ids(smollm.tokenizer, 384)
-    reference = paged_log_probs(load_model(None, "bf16"), ids)
-    kv = compare(reference, paged_log_probs(load_model(None, "bf16"), ids, "fp8"), ids)
+    bf16 = load_model(None, "bf16", quantization="float")   # the model in bf16 (on a CPU not its GGUF blocks)
+    reference = paged_log_probs(bf16, ids)
+    kv = compare(reference, paged_log_probs(bf16, ids, "fp8"), ids)
     both = compare(reference, paged_log_probs(load_model(None, "bf16", quantization="fp8"), ids, "fp8"), ids)
     base = perplexity(reference, ids)
-    # measured on AVX2: 1.009, .056, .90 and 1.131, .273, .747; on AVX-512 BF16: 1.042, .057, .88 and 1.143, .260, .786;
-    # on AMX-BF16 (Sapphire Rapids; weights alone 1.146, .223, .784): 1.040, .053, .89 and 1.237, .277, .745
-    assert kv.perplexity / base < 1.08 and kv.mean_kl < 0.1 and kv.top1_agreement > 0.85
+    # measured on AVX2: 1.056, .054, .88 and 1.167, .264, .747
+    assert kv.perplexity / base < 1.15 and kv.mean_kl < 0.1 and kv.top1_agreement > 0.8
     assert both.perplexity / base < 1.35 and both.mean_kl < 0.4 and both.top1_agreement > 0.65
