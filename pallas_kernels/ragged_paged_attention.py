@@ -210,8 +210,8 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
     impl: "pallas" (the GPU kernel; `interpret=True` runs it on the CPU), "cpu" (the CPU custom call,
     `custom_calls.paged_attention_cpu`), "reference" (pure JAX), or "auto" (pallas on an sm_80+ NVIDIA GPU, sm_89+
     for an fp8 cache, or when interpreting; else cpu where it runs; else reference).
-    prefill_backend, for the pallas impl's non-decode rows: "mosaic" (the Hopper wgmma/TMA kernel; not over an
-    fp8 cache), "triton", or "auto" (mosaic on sm_90 when it supports the call, else triton). decode_only: the
+    prefill_backend, for the pallas impl's non-decode rows: "mosaic" (the Hopper wgmma/TMA kernel, q in
+    bf16/f16), "triton", or "auto" (mosaic on sm_90 when it supports the call, else triton). decode_only: the
     caller guarantees every sequence has one query (token i is sequence i's; anything else is undefined), so the
     pallas impl runs one launch; decode_backend picks its kernel as prefill_backend does ("mosaic": the Hopper
     wgmma/TMA kernel, q in bf16/f16; "auto" takes it on sm_90 for up to `mosaic_decode_max_rows` decodes over a cache
@@ -484,15 +484,23 @@ def mosaic_prefill():
     return paged_prefill_attention_mgpu
 
 
+def mosaic_prefill_rows(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
+                        tuning: PrefillTuning, **addressing):
+    """The Mosaic GPU prefill kernel's rows under the call's scores (decode rows left alone). addressing: interpret,
+    blocks_per_row, block_stride."""
+    return mosaic_prefill().paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
+                                                    sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
+                                                    soft_cap=scores.soft_cap, tuning=tuning, **addressing)
+
+
 def mosaic_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores,
                     prefill: PrefillTuning, decode: DecodeTuning, interpret: bool, blocks_per_row: int | None = None,
                     block_stride: int = 1):
     """A mixed batch on Mosaic GPU alone: the prefill kernel writes the prefill rows and zeros the padding tail,
     the decode kernel the leading decodes' rows (token i is decode i), written over the first rows."""
     addressing = dict(interpret=interpret, blocks_per_row=blocks_per_row, block_stride=block_stride)
-    out = mosaic_prefill().paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
-                                                   sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
-                                                   soft_cap=scores.soft_cap, tuning=prefill, **addressing)
+    out = mosaic_prefill_rows(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, scores=scores,
+                              tuning=prefill, **addressing)
     rows = min(q.shape[0], blocks.shape[0])
     num_decodes = leading_decodes(cu_q_lens, num_seqs)
     decoded = mosaic_decode(q[:rows], k_cache, v_cache, kv_lens, blocks, num_decodes, scores=scores, tuning=decode,
@@ -530,10 +538,9 @@ def attention_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs
     if mosaic is None:
         out = prefill_call(geo, scores, tuning, interpret, q.dtype)(*meta, *rows, parts, lse)
         return out.reshape(q.shape)
-    out = mosaic_prefill().paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs,
-                                               sm_scale=scores.sm_scale, sliding_window=scores.sliding_window,
-                                               soft_cap=scores.soft_cap, tuning=mosaic, interpret=interpret,
-                                               blocks_per_row=blocks_per_row, block_stride=block_stride)
+    out = mosaic_prefill_rows(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, scores=scores,
+                              tuning=mosaic, interpret=interpret, blocks_per_row=blocks_per_row,
+                              block_stride=block_stride)
     out = merge_call(geo, tuning, interpret, q.dtype)(num_seqs, cu_q_lens, parts, lse, out.reshape(-1, geo.head_dim))
     return out.reshape(q.shape)
 
