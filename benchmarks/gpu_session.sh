@@ -58,6 +58,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf-moe  # the same in the MoE's batch-1 steps
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh prefill-auto   # the default prefill: tests, start-up
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
@@ -154,6 +155,15 @@ case $1 in
       run 100 python benchmarks/offline.py --config $CONFIG --num-prompts 1 --input-len 128 --output-len 512 \
         --set kv_cache_dtype=fp8 decode_attention=$backend --out "$OUT/offline_mosaic_decode_gpu.json"
     done ;;
+  prefill-auto)   # the default prefill_attention (auto: Mosaic's on Hopper): the engine tests of its kernels, then
+    # cold and warm start-up with it and with triton (a copy of the config naming it), then 256 x 512/128 (warm)
+    run 200 python -m pytest -q -p no:cacheprovider tests/test_llm_engine.py \
+      -k "decode_steps_run_the_decode_kernel or cascade_steps_on_mosaic"
+    sed 's/^engine:$/engine:\n  prefill_attention: triton/' $CONFIG > /tmp/config-triton-prefill.yaml
+    for config in $CONFIG /tmp/config-triton-prefill.yaml; do
+      run 150 python benchmarks/startup.py --config $config --out "$OUT/startup_h100.json"
+    done
+    run 90 python benchmarks/offline.py --config $CONFIG --out "$OUT/offline_configs_gpu.json" ;;
   mosaic-only)   # the engine with every attention kernel on Mosaic GPU (no Triton kernel) beside the default, same
     # call: its GPU tests, then 256 x 512/128 and batch 1 on each
     run 150 python -m pytest -q -p no:cacheprovider tests/test_paged_decode_attention_mgpu.py tests/test_llm_engine.py \

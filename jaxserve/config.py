@@ -171,7 +171,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
 
 # The names a knob may take (models/attention.py and engine/sampler.py give them meaning).
 DECODE_ATTENTION = ("auto", "triton", "mosaic", "cuda")
-PREFILL_ATTENTION = ("triton", "mosaic")
+PREFILL_ATTENTION = ("auto", "triton", "mosaic")
 CASCADE_ATTENTION = ("auto", "on", "off")
 SAMPLER_MODES = ("greedy", "sample", "filter")   # cheapest first: argmax; + penalties, temperature, min-p; + top-k/p
 KV_CACHE_DTYPES = ("auto", "fp8")   # cache/kv_cache.py: auto keeps the model's dtype; fp8 is e4m3 with scales
@@ -323,9 +323,10 @@ class EngineConfig:
     # decode-only steps: "auto" (the Pallas decode-only launch: on sm_90 Mosaic GPU for buckets of up to 16 rows
     # over a cache of q's dtype, else Triton), "triton", "mosaic" (the Hopper kernel), "cuda" (the custom call)
     decode_attention: str = knob("auto", group="compilation", check=one_of(DECODE_ATTENTION))
-    # prefill rows on GPU: "triton", or "mosaic" (the Hopper kernel: 2.2x Triton's on a long prompt, but a tie in
-    # the engine's steps, and a cold start traces its kernels ~14 s longer)
-    prefill_attention: str = knob("triton", group="compilation", check=one_of(PREFILL_ATTENTION))
+    # prefill rows on GPU: "auto" (on sm_90 the Mosaic GPU kernel for the shapes and dtypes it serves: 2.2x Triton's
+    # on a long prompt, 1.27x over an FP8 cache; a cold start traces its kernels ~14 s longer; else Triton),
+    # "triton", or "mosaic" (the Hopper kernel, an error where it cannot serve)
+    prefill_attention: str = knob("auto", group="compilation", check=one_of(PREFILL_ATTENTION))
     # decode-only steps whose sequences share leading KV blocks (a system prompt, n > 1) read each shared prefix once
     # per group (cascade attention): "auto" where the Pallas decode kernel runs, for groups that save enough reads
     # (step_graphs.CASCADE_MIN_SAVED_KEYS); "on": every group sharing a block, on any platform; "off"

@@ -81,7 +81,7 @@ def test_every_cli_flag_is_an_int_knob():
     ("precompile", "yes", "must be true or false"), ("seed", 1.5, "must be an int"),
     ("num_blocks", 1, r"must be an int >= 2 \(block 0 is the null block\) or null"),
     ("memory_fraction", 0, r"must be in \(0, 1\]"), ("watermark", 1, r"must be in \[0, 1\)"),
-    ("prefill_attention", "flash", r"must be one of \('triton', 'mosaic'\)"),
+    ("prefill_attention", "flash", r"must be one of \('auto', 'triton', 'mosaic'\)"),
     ("vattention_lookahead_tokens", -1, "must be an int >= 0"), ("compile_cache_dir", 3, "must be a path or null"),
     ("seq_buckets", (8, 8), "must be null or a strictly increasing list of positive ints"),
     ("kv_cache_dtype", "int8", r"must be one of \('auto', 'fp8'\)"),
