@@ -324,7 +324,7 @@ class EngineConfig:
     # over a cache of q's dtype, else Triton), "triton", "mosaic" (the Hopper kernel), "cuda" (the custom call)
     decode_attention: str = knob("auto", group="compilation", check=one_of(DECODE_ATTENTION))
     # prefill rows on GPU: "auto" (on sm_90 the Mosaic GPU kernel for the shapes and dtypes it serves: 2.2x Triton's
-    # on a long prompt, 1.27x over an FP8 cache; a cold start traces its kernels ~14 s longer; else Triton),
+    # on a long prompt, 1.27x over an FP8 cache; a cold start traces its kernels ~22 s longer; else Triton),
     # "triton", or "mosaic" (the Hopper kernel, an error where it cannot serve)
     prefill_attention: str = knob("auto", group="compilation", check=one_of(PREFILL_ATTENTION))
     # decode-only steps whose sequences share leading KV blocks (a system prompt, n > 1) read each shared prefix once
