@@ -435,8 +435,8 @@ def assert_greedy_up_to_near_ties(outputs, reference, nats=0.05):
 def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend, prefill, monkeypatch):
     """Decode-only steps run the decode kernel's graph (mixed steps the ragged kernel's) and HF's tokens come
     out. On the GPU these are the Pallas decode-only launch on each backend (its small buckets split contexts)
-    and the CUDA call, and with both backends Mosaic no graph holds a Triton kernel, under "auto" every mixed
-    step's holds the Mosaic prefill; on CPU all fall back to the reference, which checks the plumbing only. Mosaic
+    and the CUDA call, and with both backends Mosaic no graph holds a Triton kernel, under "auto" the mixed steps'
+    graphs hold the Mosaic prefill (those whose shapes it serves); on CPU all fall back to the reference, which checks the plumbing only. Mosaic
     GPU's kernels read bf16/f16: on the GPU they serve a bf16 copy of the model, held to its own engine with
     pure-JAX attention."""
     import jaxserve.engine.step_graphs as step_graphs
@@ -446,7 +446,7 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend
         return LLM(model, **BASE)
 
     prompts, expected = tiny_expected
-    bf16 = on_gpu() and "mosaic" in (backend, prefill) or on_hopper() and prefill == "auto"
+    bf16 = on_gpu() and ("mosaic" in (backend, prefill) or prefill == "auto")
     model = load_model(tiny[0].source, dtype="bf16") if bf16 else tiny[0]
     llm = engine(AttentionKernels(kernel, prefill, decode_backend=backend), model)
     assert llm.engine.graphs.kernels.decode == kernel
@@ -459,10 +459,10 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend
         return
     assert_greedy_up_to_near_ties(outputs, engine(AttentionKernels("reference", "triton"), model).generate(
         prompts, LOGPROBS))
-    # a Pallas Triton kernel is its own custom call (XLA's own GEMM fusions may say "triton" too: not Pallas)
     if prefill == "auto":
         assert any("mosaic_gpu" in executable.as_text() for key, executable in models.items() if not key.dims[2])
         return
+    # a Pallas Triton kernel is its own custom call (XLA's own GEMM fusions may say "triton" too: not Pallas)
     pallas_triton = [key for key, executable in models.items() if "__gpu$xla.gpu.triton" in executable.as_text()]
     assert bool(pallas_triton) == (prefill == "triton")
 
