@@ -436,9 +436,9 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend
     """Decode-only steps run the decode kernel's graph (mixed steps the ragged kernel's) and HF's tokens come
     out. On the GPU these are the Pallas decode-only launch on each backend (its small buckets split contexts)
     and the CUDA call, and with both backends Mosaic no graph holds a Triton kernel, under "auto" the mixed steps'
-    graphs hold the Mosaic prefill (those whose shapes it serves); on CPU all fall back to the reference, which checks the plumbing only. Mosaic
-    GPU's kernels read bf16/f16: on the GPU they serve a bf16 copy of the model, held to its own engine with
-    pure-JAX attention."""
+    graphs hold the Mosaic prefill (those whose shapes it serves); on CPU all fall back to the reference, which
+    checks the plumbing only. Mosaic GPU's kernels read bf16/f16: on the GPU they serve a bf16 copy of the model,
+    held to its own engine with pure-JAX attention."""
     import jaxserve.engine.step_graphs as step_graphs
 
     def engine(kernels, model):
