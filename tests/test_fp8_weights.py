@@ -25,7 +25,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.fp8 import (FP8, W8A16_MAX_ROWS, Fp8Linear, NormedRows, fp8_linears, gated_linear,
                                  quantize_rows, quantize_weight)
-from jaxserve.models.llama import RMSNorm
+from jaxserve.models.llama import RMSNorm, fuse_qkv
 from jaxserve.models.loader import load_model, load_run, random_model, save_converted
 from jaxserve.sharding import make_mesh, param_spec
 
@@ -197,7 +197,7 @@ def test_fp8_weights_are_placed_as_the_kernels_reversed():
 
 def linear_layers(model) -> list:
     return [getattr(m, name) for layer in model.layers for m in (layer.self_attn, layer.mlp)
-            for name in vars(m) if name.endswith("_proj")]
+            for name in vars(m) if name.endswith("_proj") and getattr(m, name) is not None]
 
 
 def test_quantized_tiny_llama_stays_close_to_its_float_model():
@@ -210,11 +210,31 @@ def test_quantized_tiny_llama_stays_close_to_its_float_model():
     assert rel_err(forward_logits(fp8_model, PROMPT), forward_logits(float_model, PROMPT)) <= QUANTIZED_RTOL
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_qkv_gives_the_three_layers_logits_bit_for_bit(bias):
+    """q, k and v fused into one FP8 layer (one GEMM): each output channel is the same dot with the same scales, in
+    W8A8 rows (the 40-token prompt) and W8A16 ones (5 tokens); a fused weight in the wrong order, or a split at
+    the wrong place, changes the logits."""
+    loaded = random_model(dataclasses.replace(TINY, attention_bias=bias), jnp.float32, quantization="fp8")
+    want = [forward_logits(loaded, ids) for ids in (PROMPT, PROMPT[:5])]
+    fuse_qkv(loaded.model)
+    fuse_qkv(loaded.model)   # a model already fused stays as it is
+    attn, cfg = loaded.model.layers[0].self_attn, loaded.config
+    assert (attn.q_proj, attn.k_proj, attn.v_proj) == (None, None, None)
+    assert attn.qkv_proj.weight[...].shape == ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+                                               cfg.hidden_size)
+    assert (attn.qkv_proj.bias is not None) == bias
+    for ids, logits in zip((PROMPT, PROMPT[:5]), want):
+        np.testing.assert_array_equal(forward_logits(loaded, ids), logits)
+
+
 def test_engine_serves_an_fp8_model_as_its_forward_computes_it():
     """Paged attention, batching and chunked prefill around Fp8Linear: activation scales are per token, so a
-    token's result does not depend on its batch, and greedy tokens equal the plain forward's."""
+    token's result does not depend on its batch, and greedy tokens equal the plain forward's. On one device the
+    engine fuses q, k and v."""
     loaded = random_model(TINY, jnp.float32, quantization="fp8")
     llm = LLM(loaded, **{**KNOBS, "num_blocks": 64, "precompile": False})
+    assert all(layer.self_attn.qkv_proj is not None for layer in loaded.model.layers)
     prompts = token_prompts(5, 17, 90)   # 90 > the 64-token budget: chunked
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [greedy(loaded, p, 6) for p in prompts]
@@ -500,7 +520,8 @@ def fp8_gpu():
 
 def weight_shapes(cfg) -> set[tuple[int, int]]:
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes = {(cfg.num_heads * d, h), (cfg.num_kv_heads * d, h), (h, cfg.num_heads * d), (i, h), (h, i)}
+    shapes = {(cfg.num_heads * d, h), (cfg.num_kv_heads * d, h), (h, cfg.num_heads * d), (i, h), (h, i),
+              ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h)}   # q, k and v fused
     return shapes | {s[::-1] for s in shapes}
 
 
@@ -529,14 +550,18 @@ def test_llama3_8b_layers_compile_to_fp8_gemms_on_the_weights_as_stored(fp8_gpu)
     each input (q/k/v's one, the SiLU product's inside it), a GEMM for each weight."""
     cfg = LLAMA3_8B_LAYERS
     loaded = random_model(cfg, jnp.bfloat16, quantization="fp8")
+    one_device = jax.device_count() == 1
+    if one_device:
+        fuse_qkv(loaded.model)   # as the engine runs it there: q, k and v one GEMM
     fn = nnx.jit(lambda m, ids: m(ids, jnp.arange(ids.shape[0]))[0])
     hlo = fn.lower(loaded.model, jnp.zeros(PREFILL_TOKENS, jnp.int32)).compile().as_text()
     weights, reached = fp8_gemm_inputs(hlo)
-    assert len(weights) == 7 * cfg.num_layers and reached == weights, sorted(weights - reached)
+    gemms = 5 if one_device else 7
+    assert len(weights) == gemms * cfg.num_layers and reached == weights, sorted(weights - reached)
     float_arrays = {(int(a), int(b)) for a, b in re.findall(r"\b(?:bf16|f16|f32)\[(\d+),(\d+)\]", hlo)}
     assert not float_arrays & weight_shapes(cfg), float_arrays & weight_shapes(cfg)
-    if jax.device_count() == 1:
-        assert hlo.count('custom_call_target="jaxserve_fp8_scaled_mm"') == 7 * cfg.num_layers
+    if one_device:
+        assert hlo.count('custom_call_target="jaxserve_fp8_scaled_mm"') == gemms * cfg.num_layers
         assert hlo.count('custom_call_target="jaxserve_fp8_quantize_rows"') == 4 * cfg.num_layers
 
 
@@ -546,6 +571,8 @@ def test_llama3_8b_decode_steps_read_the_e4m3_weights_inside_their_gemms(fp8_gpu
     shape is made between the entry computation's kernels."""
     cfg = LLAMA3_8B_LAYERS
     loaded = random_model(cfg, jnp.bfloat16, quantization="fp8")
+    if jax.device_count() == 1:
+        fuse_qkv(loaded.model)   # as the engine runs it there
     fn = nnx.jit(lambda m, ids: m(ids, jnp.arange(ids.shape[0]))[0])
     hlo = fn.lower(loaded.model, jnp.zeros(W8A16_MAX_ROWS, jnp.int32)).compile(
         {"xla_gpu_dot_merger_threshold_mb": 0}).as_text()

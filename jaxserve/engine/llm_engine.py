@@ -30,6 +30,7 @@ from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.engine.sequence import (CompletionOutput, RequestOutput, Sequence, next_seq_id,
                                       stable_seed)
 from jaxserve.models.kv_calibration import calibrate_kv_scales, calibration_ids
+from jaxserve.models.llama import fuse_qkv
 from jaxserve.models.loader import LoadedModel
 from jaxserve.sharding import TP
 
@@ -136,7 +137,8 @@ def sampling_defaults(loaded: LoadedModel, cfg: EngineConfig) -> dict:
 
 
 def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, ModelRunner, KVManager]:
-    """The device side's start-up, in its one order: the KV backend's layout (the kernels address it) -> the step
+    """The device side's start-up, in its one order: an FP8 model's q, k and v fused on one device -> the KV
+    backend's layout (the kernels address it) -> the step
     graphs (a CPU's weights moved onto huge pages) -> the cache's size (from the activation peak when memory sizes
     it) -> the graphs bound to that size (every key final) -> precompile (before the cache takes the memory:
     compiling, autotuning, needs room) -> the cache allocated and the runner over it (with every graph's input
@@ -153,6 +155,8 @@ def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, Mo
     # an EAGLE-3 head's FP8 KV keeps unit scales: it reads no text of its own to calibrate on
     if spec and spec.method == "draft" and is_quantized_kv(kv_dtype) and not draft.kv_scales_loaded:
         calibrate_kv_scales(draft.model, calibration_ids(loaded.tokenizer, draft.config.vocab_size))
+    if mesh.size == 1:
+        fuse_qkv(loaded.model)
     backend = make_kv_backend(cfg, loaded.config, mesh, kv_dtype, draft and draft.config)
     graphs = StepGraphs(loaded, cfg, mesh, backend, draft)
     if mesh.devices.flat[0].platform == "cpu":

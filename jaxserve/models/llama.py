@@ -17,7 +17,7 @@ from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS, f32_matmuls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
-from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
+from jaxserve.models.fp8 import Fp8Linear, fp8_linears, fuse_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, on_one_device, per_shard, traced_on
 from pallas_kernels.ragged_paged_attention import gpu_capability
@@ -129,6 +129,7 @@ class Attention(nnx.Module):
         self.k_proj = _linear(x, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
         self.v_proj = _linear(x, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
         self.o_proj = _linear(cfg.num_heads * d, h, dtype, rngs, quantization=quantization)
+        self.qkv_proj = nnx.data(None)   # q, k and v as one FP8 layer (fuse_qkv)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_scale = KVScale(jnp.ones((cfg.num_kv_heads,), jnp.float32))
@@ -140,13 +141,25 @@ class Attention(nnx.Module):
         """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], as attention sees them (normed, rotated). live: the real
         tokens (live_tokens), which FP8 decode launches read alone."""
         cfg, t = self.cfg, x.shape[0]
-        q, k, v = linears((self.q_proj, self.k_proj, self.v_proj), x, live)
+        ys = linears(self.input_layers(), x, live)
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = ys if len(ys) == 3 else jnp.split(ys[0], [nq, nq + nkv], axis=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k, v = (a.reshape(t, cfg.num_kv_heads, cfg.head_dim) for a in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(cfg)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def input_layers(self) -> tuple:
+        """The linear layers that read the attention's input: q, k and v, or the one they were fused into."""
+        return (self.q_proj, self.k_proj, self.v_proj) if self.qkv_proj is None else (self.qkv_proj,)
+
+    def fuse_qkv(self) -> None:
+        """q, k and v as one layer, where they are FP8 on one device (fp8.fuse_linears: one GEMM, not three)."""
+        if self.qkv_proj is None and all(isinstance(layer, Fp8Linear) for layer in self.input_layers()):
+            self.qkv_proj = fuse_linears(self.input_layers())
+            self.q_proj = self.k_proj = self.v_proj = None
 
     def __call__(self, x, positions, kv_layer, paged):
         live = live_tokens(paged)
@@ -320,13 +333,19 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, kv_layer, paged):
         attn = self.self_attn
-        h, kv_layer = attn(normed_input(self.input_layernorm, x, (attn.q_proj, attn.k_proj, attn.v_proj)), positions,
-                           kv_layer, paged)
+        h, kv_layer = attn(normed_input(self.input_layernorm, x, attn.input_layers()), positions, kv_layer, paged)
         x = x + h
         if isinstance(self.mlp, MoE):
             return x + self.mlp(self.post_attention_layernorm(x), *moe_context(paged)), kv_layer
         mlp_input = normed_input(self.post_attention_layernorm, x, (self.mlp.gate_proj, self.mlp.up_proj))
         return x + self.mlp(mlp_input, live_tokens(paged)), kv_layer
+
+
+def fuse_qkv(model) -> None:
+    """Each layer's q, k and v as one layer where they are FP8 (Attention.fuse_qkv), in place: for a model on one
+    device, where the W8A8 GEMMs are cuBLASLt's (on a mesh each device holds a shard of each)."""
+    for layer in model.layers:
+        layer.self_attn.fuse_qkv()
 
 
 class LlamaForCausalLM(nnx.Module):
