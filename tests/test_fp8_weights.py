@@ -210,24 +210,6 @@ def test_quantized_tiny_llama_stays_close_to_its_float_model():
     assert rel_err(forward_logits(fp8_model, PROMPT), forward_logits(float_model, PROMPT)) <= QUANTIZED_RTOL
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_qkv_gives_the_three_layers_logits_bit_for_bit(bias):
-    """q, k and v fused into one FP8 layer (one GEMM): each output channel is the same dot with the same scales, in
-    W8A8 rows (the 40-token prompt) and W8A16 ones (5 tokens); a fused weight in the wrong order, or a split at
-    the wrong place, changes the logits."""
-    loaded = random_model(dataclasses.replace(TINY, attention_bias=bias), jnp.float32, quantization="fp8")
-    want = [forward_logits(loaded, ids) for ids in (PROMPT, PROMPT[:5])]
-    fuse_qkv(loaded.model)
-    fuse_qkv(loaded.model)   # a model already fused stays as it is
-    attn, cfg = loaded.model.layers[0].self_attn, loaded.config
-    assert (attn.q_proj, attn.k_proj, attn.v_proj) == (None, None, None)
-    assert attn.qkv_proj.weight[...].shape == ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
-                                               cfg.hidden_size)
-    assert (attn.qkv_proj.bias is not None) == bias
-    for ids, logits in zip((PROMPT, PROMPT[:5]), want):
-        np.testing.assert_array_equal(forward_logits(loaded, ids), logits)
-
-
 def test_engine_serves_an_fp8_model_as_its_forward_computes_it():
     """Paged attention, batching and chunked prefill around Fp8Linear: activation scales are per token, so a
     token's result does not depend on its batch, and greedy tokens equal the plain forward's. On one device the

@@ -1,13 +1,17 @@
 """Oracle tests: every model family of jaxserve/models/llama.py against HF transformers (PyTorch CPU, same weights,
 f32)."""
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from jaxserve.models.loader import load_model
+from jaxserve.models.llama import fuse_qkv
+from jaxserve.models.loader import load_model, random_model
 
-from helpers import TEXT_PROMPTS, TINY_HF_KWARGS, forward_logits, greedy, hf_greedy, hf_logits, rel_err
+from helpers import TEXT_PROMPTS, TINY, TINY_HF_KWARGS, forward_logits, greedy, hf_greedy, hf_logits, rel_err
 
 LOGITS_RTOL = 1e-4
 GREEDY_TOKENS = 32
@@ -77,6 +81,28 @@ def test_tiny_family_logits_and_greedy_match_hf(tiny_pair):
     ids = np.random.default_rng(1).integers(0, 256, 40).tolist()  # longer than mistral's window of 16
     assert rel_err(forward_logits(ours, ids), hf_logits(hf, ids)) <= LOGITS_RTOL, name
     assert greedy(ours, ids[:8], GREEDY_TOKENS) == hf_greedy(hf, ids[:8], GREEDY_TOKENS), name
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_qkv_gives_the_three_layers_logits_bit_for_bit(quantization, bias):
+    """q, k and v fused into one layer (one GEMM, what the engine runs on one device): each output channel is the
+    same dot, so the logits are the three layers' bit for bit in many rows and in a decode step's few (FP8: W8A8
+    and W8A16 rows; f32: XLA's GEMM and the CPU kernel); a fused weight in the wrong order, or a split at the wrong
+    place, changes them."""
+    prompt = [2 + (7 * i) % 120 for i in range(40)]
+    loaded = random_model(dataclasses.replace(TINY, attention_bias=bias), jnp.float32, quantization=quantization)
+    want = [forward_logits(loaded, ids) for ids in (prompt, prompt[:3])]
+    fuse_qkv(loaded.model)
+    fuse_qkv(loaded.model)   # a model already fused stays as it is
+    attn, cfg = loaded.model.layers[0].self_attn, loaded.config
+    assert (attn.q_proj, attn.k_proj, attn.v_proj) == (None, None, None)
+    fused = attn.qkv_proj.weight if quantization else attn.qkv_proj.kernel
+    width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    assert fused[...].shape == ((width, cfg.hidden_size) if quantization else (cfg.hidden_size, width))
+    assert (attn.qkv_proj.bias is not None) == bias
+    for ids, logits in zip((prompt, prompt[:3]), want):
+        np.testing.assert_array_equal(forward_logits(loaded, ids), logits)
 
 
 def test_oracle_catches_a_wrong_layer(tiny_pair):

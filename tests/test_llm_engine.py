@@ -157,8 +157,10 @@ def tiny_expected(tiny):
     return prompts, [hf_greedy(tiny[1], p, GREEDY.max_tokens) for p in prompts]
 
 
-def test_tiny_model_batched_greedy_matches_hf(tiny_llm, tiny_expected):
+def test_tiny_model_batched_greedy_matches_hf(tiny, tiny_llm, tiny_expected):
+    """The engine on one device runs q, k and v as one layer (fuse_qkv)."""
     prompts, expected = tiny_expected
+    assert all(layer.self_attn.qkv_proj is not None for layer in tiny[0].model.layers)
     assert token_ids(tiny_llm.generate(prompts, GREEDY)) == expected
 
 

@@ -137,7 +137,7 @@ def sampling_defaults(loaded: LoadedModel, cfg: EngineConfig) -> dict:
 
 
 def start_device(loaded: LoadedModel, cfg: EngineConfig) -> tuple[StepGraphs, ModelRunner, KVManager]:
-    """The device side's start-up, in its one order: an FP8 model's q, k and v fused on one device -> the KV
+    """The device side's start-up, in its one order: q, k and v fused into one layer on one device -> the KV
     backend's layout (the kernels address it) -> the step
     graphs (a CPU's weights moved onto huge pages) -> the cache's size (from the activation peak when memory sizes
     it) -> the graphs bound to that size (every key final) -> precompile (before the cache takes the memory:

@@ -83,19 +83,23 @@ class Fp8Linear(nnx.Module):
         return linears_w8a16([self], x, live)[0]
 
 
+def concatenate_params(layers, name: str, axis: int) -> nnx.Param:
+    """The layers' parameters `name` concatenated on axis, on the devices of the first."""
+    parts = [getattr(layer, name)[...] for layer in layers]
+    concatenate = jax.jit(lambda *xs: jnp.concatenate(xs, axis), out_shardings=parts[0].sharding)
+    return nnx.Param(concatenate(*parts))
+
+
 def fuse_linears(layers) -> Fp8Linear:
     """One Fp8Linear whose output is the given layers' side by side (weights, scales and biases concatenated on the
-    output axis), on their devices. cuBLASLt's FP8 GEMM takes ~14 us at a 256-row step whatever the width up to
-    6,144 outputs (its one algorithm with vector scales has no split of K), so q, k and v cost three times one GEMM
-    of all three."""
+    output axis). cuBLASLt's FP8 GEMM takes ~14 us at a 256-row step whatever the width up to 6,144 outputs (its one
+    algorithm with vector scales has no split of K), so q, k and v cost three times one GEMM of all three."""
     first = layers[0]
     fused = nnx.eval_shape(lambda: Fp8Linear(first.weight.shape[1], sum(layer.weight.shape[0] for layer in layers),
                                              use_bias=first.bias is not None, dtype=first.weight.dtype,
                                              rngs=nnx.Rngs(0)))
     for name in ("weight", "weight_scale") + (() if first.bias is None else ("bias",)):
-        parts = [getattr(layer, name)[...] for layer in layers]
-        concatenate = jax.jit(lambda *xs: jnp.concatenate(xs), out_shardings=parts[0].sharding)
-        setattr(fused, name, nnx.Param(concatenate(*parts)))
+        setattr(fused, name, concatenate_params(layers, name, 0))
     return fused
 
 

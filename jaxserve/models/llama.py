@@ -17,7 +17,8 @@ from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS, f32_matmuls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
-from jaxserve.models.fp8 import Fp8Linear, fp8_linears, fuse_linears, gated_linear, normed_input
+from jaxserve.models import fp8
+from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, on_one_device, per_shard, traced_on
 from pallas_kernels.ragged_paged_attention import gpu_capability
@@ -105,6 +106,23 @@ def bf16_linears(layers, x, live=None) -> list:
     return [y if layer.bias is None else y + layer.bias[...] for layer, y in zip(layers, ys)]
 
 
+def fuse_linears(layers):
+    """One layer whose output is the given layers' side by side, Fp8Linear or Linear (its kernel [in, out] and
+    bias concatenated on the output axis); None for other layers (GGUF blocks)."""
+    if all(isinstance(layer, Fp8Linear) for layer in layers):
+        return fp8.fuse_linears(layers)
+    if not all(type(layer) is Linear for layer in layers):
+        return None
+    first = layers[0]
+    fused = nnx.eval_shape(lambda: Linear(first.in_features, sum(layer.out_features for layer in layers),
+                                          use_bias=first.bias is not None, dtype=first.dtype,
+                                          param_dtype=first.param_dtype, rngs=nnx.Rngs(0)))
+    fused.kernel = fp8.concatenate_params(layers, "kernel", 1)
+    if first.bias is not None:
+        fused.bias = fp8.concatenate_params(layers, "bias", 0)
+    return fused
+
+
 def _linear(cfg_in, cfg_out, dtype, rngs, bias=False, quantization=None):
     """Linear in the model dtype, with quantization="fp8" an Fp8Linear (models/fp8.py), with GgufBlocks a GgufLinear
     of their linear block type."""
@@ -129,7 +147,7 @@ class Attention(nnx.Module):
         self.k_proj = _linear(x, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
         self.v_proj = _linear(x, cfg.num_kv_heads * d, dtype, rngs, cfg.attention_bias, quantization)
         self.o_proj = _linear(cfg.num_heads * d, h, dtype, rngs, quantization=quantization)
-        self.qkv_proj = nnx.data(None)   # q, k and v as one FP8 layer (fuse_qkv)
+        self.qkv_proj = nnx.data(None)   # q, k and v as one layer (fuse_qkv)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_scale = KVScale(jnp.ones((cfg.num_kv_heads,), jnp.float32))
@@ -156,9 +174,10 @@ class Attention(nnx.Module):
         return (self.q_proj, self.k_proj, self.v_proj) if self.qkv_proj is None else (self.qkv_proj,)
 
     def fuse_qkv(self) -> None:
-        """q, k and v as one layer, where they are FP8 on one device (fp8.fuse_linears: one GEMM, not three)."""
-        if self.qkv_proj is None and all(isinstance(layer, Fp8Linear) for layer in self.input_layers()):
-            self.qkv_proj = fuse_linears(self.input_layers())
+        """q, k and v as one layer (fuse_linears: one GEMM or decode launch, not three), where they are float or
+        FP8; GGUF blocks stay apart."""
+        if self.qkv_proj is None and (fused := fuse_linears(self.input_layers())) is not None:
+            self.qkv_proj = fused
             self.q_proj = self.k_proj = self.v_proj = None
 
     def __call__(self, x, positions, kv_layer, paged):
@@ -342,8 +361,8 @@ class DecoderLayer(nnx.Module):
 
 
 def fuse_qkv(model) -> None:
-    """Each layer's q, k and v as one layer where they are FP8 (Attention.fuse_qkv), in place: for a model on one
-    device, where the W8A8 GEMMs are cuBLASLt's (on a mesh each device holds a shard of each)."""
+    """Each layer's q, k and v as one layer (Attention.fuse_qkv), in place: for a model on one device (on a mesh
+    each device holds a shard of each, which a fused weight would need interleaved shard by shard)."""
     for layer in model.layers:
         layer.self_attn.fuse_qkv()
 
