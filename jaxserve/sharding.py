@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -99,6 +100,11 @@ def param_shardings(state: nnx.State, mesh: Mesh, cfg: ModelConfig) -> nnx.State
     flat = [(path, var.replace(NamedSharding(mesh, param_spec(path, len(var.shape), shard_kv, shard_vocab))))
             for path, var in nnx.to_flat_state(state)]
     return nnx.from_flat_state(flat)
+
+
+def concatenate_on_devices(arrays, axis: int) -> jax.Array:
+    """The arrays concatenated on axis, placed as the first is."""
+    return jax.jit(lambda *xs: jnp.concatenate(xs, axis), out_shardings=arrays[0].sharding)(*arrays)
 
 
 def per_shard(fn, mesh: Mesh | None, in_specs, out_specs):

@@ -16,11 +16,11 @@ import custom_calls
 from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS, f32_matmuls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
-from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 from jaxserve.models import fp8
+from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
-from jaxserve.sharding import TP, on_one_device, per_shard, traced_on
+from jaxserve.sharding import TP, concatenate_on_devices, on_one_device, per_shard, traced_on
 from pallas_kernels.ragged_paged_attention import gpu_capability
 
 
@@ -117,9 +117,9 @@ def fuse_linears(layers):
     fused = nnx.eval_shape(lambda: Linear(first.in_features, sum(layer.out_features for layer in layers),
                                           use_bias=first.bias is not None, dtype=first.dtype,
                                           param_dtype=first.param_dtype, rngs=nnx.Rngs(0)))
-    fused.kernel = fp8.concatenate_params(layers, "kernel", 1)
+    fused.kernel = nnx.Param(concatenate_on_devices([layer.kernel[...] for layer in layers], 1))
     if first.bias is not None:
-        fused.bias = fp8.concatenate_params(layers, "bias", 0)
+        fused.bias = nnx.Param(concatenate_on_devices([layer.bias[...] for layer in layers], 0))
     return fused
 
 
