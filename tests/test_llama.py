@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from jaxserve.models.llama import fuse_qkv
-from jaxserve.models.loader import load_model, random_model
+from jaxserve.models.loader import load_model, random_model, save_converted
 
 from helpers import TEXT_PROMPTS, TINY, TINY_HF_KWARGS, forward_logits, greedy, hf_greedy, hf_logits, rel_err
 
@@ -103,6 +104,24 @@ def test_fused_qkv_gives_the_three_layers_logits_bit_for_bit(quantization, bias)
     assert (attn.qkv_proj.bias is not None) == bias
     for ids, logits in zip((prompt, prompt[:3]), want):
         np.testing.assert_array_equal(forward_logits(loaded, ids), logits)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_fused_model_saves_its_q_k_and_v_apart(quantization, tmp_path):
+    """A model an engine fused (one device) converts to the checkpoint an unfused one writes: three layers, every
+    parameter's bits as before the fusion; the model saved stays fused."""
+    prompt = [2 + (7 * i) % 120 for i in range(40)]
+    loaded = random_model(dataclasses.replace(TINY, attention_bias=True), jnp.float32, quantization=quantization)
+    before = nnx.to_flat_state(nnx.state(loaded.model))
+    fuse_qkv(loaded.model)
+    back = load_model(str(save_converted(loaded, tmp_path / "orbax")), "f32")
+    assert loaded.model.layers[0].self_attn.qkv_proj is not None
+    restored = nnx.to_flat_state(nnx.state(back.model))
+    assert [path for path, _ in restored] == [path for path, _ in before]
+    for (path, a), (_, b) in zip(before, restored):
+        bits = [np.asarray(x.get_value()).view(np.uint8) for x in (a, b)]
+        np.testing.assert_array_equal(*bits, err_msg=str(path))
+    np.testing.assert_array_equal(forward_logits(back, prompt), forward_logits(loaded, prompt))
 
 
 def test_oracle_catches_a_wrong_layer(tiny_pair):

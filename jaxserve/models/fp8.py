@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import custom_calls
-from jaxserve.sharding import concatenate_on_devices, on_one_device
+from jaxserve.sharding import on_one_device
 
 FP8 = jnp.float8_e4m3fn
 # Steps of at most this many rows (decode) read the e4m3 weight into a bf16 GEMM (W8A16), the weight read once, as
@@ -81,19 +81,6 @@ class Fp8Linear(nnx.Module):
     def w8a16(self, x, live=None):
         """x [N, in] -> [N, out] in x's dtype, the weight widened to x's dtype inside the GEMM."""
         return linears_w8a16([self], x, live)[0]
-
-
-def fuse_linears(layers) -> Fp8Linear:
-    """One Fp8Linear whose output is the given layers' side by side (weights, scales and biases concatenated on the
-    output axis). cuBLASLt's FP8 GEMM takes ~14 us at a 256-row step whatever the width up to 6,144 outputs (its one
-    algorithm with vector scales has no split of K), so q, k and v cost three times one GEMM of all three."""
-    first = layers[0]
-    fused = nnx.eval_shape(lambda: Fp8Linear(first.weight.shape[1], sum(layer.weight.shape[0] for layer in layers),
-                                             use_bias=first.bias is not None, dtype=first.weight.dtype,
-                                             rngs=nnx.Rngs(0)))
-    for name in ("weight", "weight_scale") + (() if first.bias is None else ("bias",)):
-        setattr(fused, name, nnx.Param(concatenate_on_devices([getattr(layer, name)[...] for layer in layers], 0)))
-    return fused
 
 
 def linears_w8a16(layers, x, live=None) -> list:

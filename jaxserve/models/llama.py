@@ -16,7 +16,6 @@ import custom_calls
 from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS, f32_matmuls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
-from jaxserve.models import fp8
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
 from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
@@ -106,21 +105,49 @@ def bf16_linears(layers, x, live=None) -> list:
     return [y if layer.bias is None else y + layer.bias[...] for layer, y in zip(layers, ys)]
 
 
+def linear_leaves(layer) -> dict[str, int]:
+    """A float or FP8 linear layer's parameters and the axis of each that runs over its outputs."""
+    axes = {"weight": 0, "weight_scale": 0} if isinstance(layer, Fp8Linear) else {"kernel": 1}
+    return axes if layer.bias is None else {**axes, "bias": 0}
+
+
+def out_width(layer) -> int:
+    return layer.weight.shape[0] if isinstance(layer, Fp8Linear) else layer.out_features
+
+
+def resized(layer, out_features: int):
+    """An abstract layer of layer's kind and input width with out_features outputs (its parameters to be set)."""
+    if isinstance(layer, Fp8Linear):
+        return nnx.eval_shape(lambda: Fp8Linear(layer.weight.shape[1], out_features, use_bias=layer.bias is not None,
+                                                dtype=layer.weight_scale.dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: Linear(layer.in_features, out_features, use_bias=layer.bias is not None,
+                                         dtype=layer.dtype, param_dtype=layer.param_dtype, rngs=nnx.Rngs(0)))
+
+
 def fuse_linears(layers):
-    """One layer whose output is the given layers' side by side, Fp8Linear or Linear (its kernel [in, out] and
-    bias concatenated on the output axis); None for other layers (GGUF blocks)."""
-    if all(isinstance(layer, Fp8Linear) for layer in layers):
-        return fp8.fuse_linears(layers)
-    if not all(type(layer) is Linear for layer in layers):
+    """One layer whose output is the given layers' side by side (each parameter concatenated on its output axis),
+    for float or FP8 layers; None for others (GGUF blocks). cuBLASLt's FP8 GEMM takes ~14 us at a 256-row step
+    whatever its width up to 6,144 outputs (its one algorithm with vector scales has no split of K), and XLA's
+    bf16 GEMMs of k and v each carry a split-K reduction: q, k and v cost about three times one GEMM of all three."""
+    if not (all(isinstance(layer, Fp8Linear) for layer in layers) or all(type(layer) is Linear for layer in layers)):
         return None
-    first = layers[0]
-    fused = nnx.eval_shape(lambda: Linear(first.in_features, sum(layer.out_features for layer in layers),
-                                          use_bias=first.bias is not None, dtype=first.dtype,
-                                          param_dtype=first.param_dtype, rngs=nnx.Rngs(0)))
-    fused.kernel = nnx.Param(concatenate_on_devices([layer.kernel[...] for layer in layers], 1))
-    if first.bias is not None:
-        fused.bias = nnx.Param(concatenate_on_devices([layer.bias[...] for layer in layers], 0))
+    fused = resized(layers[0], sum(map(out_width, layers)))
+    for name, axis in linear_leaves(layers[0]).items():
+        setattr(fused, name, nnx.Param(concatenate_on_devices([getattr(layer, name)[...] for layer in layers], axis)))
     return fused
+
+
+def split_linear(fused, widths) -> list:
+    """The layers fuse_linears joined into fused, given their output widths (each parameter sliced)."""
+    parts, start = [], 0
+    for width in widths:
+        part = resized(fused, width)
+        for name, axis in linear_leaves(fused).items():
+            value = jax.lax.slice_in_dim(getattr(fused, name)[...], start, start + width, axis=axis)
+            setattr(part, name, nnx.Param(value))
+        parts.append(part)
+        start += width
+    return parts
 
 
 def _linear(cfg_in, cfg_out, dtype, rngs, bias=False, quantization=None):
@@ -160,14 +187,17 @@ class Attention(nnx.Module):
         tokens (live_tokens), which FP8 decode launches read alone."""
         cfg, t = self.cfg, x.shape[0]
         ys = linears(self.input_layers(), x, live)
-        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = ys if len(ys) == 3 else jnp.split(ys[0], [nq, nq + nkv], axis=-1)
+        q, k, v = ys if len(ys) == 3 else jnp.split(ys[0], np.cumsum(self.qkv_widths()[:2]), axis=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k, v = (a.reshape(t, cfg.num_kv_heads, cfg.head_dim) for a in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(cfg)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def qkv_widths(self) -> tuple[int, int, int]:
+        cfg = self.cfg
+        return cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
     def input_layers(self) -> tuple:
         """The linear layers that read the attention's input: q, k and v, or the one they were fused into."""
@@ -179,6 +209,12 @@ class Attention(nnx.Module):
         if self.qkv_proj is None and (fused := fuse_linears(self.input_layers())) is not None:
             self.qkv_proj = fused
             self.q_proj = self.k_proj = self.v_proj = None
+
+    def split_qkv(self) -> None:
+        """q, k and v as three layers again (what checkpoints hold)."""
+        if self.qkv_proj is not None:
+            self.q_proj, self.k_proj, self.v_proj = split_linear(self.qkv_proj, self.qkv_widths())
+            self.qkv_proj = None
 
     def __call__(self, x, positions, kv_layer, paged):
         live = live_tokens(paged)
@@ -365,6 +401,12 @@ def fuse_qkv(model) -> None:
     each device holds a shard of each, which a fused weight would need interleaved shard by shard)."""
     for layer in model.layers:
         layer.self_attn.fuse_qkv()
+
+
+def split_qkv(model) -> None:
+    """Each fused layer's q, k and v as three layers again (Attention.split_qkv), in place."""
+    for layer in model.layers:
+        layer.self_attn.split_qkv()
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -33,7 +33,7 @@ from jaxserve.models import gguf, prepared
 from jaxserve.models.errors import ModelLoadError, blamed_on
 from jaxserve.models.fp8 import FP8, dequantize_blocks, quantize_weight
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear
-from jaxserve.models.llama import LlamaForCausalLM, abstract_model
+from jaxserve.models.llama import LlamaForCausalLM, abstract_model, split_qkv
 from jaxserve.models.tensor_file import read_safetensors
 from jaxserve.sharding import make_mesh, param_shardings, replica_meshes
 
@@ -644,8 +644,12 @@ def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
                          "'fp8')")
     dst = Path(dst).absolute()
     dst.mkdir(parents=True, exist_ok=True)
+    # an engine fuses q, k and v on one device (llama.fuse_qkv) and checkpoints hold them apart: they are split in a
+    # second module tree over the same arrays, the engine's left as it is
+    model = nnx.merge(*nnx.split(loaded.model))
+    split_qkv(model)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(dst / "params", nnx.state(loaded.model), force=True)
+    ckpt.save(dst / "params", nnx.state(model), force=True)
     ckpt.wait_until_finished()
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(dst / "tokenizer")
