@@ -465,10 +465,11 @@ MOSAIC_DECODE_VARIANTS = [{"mosaic_decode_steps": 2}, {"mosaic_decode_block_kv":
 MOSAIC_TUNE_POINTS = ((64, 512), (8, 4096))
 
 
-def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP, variants=None):
-    """The decode-only launch on each backend (Mosaic GPU beside Triton) over each of KV_RUNS' caches, cuDNN and the
-    CUDA custom call, at each point; the Mosaic kernel's tuning `variants` at every point, or (None) its
-    MOSAIC_DECODE_VARIANTS at the tuning points."""
+def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP, variants=None, triton_variants=(),
+                      backends=("triton", "mosaic")):
+    """The decode-only launch on each of `backends` (Mosaic GPU beside Triton) over each of KV_RUNS' caches, cuDNN
+    and the CUDA custom call, at each point; the Mosaic kernel's tuning `variants` at every point, or (None) its
+    MOSAIC_DECODE_VARIANTS at the tuning points; the Triton launch's `triton_variants` at every point."""
     measure_copy(rec)
     for batch_size, context in sorted(points, key=lambda p: -p[0]):  # large batches first
         if not fits(batch_size, context, free_bytes):
@@ -479,7 +480,8 @@ def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP, variants=N
             sets, info = rotation(batch, batch.kv_bytes, lambda i: fresh_cache_copy(batch, i))
             tuned = (MOSAIC_DECODE_VARIANTS if (batch_size, context) in MOSAIC_TUNE_POINTS else []) \
                 if variants is None else variants
-            for backend, variant in [("triton", {})] + [("mosaic", v) for v in [{}] + tuned]:
+            runs = [("triton", v) for v in [{}, *triton_variants]] + [("mosaic", v) for v in [{}] + tuned]
+            for backend, variant in [(b, v) for b, v in runs if b in backends]:
                 rec.measure("decode", f"jaxserve-{backend}", {**params, "tuning": variant or "default"},
                             ours({**TUNING, **variant, "decode_backend": backend}, decode_only=True), sets, batch,
                             expected, info)
@@ -522,10 +524,11 @@ def pick_tuning(rows, kv_dtype="bf16") -> dict:
     return picked
 
 
-def run_profile():
-    """Run our kernel a few times at PROFILE_POINTS, untimed: the workload for `ncu -k regex:attention`."""
-    fn = jax.jit(ours())
-    for q_len, batch_size, context in PROFILE_POINTS:
+def run_profile(points=PROFILE_POINTS):
+    """Run our kernel a few times at `points` (q_len, batch, context), untimed: the workload for
+    `ncu -k regex:attention`. Decode points run the decode-only launch, as the engine's decode steps do."""
+    for q_len, batch_size, context in points:
+        fn = jax.jit(ours(decode_only=q_len == 1))
         bf16 = make_batch(jax.random.key(0), [q_len] * batch_size, [context] * batch_size)
         for batch in (with_kv_dtype(bf16, kv_dtype) for kv_dtype in KV_RUNS):
             for _ in range(3):
@@ -576,11 +579,15 @@ def main():
     parser.add_argument("--prefill", action="store_true", help="prefill backends and the mixed batch only")
     parser.add_argument("--plans", action="store_true", help="decode-only plans and the CUDA call's splits")
     parser.add_argument("--mosaic-decode", action="store_true", help="decode-only on Mosaic GPU beside Triton")
-    parser.add_argument("--points", nargs="+", metavar="BxCTX", help="--mosaic-decode at these points (default: "
-                        "the sweep's)")
+    parser.add_argument("--points", nargs="+", metavar="BxCTX", help="--mosaic-decode or --profile (as decodes) at "
+                        "these points (default: the sweep's, PROFILE_POINTS)")
     parser.add_argument("--mosaic-variants", metavar="JSON", help="--mosaic-decode: a JSON list of Tuning "
                         "overrides for the Mosaic kernel, timed at every point (default: its variants at the tuning "
                         "points)")
+    parser.add_argument("--triton-variants", metavar="JSON", default="[]", help="--mosaic-decode: a JSON list of "
+                        "Tuning overrides for the Triton launch, timed at every point beside its default")
+    parser.add_argument("--decode-backends", nargs="+", choices=("triton", "mosaic"), default=("triton", "mosaic"),
+                        help="--mosaic-decode: the backends timed")
     parser.add_argument("--max-calls", type=int, default=MAX_CALLS, help="most calls per timed program")
     parser.add_argument("--target-ms", type=float, default=TARGET_RUN_S * 1e3, help="GPU time per timed program")
     parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
@@ -597,8 +604,9 @@ def main():
     TUNING.update(json.loads(args.tuning))
     KV_RUNS[:] = [args.kv_dtype] if args.kv_only or args.kv_dtype == "bf16" else ["bf16", args.kv_dtype]
     MAX_CALLS, TARGET_RUN_S = args.max_calls, args.target_ms / 1e3
+    points = [tuple(map(int, p.split("x"))) for p in args.points] if args.points else None
     if args.profile:
-        return run_profile()
+        return run_profile([(1, *p) for p in points] if points else PROFILE_POINTS)
     rec = Recorder(args.out)
     free = jax.devices()[0].memory_stats()["bytes_limit"] if jax.default_backend() == "gpu" else 8e9
     if args.tune:
@@ -608,9 +616,8 @@ def main():
     elif args.plans:
         run_plans(rec)
     elif args.mosaic_decode:
-        points = [tuple(map(int, p.split("x"))) for p in args.points] if args.points else DECODE_SWEEP
         variants = json.loads(args.mosaic_variants) if args.mosaic_variants else None
-        run_mosaic_decode(rec, free, points, variants)
+        run_mosaic_decode(rec, free, points or DECODE_SWEEP, variants, json.loads(args.triton_variants), args.decode_backends)
     else:
         run_full(rec, free)
         plot(rec.rows, os.path.splitext(args.out)[0] + ".png")

@@ -24,6 +24,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-layers  # a step's linear layers by XLA options, profiled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear  # the W8A16 decode kernel: tests, vs XLA, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tune    # decode attention's tuning over an FP8 cache
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-attention  # its Triton decode's tuning, ncu
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
@@ -322,6 +323,21 @@ case $1 in
       --out "$OUT/fp8_batch1_gpu.json"; done ;;
   fp8-tune)
     run 300 python benchmarks/attention.py --tune --kv-dtype fp8 --out "$OUT/attention_tune_fp8.json" ;;
+  fp8-decode-attention)   # the Triton decode over an FP8 cache at the decode-heavy workload's contexts: tuning variants
+    # beside its default, bf16 beside at two points, then one launch of each cache under Nsight Compute
+    V='[{"decode_kv_tile": 64, "decode_num_stages": 4}, {"decode_kv_tile": 64, "decode_num_stages": 3},
+      {"decode_kv_tile": 64}, {"decode_kv_tile": 128, "decode_num_stages": 2}, {"decode_kv_tile": 128,
+      "decode_num_stages": 3}, {"decode_kv_tile": 64, "decode_num_warps": 4, "decode_num_stages": 4},
+      {"decode_kv_tile": 16, "decode_num_stages": 8}, {"decode_num_stages": 8}, {"decode_num_stages": 4},
+      {"decode_programs": 4096}]'
+    run 330 python benchmarks/attention.py --mosaic-decode --decode-backends triton --kv-dtype fp8 --kv-only \
+      --points 256x256 256x640 256x1152 64x512 256x4096 8x4096 --triton-variants "$V" \
+      --out "$OUT/attention_tune_fp8.json"
+    run 60 python benchmarks/attention.py --mosaic-decode --decode-backends triton --points 256x640 256x1152 \
+      --out "$OUT/attention_tune_fp8.json"
+    run 150 ncu --kernel-name regex:decode_only --launch-skip 2 --launch-count 4 --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
+      python benchmarks/attention.py --profile --kv-dtype fp8 --points 256x640 ;;
   fp8-profile)
     for q in "" "--quantization fp8" "--kv-cache-dtype fp8" "--quantization fp8 --kv-cache-dtype fp8"; do
       run 130 python benchmarks/sweep.py --config $CONFIG $q --token-buckets 16 256 --seq-buckets 16 256 \
