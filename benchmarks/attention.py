@@ -490,7 +490,7 @@ def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP, variants=N
                                     causal=False)
                 rec.measure("decode", "cudnn-paged", params, lambda *a: paged(a[0][:, None], a[1], a[2])[:, 0],
                             sets, batch, expected, info)
-                bench_cuda_decode(rec, params, sets, batch, expected, info)
+            bench_cuda_decode(rec, params, sets, batch, expected, info)
 
 
 def run_tune(rec: Recorder):

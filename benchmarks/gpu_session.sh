@@ -25,6 +25,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear  # the W8A16 decode kernel: tests, vs XLA, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tune    # decode attention's tuning over an FP8 cache
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-attention  # its Triton decode's tuning, ncu
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-sass  # its launch per SASS line; the CUDA call
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
@@ -338,6 +339,19 @@ case $1 in
     run 150 ncu --kernel-name regex:decode_only --launch-skip 2 --launch-count 4 --section SpeedOfLight \
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
       python benchmarks/attention.py --profile --kv-dtype fp8 --points 256x640 ;;
+  fp8-decode-sass)   # one Triton decode launch at 256 x 640 over each cache under Nsight Compute, per SASS line
+    # (CSV under $OUT), then the decode-only launches (Triton, the CUDA call) over an FP8 cache at the same points
+    for kv in fp8 bf16; do
+      run 120 ncu --kernel-name regex:decode_only --launch-skip 1 --launch-count 1 --section SourceCounters \
+        --section WarpStateStats --section InstructionStats --section SpeedOfLight --section LaunchStats \
+        --import-source no -f -o "$OUT/decode_$kv" python benchmarks/attention.py --profile --kv-dtype $kv --kv-only \
+        --points 256x640
+      ncu -i "$OUT/decode_$kv.ncu-rep" --page source --csv --print-source sass > "$OUT/decode_${kv}_sass.csv"
+      ncu -i "$OUT/decode_$kv.ncu-rep" --page details | tee -a "$LOG" | grep -E "Registers|Duration|Throughput|Cycles"
+      rm -f "$OUT/decode_$kv.ncu-rep"
+    done
+    run 200 python benchmarks/attention.py --mosaic-decode --decode-backends triton --kv-dtype fp8 --kv-only \
+      --points 256x640 256x1152 256x4096 64x512 --out "$OUT/attention_tune_fp8.json" ;;
   fp8-profile)
     for q in "" "--quantization fp8" "--kv-cache-dtype fp8" "--quantization fp8 --kv-cache-dtype fp8"; do
       run 130 python benchmarks/sweep.py --config $CONFIG $q --token-buckets 16 256 --seq-buckets 16 256 \
