@@ -26,6 +26,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tune    # decode attention's tuning over an FP8 cache
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-attention  # its Triton decode's tuning, ncu
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-sass  # its launch per SASS line; the CUDA call
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-cuda-decode  # the CUDA decode over FP8: tests, sweep
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
@@ -352,6 +353,11 @@ case $1 in
     done
     run 200 python benchmarks/attention.py --mosaic-decode --decode-backends triton --kv-dtype fp8 --kv-only \
       --points 256x640 256x1152 256x4096 64x512 --out "$OUT/attention_tune_fp8.json" ;;
+  fp8-cuda-decode)   # the CUDA decode's tensor-core kernel over FP8 caches: its GPU tests, then beside Triton
+    run 240 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py -k "decode_step or window_and_soft_cap" \
+      || exit 1
+    run 200 python benchmarks/attention.py --mosaic-decode --decode-backends triton --kv-dtype fp8 --kv-only \
+      --points 256x256 256x640 256x1152 256x4096 64x512 8x4096 8x512 --out "$OUT/attention_fp8_decode_gpu.json" ;;
   fp8-profile)
     for q in "" "--quantization fp8" "--kv-cache-dtype fp8" "--quantization fp8 --kv-cache-dtype fp8"; do
       run 130 python benchmarks/sweep.py --config $CONFIG $q --token-buckets 16 256 --seq-buckets 16 256 \

@@ -332,6 +332,277 @@ void Launch(const DecodeParams& p, int batch, int kv_heads, cudaStream_t stream)
   if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, kThreads, 0, stream>>>(p);
 }
 
+// Tensor-core decode over an FP8 cache (q in bf16 or f16, a group of up to 16 query heads, power-of-two
+// pages). A CTA owns one (sequence, kv head, split); its warps take 16-key chunks in turn, one chunk's loads in
+// flight ahead of the one computed, and merge their softmax states at the end. Per chunk, S = q K^T and O += P V
+// run as mma.sync m16n8k16 in f16 with f32 sums: q's heads are the 16 rows (A), 8 keys a tile (B). Since a sum
+// does not depend on its order, each lane takes whole 16-byte pieces of a row: for S, a quarter of a K row (its
+// four lanes of a key split head_dim, and q takes the same permutation); for O, an eighth of each of four V rows,
+// the key pairs the B fragment wants built by byte permutes. e4m3 widens to f16 exactly, two at a time.
+namespace tc {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kKeys = 16;  // keys a warp's chunk: two 8-key tiles of S, one 16-key step of O
+constexpr int kMaxRows = 16;
+
+__device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t two) {  // low byte -> low half
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  return uint32_t{h.x} | (uint32_t{h.y} << 16);
+}
+
+__device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Row r of a mma fragment is q head r; a lane holds rows lane / 4 and lane / 4 + 8 (when kHi).
+template <int D>
+struct Chunk {
+  uint32_t k[2][D / 16];  // S tile t: this lane's quarter of key t * 8 + lane / 4, 4 bytes per k-step
+  uint32_t v[4][D / 32];  // O: this lane's eighth of keys 2j, 2j + 1, 2j + 8, 2j + 9 (j = lane % 4)
+};
+
+struct Range {
+  const int32_t* table;
+  int begin, end, kv_head, bs_shift;
+};
+
+// Byte offset of key's K/V row (keys past the range read its last one: masked, and finite).
+template <int D>
+__device__ __forceinline__ int64_t RowOffset(const DecodeParams& p, const Range& r, int key) {
+  key = min(key, r.end - 1);
+  const int block = min(max(r.table[key >> r.bs_shift], 0), p.num_blocks - 1);
+  const int64_t slot = (static_cast<int64_t>(block) << r.bs_shift) + (key & (p.block_size - 1));
+  return slot * p.slot_stride + static_cast<int64_t>(r.kv_head) * D;
+}
+
+template <int N>
+__device__ __forceinline__ void LoadWords(const uint8_t* src, uint32_t (&w)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const uint4 x = __ldg(reinterpret_cast<const uint4*>(src) + i / 4);
+      w[i] = x.x, w[i + 1] = x.y, w[i + 2] = x.z, w[i + 3] = x.w;
+    }
+  } else {
+    static_assert(N == 2, "an eighth of a 64-wide row is 8 bytes");
+    const uint2 x = __ldg(reinterpret_cast<const uint2*>(src));
+    w[0] = x.x, w[1] = x.y;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void LoadChunk(const DecodeParams& p, const Range& r, int key0, int lane,
+                                          Chunk<D>& c) {
+  const auto* k_cache = static_cast<const uint8_t*>(p.k_cache);
+  const auto* v_cache = static_cast<const uint8_t*>(p.v_cache);
+  const int row = lane / 4, j = lane % 4;
+#pragma unroll
+  for (int t = 0; t < 2; ++t) LoadWords(k_cache + RowOffset<D>(p, r, key0 + t * 8 + row) + j * (D / 4), c.k[t]);
+  const int keys[4] = {2 * j, 2 * j + 1, 2 * j + 8, 2 * j + 9};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) LoadWords(v_cache + RowOffset<D>(p, r, key0 + keys[i]) + row * (D / 8), c.v[i]);
+}
+
+// q's A fragments, scaled later in f32: k-step s holds head_dim j * D / 4 + 4s + {0, 1} (a0 a1) and
+// + {2, 3} (a4 a5), the order the S tiles' K words take. f16 takes bf16's values up to its range.
+template <typename Q, int D, bool kHi>
+__device__ void LoadQueryFragments(const DecodeParams& p, int b, int head0, int lane, uint32_t (&qa)[D / 16][4]) {
+  const int row = lane / 4, j = lane % 4;
+  float f[2][D / 4] = {};
+#pragma unroll
+  for (int h = 0; h < (kHi ? 2 : 1); ++h) {
+    if (row + 8 * h < p.group) {
+      const Q* src = static_cast<const Q*>(p.q) + (static_cast<int64_t>(b) * p.num_q_heads + head0 + row + 8 * h) * D;
+      LoadFloats<Q, D / 4>(src + j * (D / 4), f[h]);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float* x = f[h] + 4 * s;
+      qa[s][h] = PackHalf2(fminf(fmaxf(x[0], -65504.f), 65504.f), fminf(fmaxf(x[1], -65504.f), 65504.f));
+      qa[s][2 + h] = PackHalf2(fminf(fmaxf(x[2], -65504.f), 65504.f), fminf(fmaxf(x[3], -65504.f), 65504.f));
+    }
+  }
+}
+
+struct Softmax {
+  float m[2] = {-FLT_MAX, -FLT_MAX};  // rows lane / 4 and + 8: running max (log2 domain), all lanes of a row
+  float l[2] = {0.f, 0.f};            // this lane's share of the running sum
+};
+
+template <int D, bool kHi>
+__device__ __forceinline__ void AttendChunk(const DecodeParams& p, const Range& r, int key0, int lane,
+                                            const uint32_t (&qa)[D / 16][4], const Chunk<D>& c, Softmax& sm,
+                                            float (&acc)[D / 8][4]) {
+  const int j = lane % 4;
+  float s[2][4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) Mma(s[t], qa[k], Fp8PairToHalf2(c.k[t][k]), Fp8PairToHalf2(c.k[t][k] >> 16));
+  }
+  float alpha[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float top = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = key0 + t * 8 + 2 * j + e;
+        float x = s[t][2 * h + e] * p.q_scale;
+        if (p.cap_log2e > 0.f) x = p.cap_log2e * tanhf(x);
+        s[t][2 * h + e] = key >= r.begin && key < r.end ? x : -INFINITY;
+        top = fmaxf(top, s[t][2 * h + e]);
+      }
+    }
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+    const float m = fmaxf(sm.m[h], top);
+    alpha[h] = exp2f(sm.m[h] - m);
+    sm.m[h] = m;
+    float sum = 0.f;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) sum += s[t][2 * h + e] = exp2f(s[t][2 * h + e] - m);
+    }
+    sm.l[h] = sm.l[h] * alpha[h] + sum;
+    if (!kHi) break;
+  }
+  // P as O's A fragment: S tile 0 holds keys 0-7 (a0-a3), tile 1 keys 8-15 (a4-a7)
+  const uint32_t pa[4] = {PackHalf2(s[0][0], s[0][1]), kHi ? PackHalf2(s[0][2], s[0][3]) : 0u,
+                          PackHalf2(s[1][0], s[1][1]), kHi ? PackHalf2(s[1][2], s[1][3]) : 0u};
+#pragma unroll
+  for (int w = 0; w < D / 32; ++w) {
+    // bytes u of keys (2j, 2j + 1) and (2j + 8, 2j + 9), paired: {u, u + 1} of each word's pairs of bytes
+    const uint32_t lo01 = __byte_perm(c.v[0][w], c.v[1][w], 0x5140), hi01 = __byte_perm(c.v[0][w], c.v[1][w], 0x7362);
+    const uint32_t lo89 = __byte_perm(c.v[2][w], c.v[3][w], 0x5140), hi89 = __byte_perm(c.v[2][w], c.v[3][w], 0x7362);
+    const uint32_t b01[4] = {lo01, lo01 >> 16, hi01, hi01 >> 16}, b89[4] = {lo89, lo89 >> 16, hi89, hi89 >> 16};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float (&o)[4] = acc[4 * w + e];
+      o[0] *= alpha[0], o[1] *= alpha[0];
+      if (kHi) o[2] *= alpha[1], o[3] *= alpha[1];
+      Mma(o, pa, Fp8PairToHalf2(b01[e]), Fp8PairToHalf2(b89[e]));
+    }
+  }
+}
+
+template <int D, bool kHi>
+struct Shared {
+  float acc[kWarps][kHi ? 16 : 8][D + 4];  // + 4: a warp's stores spread over the banks
+  float m[kWarps][kMaxRows], l[kWarps][kMaxRows];
+};
+
+// Lane (row, j) holds O[row, D / 8 * 2j + u] (acc[u][0]) and O[row, D / 8 * (2j + 1) + u] (acc[u][1]).
+template <int D, bool kHi>
+__device__ void StoreWarpState(Shared<D, kHi>& sh, int warp, int lane, Softmax& sm, const float (&acc)[D / 8][4]) {
+  const int row = lane / 4, j = lane % 4;
+#pragma unroll
+  for (int h = 0; h < (kHi ? 2 : 1); ++h) {
+    float l = sm.l[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (j == 0) sh.m[warp][row + 8 * h] = sm.m[h], sh.l[warp][row + 8 * h] = l;
+#pragma unroll
+    for (int u = 0; u < D / 8; ++u) {
+      sh.acc[warp][row + 8 * h][D / 8 * 2 * j + u] = acc[u][2 * h];
+      sh.acc[warp][row + 8 * h][D / 8 * (2 * j + 1) + u] = acc[u][2 * h + 1];
+    }
+  }
+}
+
+template <typename Q, int D, bool kHi>
+__device__ void MergeWarps(const DecodeParams& p, const Shared<D, kHi>& sh, int b, int head0, int split) {
+  for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
+    const int g = idx / D, d = idx % D;
+    float top = -FLT_MAX;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) top = fmaxf(top, sh.m[w][g]);
+    float sum = 0.f, denom = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = exp2f(sh.m[w][g] - top);
+      sum = fmaf(weight, sh.acc[w][g][d], sum);
+      denom = fmaf(weight, sh.l[w][g], denom);
+    }
+    const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + g;
+    if (p.num_splits == 1) {
+      static_cast<Q*>(p.out)[bh * D + d] = Elem<Q>::Store(denom > 0.f ? sum / denom : 0.f);
+    } else {
+      const int64_t part = bh * p.num_splits + split;
+      p.partial_acc[part * D + d] = sum;
+      if (d == 0) p.partial_ml[part * 2] = top, p.partial_ml[part * 2 + 1] = denom;
+    }
+  }
+}
+
+template <typename Q, int D, bool kHi>
+__global__ void __launch_bounds__(kThreads) DecodeKernel(const DecodeParams p, int bs_shift) {
+  __shared__ Shared<D, kHi> sh;
+  const int kv_head = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int head0 = kv_head * p.group;
+  // Live tokens [first, len), cut into num_splits slices of whole chunks.
+  const int len = min(max(p.kv_lens[b], 0), p.max_blocks * p.block_size);
+  const int first = p.window > 0 ? max(0, len - p.window) : 0;
+  const int per_split = CeilDiv(CeilDiv(len - first, p.num_splits), kKeys) * kKeys;
+  const Range r{p.block_tables + static_cast<int64_t>(b) * p.max_blocks, first + split * per_split,
+                min(first + (split + 1) * per_split, len), kv_head, bs_shift};
+  uint32_t qa[D / 16][4];
+  LoadQueryFragments<Q, D, kHi>(p, b, head0, lane, qa);
+  Softmax sm;
+  float acc[D / 8][4] = {};
+  const int chunks = r.end > r.begin ? CeilDiv(r.end - r.begin, kKeys) : 0;
+  Chunk<D> cur, next;
+  if (warp < chunks) LoadChunk<D>(p, r, r.begin + warp * kKeys, lane, cur);
+  for (int c = warp; c < chunks; c += kWarps) {
+    if (c + kWarps < chunks) LoadChunk<D>(p, r, r.begin + (c + kWarps) * kKeys, lane, next);
+    AttendChunk<D, kHi>(p, r, r.begin + c * kKeys, lane, qa, cur, sm, acc);
+    cur = next;
+  }
+  StoreWarpState<D, kHi>(sh, warp, lane, sm, acc);
+  __syncthreads();
+  MergeWarps<Q, D, kHi>(p, sh, b, head0, split);
+}
+
+template <typename Q, int D, bool kHi>
+void Launch(const DecodeParams& p, int batch, int kv_heads, int bs_shift, cudaStream_t stream) {
+  const dim3 grid(kv_heads, p.num_splits, batch);
+  DecodeKernel<Q, D, kHi><<<grid, kThreads, 0, stream>>>(p, bs_shift);
+  if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, jaxserve::kThreads, 0, stream>>>(p);
+}
+
+template <typename Q>
+ffi::Error Dispatch(const DecodeParams& p, int head_dim, int batch, int kv_heads, int bs_shift, cudaStream_t s) {
+  const bool hi = p.group > 8;
+  if (head_dim == 64) (hi ? Launch<Q, 64, true> : Launch<Q, 64, false>)(p, batch, kv_heads, bs_shift, s);
+  else (hi ? Launch<Q, 128, true> : Launch<Q, 128, false>)(p, batch, kv_heads, bs_shift, s);
+  return LaunchStatus("paged_decode_attention launch");
+}
+
+// Whether the tensor-core kernel takes these shapes: FP8 cache, 16-bit q, head_dim 64 or 128, up to 16 query
+// heads a kv head, power-of-two pages.
+bool Takes(ffi::DataType q, ffi::DataType cache, int head_dim, int group, int block_size) {
+  return cache == ffi::DataType::F8E4M3FN && (q == ffi::DataType::BF16 || q == ffi::DataType::F16) &&
+         (head_dim == 64 || head_dim == 128) && group <= kMaxRows && (block_size & (block_size - 1)) == 0;
+}
+
+}  // namespace tc
+
 template <typename Q, typename C, int D>
 ffi::Error DispatchGroup(const DecodeParams& p, int group_tile, int batch, int kv_heads, cudaStream_t s) {
   switch (group_tile) {
@@ -398,6 +669,12 @@ ffi::Error PagedDecodeAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
       CeilDiv(group, group_tile), static_cast<int>(td[1]), static_cast<int>(kd[1]), static_cast<int>(kd[0]),
       int64_t{kv_heads} * head_dim, soft_cap > 0.f ? sm_scale / soft_cap : sm_scale * kLog2e,
       soft_cap > 0.f ? soft_cap * kLog2e : 0.f, sliding_window, num_splits};
+  if (tc::Takes(q.element_type(), cache, head_dim, group, p.block_size)) {
+    const int bs_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
+    return q.element_type() == ffi::DataType::BF16
+               ? tc::Dispatch<__nv_bfloat16>(p, head_dim, batch, kv_heads, bs_shift, stream)
+               : tc::Dispatch<__half>(p, head_dim, batch, kv_heads, bs_shift, stream);
+  }
   switch (q.element_type()) {
     case ffi::DataType::F32: return DispatchCache<float>(p, cache, head_dim, group_tile, batch, kv_heads, stream);
     case ffi::DataType::BF16:
