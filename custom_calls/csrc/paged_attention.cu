@@ -333,18 +333,20 @@ void Launch(const DecodeParams& p, int batch, int kv_heads, cudaStream_t stream)
 }
 
 // Tensor-core decode over an FP8 cache (q in bf16 or f16, a group of up to 16 query heads, power-of-two
-// pages). A CTA owns one (sequence, kv head, split); its warps take 16-key chunks in turn, one chunk's loads in
-// flight ahead of the one computed, and merge their softmax states at the end. Per chunk, S = q K^T and O += P V
-// run as mma.sync m16n8k16 in f16 with f32 sums: q's heads are the 16 rows (A), 8 keys a tile (B). Since a sum
-// does not depend on its order, each lane takes whole 16-byte pieces of a row: for S, a quarter of a K row (its
-// four lanes of a key split head_dim, and q takes the same permutation); for O, an eighth of each of four V rows,
-// the key pairs the B fragment wants built by byte permutes. e4m3 widens to f16 exactly, two at a time.
+// pages). A CTA owns one (sequence, kv head, split); its warps take 16-key chunks in turn, each warp copying its
+// next kStages - 1 chunks into its own shared-memory ring (cp.async) while it computes one, and merge their
+// softmax states at the end. Per chunk, S = q K^T and O += P V run as mma.sync m16n8k16 in f16 with f32 sums:
+// q's heads are the 16 rows (A), 8 keys a tile (B). Since a sum does not depend on its order, each lane takes
+// whole pieces of a row: for S, a quarter of a K row (its four lanes of a key split head_dim, and q takes the same
+// permutation); for O, an eighth of each of four V rows, the key pairs the B fragment wants built by byte
+// permutes. e4m3 widens to f16 exactly, two at a time.
 namespace tc {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kKeys = 16;  // keys a warp's chunk: two 8-key tiles of S, one 16-key step of O
 constexpr int kMaxRows = 16;
+constexpr int kStages = 4;  // chunks in a warp's ring: 3 in flight while one is read (64 KiB a CTA at D = 128)
 
 __device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t two) {  // low byte -> low half
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
@@ -384,32 +386,60 @@ __device__ __forceinline__ int64_t RowOffset(const DecodeParams& p, const Range&
   return slot * p.slot_stride + static_cast<int64_t>(r.kv_head) * D;
 }
 
-template <int N>
-__device__ __forceinline__ void LoadWords(const uint8_t* src, uint32_t (&w)[N]) {
-  if constexpr (N % 4 == 0) {
+__device__ __forceinline__ void CopyAsync16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+               :: "r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "l"(src));
+}
+
+// A ring slot: K then V rows of a chunk's 16 keys, D bytes each, their 16-byte units swizzled by the key
+// (unit u of key k at u ^ (k % units)) so that the fragment reads below hit distinct banks.
+template <int D>
+struct Slot {
+  static constexpr int kUnits = D / 16;
+  static constexpr int kBytes = 2 * kKeys * D;
+  __device__ static int Offset(int key, int byte) {
+    return key * D + (((byte / 16) ^ (key % kUnits)) * 16) + byte % 16;
+  }
+};
+
+// Queues the copy of chunk key0's K and V rows into a slot: each lane copies whole units.
+template <int D>
+__device__ __forceinline__ void IssueChunk(const DecodeParams& p, const Range& r, int key0, int lane,
+                                           uint8_t* slot) {
+  const auto* k_cache = static_cast<const uint8_t*>(p.k_cache);
+  const auto* v_cache = static_cast<const uint8_t*>(p.v_cache);
 #pragma unroll
-    for (int i = 0; i < N; i += 4) {
-      const uint4 x = __ldg(reinterpret_cast<const uint4*>(src) + i / 4);
-      w[i] = x.x, w[i + 1] = x.y, w[i + 2] = x.z, w[i + 3] = x.w;
-    }
+  for (int q = 0; q < kKeys * Slot<D>::kUnits / 32; ++q) {
+    const int i = lane + 32 * q, key = i / Slot<D>::kUnits, byte = i % Slot<D>::kUnits * 16;
+    const int64_t row = RowOffset<D>(p, r, key0 + key) + byte;
+    CopyAsync16(slot + Slot<D>::Offset(key, byte), k_cache + row);
+    CopyAsync16(slot + kKeys * D + Slot<D>::Offset(key, byte), v_cache + row);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void ReadWords(const uint8_t* src, uint32_t* w) {
+  if constexpr (N == 4) {
+    const uint4 x = *reinterpret_cast<const uint4*>(src);
+    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
   } else {
     static_assert(N == 2, "an eighth of a 64-wide row is 8 bytes");
-    const uint2 x = __ldg(reinterpret_cast<const uint2*>(src));
+    const uint2 x = *reinterpret_cast<const uint2*>(src);
     w[0] = x.x, w[1] = x.y;
   }
 }
 
 template <int D>
-__device__ __forceinline__ void LoadChunk(const DecodeParams& p, const Range& r, int key0, int lane,
-                                          Chunk<D>& c) {
-  const auto* k_cache = static_cast<const uint8_t*>(p.k_cache);
-  const auto* v_cache = static_cast<const uint8_t*>(p.v_cache);
+__device__ __forceinline__ void ReadChunk(const uint8_t* slot, int lane, Chunk<D>& c) {
   const int row = lane / 4, j = lane % 4;
 #pragma unroll
-  for (int t = 0; t < 2; ++t) LoadWords(k_cache + RowOffset<D>(p, r, key0 + t * 8 + row) + j * (D / 4), c.k[t]);
+  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+    for (int b = 0; b < D / 4; b += 16) ReadWords<4>(slot + Slot<D>::Offset(t * 8 + row, j * (D / 4) + b), c.k[t] + b / 4);
+  }
   const int keys[4] = {2 * j, 2 * j + 1, 2 * j + 8, 2 * j + 9};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) LoadWords(v_cache + RowOffset<D>(p, r, key0 + keys[i]) + row * (D / 8), c.v[i]);
+  for (int i = 0; i < 4; ++i) ReadWords<D / 32>(slot + kKeys * D + Slot<D>::Offset(keys[i], row * (D / 8)), c.v[i]);
 }
 
 // q's A fragments, scaled later in f32: k-step s holds head_dim j * D / 4 + 4s + {0, 1} (a0 a1) and
@@ -503,7 +533,7 @@ __device__ __forceinline__ void AttendChunk(const DecodeParams& p, const Range& 
 
 template <int D, bool kHi>
 struct Shared {
-  float acc[kWarps][kHi ? 16 : 8][D + 4];  // + 4: a warp's stores spread over the banks
+  float acc[kWarps][kHi ? 16 : 8][D + 4];  // + 4: a warp's stores spread over the banks; over the rings
   float m[kWarps][kMaxRows], l[kWarps][kMaxRows];
 };
 
@@ -550,9 +580,15 @@ __device__ void MergeWarps(const DecodeParams& p, const Shared<D, kHi>& sh, int 
   }
 }
 
+template <int D, bool kHi>
+constexpr int SharedBytes() {
+  return sizeof(Shared<D, kHi>) > kWarps * kStages * Slot<D>::kBytes ? sizeof(Shared<D, kHi>)
+                                                                      : kWarps * kStages * Slot<D>::kBytes;
+}
+
 template <typename Q, int D, bool kHi>
-__global__ void __launch_bounds__(kThreads) DecodeKernel(const DecodeParams p, int bs_shift) {
-  __shared__ Shared<D, kHi> sh;
+__global__ void __launch_bounds__(kThreads, 3) DecodeKernel(const DecodeParams p, int bs_shift) {
+  extern __shared__ __align__(16) uint8_t smem[];
   const int kv_head = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int head0 = kv_head * p.group;
@@ -567,13 +603,28 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(const DecodeParams p, i
   Softmax sm;
   float acc[D / 8][4] = {};
   const int chunks = r.end > r.begin ? CeilDiv(r.end - r.begin, kKeys) : 0;
-  Chunk<D> cur, next;
-  if (warp < chunks) LoadChunk<D>(p, r, r.begin + warp * kKeys, lane, cur);
-  for (int c = warp; c < chunks; c += kWarps) {
-    if (c + kWarps < chunks) LoadChunk<D>(p, r, r.begin + (c + kWarps) * kKeys, lane, next);
-    AttendChunk<D, kHi>(p, r, r.begin + c * kKeys, lane, qa, cur, sm, acc);
-    cur = next;
+  const int mine = chunks > warp ? CeilDiv(chunks - warp, kWarps) : 0;  // this warp's: warp, warp + kWarps, ...
+  uint8_t* ring = smem + warp * kStages * Slot<D>::kBytes;
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < mine) IssueChunk<D>(p, r, r.begin + (warp + i * kWarps) * kKeys, lane, ring + i * Slot<D>::kBytes);
+    asm volatile("cp.async.commit_group;\n" ::);  // empty groups too: the wait below counts groups
   }
+  for (int i = 0; i < mine; ++i) {
+    const int ahead = i + kStages - 1;  // its slot was read in the last iteration (every lane is past it)
+    if (ahead < mine)
+      IssueChunk<D>(p, r, r.begin + (warp + ahead * kWarps) * kKeys, lane, ring + ahead % kStages * Slot<D>::kBytes);
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(kStages - 1));  // chunk i's copies, this lane's
+    __syncwarp();                                                     // and every lane's
+    Chunk<D> c;
+    ReadChunk<D>(ring + i % kStages * Slot<D>::kBytes, lane, c);
+    __syncwarp();
+    AttendChunk<D, kHi>(p, r, r.begin + (warp + i * kWarps) * kKeys, lane, qa, c, sm, acc);
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  __syncthreads();  // the merge's buffer lies over the rings
+  auto& sh = *reinterpret_cast<Shared<D, kHi>*>(smem);
   StoreWarpState<D, kHi>(sh, warp, lane, sm, acc);
   __syncthreads();
   MergeWarps<Q, D, kHi>(p, sh, b, head0, split);
@@ -581,8 +632,12 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(const DecodeParams p, i
 
 template <typename Q, int D, bool kHi>
 void Launch(const DecodeParams& p, int batch, int kv_heads, int bs_shift, cudaStream_t stream) {
+  constexpr int kBytes = SharedBytes<D, kHi>();
+  static const cudaError_t raised =  // once per kernel: more than the default 48 KiB of dynamic shared memory
+      cudaFuncSetAttribute(DecodeKernel<Q, D, kHi>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  (void)raised;
   const dim3 grid(kv_heads, p.num_splits, batch);
-  DecodeKernel<Q, D, kHi><<<grid, kThreads, 0, stream>>>(p, bs_shift);
+  DecodeKernel<Q, D, kHi><<<grid, kThreads, kBytes, stream>>>(p, bs_shift);
   if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, jaxserve::kThreads, 0, stream>>>(p);
 }
 
