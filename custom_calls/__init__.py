@@ -49,6 +49,8 @@ TARGET_CTAS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 MAX_GROUP_TILE = 8  # query heads per CTA in the kernel
+# the tensor-core kernel paged_decode_attention runs over an FP8 cache (paged_attention.cu, tc::Takes)
+TENSOR_CORE_DECODE_HEAD_DIMS, TENSOR_CORE_DECODE_MAX_GROUP = (64, 128), 16
 # decode linears (fp8_linear, bf16_linear): rows (tokens) a call takes; k per chunk (K must be a multiple); the
 # launch's choices: CTA columns of warps (warps_n) and m16 tiles of output channels per warp (warp_tiles), N a
 # multiple of 16 * warp_tiles * warps_n
@@ -185,6 +187,14 @@ def paged_decode_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     out = jnp.einsum("bhgt,bthd->bhgd", probs, values, precision=jax.lax.Precision.HIGHEST)
     out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
     return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
+
+
+def tensor_core_decode_takes(q_dtype, cache_dtype, head_dim: int, group: int, block_size: int) -> bool:
+    """Whether paged_decode_attention runs its tensor-core kernel here: an FP8 cache under a 16-bit q, head_dim 64
+    or 128, up to 16 query heads a kv head, power-of-two pages (other shapes take the f32 kernel)."""
+    return (jnp.dtype(cache_dtype) == jnp.float8_e4m3fn and jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim in TENSOR_CORE_DECODE_HEAD_DIMS and group <= TENSOR_CORE_DECODE_MAX_GROUP
+            and block_size & (block_size - 1) == 0)
 
 
 def call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale, sliding_window,

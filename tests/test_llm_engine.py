@@ -412,6 +412,40 @@ def test_attention_kernels_are_what_runs_here():
             resolve_attention_kernels(backend, "triton", head_dim=64)
 
 
+def test_large_fp8_decode_steps_take_the_cuda_tensor_core_kernel(monkeypatch):
+    """Under "auto" on sm_90 with the CUDA library, an FP8 cache's engine marks large decode-only steps for the
+    CUDA call (fp8_decode_call), and those of CUDA_FP8_DECODE_MIN_ROWS rows or more whose shapes its tensor-core
+    kernel takes run it; smaller steps, other caches and shapes, and cascade steps keep the Pallas launch; a
+    named backend keeps it everywhere, and "cuda" takes the call for every decode-only step."""
+    from types import SimpleNamespace
+
+    import jaxserve.models.attention as attention
+
+    monkeypatch.setattr(attention, "resolve_impl", lambda *_, **__: "pallas")
+    monkeypatch.setattr(attention, "gpu_capability", lambda: 9.0)
+    monkeypatch.setattr(custom_calls, "available", lambda: True)
+    fp8, bf16 = jnp.float8_e4m3fn, jnp.bfloat16
+    assert resolve_attention_kernels("auto", "auto", 128, cache_dtype=fp8).fp8_decode_call
+    assert not resolve_attention_kernels("auto", "auto", 128, cache_dtype=bf16).fp8_decode_call
+    assert not resolve_attention_kernels("triton", "auto", 128, cache_dtype=fp8).fp8_decode_call
+    monkeypatch.setattr(attention, "gpu_capability", lambda: 8.0)
+    assert not resolve_attention_kernels("auto", "auto", 128, cache_dtype=fp8).fp8_decode_call
+
+    rows = attention.CUDA_FP8_DECODE_MIN_ROWS
+    marked, plain = AttentionKernels("pallas", "auto", fp8_decode_call=True), AttentionKernels("pallas", "auto")
+    step, cascade = SimpleNamespace(cascade=None), SimpleNamespace(cascade=object())
+
+    def on_cuda(tokens=rows, q_heads=32, head_dim=128, cache=fp8, q=bf16, block=16, batch=step, kernels=marked):
+        return attention.decode_on_cuda(jax.ShapeDtypeStruct((tokens, q_heads, head_dim), q),
+                                        jax.ShapeDtypeStruct((100, block, 8, head_dim), cache), batch, kernels)
+
+    assert on_cuda() and on_cuda(tokens=2 * rows, head_dim=64, q=jnp.float16, q_heads=128, block=32)
+    assert not any([on_cuda(tokens=rows - 1), on_cuda(cache=bf16, q=bf16), on_cuda(q=jnp.float32),
+                    on_cuda(head_dim=256), on_cuda(q_heads=136), on_cuda(block=24), on_cuda(batch=cascade),
+                    on_cuda(kernels=plain)])
+    assert on_cuda(tokens=1, cache=bf16, kernels=AttentionKernels("cuda", "auto"))
+
+
 HOPPER = pytest.mark.skipif(on_gpu() and not on_hopper(), reason="needs sm_90")
 LOGPROBS = dataclasses.replace(GREEDY, logprobs=2)
 

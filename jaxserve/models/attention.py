@@ -54,11 +54,14 @@ class AttentionKernels:
     decode_backend: the Pallas decode's backend — "auto", "triton" or "mosaic" (pallas_kernels' decode_backend).
     prefill: the GPU kernel of prefill rows — "triton" or "mosaic" (pallas_kernels' prefill_backend).
     blocks_per_row: None (blocks addressed by the batch's block tables) or, for vattention's contiguous kernels,
-    the blocks of a cache row: block i of a sequence is kv_slot * blocks_per_row + i."""
+    the blocks of a cache row: block i of a sequence is kv_slot * blocks_per_row + i.
+    fp8_decode_call: large decode-only steps over an FP8 cache take the CUDA call's tensor-core kernel (see
+    decode_on_cuda)."""
     decode: str = "reference"
     prefill: str = "triton"
     blocks_per_row: int | None = None
     decode_backend: str = "auto"
+    fp8_decode_call: bool = False
 
     @property
     def has_decode_kernel(self) -> bool:
@@ -69,7 +72,8 @@ class AttentionKernels:
 def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int,
                               blocks_per_row: int | None = None, cache_dtype=None) -> AttentionKernels:
     """decode_attention "auto" takes the Pallas launch where it runs over a cache of cache_dtype (faster than the
-    CUDA call across batch sizes and context lengths), on the backend pallas_kernels picks; "triton" and "mosaic"
+    CUDA call across batch sizes and context lengths), on the backend pallas_kernels picks, but for large
+    decode-only steps over an FP8 cache on sm_90, the CUDA call's tensor-core kernel; "triton" and "mosaic"
     name the backend, "cuda" forces the call; each an error naming why when it cannot run. A bad name is an error
     naming the knob. blocks_per_row: see AttentionKernels."""
     if decode_attention not in DECODE_ATTENTION:
@@ -91,7 +95,9 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
                          f"(sm_80+, sm_89+ for fp8); this device has compute capability {gpu_capability() or 'none'}"
                          ": set decode_attention to 'auto'")
     backend = decode_attention if decode_attention in ("triton", "mosaic") else "auto"
-    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_row, backend)
+    fp8_call = (decode_attention == "auto" and pallas and is_quantized_kv(cache_dtype) and gpu_capability() == 9.0
+                and custom_calls.available())
+    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_row, backend, fp8_call)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,10 +163,25 @@ def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: Attent
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v,
                                 layer_slot_mapping(batch.slot_mapping, k_cache.shape[1], num_layers, layer),
                                 cross_layer=num_layers > 1)
-    attend_cache = cuda_decode if batch.decode_only and kernels.decode == "cuda" else ragged_attention
+    attend_cache = cuda_decode if batch.decode_only and decode_on_cuda(q, k_cache, batch, kernels) else ragged_attention
     out = attend_cache(q, k_cache, v_cache, batch, kernels, num_layers, layer, sm_scale=sm_scale,
                        sliding_window=sliding_window)
     return out, from_layer_blocks(kv_layer, k_cache, v_cache)
+
+
+# Decode rows from which the tensor-core kernel serves FP8 caches under "auto": on the H200 it took 0.85-0.90x the
+# Triton launch's time at 256 rows (256-4,096 keys), 1.18x at 64 x 512 and 1.12x at 8 x 4,096
+CUDA_FP8_DECODE_MIN_ROWS = 256
+
+
+def decode_on_cuda(q, k_cache, batch: AttentionBatch, kernels: AttentionKernels) -> bool:
+    """Whether a decode-only step runs the CUDA call: when asked for, or (kernels.fp8_decode_call) for steps of
+    CUDA_FP8_DECODE_MIN_ROWS rows or more whose shapes its tensor-core kernel takes, cascade steps aside."""
+    if kernels.decode == "cuda":
+        return True
+    return (kernels.fp8_decode_call and batch.cascade is None and q.shape[0] >= CUDA_FP8_DECODE_MIN_ROWS
+            and custom_calls.tensor_core_decode_takes(q.dtype, k_cache.dtype, q.shape[2],
+                                                      q.shape[1] // k_cache.shape[2], k_cache.shape[1]))
 
 
 def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
