@@ -27,6 +27,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-attention  # its Triton decode's tuning, ncu
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-sass  # its launch per SASS line; the CUDA call
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-cuda-decode  # the CUDA decode over FP8: tests, sweep
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-cuda-decode-engine  # auto's FP8 decode: tests, engine
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
@@ -358,6 +359,15 @@ case $1 in
       -k "(decode_step or window_and_soft_cap) and fp8 and not float32" || exit 1
     run 200 python benchmarks/attention.py --mosaic-decode --decode-backends triton --kv-dtype fp8 --kv-only \
       --points 256x256 256x640 256x1152 256x4096 64x512 8x4096 8x512 --out "$OUT/attention_fp8_decode_gpu.json" ;;
+  fp8-cuda-decode-engine)   # "auto" over an FP8 cache (the tensor-core CUDA decode at 256 rows) beside the Triton
+    # decode and bf16: its GPU tests, then decode-heavy and 256 x 512/128 with FP8 weights + KV
+    run 150 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py -k "large_fp8" || exit 1
+    DH="--input-len 128 --output-len 1024"
+    for args in "$DH" "$DH --quantization fp8 --set kv_cache_dtype=fp8" \
+        "$DH --quantization fp8 --set kv_cache_dtype=fp8 decode_attention=triton" \
+        "--quantization fp8 --set kv_cache_dtype=fp8" "--quantization fp8 --set kv_cache_dtype=fp8 decode_attention=triton"; do
+      run 130 python benchmarks/offline.py --config $CONFIG $args --out "$OUT/fp8_decode_gpu.json"
+    done ;;
   fp8-profile)
     for q in "" "--quantization fp8" "--kv-cache-dtype fp8" "--quantization fp8 --kv-cache-dtype fp8"; do
       run 130 python benchmarks/sweep.py --config $CONFIG $q --token-buckets 16 256 --seq-buckets 16 256 \

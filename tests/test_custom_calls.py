@@ -580,6 +580,59 @@ def test_decode_window_and_soft_cap_match_reference(cache_dtype, dtype, window, 
         assert rel_err(out, ref) <= TOLERANCE[dtype], f"seed {seed} splits {splits}"
 
 
+def large_fp8_decode_step(rng, kernels, max_len=300):
+    """A decode-only step of CUDA_FP8_DECODE_MIN_ROWS rows (the last one padding) over an FP8 cache, jitted through
+    the model's paged attention with `kernels`: (case, step, its args)."""
+    from jaxserve.models import attention
+
+    rows = attention.CUDA_FP8_DECODE_MIN_ROWS
+    lens = np.concatenate([rng.integers(1, max_len, rows - 1), [0]])
+    case = make_paged_case(rng, lens=lens, q_heads=32, kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
+                           cache_dtype=FP8)
+    batch = attention.AttentionBatch(case["slots"], jnp.arange(rows + 1, dtype=jnp.int32), case["kv_lens"],
+                                     case["block_tables"], jnp.array([rows - 1], jnp.int32), decode_only=True)
+    step = jax.jit(functools.partial(attention.paged_attention, kernels=kernels, sm_scale=0.125, sliding_window=None))
+    return case, step, (case["q"], case["new_k"], case["new_v"], (case["k_cache"], case["v_cache"]), batch)
+
+
+def test_large_fp8_decode_steps_lower_to_the_call_for_cuda(monkeypatch):
+    """Lowered for CUDA, a large decode-only step over an FP8 cache runs the CUDA call under the kernels "auto"
+    resolves on sm_90 (fp8_decode_call), and the Pallas path's kernel otherwise."""
+    from jaxserve.models.attention import AttentionKernels
+
+    monkeypatch.setattr(cc, "available", lambda: True)
+    monkeypatch.setattr(cc, "sm_count", lambda: 132)
+    for kernels, call in ((AttentionKernels("pallas", "auto", fp8_decode_call=True), True),
+                          (AttentionKernels("pallas", "auto"), False)):
+        _, step, args = large_fp8_decode_step(np.random.default_rng(0), kernels, max_len=20)
+        text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("custom_call @jaxserve_paged_decode_attention" in text) == call
+
+
+@needs_gpu
+def test_large_fp8_decode_steps_run_the_tensor_core_call():
+    """On the GPU, the same step writes its tokens and attends through the CUDA call (in the compiled step) to the
+    reference's output, as the Pallas launch the unmarked kernels keep does."""
+    from jaxserve.models.attention import AttentionKernels
+    from pallas_kernels.ragged_paged_attention import FP8_MIN_CAPABILITY, gpu_capability
+
+    if gpu_capability() < FP8_MIN_CAPABILITY:
+        pytest.skip("the Pallas launch it is held beside reads FP8 caches on sm_89+ only")
+    seed, rng = fresh_rng()
+    for kernels, call in ((AttentionKernels("pallas", "auto", fp8_decode_call=True), True),
+                          (AttentionKernels("pallas", "auto"), False)):
+        case, step, args = large_fp8_decode_step(rng, kernels)
+        k, v = cc.reshape_and_cache_reference(case["k_cache"], case["v_cache"], case["new_k"], case["new_v"],
+                                              case["slots"])
+        ref = cc.paged_decode_attention_reference(case["q"], k, v, case["kv_lens"], case["block_tables"],
+                                                  sm_scale=0.125)
+        assert ("jaxserve_paged_decode_attention" in step.lower(*args).as_text()) == call
+        poison_device_memory(case["q"].shape, case["q"].dtype)
+        out, _ = step(*args)
+        assert rel_err(out, ref) <= TOLERANCE[jnp.bfloat16], f"seed {seed} call {call}"
+        assert not np.asarray(out[-1], np.float32).any(), "padding row must be zeros"
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, FP8])
 def test_copy_blocks_in_place_matches_reference(dtype):
