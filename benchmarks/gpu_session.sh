@@ -365,7 +365,8 @@ case $1 in
     DH="--input-len 128 --output-len 1024"
     for args in "$DH" "$DH --quantization fp8 --set kv_cache_dtype=fp8" \
         "$DH --quantization fp8 --set kv_cache_dtype=fp8 decode_attention=triton" \
-        "--quantization fp8 --set kv_cache_dtype=fp8" "--quantization fp8 --set kv_cache_dtype=fp8 decode_attention=triton"; do
+        "--quantization fp8 --set kv_cache_dtype=fp8" \
+        "--quantization fp8 --set kv_cache_dtype=fp8 decode_attention=triton"; do
       run 130 python benchmarks/offline.py --config $CONFIG $args --out "$OUT/fp8_decode_gpu.json"
     done ;;
   fp8-profile)
