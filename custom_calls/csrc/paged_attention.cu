@@ -15,6 +15,7 @@
 // Templates: Q is q's and the output's type, C the cache's: Q itself, or FP8
 // e4m3 under any Q. An FP8 cache is read as stored, each element widened to
 // f32; its scales are the caller's (folded into q and the output).
+#include <atomic>
 #include <cfloat>
 
 #include "common.h"
@@ -633,9 +634,16 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeKernel(const DecodeParams p
 template <typename Q, int D, bool kHi>
 void Launch(const DecodeParams& p, int batch, int kv_heads, int bs_shift, cudaStream_t stream) {
   constexpr int kBytes = SharedBytes<D, kHi>();
-  static const cudaError_t raised =  // once per kernel: more than the default 48 KiB of dynamic shared memory
-      cudaFuncSetAttribute(DecodeKernel<Q, D, kHi>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-  (void)raised;
+  // More than the default 48 KiB of dynamic shared memory: a function attribute of each device's context, raised
+  // once per device (a bit each; devices past 64 raise it every launch)
+  static std::atomic<uint64_t> raised{0};
+  int device = 0;
+  cudaGetDevice(&device);
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (!(raised.load(std::memory_order_relaxed) & bit)) {
+    cudaFuncSetAttribute(DecodeKernel<Q, D, kHi>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    raised.fetch_or(bit);
+  }
   const dim3 grid(kv_heads, p.num_splits, batch);
   DecodeKernel<Q, D, kHi><<<grid, kThreads, kBytes, stream>>>(p, bs_shift);
   if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, jaxserve::kThreads, 0, stream>>>(p);
