@@ -617,7 +617,8 @@ def main():
         run_plans(rec)
     elif args.mosaic_decode:
         variants = json.loads(args.mosaic_variants) if args.mosaic_variants else None
-        run_mosaic_decode(rec, free, points or DECODE_SWEEP, variants, json.loads(args.triton_variants), args.decode_backends)
+        run_mosaic_decode(rec, free, points or DECODE_SWEEP, variants, json.loads(args.triton_variants),
+                          args.decode_backends)
     else:
         run_full(rec, free)
         plot(rec.rows, os.path.splitext(args.out)[0] + ".png")

@@ -354,6 +354,8 @@ __device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t two) {  // low byte 
   return uint32_t{h.x} | (uint32_t{h.y} << 16);
 }
 
+__device__ __forceinline__ float ClipHalf(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }  // f16's range
+
 __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -436,7 +438,8 @@ __device__ __forceinline__ void ReadChunk(const uint8_t* slot, int lane, Chunk<D
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
 #pragma unroll
-    for (int b = 0; b < D / 4; b += 16) ReadWords<4>(slot + Slot<D>::Offset(t * 8 + row, j * (D / 4) + b), c.k[t] + b / 4);
+    for (int b = 0; b < D / 4; b += 16)
+      ReadWords<4>(slot + Slot<D>::Offset(t * 8 + row, j * (D / 4) + b), c.k[t] + b / 4);
   }
   const int keys[4] = {2 * j, 2 * j + 1, 2 * j + 8, 2 * j + 9};
 #pragma unroll
@@ -461,8 +464,8 @@ __device__ void LoadQueryFragments(const DecodeParams& p, int b, int head0, int 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float* x = f[h] + 4 * s;
-      qa[s][h] = PackHalf2(fminf(fmaxf(x[0], -65504.f), 65504.f), fminf(fmaxf(x[1], -65504.f), 65504.f));
-      qa[s][2 + h] = PackHalf2(fminf(fmaxf(x[2], -65504.f), 65504.f), fminf(fmaxf(x[3], -65504.f), 65504.f));
+      qa[s][h] = PackHalf2(ClipHalf(x[0]), ClipHalf(x[1]));
+      qa[s][2 + h] = PackHalf2(ClipHalf(x[2]), ClipHalf(x[3]));
     }
   }
 }
