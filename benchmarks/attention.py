@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import commit, device_busy_ms  # noqa: E402
+from benchmarks.common import commit, device_busy_ms, write_rows  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference  # noqa: E402
 
@@ -157,7 +157,8 @@ def relative_error(out, expected, rows):
 
 
 class Recorder:
-    """Collects rows in the project's format, saving after each so a cut-off run keeps what it measured."""
+    """Collects rows in the project's format, adding each to the results file as it comes (`write_rows`: the
+    file's other rows stay) so a cut-off run keeps what it measured."""
 
     def __init__(self, path: str):
         self.path, self.rows, self.copy_gbps = path, [], None
@@ -174,11 +175,10 @@ class Recorder:
                        pct_copy=100 * gbps / self.copy_gbps if self.copy_gbps else None)
         else:
             row["ms"] = ms
-        row.update(extra, **self.common)
-        self.rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in self.common}), flush=True)
-        with open(self.path, "w") as f:
-            json.dump(self.rows, f, indent=1)
+        row.update(extra)
+        print(json.dumps(row), flush=True)
+        write_rows(self.path, [row], self.common["command"])
+        self.rows.append({**row, **self.common})
 
     def measure(self, bench, impl, params, fn, arg_sets, batch: Batch, expected, rotation_info):
         """Time fn, check it against the reference, record a row (or the failure)."""
