@@ -466,10 +466,11 @@ MOSAIC_TUNE_POINTS = ((64, 512), (8, 4096))
 
 
 def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP, variants=None, triton_variants=(),
-                      backends=("triton", "mosaic")):
+                      backends=("triton", "mosaic"), cuda_splits=(None,)):
     """The decode-only launch on each of `backends` (Mosaic GPU beside Triton) over each of KV_RUNS' caches, cuDNN
-    and the CUDA custom call, at each point; the Mosaic kernel's tuning `variants` at every point, or (None) its
-    MOSAIC_DECODE_VARIANTS at the tuning points; the Triton launch's `triton_variants` at every point."""
+    and the CUDA custom call (at each of `cuda_splits`, None its own choice), at each point; the Mosaic kernel's
+    tuning `variants` at every point, or (None) its MOSAIC_DECODE_VARIANTS at the tuning points; the Triton
+    launch's `triton_variants` at every point."""
     measure_copy(rec)
     for batch_size, context in sorted(points, key=lambda p: -p[0]):  # large batches first
         if not fits(batch_size, context, free_bytes):
@@ -490,7 +491,7 @@ def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP, variants=N
                                     causal=False)
                 rec.measure("decode", "cudnn-paged", params, lambda *a: paged(a[0][:, None], a[1], a[2])[:, 0],
                             sets, batch, expected, info)
-            bench_cuda_decode(rec, params, sets, batch, expected, info)
+            bench_cuda_decode(rec, params, sets, batch, expected, info, cuda_splits)
 
 
 def run_tune(rec: Recorder):
@@ -586,8 +587,10 @@ def main():
                         "points)")
     parser.add_argument("--triton-variants", metavar="JSON", default="[]", help="--mosaic-decode: a JSON list of "
                         "Tuning overrides for the Triton launch, timed at every point beside its default")
-    parser.add_argument("--decode-backends", nargs="+", choices=("triton", "mosaic"), default=("triton", "mosaic"),
-                        help="--mosaic-decode: the backends timed")
+    parser.add_argument("--decode-backends", nargs="*", choices=("triton", "mosaic"), default=("triton", "mosaic"),
+                        help="--mosaic-decode: the backends timed (none: the peers alone)")
+    parser.add_argument("--cuda-splits", nargs="+", default=["default"], metavar="N", help="--mosaic-decode: the "
+                        "CUDA call's splits of each sequence timed ('default': its own choice)")
     parser.add_argument("--max-calls", type=int, default=MAX_CALLS, help="most calls per timed program")
     parser.add_argument("--target-ms", type=float, default=TARGET_RUN_S * 1e3, help="GPU time per timed program")
     parser.add_argument("--pick", metavar="TUNE_JSON", help="print the best Tuning overrides found by --tune")
@@ -617,8 +620,9 @@ def main():
         run_plans(rec)
     elif args.mosaic_decode:
         variants = json.loads(args.mosaic_variants) if args.mosaic_variants else None
+        splits = [None if n == "default" else int(n) for n in args.cuda_splits]
         run_mosaic_decode(rec, free, points or DECODE_SWEEP, variants, json.loads(args.triton_variants),
-                          args.decode_backends)
+                          args.decode_backends, splits)
     else:
         run_full(rec, free)
         plot(rec.rows, os.path.splitext(args.out)[0] + ".png")

@@ -335,19 +335,24 @@ void Launch(const DecodeParams& p, int batch, int kv_heads, cudaStream_t stream)
 
 // Tensor-core decode over an FP8 cache (q in bf16 or f16, a group of up to 16 query heads, power-of-two
 // pages). A CTA owns one (sequence, kv head, split); its warps take 16-key chunks in turn, each warp copying its
-// next kStages - 1 chunks into its own shared-memory ring (cp.async) while it computes one, and merge their
-// softmax states at the end. Per chunk, S = q K^T and O += P V run as mma.sync m16n8k16 in f16 with f32 sums:
-// q's heads are the 16 rows (A), 8 keys a tile (B). Since a sum does not depend on its order, each lane takes
-// whole pieces of a row: for S, a quarter of a K row (its four lanes of a key split head_dim, and q takes the same
-// permutation); for O, an eighth of each of four V rows, the key pairs the B fragment wants built by byte
-// permutes. e4m3 widens to f16 exactly, two at a time.
+// next chunks into its own shared-memory ring (cp.async) while it computes one, and merge their softmax states at
+// the end. Per chunk, S^T = K q^T and O^T += V^T P^T run as mma.sync m16n8k16 in f16 with f32 sums: the chunk's
+// 16 keys (S) and 16 of head_dim (O) are the rows (A), q's heads the 8 columns (B), so a group of up to 8 heads
+// costs one mma a k-step and few registers. Since a sum does not depend on its order, each lane takes whole
+// pieces of a row: for S, a quarter of two K rows (q's B fragments take the same permutation of head_dim); for O,
+// an eighth of each of four V rows (O's rows come out permuted and are stored where they belong), the key pairs
+// the A fragment wants built by byte permutes. e4m3 widens to f16 exactly, two at a time; S's C fragment becomes
+// P^T's B fragment by one 8x8 transpose (movmatrix) a half.
 namespace tc {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kKeys = 16;  // keys a warp's chunk: two 8-key tiles of S, one 16-key step of O
-constexpr int kMaxRows = 16;
-constexpr int kStages = 4;  // chunks in a warp's ring: 3 in flight while one is read (64 KiB a CTA at D = 128)
+constexpr int kKeys = 16;  // keys a warp's chunk: the 16 rows of S^T, one 16-key step of O^T
+constexpr int kMaxHeads = 16;
+// Chunks in a warp's ring (kStages - 1 in flight while one is read) and CTAs an SM, by q's 8-head column tiles
+// (NT): one tile fits 4 CTAs of 3 slots (48 KiB a CTA at D = 128) in registers and shared memory, two tiles 3
+template <int NT> constexpr int kStages = NT == 1 ? 3 : 4;
+template <int NT> constexpr int kCtasPerSm = NT == 1 ? 4 : 3;
 
 __device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t two) {  // low byte -> low half
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
@@ -361,6 +366,12 @@ __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+__device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {  // a b16 8x8 matrix's fragment, transposed
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
@@ -368,11 +379,12 @@ __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Row r of a mma fragment is q head r; a lane holds rows lane / 4 and lane / 4 + 8 (when kHi).
+// A lane (g, j) = (lane / 4, lane % 4) of a fragment holds A rows g and g + 8, B and C column g (B) or columns
+// 2j, 2j + 1 (C).
 template <int D>
 struct Chunk {
-  uint32_t k[2][D / 16];  // S tile t: this lane's quarter of key t * 8 + lane / 4, 4 bytes per k-step
-  uint32_t v[4][D / 32];  // O: this lane's eighth of keys 2j, 2j + 1, 2j + 8, 2j + 9 (j = lane % 4)
+  uint32_t k[2][D / 16];  // keys g, g + 8: this lane's quarter of each row, 4 bytes a k-step
+  uint32_t v[4][D / 32];  // keys 2j, 2j + 1, 2j + 8, 2j + 9: this lane's eighth of each row
 };
 
 struct Range {
@@ -434,133 +446,150 @@ __device__ __forceinline__ void ReadWords(const uint8_t* src, uint32_t* w) {
 
 template <int D>
 __device__ __forceinline__ void ReadChunk(const uint8_t* slot, int lane, Chunk<D>& c) {
-  const int row = lane / 4, j = lane % 4;
+  const int g = lane / 4, j = lane % 4;
 #pragma unroll
-  for (int t = 0; t < 2; ++t) {
+  for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int b = 0; b < D / 4; b += 16)
-      ReadWords<4>(slot + Slot<D>::Offset(t * 8 + row, j * (D / 4) + b), c.k[t] + b / 4);
+      ReadWords<4>(slot + Slot<D>::Offset(g + 8 * h, j * (D / 4) + b), c.k[h] + b / 4);
   }
   const int keys[4] = {2 * j, 2 * j + 1, 2 * j + 8, 2 * j + 9};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) ReadWords<D / 32>(slot + kKeys * D + Slot<D>::Offset(keys[i], row * (D / 8)), c.v[i]);
+  for (int i = 0; i < 4; ++i) ReadWords<D / 32>(slot + kKeys * D + Slot<D>::Offset(keys[i], g * (D / 8)), c.v[i]);
 }
 
-// q's A fragments, scaled later in f32: k-step s holds head_dim j * D / 4 + 4s + {0, 1} (a0 a1) and
-// + {2, 3} (a4 a5), the order the S tiles' K words take. f16 takes bf16's values up to its range.
-template <typename Q, int D, bool kHi>
-__device__ void LoadQueryFragments(const DecodeParams& p, int b, int head0, int lane, uint32_t (&qa)[D / 16][4]) {
-  const int row = lane / 4, j = lane % 4;
-  float f[2][D / 4] = {};
+// q^T's B fragments (head g of column tile t), scaled later in f32: k-step s holds head_dim j * D / 4 + 4s +
+// {0, 1} (b0 b1) and + {2, 3} (b2 b3), the order K's words take. f16 takes bf16's values up to its range.
+template <typename Q, int D, int NT>
+__device__ void LoadQueryFragments(const DecodeParams& p, int b, int head0, int lane, uint32_t (&qb)[NT][D / 16][2]) {
+  const int g = lane / 4, j = lane % 4;
 #pragma unroll
-  for (int h = 0; h < (kHi ? 2 : 1); ++h) {
-    if (row + 8 * h < p.group) {
-      const Q* src = static_cast<const Q*>(p.q) + (static_cast<int64_t>(b) * p.num_q_heads + head0 + row + 8 * h) * D;
-      LoadFloats<Q, D / 4>(src + j * (D / 4), f[h]);
+  for (int t = 0; t < NT; ++t) {
+    float f[D / 4] = {};
+    if (g + 8 * t < p.group) {
+      const Q* src = static_cast<const Q*>(p.q) + (static_cast<int64_t>(b) * p.num_q_heads + head0 + g + 8 * t) * D;
+      LoadFloats<Q, D / 4>(src + j * (D / 4), f);
     }
-  }
 #pragma unroll
-  for (int s = 0; s < D / 16; ++s) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float* x = f[h] + 4 * s;
-      qa[s][h] = PackHalf2(ClipHalf(x[0]), ClipHalf(x[1]));
-      qa[s][2 + h] = PackHalf2(ClipHalf(x[2]), ClipHalf(x[3]));
+    for (int s = 0; s < D / 16; ++s) {
+      qb[t][s][0] = PackHalf2(ClipHalf(f[4 * s]), ClipHalf(f[4 * s + 1]));
+      qb[t][s][1] = PackHalf2(ClipHalf(f[4 * s + 2]), ClipHalf(f[4 * s + 3]));
     }
   }
 }
 
-struct Softmax {
-  float m[2] = {-FLT_MAX, -FLT_MAX};  // rows lane / 4 and + 8: running max (log2 domain), all lanes of a row
-  float l[2] = {0.f, 0.f};            // this lane's share of the running sum
+template <int NT>
+struct Softmax {  // heads 8t + 2j + e: the running max (log2 domain, all lanes of a column) and this lane's sum
+  float m[NT][2], l[NT][2];
+  __device__ Softmax() {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) m[t][0] = m[t][1] = -FLT_MAX, l[t][0] = l[t][1] = 0.f;
+  }
 };
 
-template <int D, bool kHi>
+// S^T for the chunk (keys g, g + 8 against heads 2j, 2j + 1 of each tile), scaled, capped and masked.
+template <int D, int NT>
+__device__ __forceinline__ void Scores(const DecodeParams& p, const Range& r, int key0, int lane,
+                                       const uint32_t (&qb)[NT][D / 16][2], const Chunk<D>& c, float (&s)[NT][4]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    const uint32_t a[4] = {Fp8PairToHalf2(c.k[0][k]), Fp8PairToHalf2(c.k[1][k]), Fp8PairToHalf2(c.k[0][k] >> 16),
+                           Fp8PairToHalf2(c.k[1][k] >> 16)};
+#pragma unroll
+    for (int t = 0; t < NT; ++t) Mma(s[t], a, qb[t][k][0], qb[t][k][1]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int key = key0 + lane / 4 + 8 * (i / 2);
+    const bool live = key >= r.begin && key < r.end;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float x = s[t][i] * p.q_scale;
+      if (p.cap_log2e > 0.f) x = p.cap_log2e * tanhf(x);
+      s[t][i] = live ? x : -INFINITY;
+    }
+  }
+}
+
+template <int D, int NT>
 __device__ __forceinline__ void AttendChunk(const DecodeParams& p, const Range& r, int key0, int lane,
-                                            const uint32_t (&qa)[D / 16][4], const Chunk<D>& c, Softmax& sm,
-                                            float (&acc)[D / 8][4]) {
-  const int j = lane % 4;
-  float s[2][4];
+                                            const uint32_t (&qb)[NT][D / 16][2], const Chunk<D>& c, Softmax<NT>& sm,
+                                            float (&acc)[NT][D / 16][4]) {
+  float s[NT][4];
+  Scores<D, NT>(p, r, key0, lane, qb, c, s);
+  float alpha[NT][2];
+  uint32_t pb[NT][2];  // P^T's B fragments: keys 2j, 2j + 1 (and + 8) of head g
 #pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+  for (int t = 0; t < NT; ++t) {
 #pragma unroll
-    for (int k = 0; k < D / 16; ++k) Mma(s[t], qa[k], Fp8PairToHalf2(c.k[t][k]), Fp8PairToHalf2(c.k[t][k] >> 16));
-  }
-  float alpha[2];
+    for (int e = 0; e < 2; ++e) {  // column 2j + e: keys g and g + 8 here, the rest in the lanes of the same j
+      float top = fmaxf(s[t][e], s[t][2 + e]);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float top = -INFINITY;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = key0 + t * 8 + 2 * j + e;
-        float x = s[t][2 * h + e] * p.q_scale;
-        if (p.cap_log2e > 0.f) x = p.cap_log2e * tanhf(x);
-        s[t][2 * h + e] = key >= r.begin && key < r.end ? x : -INFINITY;
-        top = fmaxf(top, s[t][2 * h + e]);
-      }
+      for (int off = 4; off < 32; off <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+      const float m = fmaxf(sm.m[t][e], top);
+      alpha[t][e] = exp2f(sm.m[t][e] - m);
+      sm.m[t][e] = m;
+      s[t][e] = exp2f(s[t][e] - m), s[t][2 + e] = exp2f(s[t][2 + e] - m);
+      sm.l[t][e] = sm.l[t][e] * alpha[t][e] + s[t][e] + s[t][2 + e];
     }
-    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-    const float m = fmaxf(sm.m[h], top);
-    alpha[h] = exp2f(sm.m[h] - m);
-    sm.m[h] = m;
-    float sum = 0.f;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) sum += s[t][2 * h + e] = exp2f(s[t][2 * h + e] - m);
-    }
-    sm.l[h] = sm.l[h] * alpha[h] + sum;
-    if (!kHi) break;
+    pb[t][0] = Transpose8x8(PackHalf2(s[t][0], s[t][1]));
+    pb[t][1] = Transpose8x8(PackHalf2(s[t][2], s[t][3]));
   }
-  // P as O's A fragment: S tile 0 holds keys 0-7 (a0-a3), tile 1 keys 8-15 (a4-a7)
-  const uint32_t pa[4] = {PackHalf2(s[0][0], s[0][1]), kHi ? PackHalf2(s[0][2], s[0][3]) : 0u,
-                          PackHalf2(s[1][0], s[1][1]), kHi ? PackHalf2(s[1][2], s[1][3]) : 0u};
 #pragma unroll
   for (int w = 0; w < D / 32; ++w) {
-    // bytes u of keys (2j, 2j + 1) and (2j + 8, 2j + 9), paired: {u, u + 1} of each word's pairs of bytes
+    // byte u of keys (2j, 2j + 1) and of (2j + 8, 2j + 9), paired: bytes {0, 1} of a word are O^T tile 2w's rows
+    // g and g + 8, bytes {2, 3} tile 2w + 1's
     const uint32_t lo01 = __byte_perm(c.v[0][w], c.v[1][w], 0x5140), hi01 = __byte_perm(c.v[0][w], c.v[1][w], 0x7362);
     const uint32_t lo89 = __byte_perm(c.v[2][w], c.v[3][w], 0x5140), hi89 = __byte_perm(c.v[2][w], c.v[3][w], 0x7362);
-    const uint32_t b01[4] = {lo01, lo01 >> 16, hi01, hi01 >> 16}, b89[4] = {lo89, lo89 >> 16, hi89, hi89 >> 16};
+    const uint32_t a[2][4] = {{Fp8PairToHalf2(lo01), Fp8PairToHalf2(lo01 >> 16), Fp8PairToHalf2(lo89),
+                               Fp8PairToHalf2(lo89 >> 16)},
+                              {Fp8PairToHalf2(hi01), Fp8PairToHalf2(hi01 >> 16), Fp8PairToHalf2(hi89),
+                               Fp8PairToHalf2(hi89 >> 16)}};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float (&o)[4] = acc[4 * w + e];
-      o[0] *= alpha[0], o[1] *= alpha[0];
-      if (kHi) o[2] *= alpha[1], o[3] *= alpha[1];
-      Mma(o, pa, Fp8PairToHalf2(b01[e]), Fp8PairToHalf2(b89[e]));
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float (&o)[4] = acc[t][2 * w + h];
+        o[0] *= alpha[t][0], o[1] *= alpha[t][1], o[2] *= alpha[t][0], o[3] *= alpha[t][1];
+        Mma(o, a[h], pb[t][0], pb[t][1]);
+      }
     }
   }
 }
 
-template <int D, bool kHi>
+template <int D, int NT>
 struct Shared {
-  float acc[kWarps][kHi ? 16 : 8][D + 4];  // + 4: a warp's stores spread over the banks; over the rings
-  float m[kWarps][kMaxRows], l[kWarps][kMaxRows];
+  float acc[kWarps][8 * NT][D + 4];  // + 4: a warp's stores spread over the banks; over the rings
+  float m[kWarps][8 * NT], l[kWarps][8 * NT];
 };
 
-// Lane (row, j) holds O[row, D / 8 * 2j + u] (acc[u][0]) and O[row, D / 8 * (2j + 1) + u] (acc[u][1]).
-template <int D, bool kHi>
-__device__ void StoreWarpState(Shared<D, kHi>& sh, int warp, int lane, Softmax& sm, const float (&acc)[D / 8][4]) {
-  const int row = lane / 4, j = lane % 4;
+// O^T tile u's rows g and g + 8 are head_dim g * D / 8 + 2u and + 1 (the bytes of V a lane read).
+template <int D, int NT>
+__device__ void StoreWarpState(Shared<D, NT>& sh, int warp, int lane, Softmax<NT>& sm,
+                               const float (&acc)[NT][D / 16][4]) {
+  const int g = lane / 4, j = lane % 4;
 #pragma unroll
-  for (int h = 0; h < (kHi ? 2 : 1); ++h) {
-    float l = sm.l[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (j == 0) sh.m[warp][row + 8 * h] = sm.m[h], sh.l[warp][row + 8 * h] = l;
+  for (int t = 0; t < NT; ++t) {
 #pragma unroll
-    for (int u = 0; u < D / 8; ++u) {
-      sh.acc[warp][row + 8 * h][D / 8 * 2 * j + u] = acc[u][2 * h];
-      sh.acc[warp][row + 8 * h][D / 8 * (2 * j + 1) + u] = acc[u][2 * h + 1];
+    for (int e = 0; e < 2; ++e) {
+      const int head = 8 * t + 2 * j + e;
+      float l = sm.l[t][e];
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+      if (g == 0) sh.m[warp][head] = sm.m[t][e], sh.l[warp][head] = l;
+#pragma unroll
+      for (int u = 0; u < D / 16; ++u) {
+        sh.acc[warp][head][g * (D / 8) + 2 * u] = acc[t][u][e];
+        sh.acc[warp][head][g * (D / 8) + 2 * u + 1] = acc[t][u][2 + e];
+      }
     }
   }
 }
 
-template <typename Q, int D, bool kHi>
-__device__ void MergeWarps(const DecodeParams& p, const Shared<D, kHi>& sh, int b, int head0, int split) {
+template <typename Q, int D, int NT>
+__device__ void MergeWarps(const DecodeParams& p, const Shared<D, NT>& sh, int b, int head0, int split) {
   for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
     const int g = idx / D, d = idx % D;
     float top = -FLT_MAX;
@@ -584,14 +613,15 @@ __device__ void MergeWarps(const DecodeParams& p, const Shared<D, kHi>& sh, int 
   }
 }
 
-template <int D, bool kHi>
+template <int D, int NT>
 constexpr int SharedBytes() {
-  return sizeof(Shared<D, kHi>) > kWarps * kStages * Slot<D>::kBytes ? sizeof(Shared<D, kHi>)
-                                                                      : kWarps * kStages * Slot<D>::kBytes;
+  constexpr int kRings = kWarps * kStages<NT> * Slot<D>::kBytes;
+  return sizeof(Shared<D, NT>) > kRings ? sizeof(Shared<D, NT>) : kRings;
 }
 
-template <typename Q, int D, bool kHi>
-__global__ void __launch_bounds__(kThreads, 3) DecodeKernel(const DecodeParams p, int bs_shift) {
+template <typename Q, int D, int NT>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm<NT>) DecodeKernel(const DecodeParams p, int bs_shift) {
+  constexpr int kSlots = kStages<NT>;
   extern __shared__ __align__(16) uint8_t smem[];
   const int kv_head = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -602,41 +632,41 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeKernel(const DecodeParams p
   const int per_split = CeilDiv(CeilDiv(len - first, p.num_splits), kKeys) * kKeys;
   const Range r{p.block_tables + static_cast<int64_t>(b) * p.max_blocks, first + split * per_split,
                 min(first + (split + 1) * per_split, len), kv_head, bs_shift};
-  uint32_t qa[D / 16][4];
-  LoadQueryFragments<Q, D, kHi>(p, b, head0, lane, qa);
-  Softmax sm;
-  float acc[D / 8][4] = {};
   const int chunks = r.end > r.begin ? CeilDiv(r.end - r.begin, kKeys) : 0;
   const int mine = chunks > warp ? CeilDiv(chunks - warp, kWarps) : 0;  // this warp's: warp, warp + kWarps, ...
-  uint8_t* ring = smem + warp * kStages * Slot<D>::kBytes;
+  uint8_t* ring = smem + warp * kSlots * Slot<D>::kBytes;
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
+  for (int i = 0; i < kSlots - 1; ++i) {
     if (i < mine) IssueChunk<D>(p, r, r.begin + (warp + i * kWarps) * kKeys, lane, ring + i * Slot<D>::kBytes);
     asm volatile("cp.async.commit_group;\n" ::);  // empty groups too: the wait below counts groups
   }
+  uint32_t qb[NT][D / 16][2];  // loaded while the first chunks are in flight
+  LoadQueryFragments<Q, D, NT>(p, b, head0, lane, qb);
+  Softmax<NT> sm;
+  float acc[NT][D / 16][4] = {};
   for (int i = 0; i < mine; ++i) {
-    const int ahead = i + kStages - 1;  // its slot was read in the last iteration (every lane is past it)
+    const int ahead = i + kSlots - 1;  // its slot was read in the last iteration (every lane is past it)
     if (ahead < mine)
-      IssueChunk<D>(p, r, r.begin + (warp + ahead * kWarps) * kKeys, lane, ring + ahead % kStages * Slot<D>::kBytes);
+      IssueChunk<D>(p, r, r.begin + (warp + ahead * kWarps) * kKeys, lane, ring + ahead % kSlots * Slot<D>::kBytes);
     asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(kStages - 1));  // chunk i's copies, this lane's
-    __syncwarp();                                                     // and every lane's
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(kSlots - 1));  // chunk i's copies, this lane's
+    __syncwarp();                                                    // and every lane's
     Chunk<D> c;
-    ReadChunk<D>(ring + i % kStages * Slot<D>::kBytes, lane, c);
+    ReadChunk<D>(ring + i % kSlots * Slot<D>::kBytes, lane, c);
     __syncwarp();
-    AttendChunk<D, kHi>(p, r, r.begin + (warp + i * kWarps) * kKeys, lane, qa, c, sm, acc);
+    AttendChunk<D, NT>(p, r, r.begin + (warp + i * kWarps) * kKeys, lane, qb, c, sm, acc);
   }
   asm volatile("cp.async.wait_all;\n" ::);
   __syncthreads();  // the merge's buffer lies over the rings
-  auto& sh = *reinterpret_cast<Shared<D, kHi>*>(smem);
-  StoreWarpState<D, kHi>(sh, warp, lane, sm, acc);
+  auto& sh = *reinterpret_cast<Shared<D, NT>*>(smem);
+  StoreWarpState<D, NT>(sh, warp, lane, sm, acc);
   __syncthreads();
-  MergeWarps<Q, D, kHi>(p, sh, b, head0, split);
+  MergeWarps<Q, D, NT>(p, sh, b, head0, split);
 }
 
-template <typename Q, int D, bool kHi>
+template <typename Q, int D, int NT>
 void Launch(const DecodeParams& p, int batch, int kv_heads, int bs_shift, cudaStream_t stream) {
-  constexpr int kBytes = SharedBytes<D, kHi>();
+  constexpr int kBytes = SharedBytes<D, NT>();
   // More than the default 48 KiB of dynamic shared memory: a function attribute of each device's context, raised
   // once per device (a bit each; devices past 64 raise it every launch)
   static std::atomic<uint64_t> raised{0};
@@ -644,19 +674,19 @@ void Launch(const DecodeParams& p, int batch, int kv_heads, int bs_shift, cudaSt
   cudaGetDevice(&device);
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (!(raised.load(std::memory_order_relaxed) & bit)) {
-    cudaFuncSetAttribute(DecodeKernel<Q, D, kHi>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    cudaFuncSetAttribute(DecodeKernel<Q, D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     raised.fetch_or(bit);
   }
   const dim3 grid(kv_heads, p.num_splits, batch);
-  DecodeKernel<Q, D, kHi><<<grid, kThreads, kBytes, stream>>>(p, bs_shift);
+  DecodeKernel<Q, D, NT><<<grid, kThreads, kBytes, stream>>>(p, bs_shift);
   if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, jaxserve::kThreads, 0, stream>>>(p);
 }
 
 template <typename Q>
 ffi::Error Dispatch(const DecodeParams& p, int head_dim, int batch, int kv_heads, int bs_shift, cudaStream_t s) {
-  const bool hi = p.group > 8;
-  if (head_dim == 64) (hi ? Launch<Q, 64, true> : Launch<Q, 64, false>)(p, batch, kv_heads, bs_shift, s);
-  else (hi ? Launch<Q, 128, true> : Launch<Q, 128, false>)(p, batch, kv_heads, bs_shift, s);
+  const bool two = p.group > 8;
+  if (head_dim == 64) (two ? Launch<Q, 64, 2> : Launch<Q, 64, 1>)(p, batch, kv_heads, bs_shift, s);
+  else (two ? Launch<Q, 128, 2> : Launch<Q, 128, 1>)(p, batch, kv_heads, bs_shift, s);
   return LaunchStatus("paged_decode_attention launch");
 }
 
@@ -664,7 +694,7 @@ ffi::Error Dispatch(const DecodeParams& p, int head_dim, int batch, int kv_heads
 // heads a kv head, power-of-two pages.
 bool Takes(ffi::DataType q, ffi::DataType cache, int head_dim, int group, int block_size) {
   return cache == ffi::DataType::F8E4M3FN && (q == ffi::DataType::BF16 || q == ffi::DataType::F16) &&
-         (head_dim == 64 || head_dim == 128) && group <= kMaxRows && (block_size & (block_size - 1)) == 0;
+         (head_dim == 64 || head_dim == 128) && group <= kMaxHeads && (block_size & (block_size - 1)) == 0;
 }
 
 }  // namespace tc
