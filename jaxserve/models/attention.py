@@ -169,8 +169,8 @@ def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: Attent
     return out, from_layer_blocks(kv_layer, k_cache, v_cache)
 
 
-# Decode rows from which the tensor-core kernel serves FP8 caches under "auto": on the H200 it took 0.85-0.90x the
-# Triton launch's time at 256 rows (256-4,096 keys), 1.18x at 64 x 512 and 1.12x at 8 x 4,096
+# Decode rows from which the tensor-core kernel serves FP8 caches under "auto": on the H200 it takes 0.71-0.82x the
+# Triton launch's time at 256 rows (256-1,152 keys), 1.02x at 64 x 512 and 8 x 4,096
 CUDA_FP8_DECODE_MIN_ROWS = 256
 
 
