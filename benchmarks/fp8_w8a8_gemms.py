@@ -1,11 +1,12 @@
 """W8A8 GEMMs at Llama-3-8B's decoder shapes (q/k/v fused, o, gate, down): custom_calls.fp8_scaled_mm (cuBLASLt's
 FP8 GEMM with the per-token and per-channel scales in its epilogue, as the engine's W8A8 rows run on one GPU)
-against XLA's FP8 GEMM with an f32 result scaled by a fusion after it (fp8_scaled_mm_reference), and bare with a
-bf16 result. GPU time per GEMM, each program running distinct weights past the L2 cache.
+against custom_calls.fp8_mm (the same GEMM without scales, f32, the scales in a fusion after it) and XLA's FP8
+GEMM with an f32 result scaled by a fusion after it (fp8_scaled_mm_reference), and bare with a bf16 result. GPU
+time per GEMM, each program running distinct weights past the L2 cache.
 
   python benchmarks/fp8_w8a8_gemms.py 256 64     # rows of each GEMM (GPU, sm_90, the CUDA library built)
-Rows: bench "fp8_w8a8_gemm", impl ovscale_call | xla_f32_then_scale | xla_bf16_bare, params {tokens, name, out,
-in}, ms and gbps of weight bytes; results benchmarks/results/fp8_w8a8_gemm_gpu.json.
+Rows: bench "fp8_w8a8_gemm", impl ovscale_call | unscaled_call | xla_f32_then_scale | xla_bf16_bare, params
+{tokens, name, out, in}, ms and gbps of weight bytes; results benchmarks/results/fp8_w8a8_gemm_gpu.json.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def gemms(x_scale, w_scale) -> dict:
     """impl -> fn(xs, ws): one GEMM per (x, w) pair."""
     return {
         "ovscale_call": lambda xs, ws: [custom_calls.fp8_scaled_mm(x, x_scale, w, w_scale) for x, w in zip(xs, ws)],
+        "unscaled_call": lambda xs, ws: [(custom_calls.fp8_mm(x, w) * x_scale * w_scale).astype(jnp.bfloat16)
+                                         for x, w in zip(xs, ws)],
         "xla_f32_then_scale": lambda xs, ws: [custom_calls.fp8_scaled_mm_reference(x, x_scale, w, w_scale)
                                               for x, w in zip(xs, ws)],
         "xla_bf16_bare": lambda xs, ws: [jax.lax.dot_general(x, w, DIMS, preferred_element_type=jnp.bfloat16)

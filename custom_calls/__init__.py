@@ -35,6 +35,7 @@ TARGETS = {
     "jaxserve_moe_route": "JaxserveMoeRoute",
     "jaxserve_fp8_quantize_rows": "JaxserveFp8QuantizeRows",
     "jaxserve_fp8_scaled_mm": "JaxserveFp8ScaledMm",
+    "jaxserve_fp8_mm": "JaxserveFp8Mm",
 }
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)   # q's, and a cache's in q's dtype
 CACHE_DTYPES = (*DTYPES, jnp.float8_e4m3fn)
@@ -447,13 +448,17 @@ def rms_norm(x, weight, eps: float):
 def fp8_scaled_mm_reference(x, x_scale, w, w_scale, dtype=jnp.bfloat16):
     """y [N, M] = (x [N, K] . w [M, K]^T) * x_scale [N, 1] * w_scale [M] in dtype: both operands e4m3, never
     widened before the dot (XLA lowers it to cuBLASLt's FP8 GEMM with an f32 result)."""
-    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (y * x_scale * w_scale).astype(dtype)
+    return (fp8_mm_reference(x, w) * x_scale * w_scale).astype(dtype)
+
+
+def fp8_mm_reference(x, w):
+    """y [N, M] = x [N, K] . w [M, K]^T in f32, both operands e4m3, never widened before the dot."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 @functools.cache
 def has_cublaslt() -> bool:
-    """Whether the registered library holds fp8_scaled_mm (built where cuBLASLt's header was found)."""
+    """Whether the registered library holds fp8_scaled_mm and fp8_mm (built where cuBLASLt's header was found)."""
     return available() and bool(register(str(build.build_library())).JaxserveHasCublasLt())
 
 
@@ -504,6 +509,14 @@ def fp8_scaled_mm(x, x_scale, w, w_scale):
     return call_fp8_scaled_mm(x, x_scale, w, w_scale)
 
 
+def fp8_mm(x, w):
+    """fp8_mm_reference(x, w) through cuBLASLt's FP8 GEMM without scales (its split-K kernels among those it may
+    pick), where it runs (fp8_w8a8_unsupported); else the reference."""
+    if fp8_w8a8_unsupported(x, w):
+        return fp8_mm_reference(x, w)
+    return call_fp8_mm(x, w)
+
+
 def call_fp8_quantize_rows(x, other=None, *, input: int, eps: float = 0.0):
     """The FFI call of the quantize (the library must be registered): (e4m3 [N, K], f32 scale [N, 1]) of x, or of
     what x and `other` (up, or the norm's weight) make (QUANTIZE_INPUTS)."""
@@ -519,6 +532,14 @@ def call_fp8_scaled_mm(x, x_scale, w, w_scale):
         jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.bfloat16),
         jax.ShapeDtypeStruct((FP8_SCALED_MM_WORKSPACE,), jnp.uint8)))(
         x, w, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
+    return y
+
+
+def call_fp8_mm(x, w):
+    """The FFI call of the unscaled GEMM (the library must be registered, with cuBLASLt): f32 [N, M]."""
+    y, _ = jax.ffi.ffi_call("jaxserve_fp8_mm", (
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
+        jax.ShapeDtypeStruct((FP8_SCALED_MM_WORKSPACE,), jnp.uint8)))(x, w)
     return y
 
 

@@ -8,6 +8,7 @@ import ctypes
 import functools
 import logging
 import math
+import re
 import struct
 import subprocess
 
@@ -25,7 +26,8 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 FP8 = jnp.float8_e4m3fn
 CACHE_DTYPES = [pytest.param(None, id="cache=q"), pytest.param(FP8, id="cache=fp8")]   # None: q's dtype
 SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks", "JaxserveDecodeLinear",
-           "JaxserveMoeRoute", "JaxserveFp8QuantizeRows", "JaxserveFp8ScaledMm", "JaxserveHasCublasLt")
+           "JaxserveMoeRoute", "JaxserveFp8QuantizeRows", "JaxserveFp8ScaledMm", "JaxserveFp8Mm",
+           "JaxserveHasCublasLt")
 
 
 def fresh_rng():
@@ -485,9 +487,10 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         xq, x_scale = cc.call_fp8_quantize_rows(x, x, input=1)
         normed = cc.call_fp8_quantize_rows(x, x[0], input=2, eps=1e-5)
         mm = cc.call_fp8_scaled_mm(cc.call_fp8_quantize_rows(x, input=0)[0], x_scale, w, scale)
+        unscaled = cc.call_fp8_mm(xq, w)
         linear = cc.call_decode_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2), live=kv_lens[0])
         bf16 = cc.call_decode_linear(x, [kernel, kernel[:, :32]], None, launch=(1, 1, 2))
-        return k_cache, v_cache, out, linear, bf16, route, xq, normed, mm
+        return k_cache, v_cache, out, linear, bf16, route, xq, normed, mm, unscaled
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
     args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32),
@@ -767,6 +770,47 @@ def fp8_rows(rng, rows: int, k: int) -> jax.Array:
         x[1] = 1e-3
         x[1, rng.integers(k)] = -3e4
     return jnp.asarray(x, jnp.bfloat16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, k, m", [(17, 4096, 1024), (64, 14336, 4096), (256, 14336, 4096), (40, 576, 1536)])
+def test_fp8_mm_matches_f64(rows, k, m):
+    """cuBLASLt's FP8 GEMM without scales, f32 out, over every e4m3 bit pattern, its output memory NaN-poisoned
+    first: the fast accumulation's 2e-3 of sum |x w| allowed (see test_fp8_scaled_mm_matches_f64), and f32's
+    rounding of the result."""
+    assert cc.has_cublaslt(), "the CUDA library was built without cuBLASLt"
+    seed, rng = fresh_rng()
+    x, w = random_values(rng, (rows, k), FP8), random_values(rng, (m, k), FP8)
+    poison_device_memory((rows, m), jnp.float32)
+    out = np.asarray(jax.jit(cc.fp8_mm)(x, w), np.float64)
+    xd, wd = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    ref = xd @ wd.T
+    bound = 2.0 ** -23 * np.abs(ref) + 2e-3 * (np.abs(xd) @ np.abs(wd).T)
+    assert np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())
+
+
+def test_deep_weights_of_few_rows_lower_to_the_unscaled_gemm_for_cuda(monkeypatch):
+    """Lowered for CUDA with the library there, a W8A8 GEMM of a weight at least twice as deep as it is wide runs
+    fp8_mm (the scales after it) up to fp8.UNSCALED_GEMM_MAX_ROWS rows and fp8_scaled_mm past them; wider weights
+    run fp8_scaled_mm at any rows. Both give the reference's values on the CPU."""
+    from jaxserve.models import fp8
+
+    rng = np.random.default_rng(0)
+    cases = [(fp8.UNSCALED_GEMM_MAX_ROWS, 512, 256, "jaxserve_fp8_mm"),
+             (fp8.UNSCALED_GEMM_MAX_ROWS + 16, 512, 256, "jaxserve_fp8_scaled_mm"),
+             (fp8.UNSCALED_GEMM_MAX_ROWS, 256, 256, "jaxserve_fp8_scaled_mm")]
+    for rows, k, m, target in cases:
+        xq, w = random_values(rng, (rows, k), FP8), random_values(rng, (m, k), FP8)
+        x_scale = rng.uniform(0.5, 2.0, (rows, 1)).astype(np.float32)
+        w_scale = rng.uniform(0.5, 2.0, m).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(fp8.scaled_mm(xq, x_scale, w, w_scale)),
+                                      np.asarray(cc.fp8_scaled_mm_reference(xq, x_scale, w, w_scale)))
+        with monkeypatch.context() as patch:
+            patch.setattr(cc, "has_cublaslt", lambda: True)
+            text = jax.jit(fp8.scaled_mm).trace(xq, x_scale, w, w_scale).lower(
+                lowering_platforms=("cuda",)).as_text()
+        calls = set(re.findall(r"custom_call @(jaxserve_fp8_\w+)", text))
+        assert calls == {target}, (rows, k, m, calls)
 
 
 def test_fp8_scaled_mm_reference_matches_f64():

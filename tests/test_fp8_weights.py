@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.fp8 import (FP8, W8A16_MAX_ROWS, Fp8Linear, NormedRows, fp8_linears, gated_linear,
-                                 quantize_rows, quantize_weight)
+from jaxserve.models.fp8 import (FP8, UNSCALED_GEMM_MAX_ROWS, W8A16_MAX_ROWS, Fp8Linear, NormedRows, fp8_linears,
+                                 gated_linear, quantize_rows, quantize_weight)
 from jaxserve.models.llama import RMSNorm, fuse_qkv
 from jaxserve.models.loader import load_model, load_run, random_model, save_converted
 from jaxserve.sharding import make_mesh, param_spec
@@ -495,7 +495,7 @@ LLAMA3_8B_LAYERS = dataclasses.replace(TINY, vocab_size=32768, hidden_size=4096,
                                        rope_theta=500000.0, max_position_embeddings=8192)
 PREFILL_TOKENS = 256   # no activation [256, .] shares a weight's shape
 # XLA's FP8 GEMM, and the W8A8 kernels' (cuBLASLt's FP8 GEMM with vector scales) that one GPU takes
-FP8_GEMMS = ('"__cublas$lt$matmul$f8"', '"jaxserve_fp8_scaled_mm"')
+FP8_GEMMS = ('"__cublas$lt$matmul$f8"', '"jaxserve_fp8_scaled_mm"', '"jaxserve_fp8_mm"')
 
 
 @pytest.fixture
@@ -530,24 +530,28 @@ def fp8_gemm_inputs(hlo: str) -> tuple[set[str], set[str]]:
     return weights, reached
 
 
-def test_llama3_8b_layers_compile_to_fp8_gemms_on_the_weights_as_stored(fp8_gpu):
+@pytest.mark.parametrize("tokens", [PREFILL_TOKENS, 2 * PREFILL_TOKENS])
+def test_llama3_8b_layers_compile_to_fp8_gemms_on_the_weights_as_stored(fp8_gpu, tokens):
     """Every linear's e4m3 weight feeds a cuBLASLt FP8 GEMM, and nothing (no fusion either) makes a float copy of
     a weight: an f8 -> bf16 convert feeding a dot would. On one GPU they are the W8A8 kernels': a quantize for
-    each input (q/k/v's one, the SiLU product's inside it), a GEMM for each weight."""
+    each input (q/k/v's one, the SiLU product's inside it), a GEMM for each weight, the down projection's without
+    scales up to fp8.UNSCALED_GEMM_MAX_ROWS rows."""
     cfg = LLAMA3_8B_LAYERS
     loaded = random_model(cfg, jnp.bfloat16, quantization="fp8")
     one_device = jax.device_count() == 1
     if one_device:
         fuse_qkv(loaded.model)   # as the engine runs it there: q, k and v one GEMM
     fn = nnx.jit(lambda m, ids: m(ids, jnp.arange(ids.shape[0]))[0])
-    hlo = fn.lower(loaded.model, jnp.zeros(PREFILL_TOKENS, jnp.int32)).compile().as_text()
+    hlo = fn.lower(loaded.model, jnp.zeros(tokens, jnp.int32)).compile().as_text()
     weights, reached = fp8_gemm_inputs(hlo)
     gemms = 5 if one_device else 7
     assert len(weights) == gemms * cfg.num_layers and reached == weights, sorted(weights - reached)
     float_arrays = {(int(a), int(b)) for a, b in re.findall(r"\b(?:bf16|f16|f32)\[(\d+),(\d+)\]", hlo)}
     assert not float_arrays & weight_shapes(cfg), float_arrays & weight_shapes(cfg)
     if one_device:
-        assert hlo.count('custom_call_target="jaxserve_fp8_scaled_mm"') == gemms * cfg.num_layers
+        unscaled = tokens <= UNSCALED_GEMM_MAX_ROWS
+        assert hlo.count('custom_call_target="jaxserve_fp8_scaled_mm"') == (gemms - unscaled) * cfg.num_layers
+        assert hlo.count('custom_call_target="jaxserve_fp8_mm"') == unscaled * cfg.num_layers
         assert hlo.count('custom_call_target="jaxserve_fp8_quantize_rows"') == 4 * cfg.num_layers
 
 

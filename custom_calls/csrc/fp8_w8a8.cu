@@ -5,6 +5,10 @@
 //  - Fp8ScaledMm: y [N, M] = (xq [N, K] . w [M, K]^T) * x_scale [N] * w_scale [M] in bf16, one cuBLASLt FP8 GEMM
 //    with both scale vectors in its epilogue (outer-vector scaling, cuBLAS 12.9+ on sm_90+): XLA's FP8 GEMM takes
 //    scalar scales only, so it wrote an f32 product that a fusion then read, scaled and rounded.
+//  - Fp8Mm: the f32 product xq . w^T alone, for the scales to follow in a fusion: cuBLASLt has one algorithm for
+//    outer-vector scales (a 128 x 128 tile, no split of K), too few CTAs for a deep weight under few rows (the MLP's
+//    down projection), where the unscaled GEMM's split-K kernels are faster. A custom call, unlike XLA's own cuBLASLt
+//    GEMM, stays inside the step's CUDA graph.
 #include <algorithm>
 #include <cfloat>
 #include <map>
@@ -191,7 +195,7 @@ ffi::Error Fp8QuantizeRows(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remaining
 #if JAXSERVE_HAS_CUBLASLT
 
 ffi::Error LtError(const char* what, cublasStatus_t status) {
-  return ffi::Error::Internal(std::string("fp8_scaled_mm: ") + what + " failed (cuBLAS status " +
+  return ffi::Error::Internal(std::string("cuBLASLt's FP8 GEMM: ") + what + " failed (cuBLAS status " +
                               std::to_string(static_cast<int>(status)) + ")");
 }
 
@@ -200,7 +204,7 @@ ffi::Error LtError(const char* what, cublasStatus_t status) {
 // recording. Kept for the thread's life (XLA's threads live as long as the client).
 struct LtState {
   std::map<int, cublasLtHandle_t> handles;
-  std::map<std::tuple<int, int64_t, int64_t, int64_t, size_t>, cublasLtMatmulAlgo_t> algos;
+  std::map<std::tuple<int, int64_t, int64_t, int64_t, size_t, bool>, cublasLtMatmulAlgo_t> algos;
 };
 
 LtState& State() {
@@ -223,20 +227,13 @@ struct LtCall {
 };
 
 // Column-major, as cuBLASLt sees row-major arrays: y^T [M, N] = w [K, M]^T . x [K, N]; A is the weight (its
-// scale vector has M elements), B the activations (N).
-ffi::Error Fp8ScaledMm(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::F32> w_scale, ffi::Result<ffi::AnyBuffer> y,
-                       ffi::Result<ffi::AnyBuffer> workspace) {
+// scale vector has M elements), B the activations (N). With scales (both or neither) y is their product's bf16,
+// without them the f32 product.
+ffi::Error LtFp8Gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, const float* x_scale,
+                     const float* w_scale, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> workspace) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (x.element_type() != ffi::DataType::F8E4M3FN || w.element_type() != ffi::DataType::F8E4M3FN ||
-      xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("fp8_scaled_mm takes e4m3 x [N, K] and w [M, K]");
   const int64_t n = xd[0], m = wd[0], k = xd[1];
-  if (k % 16 || m % 16) return ffi::Error::InvalidArgument("fp8_scaled_mm needs K and M multiples of 16");
-  if (x_scale.element_count() != static_cast<size_t>(n) || w_scale.element_count() != static_cast<size_t>(m) ||
-      y->element_type() != ffi::DataType::BF16 || y->element_count() != static_cast<size_t>(n * m))
-    return ffi::Error::InvalidArgument("fp8_scaled_mm: f32 x_scale [N], w_scale [M], bf16 y [N, M]");
-  if (n == 0) return ffi::Error::Success();
+  const bool scaled = x_scale != nullptr;
   LtState& state = State();
   cublasLtHandle_t& handle = state.handles[device];
   cublasStatus_t status;
@@ -248,25 +245,28 @@ ffi::Error Fp8ScaledMm(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
   const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
   const cublasLtMatmulMatrixScale_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
   const int8_t fast_accum = 1;   // XLA's FP8 GEMMs accumulate so too
-  const void* a_scale = w_scale.typed_data();
-  const void* b_scale = x_scale.typed_data();
+  const void* a_scale = w_scale;
+  const void* b_scale = x_scale;
   const size_t workspace_bytes = workspace->size_bytes();
   if ((status = cublasLtMatmulDescCreate(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F)) ||
       (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof transa)) ||
       (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof transb)) ||
       (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum,
                                                sizeof fast_accum)) ||
-      (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer, sizeof outer)) ||
-      (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer, sizeof outer)) ||
-      (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
-                                               sizeof a_scale)) ||
-      (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
-                                               sizeof b_scale)) ||
+      (scaled &&
+       ((status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer,
+                                                 sizeof outer)) ||
+        (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer,
+                                                 sizeof outer)) ||
+        (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
+                                                 sizeof a_scale)) ||
+        (status = cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
+                                                 sizeof b_scale)))) ||
       (status = cublasLtMatrixLayoutCreate(&call.a, CUDA_R_8F_E4M3, k, m, k)) ||
       (status = cublasLtMatrixLayoutCreate(&call.b, CUDA_R_8F_E4M3, k, n, k)) ||
-      (status = cublasLtMatrixLayoutCreate(&call.d, CUDA_R_16BF, m, n, m)))
+      (status = cublasLtMatrixLayoutCreate(&call.d, scaled ? CUDA_R_16BF : CUDA_R_32F, m, n, m)))
     return LtError("describing the GEMM", status);
-  const auto key = std::make_tuple(device, n, m, k, workspace_bytes);
+  const auto key = std::make_tuple(device, n, m, k, workspace_bytes, scaled);
   auto found = state.algos.find(key);
   if (found == state.algos.end()) {
     cublasLtMatmulHeuristicResult_t result{};
@@ -278,8 +278,9 @@ ffi::Error Fp8ScaledMm(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
                                                  1, &result, &count)))
       return LtError("cublasLtMatmulAlgoGetHeuristic", status);
     if (count == 0)
-      return ffi::Error::Internal("fp8_scaled_mm: cuBLASLt has no FP8 GEMM with outer-vector scales for this "
-                                  "shape on this GPU (needs cuBLAS 12.9+ and sm_90+)");
+      return ffi::Error::Internal(scaled ? "fp8_scaled_mm: cuBLASLt has no FP8 GEMM with outer-vector scales for "
+                                           "this shape on this GPU (needs cuBLAS 12.9+ and sm_90+)"
+                                         : "fp8_mm: cuBLASLt has no FP8 GEMM for this shape on this GPU (sm_89+)");
     found = state.algos.emplace(key, result.algo).first;
   }
   const cublasLtMatmulAlgo_t algo = found->second;
@@ -290,6 +291,38 @@ ffi::Error Fp8ScaledMm(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
   return status == CUBLAS_STATUS_SUCCESS ? ffi::Error::Success() : LtError("cublasLtMatmul", status);
 }
 
+// Why x [N, K] and w [M, K] are no e4m3 GEMM's operands with y [N, M] of y_type (empty when they are).
+const char* GemmShapeError(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y, ffi::DataType y_type) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (x.element_type() != ffi::DataType::F8E4M3FN || w.element_type() != ffi::DataType::F8E4M3FN ||
+      xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return "takes e4m3 x [N, K] and w [M, K]";
+  if (xd[1] % 16 || wd[0] % 16) return "needs K and M multiples of 16";
+  if (y.element_type() != y_type || y.element_count() != static_cast<size_t>(xd[0] * wd[0]))
+    return y_type == ffi::DataType::BF16 ? "writes bf16 y [N, M]" : "writes f32 y [N, M]";
+  return "";
+}
+
+ffi::Error Fp8ScaledMm(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::F32> w_scale, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::AnyBuffer> workspace) {
+  if (const char* error = GemmShapeError(x, w, *y, ffi::DataType::BF16); *error)
+    return ffi::Error::InvalidArgument(std::string("fp8_scaled_mm ") + error);
+  if (x_scale.element_count() != static_cast<size_t>(x.dimensions()[0]) ||
+      w_scale.element_count() != static_cast<size_t>(w.dimensions()[0]))
+    return ffi::Error::InvalidArgument("fp8_scaled_mm: f32 x_scale [N], w_scale [M]");
+  if (x.dimensions()[0] == 0) return ffi::Error::Success();
+  return LtFp8Gemm(stream, device, x, w, x_scale.typed_data(), w_scale.typed_data(), y, workspace);
+}
+
+ffi::Error Fp8Mm(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                 ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> workspace) {
+  if (const char* error = GemmShapeError(x, w, *y, ffi::DataType::F32); *error)
+    return ffi::Error::InvalidArgument(std::string("fp8_mm ") + error);
+  if (x.dimensions()[0] == 0) return ffi::Error::Success();
+  return LtFp8Gemm(stream, device, x, w, nullptr, nullptr, y, workspace);
+}
+
 #else
 
 ffi::Error Fp8ScaledMm(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::F32>,
@@ -297,12 +330,17 @@ ffi::Error Fp8ScaledMm(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::AnyBuffer, ff
   return ffi::Error::Internal("fp8_scaled_mm: the library was built without cuBLASLt's header");
 }
 
+ffi::Error Fp8Mm(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>,
+                 ffi::Result<ffi::AnyBuffer>) {
+  return ffi::Error::Internal("fp8_mm: the library was built without cuBLASLt's header");
+}
+
 #endif
 
 }  // namespace
 }  // namespace jaxserve
 
-// Whether Fp8ScaledMm was built (custom_calls asks before choosing it).
+// Whether Fp8ScaledMm and Fp8Mm were built (custom_calls asks before choosing it).
 extern "C" int JaxserveHasCublasLt() { return JAXSERVE_HAS_CUBLASLT; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8QuantizeRows, jaxserve::Fp8QuantizeRows,
@@ -324,6 +362,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8ScaledMm, jaxserve::Fp8ScaledMm,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8Mm, jaxserve::Fp8Mm,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,8 +1,9 @@
 """FP8 linear layers: weights in float8 e4m3 with a scale per output channel. Steps of many rows run W8A8:
 activations quantized per token at run time, one FP8 GEMM on the tensor cores (half the weight bytes of bf16 and
-twice its rate): on one NVIDIA GPU through CUDA calls (custom_calls.fp8_quantize_rows, which makes the RMS norm or the
-SiLU product it quantizes, and fp8_scaled_mm, cuBLASLt's FP8 GEMM with both scales in its epilogue), elsewhere
-through XLA (on sm_89+ GPUs its `__cublas$lt$matmul$f8` with an f32 result, scaled by a fusion after it). Decode steps run W8A16 (W8A16_MAX_ROWS):
+twice its rate): on one NVIDIA GPU through CUDA calls (custom_calls.fp8_quantize_rows, which makes the RMS norm or
+the SiLU product it quantizes, and fp8_scaled_mm, cuBLASLt's FP8 GEMM with both scales in its epilogue, or fp8_mm
+for the down projection of decode-sized steps: UNSCALED_GEMM_MAX_ROWS), elsewhere through XLA (on sm_89+ GPUs its
+`__cublas$lt$matmul$f8` with an f32 result, scaled by a fusion after it). Decode steps run W8A16 (W8A16_MAX_ROWS):
 on one NVIDIA GPU through the CUDA kernel custom_calls.fp8_linear, elsewhere through XLA (its reference)."""
 from __future__ import annotations
 
@@ -23,12 +24,17 @@ W8A16_MAX_ROWS = custom_calls.DECODE_LINEAR_MAX_ROWS
 # W8A16 and W8A8 through the CUDA kernels where they run (benchmarks turn them off to time XLA's GEMMs beside them)
 W8A16_KERNEL = True
 W8A8_KERNELS = True
+# W8A8 steps of up to this many rows run a weight at least twice as deep as it is wide (K >= 2N: the MLP's down
+# projection) through custom_calls.fp8_mm, the scales in a fusion after it, not fp8_scaled_mm: cuBLASLt has one
+# algorithm for outer-vector scales, a tile and no split of K, 64 CTAs at Llama-3-8B's down projection (H200: 37.8
+# us at 256 rows and 36.7 at 64, where XLA's unscaled FP8 GEMM took 27.7 and 23.4)
+UNSCALED_GEMM_MAX_ROWS = 256
 
 
 def switches() -> tuple:
     """The switches above, as they stand: they change what a traced step holds (an executable cache's fingerprint
     carries them)."""
-    return W8A16_MAX_ROWS, W8A16_KERNEL, W8A8_KERNELS
+    return W8A16_MAX_ROWS, W8A16_KERNEL, W8A8_KERNELS, UNSCALED_GEMM_MAX_ROWS
 
 
 # x [N, K] -> (e4m3 [N, K], f32 scale [N, 1]), a scale per row; an all-zero row (padding tokens, a pruned channel)
@@ -135,7 +141,7 @@ def normed_input(norm, x, layers):
 def linears_w8a8(layers, x, up=None) -> list:
     """x [N, in] (or silu(x) * up, or NormedRows) through Fp8Linear layers that read it, W8A8, without their
     biases: x quantized once for all. On one NVIDIA GPU through the CUDA kernels (w8a8_kernels:
-    custom_calls.fp8_quantize_rows or fp8_rms_norm_quantize_rows, and fp8_scaled_mm), elsewhere through XLA."""
+    custom_calls.fp8_quantize_rows or fp8_rms_norm_quantize_rows, and scaled_mm), elsewhere through XLA."""
     ws, scales = [layer.weight[...] for layer in layers], [layer.weight_scale[...] for layer in layers]
     if isinstance(x, NormedRows):
         xq, x_scale = custom_calls.fp8_rms_norm_quantize_rows(x.x, x.weight, x.eps)
@@ -144,7 +150,15 @@ def linears_w8a8(layers, x, up=None) -> list:
     else:
         xq, x_scale = quantize_rows(x if up is None else jax.nn.silu(x) * up)
         return [custom_calls.fp8_scaled_mm_reference(xq, x_scale, w, s, x.dtype) for w, s in zip(ws, scales)]
-    return [custom_calls.fp8_scaled_mm(xq, x_scale, w, s) for w, s in zip(ws, scales)]
+    return [scaled_mm(xq, x_scale, w, s) for w, s in zip(ws, scales)]
+
+
+def scaled_mm(xq, x_scale, w, w_scale):
+    """custom_calls.fp8_scaled_mm, or fp8_mm and the scales after it for a deep weight under few rows
+    (UNSCALED_GEMM_MAX_ROWS)."""
+    if xq.shape[0] <= UNSCALED_GEMM_MAX_ROWS and w.shape[1] >= 2 * w.shape[0]:
+        return (custom_calls.fp8_mm(xq, w) * x_scale * w_scale).astype(jnp.bfloat16)
+    return custom_calls.fp8_scaled_mm(xq, x_scale, w, w_scale)
 
 
 def gated_linear(layer, gate, up, live=None):
