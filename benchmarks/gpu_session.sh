@@ -30,6 +30,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-cuda-decode-engine  # auto's FP8 decode: tests, engine
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down  # fp8_mm: tests, GEMMs, a step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down-engine  # decode-heavy with/without, bf16
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cuda-decode-16bit  # the tensor-core decode over bf16/f16 caches
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
@@ -366,6 +367,12 @@ case $1 in
       -k "(decode_step or window_and_soft_cap) and fp8 and not float32" || exit 1
     run 200 python benchmarks/attention.py --mosaic-decode --decode-backends triton --kv-dtype fp8 --kv-only \
       --points 256x256 256x640 256x1152 256x4096 64x512 8x4096 8x512 --out "$OUT/attention_fp8_decode_gpu.json" ;;
+  cuda-decode-16bit)   # the CUDA decode's tensor-core kernel over caches in q's bf16/f16: its GPU tests, then
+    # beside Triton and cuDNN over bf16 caches
+    run 240 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py \
+      -k "(decode_step or window_and_soft_cap) and not float32 and not fp8" || exit 1
+    run 200 python benchmarks/attention.py --mosaic-decode --decode-backends triton \
+      --points 256x256 256x640 256x1152 64x512 64x4096 8x4096 8x512 --out "$OUT/attention_cuda_decode_gpu.json" ;;
   fp8-cuda-decode-engine)   # "auto" over an FP8 cache (the tensor-core CUDA decode at 256 rows) beside the Triton
     # decode and bf16: its GPU tests, then decode-heavy and 256 x 512/128 with FP8 weights + KV
     run 150 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py -k "large_fp8" || exit 1

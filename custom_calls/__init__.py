@@ -191,9 +191,11 @@ def paged_decode_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
 
 
 def tensor_core_decode_takes(q_dtype, cache_dtype, head_dim: int, group: int, block_size: int) -> bool:
-    """Whether paged_decode_attention runs its tensor-core kernel here: an FP8 cache under a 16-bit q, head_dim 64
-    or 128, up to 16 query heads a kv head, power-of-two pages (other shapes take the f32 kernel)."""
-    return (jnp.dtype(cache_dtype) == jnp.float8_e4m3fn and jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16)
+    """Whether paged_decode_attention runs its tensor-core kernel here: a bf16 or f16 q over an FP8 cache or one of
+    its own dtype, head_dim 64 or 128, up to 16 query heads a kv head, power-of-two pages (other shapes take the f32
+    kernel)."""
+    q_dtype, cache_dtype = jnp.dtype(q_dtype), jnp.dtype(cache_dtype)
+    return (q_dtype in (jnp.bfloat16, jnp.float16) and cache_dtype in (jnp.float8_e4m3fn, q_dtype)
             and head_dim in TENSOR_CORE_DECODE_HEAD_DIMS and group <= TENSOR_CORE_DECODE_MAX_GROUP
             and block_size & (block_size - 1) == 0)
 

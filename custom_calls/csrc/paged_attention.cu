@@ -17,6 +17,7 @@
 // f32; its scales are the caller's (folded into q and the output).
 #include <atomic>
 #include <cfloat>
+#include <type_traits>
 
 #include "common.h"
 
@@ -333,26 +334,29 @@ void Launch(const DecodeParams& p, int batch, int kv_heads, cudaStream_t stream)
   if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, kThreads, 0, stream>>>(p);
 }
 
-// Tensor-core decode over an FP8 cache (q in bf16 or f16, a group of up to 16 query heads, power-of-two
-// pages). A CTA owns one (sequence, kv head, split); its warps take 16-key chunks in turn, each warp copying its
+// Tensor-core decode over an FP8 cache under a bf16 or f16 q, or a cache in q's bf16 or f16 (a group of up to 16
+// query heads, power-of-two pages). A CTA owns one (sequence, kv head, split); its warps take 16-key chunks in turn, each warp copying its
 // next chunks into its own shared-memory ring (cp.async) while it computes one, and merge their softmax states at
 // the end. Per chunk, S^T = K q^T and O^T += V^T P^T run as mma.sync m16n8k16 in f16 with f32 sums: the chunk's
 // 16 keys (S) and 16 of head_dim (O) are the rows (A), q's heads the 8 columns (B), so a group of up to 8 heads
 // costs one mma a k-step and few registers. Since a sum does not depend on its order, each lane takes whole
 // pieces of a row: for S, a quarter of two K rows (q's B fragments take the same permutation of head_dim); for O,
 // an eighth of each of four V rows (O's rows come out permuted and are stored where they belong), the key pairs
-// the A fragment wants built by byte permutes. e4m3 widens to f16 exactly, two at a time; S's C fragment becomes
-// P^T's B fragment by one 8x8 transpose (movmatrix) a half.
+// the A fragment wants built by byte permutes. e4m3 widens to f16 exactly, two at a time (the mma runs in f16 over
+// an FP8 cache, in the cache's type over a 16-bit one); S's C fragment becomes P^T's B fragment by one 8x8
+// transpose (movmatrix) a half.
 namespace tc {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kKeys = 16;  // keys a warp's chunk: the 16 rows of S^T, one 16-key step of O^T
 constexpr int kMaxHeads = 16;
-// Chunks in a warp's ring (kStages - 1 in flight while one is read) and CTAs an SM, by q's 8-head column tiles
-// (NT): one tile fits 4 CTAs of 3 slots (48 KiB a CTA at D = 128) in registers and shared memory, two tiles 3
-template <int NT> constexpr int kStages = NT == 1 ? 3 : 4;
-template <int NT> constexpr int kCtasPerSm = NT == 1 ? 4 : 3;
+// Chunks in a warp's ring (kStages - 1 in flight while one is read) and CTAs an SM, by the cache's element bytes
+// (E) and q's 8-head column tiles (NT): over FP8, one tile fits 4 CTAs of 3 slots (48 KiB a CTA at D = 128) in
+// registers and shared memory, two tiles 3 of 4 slots; a 16-bit chunk is twice the bytes and registers: 3 CTAs of 2
+// slots (64 KiB), two tiles 2 CTAs
+template <int E, int NT> constexpr int kStages = E == 1 ? (NT == 1 ? 3 : 4) : 2;
+template <int E, int NT> constexpr int kCtasPerSm = E == 1 ? (NT == 1 ? 4 : 3) : (NT == 1 ? 3 : 2);
 
 __device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t two) {  // low byte -> low half
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
@@ -366,25 +370,45 @@ __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+__device__ __forceinline__ uint32_t PackBf162(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// The mma's input type T (__half or __nv_bfloat16): two floats packed (f16 clipped to its range, which bf16's values
+// can pass).
+template <typename T>
+__device__ __forceinline__ uint32_t Pack(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) return PackHalf2(ClipHalf(lo), ClipHalf(hi));
+  else return PackBf162(lo, hi);
+}
+
 __device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {  // a b16 8x8 matrix's fragment, transposed
   uint32_t y;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
 }
 
+template <typename T>
 __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  if constexpr (std::is_same_v<T, __half>)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // A lane (g, j) = (lane / 4, lane % 4) of a fragment holds A rows g and g + 8, B and C column g (B) or columns
 // 2j, 2j + 1 (C).
-template <int D>
+template <int D, int E>
 struct Chunk {
-  uint32_t k[2][D / 16];  // keys g, g + 8: this lane's quarter of each row, 4 bytes a k-step
-  uint32_t v[4][D / 32];  // keys 2j, 2j + 1, 2j + 8, 2j + 9: this lane's eighth of each row
+  uint32_t k[2][D * E / 16];  // keys g, g + 8: this lane's quarter of each row (4 elements a k-step)
+  uint32_t v[4][D * E / 32];  // keys 2j, 2j + 1, 2j + 8, 2j + 9: this lane's eighth of each row
 };
 
 struct Range {
@@ -393,12 +417,12 @@ struct Range {
 };
 
 // Byte offset of key's K/V row (keys past the range read its last one: masked, and finite).
-template <int D>
+template <int D, int E>
 __device__ __forceinline__ int64_t RowOffset(const DecodeParams& p, const Range& r, int key) {
   key = min(key, r.end - 1);
   const int block = min(max(r.table[key >> r.bs_shift], 0), p.num_blocks - 1);
   const int64_t slot = (static_cast<int64_t>(block) << r.bs_shift) + (key & (p.block_size - 1));
-  return slot * p.slot_stride + static_cast<int64_t>(r.kv_head) * D;
+  return (slot * p.slot_stride + static_cast<int64_t>(r.kv_head) * D) * E;
 }
 
 __device__ __forceinline__ void CopyAsync16(void* dst, const void* src) {
@@ -406,61 +430,64 @@ __device__ __forceinline__ void CopyAsync16(void* dst, const void* src) {
                :: "r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "l"(src));
 }
 
-// A ring slot: K then V rows of a chunk's 16 keys, D bytes each, their 16-byte units swizzled by the key
+// A ring slot: K then V rows of a chunk's 16 keys, D * E bytes each, their 16-byte units swizzled by the key
 // (unit u of key k at u ^ (k % units)) so that the fragment reads below hit distinct banks.
-template <int D>
+template <int D, int E>
 struct Slot {
-  static constexpr int kUnits = D / 16;
-  static constexpr int kBytes = 2 * kKeys * D;
+  static constexpr int kRow = D * E;
+  static constexpr int kUnits = kRow / 16;
+  static constexpr int kBytes = 2 * kKeys * kRow;
   __device__ static int Offset(int key, int byte) {
-    return key * D + (((byte / 16) ^ (key % kUnits)) * 16) + byte % 16;
+    return key * kRow + (((byte / 16) ^ (key % kUnits)) * 16) + byte % 16;
   }
 };
 
 // Queues the copy of chunk key0's K and V rows into a slot: each lane copies whole units.
-template <int D>
+template <int D, int E>
 __device__ __forceinline__ void IssueChunk(const DecodeParams& p, const Range& r, int key0, int lane,
                                            uint8_t* slot) {
+  using S = Slot<D, E>;
   const auto* k_cache = static_cast<const uint8_t*>(p.k_cache);
   const auto* v_cache = static_cast<const uint8_t*>(p.v_cache);
 #pragma unroll
-  for (int q = 0; q < kKeys * Slot<D>::kUnits / 32; ++q) {
-    const int i = lane + 32 * q, key = i / Slot<D>::kUnits, byte = i % Slot<D>::kUnits * 16;
-    const int64_t row = RowOffset<D>(p, r, key0 + key) + byte;
-    CopyAsync16(slot + Slot<D>::Offset(key, byte), k_cache + row);
-    CopyAsync16(slot + kKeys * D + Slot<D>::Offset(key, byte), v_cache + row);
+  for (int q = 0; q < kKeys * S::kUnits / 32; ++q) {
+    const int i = lane + 32 * q, key = i / S::kUnits, byte = i % S::kUnits * 16;
+    const int64_t row = RowOffset<D, E>(p, r, key0 + key) + byte;
+    CopyAsync16(slot + S::Offset(key, byte), k_cache + row);
+    CopyAsync16(slot + kKeys * S::kRow + S::Offset(key, byte), v_cache + row);
   }
 }
 
-template <int N>
-__device__ __forceinline__ void ReadWords(const uint8_t* src, uint32_t* w) {
-  if constexpr (N == 4) {
-    const uint4 x = *reinterpret_cast<const uint4*>(src);
-    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
-  } else {
-    static_assert(N == 2, "an eighth of a 64-wide row is 8 bytes");
-    const uint2 x = *reinterpret_cast<const uint2*>(src);
+// N bytes of a key's row in the slot, from its byte `at` (16-byte pieces, or one of 8), as words.
+template <int D, int E, int N>
+__device__ __forceinline__ void ReadBytes(const uint8_t* rows, int key, int at, uint32_t* w) {
+  if constexpr (N == 8) {
+    const uint2 x = *reinterpret_cast<const uint2*>(rows + Slot<D, E>::Offset(key, at));
     w[0] = x.x, w[1] = x.y;
+  } else {
+#pragma unroll
+    for (int b = 0; b < N; b += 16) {
+      const uint4 x = *reinterpret_cast<const uint4*>(rows + Slot<D, E>::Offset(key, at + b));
+      w[b / 4] = x.x, w[b / 4 + 1] = x.y, w[b / 4 + 2] = x.z, w[b / 4 + 3] = x.w;
+    }
   }
 }
 
-template <int D>
-__device__ __forceinline__ void ReadChunk(const uint8_t* slot, int lane, Chunk<D>& c) {
+template <int D, int E>
+__device__ __forceinline__ void ReadChunk(const uint8_t* slot, int lane, Chunk<D, E>& c) {
   const int g = lane / 4, j = lane % 4;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int b = 0; b < D / 4; b += 16)
-      ReadWords<4>(slot + Slot<D>::Offset(g + 8 * h, j * (D / 4) + b), c.k[h] + b / 4);
-  }
+  for (int h = 0; h < 2; ++h) ReadBytes<D, E, D * E / 4>(slot, g + 8 * h, j * (D * E / 4), c.k[h]);
   const int keys[4] = {2 * j, 2 * j + 1, 2 * j + 8, 2 * j + 9};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) ReadWords<D / 32>(slot + kKeys * D + Slot<D>::Offset(keys[i], g * (D / 8)), c.v[i]);
+  for (int i = 0; i < 4; ++i)
+    ReadBytes<D, E, D * E / 8>(slot + kKeys * Slot<D, E>::kRow, keys[i], g * (D * E / 8), c.v[i]);
 }
 
-// q^T's B fragments (head g of column tile t), scaled later in f32: k-step s holds head_dim j * D / 4 + 4s +
-// {0, 1} (b0 b1) and + {2, 3} (b2 b3), the order K's words take. f16 takes bf16's values up to its range.
-template <typename Q, int D, int NT>
+// q^T's B fragments (head g of column tile t) in the mma's type T, scaled later in f32: k-step s holds head_dim
+// j * D / 4 + 4s + {0, 1} (b0 b1) and + {2, 3} (b2 b3), the order K's elements take. f16 takes bf16's values up to
+// its range.
+template <typename Q, typename T, int D, int NT>
 __device__ void LoadQueryFragments(const DecodeParams& p, int b, int head0, int lane, uint32_t (&qb)[NT][D / 16][2]) {
   const int g = lane / 4, j = lane % 4;
 #pragma unroll
@@ -472,8 +499,8 @@ __device__ void LoadQueryFragments(const DecodeParams& p, int b, int head0, int 
     }
 #pragma unroll
     for (int s = 0; s < D / 16; ++s) {
-      qb[t][s][0] = PackHalf2(ClipHalf(f[4 * s]), ClipHalf(f[4 * s + 1]));
-      qb[t][s][1] = PackHalf2(ClipHalf(f[4 * s + 2]), ClipHalf(f[4 * s + 3]));
+      qb[t][s][0] = Pack<T>(f[4 * s], f[4 * s + 1]);
+      qb[t][s][1] = Pack<T>(f[4 * s + 2], f[4 * s + 3]);
     }
   }
 }
@@ -487,18 +514,31 @@ struct Softmax {  // heads 8t + 2j + e: the running max (log2 domain, all lanes 
   }
 };
 
+// K's A fragment for k-step k: keys g and g + 8 at head_dim 4k + {0, 1} (a0 a1, a2 a3) and + {2, 3} (a4-a7) of the
+// lane's quarter of the rows; an FP8 word holds all four, widened in pairs, a 16-bit row's two words hold them.
+template <int D, int E>
+__device__ __forceinline__ void KeyFragment(const Chunk<D, E>& c, int k, uint32_t (&a)[4]) {
+  if constexpr (E == 1) {
+    a[0] = Fp8PairToHalf2(c.k[0][k]), a[1] = Fp8PairToHalf2(c.k[1][k]);
+    a[2] = Fp8PairToHalf2(c.k[0][k] >> 16), a[3] = Fp8PairToHalf2(c.k[1][k] >> 16);
+  } else {
+    a[0] = c.k[0][2 * k], a[1] = c.k[1][2 * k], a[2] = c.k[0][2 * k + 1], a[3] = c.k[1][2 * k + 1];
+  }
+}
+
 // S^T for the chunk (keys g, g + 8 against heads 2j, 2j + 1 of each tile), scaled, capped and masked.
-template <int D, int NT>
+template <typename T, int D, int E, int NT>
 __device__ __forceinline__ void Scores(const DecodeParams& p, const Range& r, int key0, int lane,
-                                       const uint32_t (&qb)[NT][D / 16][2], const Chunk<D>& c, float (&s)[NT][4]) {
+                                       const uint32_t (&qb)[NT][D / 16][2], const Chunk<D, E>& c,
+                                       float (&s)[NT][4]) {
 #pragma unroll
   for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
 #pragma unroll
   for (int k = 0; k < D / 16; ++k) {
-    const uint32_t a[4] = {Fp8PairToHalf2(c.k[0][k]), Fp8PairToHalf2(c.k[1][k]), Fp8PairToHalf2(c.k[0][k] >> 16),
-                           Fp8PairToHalf2(c.k[1][k] >> 16)};
+    uint32_t a[4];
+    KeyFragment<D, E>(c, k, a);
 #pragma unroll
-    for (int t = 0; t < NT; ++t) Mma(s[t], a, qb[t][k][0], qb[t][k][1]);
+    for (int t = 0; t < NT; ++t) Mma<T>(s[t], a, qb[t][k][0], qb[t][k][1]);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -513,12 +553,29 @@ __device__ __forceinline__ void Scores(const DecodeParams& p, const Range& r, in
   }
 }
 
-template <int D, int NT>
+// V^T's A fragments for O^T tiles 2w and 2w + 1 (E = 1) or tile w (E = 2) from word w of the lane's four rows:
+// rows g and g + 8 are consecutive head_dims of the word, columns the key pairs (2j, 2j + 1) and (2j + 8, 2j + 9).
+template <int D, int E>
+__device__ __forceinline__ void ValueFragments(const Chunk<D, E>& c, int w, uint32_t (&a)[2][4]) {
+  if constexpr (E == 1) {   // bytes {0, 1} of the word are tile 2w's rows g and g + 8, bytes {2, 3} tile 2w + 1's
+    const uint32_t lo01 = __byte_perm(c.v[0][w], c.v[1][w], 0x5140), hi01 = __byte_perm(c.v[0][w], c.v[1][w], 0x7362);
+    const uint32_t lo89 = __byte_perm(c.v[2][w], c.v[3][w], 0x5140), hi89 = __byte_perm(c.v[2][w], c.v[3][w], 0x7362);
+    a[0][0] = Fp8PairToHalf2(lo01), a[0][1] = Fp8PairToHalf2(lo01 >> 16);
+    a[0][2] = Fp8PairToHalf2(lo89), a[0][3] = Fp8PairToHalf2(lo89 >> 16);
+    a[1][0] = Fp8PairToHalf2(hi01), a[1][1] = Fp8PairToHalf2(hi01 >> 16);
+    a[1][2] = Fp8PairToHalf2(hi89), a[1][3] = Fp8PairToHalf2(hi89 >> 16);
+  } else {   // the word's low half is tile w's row g, its high half row g + 8
+    a[0][0] = __byte_perm(c.v[0][w], c.v[1][w], 0x5410), a[0][1] = __byte_perm(c.v[0][w], c.v[1][w], 0x7632);
+    a[0][2] = __byte_perm(c.v[2][w], c.v[3][w], 0x5410), a[0][3] = __byte_perm(c.v[2][w], c.v[3][w], 0x7632);
+  }
+}
+
+template <typename T, int D, int E, int NT>
 __device__ __forceinline__ void AttendChunk(const DecodeParams& p, const Range& r, int key0, int lane,
-                                            const uint32_t (&qb)[NT][D / 16][2], const Chunk<D>& c, Softmax<NT>& sm,
-                                            float (&acc)[NT][D / 16][4]) {
+                                            const uint32_t (&qb)[NT][D / 16][2], const Chunk<D, E>& c,
+                                            Softmax<NT>& sm, float (&acc)[NT][D / 16][4]) {
   float s[NT][4];
-  Scores<D, NT>(p, r, key0, lane, qb, c, s);
+  Scores<T, D, E, NT>(p, r, key0, lane, qb, c, s);
   float alpha[NT][2];
   uint32_t pb[NT][2];  // P^T's B fragments: keys 2j, 2j + 1 (and + 8) of head g
 #pragma unroll
@@ -534,26 +591,21 @@ __device__ __forceinline__ void AttendChunk(const DecodeParams& p, const Range& 
       s[t][e] = exp2f(s[t][e] - m), s[t][2 + e] = exp2f(s[t][2 + e] - m);
       sm.l[t][e] = sm.l[t][e] * alpha[t][e] + s[t][e] + s[t][2 + e];
     }
-    pb[t][0] = Transpose8x8(PackHalf2(s[t][0], s[t][1]));
-    pb[t][1] = Transpose8x8(PackHalf2(s[t][2], s[t][3]));
+    pb[t][0] = Transpose8x8(Pack<T>(s[t][0], s[t][1]));
+    pb[t][1] = Transpose8x8(Pack<T>(s[t][2], s[t][3]));
   }
+  constexpr int kTilesAWord = 2 / E;
 #pragma unroll
-  for (int w = 0; w < D / 32; ++w) {
-    // byte u of keys (2j, 2j + 1) and of (2j + 8, 2j + 9), paired: bytes {0, 1} of a word are O^T tile 2w's rows
-    // g and g + 8, bytes {2, 3} tile 2w + 1's
-    const uint32_t lo01 = __byte_perm(c.v[0][w], c.v[1][w], 0x5140), hi01 = __byte_perm(c.v[0][w], c.v[1][w], 0x7362);
-    const uint32_t lo89 = __byte_perm(c.v[2][w], c.v[3][w], 0x5140), hi89 = __byte_perm(c.v[2][w], c.v[3][w], 0x7362);
-    const uint32_t a[2][4] = {{Fp8PairToHalf2(lo01), Fp8PairToHalf2(lo01 >> 16), Fp8PairToHalf2(lo89),
-                               Fp8PairToHalf2(lo89 >> 16)},
-                              {Fp8PairToHalf2(hi01), Fp8PairToHalf2(hi01 >> 16), Fp8PairToHalf2(hi89),
-                               Fp8PairToHalf2(hi89 >> 16)}};
+  for (int w = 0; w < D * E / 32; ++w) {
+    uint32_t a[2][4];
+    ValueFragments<D, E>(c, w, a);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kTilesAWord; ++h) {
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        float (&o)[4] = acc[t][2 * w + h];
+        float (&o)[4] = acc[t][kTilesAWord * w + h];
         o[0] *= alpha[t][0], o[1] *= alpha[t][1], o[2] *= alpha[t][0], o[3] *= alpha[t][1];
-        Mma(o, a[h], pb[t][0], pb[t][1]);
+        Mma<T>(o, a[h], pb[t][0], pb[t][1]);
       }
     }
   }
@@ -565,7 +617,7 @@ struct Shared {
   float m[kWarps][8 * NT], l[kWarps][8 * NT];
 };
 
-// O^T tile u's rows g and g + 8 are head_dim g * D / 8 + 2u and + 1 (the bytes of V a lane read).
+// O^T tile u's rows g and g + 8 are head_dim g * D / 8 + 2u and + 1 (the elements of V a lane read).
 template <int D, int NT>
 __device__ void StoreWarpState(Shared<D, NT>& sh, int warp, int lane, Softmax<NT>& sm,
                                const float (&acc)[NT][D / 16][4]) {
@@ -613,15 +665,19 @@ __device__ void MergeWarps(const DecodeParams& p, const Shared<D, NT>& sh, int b
   }
 }
 
-template <int D, int NT>
+template <int D, int E, int NT>
 constexpr int SharedBytes() {
-  constexpr int kRings = kWarps * kStages<NT> * Slot<D>::kBytes;
+  constexpr int kRings = kWarps * kStages<E, NT> * Slot<D, E>::kBytes;
   return sizeof(Shared<D, NT>) > kRings ? sizeof(Shared<D, NT>) : kRings;
 }
 
-template <typename Q, int D, int NT>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm<NT>) DecodeKernel(const DecodeParams p, int bs_shift) {
-  constexpr int kSlots = kStages<NT>;
+// Q: q's and the output's type; C: the cache's (FP8 e4m3, or Q); the mma runs in f16 over FP8, else in Q.
+template <typename Q, typename C, int D, int NT>
+__global__ void __launch_bounds__(kThreads, (kCtasPerSm<sizeof(C), NT>))
+    DecodeKernel(const DecodeParams p, int bs_shift) {
+  constexpr int E = sizeof(C), kSlots = kStages<E, NT>;
+  using T = std::conditional_t<E == 1, __half, Q>;
+  using S = Slot<D, E>;
   extern __shared__ __align__(16) uint8_t smem[];
   const int kv_head = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -634,27 +690,27 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm<NT>) DecodeKernel(const D
                 min(first + (split + 1) * per_split, len), kv_head, bs_shift};
   const int chunks = r.end > r.begin ? CeilDiv(r.end - r.begin, kKeys) : 0;
   const int mine = chunks > warp ? CeilDiv(chunks - warp, kWarps) : 0;  // this warp's: warp, warp + kWarps, ...
-  uint8_t* ring = smem + warp * kSlots * Slot<D>::kBytes;
+  uint8_t* ring = smem + warp * kSlots * S::kBytes;
 #pragma unroll
   for (int i = 0; i < kSlots - 1; ++i) {
-    if (i < mine) IssueChunk<D>(p, r, r.begin + (warp + i * kWarps) * kKeys, lane, ring + i * Slot<D>::kBytes);
+    if (i < mine) IssueChunk<D, E>(p, r, r.begin + (warp + i * kWarps) * kKeys, lane, ring + i * S::kBytes);
     asm volatile("cp.async.commit_group;\n" ::);  // empty groups too: the wait below counts groups
   }
   uint32_t qb[NT][D / 16][2];  // loaded while the first chunks are in flight
-  LoadQueryFragments<Q, D, NT>(p, b, head0, lane, qb);
+  LoadQueryFragments<Q, T, D, NT>(p, b, head0, lane, qb);
   Softmax<NT> sm;
   float acc[NT][D / 16][4] = {};
   for (int i = 0; i < mine; ++i) {
     const int ahead = i + kSlots - 1;  // its slot was read in the last iteration (every lane is past it)
     if (ahead < mine)
-      IssueChunk<D>(p, r, r.begin + (warp + ahead * kWarps) * kKeys, lane, ring + ahead % kSlots * Slot<D>::kBytes);
+      IssueChunk<D, E>(p, r, r.begin + (warp + ahead * kWarps) * kKeys, lane, ring + ahead % kSlots * S::kBytes);
     asm volatile("cp.async.commit_group;\n" ::);
     asm volatile("cp.async.wait_group %0;\n" :: "n"(kSlots - 1));  // chunk i's copies, this lane's
     __syncwarp();                                                    // and every lane's
-    Chunk<D> c;
-    ReadChunk<D>(ring + i % kSlots * Slot<D>::kBytes, lane, c);
+    Chunk<D, E> c;
+    ReadChunk<D, E>(ring + i % kSlots * S::kBytes, lane, c);
     __syncwarp();
-    AttendChunk<D, NT>(p, r, r.begin + (warp + i * kWarps) * kKeys, lane, qb, c, sm, acc);
+    AttendChunk<T, D, E, NT>(p, r, r.begin + (warp + i * kWarps) * kKeys, lane, qb, c, sm, acc);
   }
   asm volatile("cp.async.wait_all;\n" ::);
   __syncthreads();  // the merge's buffer lies over the rings
@@ -664,9 +720,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm<NT>) DecodeKernel(const D
   MergeWarps<Q, D, NT>(p, sh, b, head0, split);
 }
 
-template <typename Q, int D, int NT>
+template <typename Q, typename C, int D, int NT>
 void Launch(const DecodeParams& p, int batch, int kv_heads, int bs_shift, cudaStream_t stream) {
-  constexpr int kBytes = SharedBytes<D, NT>();
+  constexpr int kBytes = SharedBytes<D, sizeof(C), NT>();
   // More than the default 48 KiB of dynamic shared memory: a function attribute of each device's context, raised
   // once per device (a bit each; devices past 64 raise it every launch)
   static std::atomic<uint64_t> raised{0};
@@ -674,26 +730,32 @@ void Launch(const DecodeParams& p, int batch, int kv_heads, int bs_shift, cudaSt
   cudaGetDevice(&device);
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (!(raised.load(std::memory_order_relaxed) & bit)) {
-    cudaFuncSetAttribute(DecodeKernel<Q, D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    cudaFuncSetAttribute(DecodeKernel<Q, C, D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     raised.fetch_or(bit);
   }
   const dim3 grid(kv_heads, p.num_splits, batch);
-  DecodeKernel<Q, D, NT><<<grid, kThreads, kBytes, stream>>>(p, bs_shift);
+  DecodeKernel<Q, C, D, NT><<<grid, kThreads, kBytes, stream>>>(p, bs_shift);
   if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, jaxserve::kThreads, 0, stream>>>(p);
 }
 
-template <typename Q>
-ffi::Error Dispatch(const DecodeParams& p, int head_dim, int batch, int kv_heads, int bs_shift, cudaStream_t s) {
+template <typename Q, typename C>
+void Dispatch(const DecodeParams& p, int head_dim, int batch, int kv_heads, int bs_shift, cudaStream_t s) {
   const bool two = p.group > 8;
-  if (head_dim == 64) (two ? Launch<Q, 64, 2> : Launch<Q, 64, 1>)(p, batch, kv_heads, bs_shift, s);
-  else (two ? Launch<Q, 128, 2> : Launch<Q, 128, 1>)(p, batch, kv_heads, bs_shift, s);
+  if (head_dim == 64) (two ? Launch<Q, C, 64, 2> : Launch<Q, C, 64, 1>)(p, batch, kv_heads, bs_shift, s);
+  else (two ? Launch<Q, C, 128, 2> : Launch<Q, C, 128, 1>)(p, batch, kv_heads, bs_shift, s);
+}
+
+template <typename Q>
+ffi::Error Dispatch(const DecodeParams& p, bool fp8, int head_dim, int batch, int kv_heads, int bs_shift,
+                    cudaStream_t s) {
+  (fp8 ? Dispatch<Q, __nv_fp8_e4m3> : Dispatch<Q, Q>)(p, head_dim, batch, kv_heads, bs_shift, s);
   return LaunchStatus("paged_decode_attention launch");
 }
 
-// Whether the tensor-core kernel takes these shapes: FP8 cache, 16-bit q, head_dim 64 or 128, up to 16 query
-// heads a kv head, power-of-two pages.
+// Whether the tensor-core kernel takes these shapes: a bf16 or f16 q over an FP8 cache or one of its own type,
+// head_dim 64 or 128, up to 16 query heads a kv head, power-of-two pages.
 bool Takes(ffi::DataType q, ffi::DataType cache, int head_dim, int group, int block_size) {
-  return cache == ffi::DataType::F8E4M3FN && (q == ffi::DataType::BF16 || q == ffi::DataType::F16) &&
+  return (q == ffi::DataType::BF16 || q == ffi::DataType::F16) && (cache == ffi::DataType::F8E4M3FN || cache == q) &&
          (head_dim == 64 || head_dim == 128) && group <= kMaxHeads && (block_size & (block_size - 1)) == 0;
 }
 
@@ -767,9 +829,10 @@ ffi::Error PagedDecodeAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
       soft_cap > 0.f ? soft_cap * kLog2e : 0.f, sliding_window, num_splits};
   if (tc::Takes(q.element_type(), cache, head_dim, group, p.block_size)) {
     const int bs_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
+    const bool fp8 = cache == ffi::DataType::F8E4M3FN;
     return q.element_type() == ffi::DataType::BF16
-               ? tc::Dispatch<__nv_bfloat16>(p, head_dim, batch, kv_heads, bs_shift, stream)
-               : tc::Dispatch<__half>(p, head_dim, batch, kv_heads, bs_shift, stream);
+               ? tc::Dispatch<__nv_bfloat16>(p, fp8, head_dim, batch, kv_heads, bs_shift, stream)
+               : tc::Dispatch<__half>(p, fp8, head_dim, batch, kv_heads, bs_shift, stream);
   }
   switch (q.element_type()) {
     case ffi::DataType::F32: return DispatchCache<float>(p, cache, head_dim, group_tile, batch, kv_heads, stream);

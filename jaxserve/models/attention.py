@@ -176,10 +176,12 @@ CUDA_FP8_DECODE_MIN_ROWS = 256
 
 def decode_on_cuda(q, k_cache, batch: AttentionBatch, kernels: AttentionKernels) -> bool:
     """Whether a decode-only step runs the CUDA call: when asked for, or (kernels.fp8_decode_call) for steps of
-    CUDA_FP8_DECODE_MIN_ROWS rows or more whose shapes its tensor-core kernel takes, cascade steps aside."""
+    CUDA_FP8_DECODE_MIN_ROWS rows or more over an FP8 cache whose shapes its tensor-core kernel takes, cascade
+    steps aside."""
     if kernels.decode == "cuda":
         return True
     return (kernels.fp8_decode_call and batch.cascade is None and q.shape[0] >= CUDA_FP8_DECODE_MIN_ROWS
+            and k_cache.dtype == jnp.float8_e4m3fn
             and custom_calls.tensor_core_decode_takes(q.dtype, k_cache.dtype, q.shape[2],
                                                       q.shape[1] // k_cache.shape[2], k_cache.shape[1]))
 
