@@ -30,7 +30,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-cuda-decode-engine  # auto's FP8 decode: tests, engine
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down  # fp8_mm: tests, GEMMs, a step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down-engine  # decode-heavy with/without, bf16
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cuda-decode-16bit  # the tensor-core decode over bf16/f16 caches
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cuda-decode-16bit  # tensor-core decode, bf16 caches
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them

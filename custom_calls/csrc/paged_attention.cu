@@ -335,15 +335,15 @@ void Launch(const DecodeParams& p, int batch, int kv_heads, cudaStream_t stream)
 }
 
 // Tensor-core decode over an FP8 cache under a bf16 or f16 q, or a cache in q's bf16 or f16 (a group of up to 16
-// query heads, power-of-two pages). A CTA owns one (sequence, kv head, split); its warps take 16-key chunks in turn, each warp copying its
-// next chunks into its own shared-memory ring (cp.async) while it computes one, and merge their softmax states at
-// the end. Per chunk, S^T = K q^T and O^T += V^T P^T run as mma.sync m16n8k16 in f16 with f32 sums: the chunk's
-// 16 keys (S) and 16 of head_dim (O) are the rows (A), q's heads the 8 columns (B), so a group of up to 8 heads
-// costs one mma a k-step and few registers. Since a sum does not depend on its order, each lane takes whole
-// pieces of a row: for S, a quarter of two K rows (q's B fragments take the same permutation of head_dim); for O,
-// an eighth of each of four V rows (O's rows come out permuted and are stored where they belong), the key pairs
-// the A fragment wants built by byte permutes. e4m3 widens to f16 exactly, two at a time (the mma runs in f16 over
-// an FP8 cache, in the cache's type over a 16-bit one); S's C fragment becomes P^T's B fragment by one 8x8
+// query heads, power-of-two pages). A CTA owns one (sequence, kv head, split); its warps take 16-key chunks in
+// turn, each warp copying its next chunks into its own shared-memory ring (cp.async) while it computes one, and
+// merge their softmax states at the end. Per chunk, S^T = K q^T and O^T += V^T P^T run as mma.sync m16n8k16 with
+// f32 sums (in f16 over an FP8 cache, in the cache's type over a 16-bit one): the chunk's 16 keys (S) and 16 of
+// head_dim (O) are the rows (A), q's heads the 8 columns (B), so a group of up to 8 heads costs one mma a k-step
+// and few registers. Since a sum does not depend on its order, each lane takes whole pieces of a row: for S, a
+// quarter of two K rows (q's B fragments take the same permutation of head_dim); for O, an eighth of each of four
+// V rows (O's rows come out permuted and are stored where they belong), the key pairs the A fragment wants built
+// by byte permutes. e4m3 widens to f16 exactly, two at a time; S's C fragment becomes P^T's B fragment by one 8x8
 // transpose (movmatrix) a half.
 namespace tc {
 
