@@ -31,6 +31,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down  # fp8_mm: tests, GEMMs, a step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down-engine  # decode-heavy with/without, bf16
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cuda-decode-16bit  # tensor-core decode, bf16 caches
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tc-ncu  # the tensor-core decode under Nsight Compute
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
@@ -367,6 +368,16 @@ case $1 in
       -k "(decode_step or window_and_soft_cap) and fp8 and not float32" || exit 1
     run 200 python benchmarks/attention.py --mosaic-decode --decode-backends triton --kv-dtype fp8 --kv-only \
       --points 256x256 256x640 256x1152 256x4096 64x512 8x4096 8x512 --out "$OUT/attention_fp8_decode_gpu.json" ;;
+  fp8-tc-ncu)   # one 256 x 640 launch of the tensor-core CUDA decode over an FP8 cache under Nsight Compute (clocks
+    # locked): speed of light, occupancy, warp stalls, the schedulers; per SASS line as CSV under $OUT
+    run 240 ncu --kernel-name regex:DecodeKernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --section SourceCounters --section LaunchStats --import-source no -f -o "$OUT/decode_tc" \
+      python benchmarks/attention.py --mosaic-decode --decode-backends --kv-dtype fp8 --kv-only --points 256x640 \
+      --out /tmp/attention_ncu.json
+    ncu -i "$OUT/decode_tc.ncu-rep" --page source --csv --print-source sass > "$OUT/decode_tc_sass.csv"
+    ncu -i "$OUT/decode_tc.ncu-rep" --page details | tee -a "$LOG"
+    rm -f "$OUT/decode_tc.ncu-rep" ;;
   cuda-decode-16bit)   # the CUDA decode's tensor-core kernel over caches in q's bf16/f16: its GPU tests, then
     # beside Triton and cuDNN over bf16 caches
     run 240 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py \
