@@ -32,7 +32,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down-engine  # decode-heavy with/without, bf16
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cuda-decode-16bit  # tensor-core decode, bf16 caches
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tc-ncu  # the tensor-core decode under Nsight Compute
-#   RUNS=2 JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-ratio  # decode-heavy FP8 / bf16, alternating
+#   RUNS=2 JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-ratio|fp8-batch1-ratio  # FP8 / bf16, alternating
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8    # W8A8 kernels: GPU tests, a mixed step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-w8a8-engine  # 256 x 512/128: bf16, FP8 with/without them
@@ -369,14 +369,15 @@ case $1 in
       -k "(decode_step or window_and_soft_cap) and fp8 and not float32" || exit 1
     run 200 python benchmarks/attention.py --mosaic-decode --decode-backends triton --kv-dtype fp8 --kv-only \
       --points 256x256 256x640 256x1152 256x4096 64x512 8x4096 8x512 --out "$OUT/attention_fp8_decode_gpu.json" ;;
-  fp8-decode-ratio)   # decode-heavy 256 x 128/1024, FP8 weights + KV against bf16, alternating, RUNS pairs (default
-    # 2) in one call, each run's rows in a file of its own: a process's rate varies by a few percent, so the ratio
-    # is of the runs' means
-    DH="--input-len 128 --output-len 1024"
+  fp8-decode-ratio|fp8-batch1-ratio)   # the issue's FP8 ratios: decode-heavy 256 x 128/1024 with FP8 weights + KV,
+    # or batch 1 (128/512) with FP8 weights, against bf16, alternating, RUNS pairs (default 2) in one call, each
+    # run's rows in a file of its own: a process's rate varies by a few percent, so the ratio is of the runs' means
+    ARGS="--input-len 128 --output-len 1024" FP8="--quantization fp8 --set kv_cache_dtype=fp8" NAME=fp8_decode_gpu
+    [ "$1" = fp8-batch1-ratio ] && ARGS="--num-prompts 1 --input-len 128 --output-len 512" FP8="--quantization fp8" \
+      NAME=fp8_batch1_gpu
     for i in $(seq "${RUNS:-2}"); do
-      run 140 python benchmarks/offline.py --config $CONFIG $DH --quantization fp8 --set kv_cache_dtype=fp8 \
-        --out "$OUT/fp8_decode_gpu_$i.json"
-      run 140 python benchmarks/offline.py --config $CONFIG $DH --out "$OUT/fp8_decode_gpu_$i.json"
+      run 140 python benchmarks/offline.py --config $CONFIG $ARGS $FP8 --out "$OUT/${NAME}_$i.json"
+      run 140 python benchmarks/offline.py --config $CONFIG $ARGS --out "$OUT/${NAME}_$i.json"
     done
     grep -h "^jaxserve:" "$LOG" ;;
   fp8-tc-ncu)   # one 256 x 640 launch of the tensor-core CUDA decode over an FP8 cache under Nsight Compute (clocks
