@@ -50,7 +50,8 @@ TARGET_CTAS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 MAX_GROUP_TILE = 8  # query heads per CTA in the kernel
-# the tensor-core kernel paged_decode_attention runs over an FP8 cache (paged_attention.cu, tc::Takes)
+# the tensor-core kernel paged_decode_attention runs over an FP8 cache or one in q's bf16/f16 (paged_attention.cu,
+# tc::Takes)
 TENSOR_CORE_DECODE_HEAD_DIMS, TENSOR_CORE_DECODE_MAX_GROUP = (64, 128), 16
 # decode linears (fp8_linear, bf16_linear): rows (tokens) a call takes; k per chunk (K must be a multiple); the
 # launch's choices: CTA columns of warps (warps_n) and m16 tiles of output channels per warp (warp_tiles), N a
