@@ -6,10 +6,11 @@ time per GEMM, each program running distinct weights past the L2 cache.
 
   python benchmarks/fp8_w8a8_gemms.py 256 64     # rows of each GEMM (GPU, sm_90, the CUDA library built)
 Rows: bench "fp8_w8a8_gemm", impl ovscale_call | unscaled_call | xla_f32_then_scale | xla_bf16_bare, params
-{tokens, name, out, in}, ms and gbps of weight bytes; results benchmarks/results/fp8_w8a8_gemm_gpu.json.
+{tokens, name, out, in}, ms and gbps of weight bytes; results --out (benchmarks/results/fp8_w8a8_gemm_gpu.json).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -57,10 +58,12 @@ def bench(tokens: int, name: str, n: int, k: int) -> list[dict]:
 
 
 def main():
-    tokens = [int(t) for t in sys.argv[1:]] or [256]
-    rows = [row for t in tokens for name, (n, k) in SHAPES.items() for row in bench(t, name, n, k)]
-    write_rows("benchmarks/results/fp8_w8a8_gemm_gpu.json", rows,
-               "python benchmarks/fp8_w8a8_gemms.py " + " ".join(sys.argv[1:]))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tokens", nargs="*", type=int, default=[256], help="rows of each GEMM")
+    ap.add_argument("--out", default="benchmarks/results/fp8_w8a8_gemm_gpu.json")
+    args = ap.parse_args()
+    rows = [row for t in args.tokens for name, (n, k) in SHAPES.items() for row in bench(t, name, n, k)]
+    write_rows(args.out, rows, "python benchmarks/fp8_w8a8_gemms.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -410,7 +410,7 @@ case $1 in
     # the scaled call and XLA's, then a 256-row FP8 decode step's span and kernels without and with it, alternating
     run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_fp8_weights.py \
       -k "fp8_mm or fp8_scaled_mm or llama3_8b" || exit 1
-    run 120 python benchmarks/fp8_w8a8_gemms.py 256 64
+    run 120 python benchmarks/fp8_w8a8_gemms.py 256 64 --out "$OUT/fp8_w8a8_gemm_gpu.json"
     STEP="benchmarks/sweep.py --config $CONFIG --quantization fp8 --kv-cache-dtype fp8 --token-buckets 256
       --seq-buckets 256 --contexts 640 --kinds decode --warmup 2 --repeats 5 --profile 12 --out $OUT/fp8_sweep_gpu.json"
     for rows in 0 256 0 256; do run 100 "${UNSCALED_ROWS[@]}" $rows $STEP; done ;;
