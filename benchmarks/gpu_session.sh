@@ -31,6 +31,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down  # fp8_mm: tests, GEMMs, a step with/without
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down-engine  # decode-heavy with/without, bf16
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cuda-decode-16bit  # tensor-core decode, bf16 caches
+#   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-batch1-timeline  # batch 1:
+#     FP8 and bf16 steps, host against GPU; FP8 runs beside the older tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tc-ncu  # the tensor-core decode under Nsight Compute
 #   RUNS=2 JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-ratio|fp8-batch1-ratio  # FP8 / bf16 runs
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
@@ -379,6 +381,23 @@ case $1 in
     for i in $(seq "${RUNS:-2}"); do
       run 140 python benchmarks/offline.py --config $CONFIG $ARGS $FP8 --out "$OUT/${NAME}_$i.json"
       run 140 python benchmarks/offline.py --config $CONFIG $ARGS --out "$OUT/${NAME}_$i.json"
+    done
+    grep -h "^jaxserve:" "$LOG" ;;
+  fp8-batch1-timeline)   # batch 1 (128-token prompt) with FP8 weights, then bf16: a step's host parts beside its
+    # GPU time (profiled steps); then FP8 batch-1 runs of this tree and of the copy of an older one in $AB (its commit in
+    # $AB_COMMIT) alternating, RUNS pairs
+    run 150 python -c "import custom_calls; custom_calls.available()"
+    [ -n "$AB" ] && (cd "$AB" && python -c "import custom_calls; custom_calls.available()" > /dev/null 2>&1) &
+    for q in "--quantization fp8" ""; do
+      run 150 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 \
+        --profile 16 $q
+    done
+    wait
+    B1="--num-prompts 1 --input-len 128 --output-len 512 --quantization fp8"
+    for i in $(seq "${RUNS:-2}"); do
+      run 100 python benchmarks/offline.py --config $CONFIG $B1 --out "$OUT/fp8_batch1_gpu_$i.json"
+      [ -n "$AB" ] && (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 100 python benchmarks/offline.py --config $CONFIG \
+        $B1 --out "$OUT/fp8_batch1_gpu_ab_$i.json")
     done
     grep -h "^jaxserve:" "$LOG" ;;
   fp8-tc-ncu)   # one 256 x 640 launch of the tensor-core CUDA decode over an FP8 cache under Nsight Compute (clocks
