@@ -384,10 +384,10 @@ case $1 in
     done
     grep -h "^jaxserve:" "$LOG" ;;
   fp8-batch1-timeline)   # batch 1 (128-token prompt) with FP8 weights, then bf16: a step's host parts beside its
-    # GPU time (profiled steps); then FP8 batch-1 runs of this tree and of the copy of an older one in $AB (its commit in
-    # $AB_COMMIT) alternating, RUNS pairs
-    run 150 python -c "import custom_calls; custom_calls.available()"
+    # GPU time (profiled steps); then FP8 batch-1 runs of this tree and of the copy of an older one in $AB (its
+    # commit in $AB_COMMIT) alternating, RUNS pairs
     [ -n "$AB" ] && (cd "$AB" && python -c "import custom_calls; custom_calls.available()" > /dev/null 2>&1) &
+    run 150 python -c "import custom_calls; custom_calls.available()"
     for q in "--quantization fp8" ""; do
       run 150 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 \
         --profile 16 $q
