@@ -33,6 +33,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cuda-decode-16bit  # tensor-core decode, bf16 caches
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-batch1-timeline  # batch 1:
 #     FP8 and bf16 steps, host against GPU; FP8 runs beside the older tree's
+#   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ab  # W8A16 decode
+#     kernel: tests, its GEMMs and a batch-1 step beside the older tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tc-ncu  # the tensor-core decode under Nsight Compute
 #   RUNS=2 JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-ratio|fp8-batch1-ratio  # FP8 / bf16 runs
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
@@ -400,6 +402,19 @@ case $1 in
         $B1 --out "$OUT/fp8_batch1_gpu_ab_$i.json")
     done
     grep -h "^jaxserve:" "$LOG" ;;
+  fp8-linear-ab)   # the W8A16 decode kernel against the tree in $AB (its commit in $AB_COMMIT): its GPU tests, then
+    # each tree's decode GEMMs alone and its batch-1 FP8 step profiled
+    [ -n "$AB" ] && (cd "$AB" && python -c "import custom_calls; custom_calls.available()" > /dev/null 2>&1) &
+    run 150 python -c "import custom_calls; custom_calls.available()"
+    wait
+    run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py -k "_linear_"
+    run 150 python benchmarks/fp8_gemm.py --decode --out "$OUT/fp8_decode_gemm_gpu.json"
+    (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 150 python benchmarks/fp8_gemm.py --decode \
+      --out "$OUT/fp8_decode_gemm_gpu_ab.json")
+    for tree in "$PWD" "$AB"; do
+      (cd "$tree" && run 120 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 \
+        --steps 64 --profile 16 --quantization fp8)
+    done ;;
   fp8-tc-ncu)   # one 256 x 640 launch of the tensor-core CUDA decode over an FP8 cache under Nsight Compute (clocks
     # locked): speed of light, occupancy, warp stalls, the schedulers; per SASS line as CSV under $OUT
     run 240 ncu --kernel-name regex:DecodeKernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
