@@ -35,6 +35,7 @@
 #     FP8 and bf16 steps, host against GPU; FP8 runs beside the older tree's
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ab  # W8A16 decode
 #     kernel: tests, its GEMMs and a batch-1 step beside the older tree's
+#   [AB=<tree>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ncu  # a W8A16 launch under ncu
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tc-ncu  # the tensor-core decode under Nsight Compute
 #   RUNS=2 JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-ratio|fp8-batch1-ratio  # FP8 / bf16 runs
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
@@ -414,6 +415,22 @@ case $1 in
     for tree in "$PWD" "$AB"; do
       (cd "$tree" && run 120 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 \
         --steps 64 --profile 16 --quantization fp8)
+    done ;;
+  fp8-linear-ncu)   # one 16-row W8A16 launch of gate/up's shape (one live row) under Nsight Compute, this tree's
+    # kernel then (with $AB) the older tree's: speed of light, the pipes' use, stalls, the schedulers
+    for tree in "$PWD" ${AB:+"$AB"}; do
+      name=$([ "$tree" = "$PWD" ] && echo this || echo ab)
+      (cd "$tree" && python -c "import custom_calls; custom_calls.available()" > /dev/null 2>&1
+       run 240 ncu --kernel-name regex:DecodeLinearKernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+         --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section SchedulerStats \
+         --section Occupancy --section LaunchStats -f -o "$OUT/decode_linear_$name" python -c "
+import jax, jax.numpy as jnp, custom_calls as cc
+w = jax.random.normal(jax.random.key(0), (28672, 4096), jnp.bfloat16).astype(jnp.float8_e4m3fn)
+scale, x = jnp.ones((28672,), jnp.float32), jax.random.normal(jax.random.key(1), (16, 4096), jnp.bfloat16)
+step = jax.jit(lambda x: cc.fp8_linear(x, [w], [scale], live=jnp.int32(1)))
+for _ in range(4): jax.block_until_ready(step(x))"
+       ncu -i "$OUT/decode_linear_$name.ncu-rep" --page details | tee "$OUT/decode_linear_ncu_$name.txt" >> "$LOG"
+       rm -f "$OUT/decode_linear_$name.ncu-rep")
     done ;;
   fp8-tc-ncu)   # one 256 x 640 launch of the tensor-core CUDA decode over an FP8 cache under Nsight Compute (clocks
     # locked): speed of light, occupancy, warp stalls, the schedulers; per SASS line as CSV under $OUT
