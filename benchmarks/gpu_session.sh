@@ -422,8 +422,8 @@ case $1 in
       name=$([ "$tree" = "$PWD" ] && echo this || echo ab)
       (cd "$tree" && python -c "import custom_calls; custom_calls.available()" > /dev/null 2>&1
        run 240 ncu --kernel-name regex:DecodeLinearKernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-         --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section SchedulerStats \
-         --section Occupancy --section LaunchStats -f -o "$OUT/decode_linear_$name" python -c "
+         --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
+         --section SchedulerStats --section Occupancy --section LaunchStats -f -o "$OUT/decode_linear_$name" python -c "
 import jax, jax.numpy as jnp, custom_calls as cc
 w = jax.random.normal(jax.random.key(0), (28672, 4096), jnp.bfloat16).astype(jnp.float8_e4m3fn)
 scale, x = jnp.ones((28672,), jnp.float32), jax.random.normal(jax.random.key(1), (16, 4096), jnp.bfloat16)
