@@ -86,6 +86,11 @@ run() {  # run LIMIT_S CMD...: one benchmark, its output (progress bars dropped)
     timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep --line-buffered -v -e "it/s\]" -e "s/it\]" | tee -a "$LOG"
     echo "rc=${PIPESTATUS[0]}" | tee -a "$LOG"
 }
+build_calls() {  # the custom calls built before the first timed run, this tree's and (when set) $AB's beside it
+    [ -n "${AB:-}" ] && (cd "$AB" && python -c "import custom_calls; custom_calls.available()" > /dev/null 2>&1) &
+    run 150 python -c "import custom_calls; custom_calls.available()"
+    wait
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
 MOE=configs/qwen3-30b-a3b-random.yaml
 B1="token_buckets=[16,144] seq_buckets=[16] max_num_seqs=16 max_num_batched_tokens=144 min_prefill_chunk=128"
@@ -389,13 +394,11 @@ case $1 in
   fp8-batch1-timeline)   # batch 1 (128-token prompt) with FP8 weights, then bf16: a step's host parts beside its
     # GPU time (profiled steps); then FP8 batch-1 runs of this tree and of the copy of an older one in $AB (its
     # commit in $AB_COMMIT) alternating, RUNS pairs
-    [ -n "$AB" ] && (cd "$AB" && python -c "import custom_calls; custom_calls.available()" > /dev/null 2>&1) &
-    run 150 python -c "import custom_calls; custom_calls.available()"
+    build_calls
     for q in "--quantization fp8" ""; do
       run 150 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 \
         --profile 16 $q
     done
-    wait
     B1="--num-prompts 1 --input-len 128 --output-len 512 --quantization fp8"
     for i in $(seq "${RUNS:-2}"); do
       run 100 python benchmarks/offline.py --config $CONFIG $B1 --out "$OUT/fp8_batch1_gpu_$i.json"
@@ -405,9 +408,7 @@ case $1 in
     grep -h "^jaxserve:" "$LOG" ;;
   fp8-linear-ab)   # the W8A16 decode kernel against the tree in $AB (its commit in $AB_COMMIT): its GPU tests, then
     # each tree's decode GEMMs alone and its batch-1 FP8 step profiled
-    [ -n "$AB" ] && (cd "$AB" && python -c "import custom_calls; custom_calls.available()" > /dev/null 2>&1) &
-    run 150 python -c "import custom_calls; custom_calls.available()"
-    wait
+    build_calls
     run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py -k "_linear_"
     run 150 python benchmarks/fp8_gemm.py --decode --out "$OUT/fp8_decode_gemm_gpu.json"
     (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 150 python benchmarks/fp8_gemm.py --decode \
@@ -418,11 +419,11 @@ case $1 in
     done ;;
   fp8-linear-ncu)   # one 16-row W8A16 launch of gate/up's shape (one live row) under Nsight Compute, this tree's
     # kernel then (with $AB) the older tree's: speed of light, the pipes' use, stalls, the schedulers
+    build_calls
     for tree in "$PWD" ${AB:+"$AB"}; do
       name=$([ "$tree" = "$PWD" ] && echo this || echo ab)
-      (cd "$tree" && python -c "import custom_calls; custom_calls.available()" > /dev/null 2>&1
-       run 240 ncu --kernel-name regex:DecodeLinearKernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-         --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
+      (cd "$tree" && run 240 ncu --kernel-name regex:DecodeLinearKernel --launch-skip 2 --launch-count 1 \
+         --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
          --section SchedulerStats --section Occupancy --section LaunchStats -f -o "$OUT/decode_linear_$name" python -c "
 import jax, jax.numpy as jnp, custom_calls as cc
 w = jax.random.normal(jax.random.key(0), (28672, 4096), jnp.bfloat16).astype(jnp.float8_e4m3fn)
