@@ -6,13 +6,16 @@ and the bare e4m3 GEMM with an f32 or a bf16 result (what the scaling epilogue c
   python benchmarks/fp8_gemm.py --layers 4      # the linear layers of 4 decoder layers, as a step runs them
   python benchmarks/fp8_gemm.py --decode        # the W8A16 decode GEMMs: the CUDA kernel against XLA's
   python benchmarks/fp8_gemm.py --decode --decode-tokens 1 16   # ... at 1 and 16 rows
+  python benchmarks/fp8_gemm.py --decode --over-k   # a launch's fixed cost: K swept at two N, t = F + bytes / R
 Rows: bench "fp8_gemm", impl bf16 | fp8_linear | fp8_gemm_f32 | fp8_gemm_bf16, params {tokens, in, out},
 ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json. With --layers: bench "fp8_layers", impl
 "<weights>/<XLA options>", params {tokens, layers}, ms per layer, gbps of weight bytes, and the step's costliest
 GPU kernels printed. With --decode: bench "fp8_decode_gemm", impl xla | bf16 | kernel/auto |
 kernel/splits=<s>/warps_n=<w>/warp_tiles=<t> | kernel/auto/live=1 (only the first row read), params {tokens, group, in, out: [N of each weight]}, ms of device
 time per launch group (DECODE_GROUPS, timed over enough distinct weights to pass the L2 cache) and gbps of weight
-bytes, rows fp8_decode_gemm_<backend>.json.
+bytes, rows fp8_decode_gemm_<backend>.json. With --over-k the groups are OVER_K_GROUPS (named n<N>_k<K>), the
+kernel at a few launches, and the fit of each impl's times printed: F, what a launch costs whatever it reads, and R,
+the rate it streams at.
 """
 from __future__ import annotations
 
@@ -138,6 +141,14 @@ DECODE_GROUPS = (("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate
                  ("down", 14336, (4096,)), ("q", 4096, (4096,)), ("k", 4096, (1024,)), ("gate", 4096, (14336,)))
 
 
+# One weight of N = 4096 (o's) and gate/up's pair, K swept: what a launch costs past its bytes
+OVER_K_GROUPS = tuple((f"n{sum(ns)}_k{k}", k, ns) for ns, ks in (((4096,), (1024, 2048, 4096, 8192, 14336)),
+                                                                 ((14336, 14336), (1024, 2048, 4096))) for k in ks)
+OVER_K_IMPLS = ("xla", "bf16", "kernel/auto", "kernel/auto/live=1", "kernel/splits=1/warps_n=1/warp_tiles=2",
+                "kernel/splits=2/warps_n=1/warp_tiles=2", "kernel/splits=4/warps_n=1/warp_tiles=2",
+                "kernel/splits=1/warps_n=2/warp_tiles=2")
+
+
 def decode_cases(ns: tuple[int, ...]):
     """(impl, fn(x, groups of weights, groups of scales)): XLA's GEMMs (one a weight), bf16's, and the kernel (one
     launch a group) at its default launch and at every launch it takes."""
@@ -160,12 +171,12 @@ def decode_cases(ns: tuple[int, ...]):
     return cases
 
 
-def bench_decode(tokens: int = 16) -> list[dict]:
+def bench_decode(tokens: int = 16, groups=DECODE_GROUPS, impls=None) -> list[dict]:
     """The W8A16 GEMMs of a decode step of `tokens` rows (the smallest bucket's), device time per group, each run
     streaming DECODE_STREAM_BYTES of distinct weights (bf16: as many bf16 weights); the kernel's largest error
-    against XLA's, and its best launch, printed."""
+    against XLA's, and its best launch, printed. impls: the cases to time (default all)."""
     rows = []
-    for name, k, ns in DECODE_GROUPS:
+    for name, k, ns in groups:
         copies = max(1, DECODE_STREAM_BYTES // (k * sum(ns)))
         gws, gss = zip(*(zip(*(fp8.quantize_weight(jax.random.normal(jax.random.key(i * 8 + j), (n, k), jnp.bfloat16)
                                                    * 0.02) for j, n in enumerate(ns))) for i in range(copies)))
@@ -173,7 +184,7 @@ def bench_decode(tokens: int = 16) -> list[dict]:
         errs = [jnp.max(jnp.abs(y.astype(jnp.float32) - custom_calls.fp8_linear_reference(x, w, s)))
                 / jnp.max(jnp.abs(custom_calls.fp8_linear_reference(x, w, s).astype(jnp.float32)))
                 for y, w, s in zip(custom_calls.fp8_linear(x, gws[0], gss[0]), gws[0], gss[0])]
-        cases = decode_cases(ns)
+        cases = [c for c in decode_cases(ns) if impls is None or c[0] in impls]
         for impl, fn in cases:
             weights = [[w.astype(jnp.bfloat16) for w in ws] for ws in gws] if impl == "bf16" else list(gws)
             ms = float(np.median(device_busy_ms(fn, x, weights, list(gss)))) / copies
@@ -193,6 +204,17 @@ def bench_decode(tokens: int = 16) -> list[dict]:
     return rows
 
 
+def print_fixed_cost(rows: list[dict]) -> None:
+    """Each impl's times over K at one N fitted as t = F + bytes / R: F us a launch, R TB/s."""
+    for n in sorted({sum(r["params"]["out"]) for r in rows}):
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            pts = [(r["params"]["in"] * n * (2 if impl == "bf16" else 1), r["ms"] * 1e3) for r in rows
+                   if r["impl"] == impl and sum(r["params"]["out"]) == n]
+            if len(pts) > 1:
+                slope, f = np.polyfit(*np.array(pts).T, 1)
+                print(f"N={n:5d} {impl:42s} F={f:5.2f} us  R={1e-6 / slope:5.2f} TB/s", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
@@ -200,9 +222,13 @@ def main(argv=None):
     ap.add_argument("--decode", action="store_true", help="time the W8A16 decode GEMM: CUDA kernel against XLA")
     ap.add_argument("--decode-tokens", type=int, nargs="+", default=[16],
                     help="rows of the decode GEMMs (16: the smallest bucket's, which a batch-1 step pads to)")
+    ap.add_argument("--over-k", action="store_true", help="with --decode: OVER_K_GROUPS, the fixed cost fitted")
     args = ap.parse_args(argv)
+    groups, impls = (OVER_K_GROUPS, OVER_K_IMPLS) if args.over_k else (DECODE_GROUPS, None)
     rows = bench_layers(args.layers) if args.layers else \
-        [row for tokens in args.decode_tokens for row in bench_decode(tokens)] if args.decode else []
+        [row for tokens in args.decode_tokens for row in bench_decode(tokens, groups, impls)] if args.decode else []
+    if args.over_k:
+        print_fixed_cost(rows)
     for tokens in () if args.layers or args.decode else TOKENS:
         for k, n in SHAPES:
             for impl, fn, fn_args in cases(tokens, k, n):

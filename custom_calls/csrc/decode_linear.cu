@@ -432,7 +432,10 @@ ffi::Error DecodeLinear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArg
   p.cluster = cluster;
   const cudaError_t err = weights_kn ? Dispatch<Format::kBf16KN>(p, warps_n, warp_tiles, splits, stream)
                                      : Dispatch<Format::kE4m3NK>(p, warps_n, warp_tiles, splits, stream);
-  if (err != cudaSuccess) return ffi::Error::Internal(std::string("decode_linear launch: ") + cudaGetErrorString(err));
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // the error is this call's: later calls' launch checks must not see it
+    return ffi::Error::Internal(std::string("decode_linear launch: ") + cudaGetErrorString(err));
+  }
   if (splits > 1 && !cluster)
     MergeSplitsKernel<<<CeilDiv(m * p.col_begin[kMaxGroups], kMergeThreads), kMergeThreads, 0, stream>>>(p, splits);
   return LaunchStatus("decode_linear launch");
