@@ -36,6 +36,7 @@
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ab  # W8A16 decode
 #     kernel: tests, its GEMMs and a batch-1 step beside the older tree's
 #   [AB=<tree>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ncu  # a W8A16 launch under ncu
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-launch-cost  # W8A16 launches' fixed cost, fitted over K
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tc-ncu  # the tensor-core decode under Nsight Compute
 #   RUNS=2 JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-ratio|fp8-batch1-ratio  # FP8 / bf16 runs
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-profile # bf16 beside FP8: decode steps' GPU kernels
@@ -417,6 +418,9 @@ case $1 in
       (cd "$tree" && run 120 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 \
         --steps 64 --profile 16 --quantization fp8)
     done ;;
+  fp8-launch-cost)   # the W8A16 kernel, XLA's bf16 GEMM and XLA's W8A16 fusion over K at two N: F and R fitted
+    build_calls
+    run 300 python benchmarks/fp8_gemm.py --decode --over-k --out "$OUT/fp8_decode_gemm_gpu.json" ;;
   fp8-linear-ncu)   # one 16-row W8A16 launch of gate/up's shape (one live row) under Nsight Compute, this tree's
     # kernel then (with $AB) the older tree's: speed of light, the pipes' use, stalls, the schedulers
     build_calls
