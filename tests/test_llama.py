@@ -9,6 +9,7 @@ import torch
 import transformers
 from flax import nnx
 
+from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.llama import fuse_qkv
 from jaxserve.models.loader import load_model, random_model, save_converted
 
@@ -90,7 +91,9 @@ def test_fused_qkv_gives_the_three_layers_logits_bit_for_bit(quantization, bias)
     """q, k and v fused into one layer (one GEMM, what the engine runs on one device): each output channel is the
     same dot, so the logits are the three layers' bit for bit in many rows and in a decode step's few (FP8: W8A8
     and W8A16 rows; f32: XLA's GEMM and the CPU kernel); a fused weight in the wrong order, or a split at the wrong
-    place, changes them."""
+    place, changes them (by ~0.1). FP8's few rows are the exception: the W8A16 reference is XLA:CPU's bf16 dot, which
+    on some CPUs (AMX's) sums in an order that depends on the output width, so those logits may differ in their
+    last f32 bits (1.3e-7 seen at |logit| < 0.5): within 1e-5."""
     prompt = [2 + (7 * i) % 120 for i in range(40)]
     loaded = random_model(dataclasses.replace(TINY, attention_bias=bias), jnp.float32, quantization=quantization)
     want = [forward_logits(loaded, ids) for ids in (prompt, prompt[:3])]
@@ -103,7 +106,10 @@ def test_fused_qkv_gives_the_three_layers_logits_bit_for_bit(quantization, bias)
     assert fused[...].shape == ((width, cfg.hidden_size) if quantization else (cfg.hidden_size, width))
     assert (attn.qkv_proj.bias is not None) == bias
     for ids, logits in zip((prompt, prompt[:3]), want):
-        np.testing.assert_array_equal(forward_logits(loaded, ids), logits)
+        if quantization and len(ids) <= W8A16_MAX_ROWS:
+            np.testing.assert_allclose(forward_logits(loaded, ids), logits, rtol=0, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(forward_logits(loaded, ids), logits)
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
