@@ -107,18 +107,34 @@ def device_busy_ms(fn, *args, repeats: int = 10) -> list[float] | None:
 def device_events(fn, *args, repeats: int = 10) -> list[tuple[int, int, str]]:
     """(start ns, duration ns, name) of every kernel, copy and memset the GPU ran in `repeats` runs of fn(*args)
     after one warm-up, in time order (CUPTI activity records through the JAX profiler); [] without a GPU."""
+    return sorted((start, duration, name) for plane, line, start, duration, name
+                  in traced_events(fn, *args, repeats=repeats)
+                  if plane.startswith("/device:GPU") and line.startswith("Stream"))
+
+
+def host_events(fn, *args, repeats: int = 10) -> list[tuple[str, int, str]]:
+    """(thread, duration ns, name) of every host trace event (the runtime's and the GPU driver's calls) in
+    `repeats` runs of fn(*args) after one warm-up; nested events each count their whole span."""
+    return [(line, duration, name) for plane, line, _, duration, name in traced_events(fn, *args, repeats=repeats)
+            if plane.startswith("/host")]
+
+
+def traced_events(fn, *args, repeats: int) -> list:
+    """(plane name, line name, start ns, duration ns, name) of each event of a JAX profiler trace of `repeats` runs of fn(*args) after one warm-up
+    (the runtime's host scopes at their finest level; Python's calls not traced)."""
     import glob
     import tempfile
     from jax.profiler import ProfileData
     jax.block_until_ready(fn(*args))
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level, options.host_tracer_level = 0, 3
     with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir):
+        with jax.profiler.trace(log_dir, profiler_options=options):
             for _ in range(repeats):
                 jax.block_until_ready(fn(*args))
         space = ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
-        return sorted((e.start_ns, e.duration_ns, e.name) for plane in space.planes
-                      if plane.name.startswith("/device:GPU") for line in plane.lines
-                      if line.name.startswith("Stream") for e in line.events)
+        return [(plane.name, line.name, e.start_ns, e.duration_ns, e.name)
+                for plane in space.planes for line in plane.lines for e in line.events]
 
 
 def kernel_profile(fn, *args, repeats: int = 10, top: int = 10) -> list[tuple[str, float, int]]:

@@ -36,6 +36,7 @@
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ab  # W8A16 decode
 #     kernel: tests, its GEMMs and a batch-1 step beside the older tree's
 #   [AB=<tree>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ncu  # a W8A16 launch under ncu
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: where the host's step goes
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-launch-cost  # W8A16 launches' fixed cost, fitted over K
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tc-ncu  # the tensor-core decode under Nsight Compute
 #   RUNS=2 JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-ratio|fp8-batch1-ratio  # FP8 / bf16 runs
@@ -417,6 +418,12 @@ case $1 in
     for tree in "$PWD" "$AB"; do
       (cd "$tree" && run 120 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 \
         --steps 64 --profile 16 --quantization fp8)
+    done ;;
+  batch1-host)   # batch 1 (128-token prompt), FP8 weights then bf16: host phases, GPU kernels, the host's trace
+    build_calls
+    for q in "--quantization fp8" ""; do
+      run 200 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 \
+        --profile 12 --host-profile 45 $q
     done ;;
   fp8-launch-cost)   # the W8A16 kernel, XLA's bf16 GEMM and XLA's W8A16 fusion over K at two N: F and R fitted
     build_calls

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import costliest, device_events  # noqa: E402
+from benchmarks.common import costliest, device_events, host_events  # noqa: E402
 from benchmarks.offline import override  # noqa: E402
 
 from jaxserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
@@ -83,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile 16 engine steps on the GPU: busy against idle, the N costliest kernels")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also trace 16 engine steps on the host: the N costliest host events a step, by thread")
     args = ap.parse_args(argv)
     loaded, cfg = load_run(None, args.config, quantization=args.quantization)
     llm = LLM(loaded, config=override(cfg, args.set))
@@ -107,6 +109,8 @@ def main(argv=None):
     print(f"engine.step {np.median(periods):.2f} ms, cascade steps {engine.stats()['cascade_steps']}", flush=True)
     if args.profile:
         print_device_profile(engine, args.profile)
+    if args.host_profile:
+        print_host_profile(engine, args.host_profile)
 
 
 def print_device_profile(engine, top: int, steps: int = 16) -> None:
@@ -124,6 +128,19 @@ def print_device_profile(engine, top: int, steps: int = 16) -> None:
         print(f"    {ms:8.3f} ms x{count / steps:6.1f} {name[:100]}", flush=True)
         if name in sources:
             print(f"                      <- {sources[name]}", flush=True)
+
+
+def print_host_profile(engine, top: int, steps: int = 16) -> None:
+    """Per engine step over `steps` steps: the host trace events (the runtime's scopes, the driver's calls) that
+    take the most time, each with its thread and count; a scope's time includes the events inside it."""
+    totals: dict[tuple[str, str], list] = {}
+    for thread, duration, name in host_events(lambda: [engine.step() for _ in range(steps)], repeats=1):
+        entry = totals.setdefault((thread, name), [0.0, 0])
+        entry[0] += duration / 1e6 / steps
+        entry[1] += 1
+    print("host events per step (ms, count, thread, name):", flush=True)
+    for (thread, name), (ms, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {ms:8.3f} ms x{count / steps:6.1f} [{thread[:24]}] {name[:90]}", flush=True)
 
 
 def kernel_sources(engine) -> dict[str, str]:
