@@ -7,8 +7,9 @@
       --input-len 64 --set cascade_attention=off      # a shared system prompt, cascade attention off
 
 Prints the median per step of: schedule (scheduler), prepare (runner: block tables, inputs to the device), enqueue
-(the compiled graphs' calls), wait (the host blocked on the previous step's samples: the device is the
-bottleneck when it is large) and finish (samples -> sequences, outputs). The period is what TPOT sees.
+(the compiled graphs' calls; of it, stage: the inputs sent and staged, sample: the sampler's call), wait (the host
+blocked on the previous step's samples: the device is the bottleneck when it is large) and finish (samples ->
+sequences, outputs). The period is what TPOT sees.
 With --profile, each costly kernel XLA made is followed by the op it came from (the compiled model graphs' HLO
 metadata: the model's named scopes and the JAX primitive).
 """
@@ -33,13 +34,15 @@ from jaxserve.engine.llm_engine import Launched  # noqa: E402
 from jaxserve.models.loader import load_run  # noqa: E402
 
 PHASES = ("schedule", "prepare", "enqueue", "wait", "finish", "period")
+ENQUEUE_PARTS = ("stage", "sample")   # the inputs sent and staged, the sampler's call; the model graph's call the rest
 
 
 def timed_steps(engine, steps: int) -> dict[str, list[float]]:
     """ms of each phase of `steps` async engine steps."""
-    times = {p: [] for p in PHASES}
+    times = {p: [] for p in PHASES + ENQUEUE_PARTS}
     runner, inflight, engine._inflight = engine.runner, engine._inflight, None
     prepare, run = runner.prepare_inputs, runner.run
+    stage, sample = runner.buffers.stage, runner.buffers.sample
     clock = {}
 
     def timed(name, fn):
@@ -50,6 +53,7 @@ def timed_steps(engine, steps: int) -> dict[str, list[float]]:
             return result
         return call
     runner.prepare_inputs, runner.run = timed("prepare", prepare), timed("enqueue", run)
+    runner.buffers.stage, runner.buffers.sample = timed("stage", stage), timed("sample", sample)
     try:
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -65,10 +69,11 @@ def timed_steps(engine, steps: int) -> dict[str, list[float]]:
             inflight = None if launched is None else Launched(output.rows, launched)
             for name, ms in (("schedule", t1 - t0), ("prepare", clock.get("prepare", 0.0)),
                              ("enqueue", clock.get("enqueue", 0.0)), ("wait", t3 - t2), ("finish", t4 - t3),
-                             ("period", t4 - t0)):
+                             ("period", t4 - t0), *((p, clock.get(p, 0.0)) for p in ENQUEUE_PARTS)):
                 times[name].append(ms * 1e3)
     finally:
         runner.prepare_inputs, runner.run, engine._inflight = prepare, run, inflight
+        runner.buffers.stage, runner.buffers.sample = stage, sample
     return times
 
 
@@ -101,6 +106,7 @@ def main(argv=None):
         engine.step()   # prefill every prompt first: the timed steps are decodes of all of them
     times = timed_steps(engine, args.steps)
     print(" ".join(f"{p} {np.median(times[p]):.2f} ms" for p in PHASES), flush=True)
+    print("enqueue: " + " ".join(f"{p} {np.median(times[p]):.2f} ms" for p in ENQUEUE_PARTS), flush=True)
     periods = []
     for _ in range(args.steps):   # the engine's own loop, for comparison with the period above
         start = time.perf_counter()

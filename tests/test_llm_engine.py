@@ -164,6 +164,19 @@ def test_tiny_model_batched_greedy_matches_hf(tiny, tiny_llm, tiny_expected):
     assert token_ids(tiny_llm.generate(prompts, GREEDY)) == expected
 
 
+def test_staged_inputs_give_what_unstaged_ones_give(tiny, tiny_llm, tiny_expected):
+    """A step's inputs sent as one byte buffer and unpacked by the stage graph (as on GPUs; turned on here) serve
+    every field: greedy tokens as HF's, seeded sampling with penalties and min_tokens as the unstaged engine's."""
+    llm = LLM(tiny[0], **BASE)
+    llm.engine.graphs.stage_inputs = True
+    prompts, expected = tiny_expected
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
+    params = [sampled(i, presence_penalty=0.5, repetition_penalty=1.2, min_tokens=4, top_k=20 + i)
+              for i in range(len(prompts))]
+    assert token_ids(llm.generate(prompts, params)) == token_ids(tiny_llm.generate(prompts, params))
+    assert any(key.kind == "stage" for key in llm.engine.graphs.manager.executables)
+
+
 @pytest.mark.parametrize("bad, field", [
     (dict(prompt=""), "prompt"),
     (dict(prompt=[1] * 600), "max_model_len"),
@@ -271,10 +284,12 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny):
     assert all(before[0][k] == after[0][k] for k in decode)
     assert before[1] == after[1] and before[2] == after[2]
     assert before[4] == after[4] and any(len(ring) == runner.buffers.SAMPLED_RING for ring in after[4].values())
-    # each of the last two steps' inputs, the model's and the sampler's, sent as one transfer and still held
-    assert [len(step) for step in runner.buffers.held] == [1, 1]
-    for (model, sampler) in (step[0] for step in runner.buffers.held):
-        assert all(isinstance(x, jax.Array) for x in jax.tree.leaves((model, sampler)))
+    # each of the last two steps' inputs, the model's and the sampler's, sent as one byte buffer, and the sampler's
+    # as the stage graph unpacked them, still held
+    assert [len(step) for step in runner.buffers.held] == [2, 2]
+    for packed, sampler in runner.buffers.held:
+        assert isinstance(packed, jax.Array) and packed.dtype == jnp.uint8 and packed.ndim == 1
+        assert sampler and all(isinstance(x, jax.Array) for x in sampler)
     while engine.has_unfinished_requests():
         engine.step()
 

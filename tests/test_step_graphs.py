@@ -2,11 +2,14 @@
 so no step the scheduler forms meets a graph that was not compiled (pure functions: no model, no compile)."""
 import dataclasses
 
+import jax
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.step_graphs import bucket_ladders, step_shape, step_sizes
+from jaxserve.engine.step_inputs import layout_of, pack, unpack
 
 
 def compiled_shapes(cfg: EngineConfig, has_decode_kernel: bool, cpu: bool = False) -> set:
@@ -85,3 +88,16 @@ def test_a_speculative_decode_pads_to_its_rows_times_width():
     assert step_shape(3, 1, False, ladders, False, 5) == (5, 1, False)
     assert step_shape(30, 8, False, ladders, False, 5) == (32, 8, False)    # the token bucket is smaller
     assert step_shape(100, 8, False, ladders, False, 5) == (128, 8, False)  # with a prefill chunk
+
+
+def test_unpack_in_a_graph_gives_back_the_bits_pack_joined():
+    """Odd sizes (no leaf starts aligned), every dtype a step sends, float bit patterns (NaN, -0, subnormals)."""
+    rng = np.random.default_rng(0)
+    leaves = [rng.integers(-2**31, 2**31, (5,), dtype=np.int32), rng.random(3) < 0.5,
+              rng.integers(0, 2**32, (3, 2), dtype=np.uint64).astype(np.uint32),
+              np.array([np.nan, -0.0, 1e-45, np.inf, -1.5], np.float32),
+              rng.integers(-2**31, 2**31, (2, 7), dtype=np.int32), np.zeros((0,), np.int32), np.array([True])]
+    out = jax.jit(unpack, static_argnums=1)(pack(leaves), layout_of(leaves))
+    assert layout_of(out) == layout_of(leaves)
+    for got, want in zip(out, leaves):
+        assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))

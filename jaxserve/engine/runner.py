@@ -20,7 +20,7 @@ from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
 from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.engine.step_graphs import GraphKey, PromptLogprobs, StepGraphs, kv_addressing
-from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, pad
+from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, pack, pad
 
 
 @dataclass(slots=True)
@@ -43,7 +43,8 @@ class StableBuffers:
     states are written over the last ones of their shapes (run_model's donated outputs). The sampler's outputs
     rotate through SAMPLED_RING buffers a graph: the host reads a step's samples while the next steps run, and a new
     array left alive across a step would move the next step's scratch memory (XLA's temp buffer). The step's fresh
-    inputs, the model's and the sampler's, are sent together before anything else of the step is allocated, and held
+    inputs, the model's and the sampler's, are sent as one byte buffer (a transfer costs the host the same whatever
+    its size; the stage graph unpacks it) before anything else of the step is allocated, and held
     until the step before it is done (HELD_STEPS): they then take the places of the inputs of two steps before, each
     step finds the allocator as the last one left it, and the temp buffer stays where it was. (A transfer's buffer
     dropped at once is freed whenever its copy finishes, in between a step's allocations: the temp buffer moves.)"""
@@ -78,11 +79,13 @@ class StableBuffers:
             return inp.model, inp.sampler
         if old is inp.model:   # the same inputs run again (benchmarks) are in place
             return old, self.send(inp.sampler)
-        model, sampler = self.send((inp.model, inp.sampler))
+        sampler_leaves, sampler_def = jax.tree.flatten(inp.sampler)
+        packed = self.send(pack(jax.tree.leaves(inp.model) + sampler_leaves))
         if old is None:
-            old = jax.tree.map(self.zeros, model)
-        self.inputs[key.dims] = self.graphs.get(GraphKey("stage", key.dims))(old, model)
-        return self.inputs[key.dims], sampler
+            old = jax.tree.map(self.zeros, inp.model)
+        self.inputs[key.dims], sampler_leaves = self.graphs.get(GraphKey("stage", key.dims))(old, packed)
+        self.held[-1].append(sampler_leaves)   # new buffers, as the transfer's: freed only once two steps are done
+        return self.inputs[key.dims], sampler_def.unflatten(sampler_leaves)
 
     def send(self, tree):
         """tree's host arrays on the device, held for HELD_STEPS steps. (Across processes device_put would check

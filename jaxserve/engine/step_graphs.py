@@ -35,7 +35,8 @@ from jaxserve.engine.drafter import (DraftInputs, draft_inputs, draft_tokens, ea
 from jaxserve.engine.sampler import (PenaltyState, SamplerOutput, init_penalty_state, reset_slots, sample,
                                      sampler_modes, verify)
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
-from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, build_step_inputs, share_prefixes
+from jaxserve.engine.step_inputs import (ModelInputs, SamplerInputs, StepInputs, build_step_inputs, layout_of, pack,
+                                         share_prefixes, unpack)
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
 from jaxserve.models import fp8, llama
 from jaxserve.models.fp8 import W8A16_MAX_ROWS
@@ -182,6 +183,14 @@ def overwrite(old, new):
     return jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new)
 
 
+def stage_step(old: ModelInputs, packed: jax.Array, sampler_layout: tuple) -> tuple[ModelInputs, list[jax.Array]]:
+    """A step's inputs from the one byte buffer they came in (step_inputs.pack: the model's leaves, then the
+    sampler's): the model's written over old's (donated) buffers, the sampler's leaves."""
+    leaves, treedef = jax.tree.flatten(old)
+    unpacked = unpack(packed, layout_of(leaves) + sampler_layout)
+    return overwrite(old, treedef.unflatten(unpacked[:len(leaves)])), unpacked[len(leaves):]
+
+
 def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens,
                 outputs: SamplerOutput | None = None):
     """The sampler graph: (penalty, each row's last sample in last_tokens' donated buffer, zero-padded,
@@ -304,7 +313,7 @@ class StepGraphs:
                 block_size=self.cfg.block_size, kernels=self.kernels, mesh=self.mesh),
                 in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep), donate_argnums=1)
         self.sampler = jax.jit(run_sampler, in_shardings=rep, out_shardings=rep, donate_argnums=(1, 3, 4))
-        self.stage = jax.jit(overwrite, in_shardings=rep, out_shardings=rep, donate_argnums=0)
+        self.stage = jax.jit(stage_step, in_shardings=rep, out_shardings=rep, static_argnums=2, donate_argnums=0)
         self.prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, model_def=model_def),
                                        in_shardings=(params, rep, rep), out_shardings=rep)
         self.reset = jax.jit(reset_slots, in_shardings=rep, out_shardings=rep, donate_argnums=0)
@@ -403,8 +412,9 @@ class StepGraphs:
                 outputs = self.output_structs(t, s, width)
                 return model.lower(self.params, cache, self.last_tokens, inp, features, outputs)
             case GraphKey("stage"):
-                inp = self.model_inputs(key)
-                return self.stage.lower(inp, inp)
+                inp = self.key_inputs(key)
+                sampler = layout_of(jax.tree.leaves(inp.sampler))
+                return self.stage.lower(inp.model, pack(jax.tree.leaves((inp.model, inp.sampler))), sampler)
             case GraphKey("peak"):   # a stand-in cache: temp memory does not depend on its size (a row: contiguous)
                 stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
                 rows = self.seq_buckets[-1]
@@ -442,9 +452,13 @@ class StepGraphs:
 
     def model_inputs(self, key: GraphKey) -> ModelInputs:
         """Host inputs of the sizes of a model (or stage) graph's key."""
+        return self.key_inputs(key).model
+
+    def key_inputs(self, key: GraphKey) -> StepInputs:
+        """Host inputs of a step of a model (or stage) graph's key."""
         t, s, decode_only, width, groups = key.dims
         return self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width,
-                                cascade_groups=groups).model
+                                cascade_groups=groups)
 
     def output_structs(self, num_tokens: int, num_seqs: int, width: int) -> tuple:
         """A model graph's (logits, hidden) outputs, the buffers it writes over (run_model)."""

@@ -7,6 +7,7 @@ W is the positions each row samples at (1; a speculative step's draft width + 1)
 graph never depends on how requests sample, so sampling options never multiply the expensive graphs."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -126,6 +127,33 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                             draft_ids=None if spec_width == 1 else padded_drafts(draft_ids or [], num_seqs, spec_width))
     prompt = None if next_prompt_ids is None else pad(next_prompt_ids, num_tokens, fill=-1)
     return StepInputs(model, sampler, prompt)
+
+
+def pack(leaves: Sequence[np.ndarray]) -> np.ndarray:
+    """Host arrays as one byte buffer, one after another: a step's inputs go to the device as one transfer, where
+    each array of its own would cost a transfer's fixed host time (unpack reads them back in a graph)."""
+    return np.concatenate([np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in leaves])
+
+
+def unpack(packed: jax.Array, layout: Sequence[tuple[tuple[int, ...], str]]) -> list[jax.Array]:
+    """The arrays `pack` joined, by their (shape, dtype) in order (traced: slices and bitcasts of packed)."""
+    leaves, at = [], 0
+    for shape, dtype in layout:
+        dtype = np.dtype(dtype)
+        size = math.prod(shape) * dtype.itemsize
+        raw = packed[at:at + size]
+        at += size
+        if dtype == np.bool_:
+            value = raw != 0
+        else:
+            value = jax.lax.bitcast_convert_type(raw.reshape(-1, dtype.itemsize) if dtype.itemsize > 1 else raw, dtype)
+        leaves.append(value.reshape(shape))
+    return leaves
+
+
+def layout_of(leaves) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """(shape, dtype) of each array: unpack's layout, hashable."""
+    return tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves)
 
 
 def share_prefixes(block_tables: np.ndarray, kv_lens: np.ndarray, block_size: int, max_groups: int,
