@@ -37,8 +37,8 @@
 #     kernel: tests, its GEMMs and a batch-1 step beside the older tree's
 #   [AB=<tree>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ncu  # a W8A16 launch under ncu
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: where the host's step goes
-#   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host-ab  # FP8 batch 1's
-#     host phases beside an older tree's
+#   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host-ab|moe-host-ab  # FP8
+#     8B's or the MoE's batch-1 host phases beside an older tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-launch-cost  # W8A16 launches' fixed cost, fitted over K
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tc-ncu  # the tensor-core decode under Nsight Compute
 #   RUNS=2 JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-ratio|fp8-batch1-ratio  # FP8 / bf16 runs
@@ -427,15 +427,17 @@ case $1 in
       run 200 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 \
         --profile 12 --host-profile 45 $q
     done ;;
-  batch1-host-ab)   # batch 1 with FP8 weights, this tree's host phases beside the tree in $AB's (its commit in
-    # $AB_COMMIT), alternating, RUNS pairs; then bf16 in this tree
+  batch1-host-ab|moe-host-ab)   # batch 1 with FP8 weights (the 8B) or the mixture of experts: this tree's host
+    # phases beside the tree in $AB's (its commit in $AB_COMMIT), alternating, RUNS pairs; then bf16 8B or the MoE's
+    # offline batch 1 in this tree
     build_calls
-    STEP_B1="benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64"
+    STEP_B1="benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 --quantization fp8"
+    [ "$1" = moe-host-ab ] && STEP_B1="${MOE_PROFILE#python } --profile 0"
     for i in $(seq "${RUNS:-2}"); do
-      run 200 python $STEP_B1 --quantization fp8
-      (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 200 python $STEP_B1 --quantization fp8)
+      run 200 python $STEP_B1
+      (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 200 python $STEP_B1)
     done
-    run 200 python $STEP_B1 --profile 8 ;;
+    if [ "$1" = moe-host-ab ]; then run 200 $MOE_BATCH1; else run 200 python ${STEP_B1% --quantization fp8} --profile 8; fi ;;
   fp8-launch-cost)   # the W8A16 kernel, XLA's bf16 GEMM and XLA's W8A16 fusion over K at two N: F and R fitted
     build_calls
     run 300 python benchmarks/fp8_gemm.py --decode --over-k --out "$OUT/fp8_decode_gemm_gpu.json" ;;
