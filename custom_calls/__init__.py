@@ -273,11 +273,13 @@ def call_in_place(target: str, k_cache, v_cache, *args):
 
 
 def reshape_and_cache(k_cache, v_cache, k, v, slot_mapping):
-    """reshape_and_cache_reference in place on the (donated) caches; returns (k_cache, v_cache)."""
+    """reshape_and_cache_reference in place on the (donated) caches; returns (k_cache, v_cache). The calls take k
+    and v stacked, one operand: XLA then computes both (k's rope, v's slice of the q/k/v projection, an FP8
+    cache's quantization) in one fusion, where two operands would each be a kernel of their own."""
     check_write_args(k_cache, v_cache, k, v, slot_mapping)
     if not moves_in_place(k_cache.dtype):
         return reshape_and_cache_reference(k_cache, v_cache, k, v, slot_mapping)
-    return call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, k, v, slot_mapping)
+    return call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, jnp.stack([k, v]), slot_mapping)
 
 
 def check_copy_args(k_cache, v_cache, src, dst) -> None:

@@ -478,7 +478,8 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
     case = make_paged_case(rng, lens=[5, 9], q_heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
 
     def step(k_cache, v_cache, new_k, new_v, slots, q, kv_lens, block_tables, x, w, scale, kernel):
-        k_cache, v_cache = cc.call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, new_k, new_v, slots)
+        k_cache, v_cache = cc.call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, jnp.stack([new_k, new_v]),
+                                            slots)
         k_cache, v_cache = cc.call_in_place("jaxserve_copy_blocks", k_cache, v_cache, slots[:1], slots[1:])
         out = cc.call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=0.5,
                                              sliding_window=64, soft_cap=30.0, num_splits=3)

@@ -64,21 +64,22 @@ ffi::Error SlotRowBytes(const ffi::AnyBuffer& k_cache, const ffi::AnyBuffer& v_c
   return ffi::Error::Success();
 }
 
-ffi::Error ReshapeAndCache(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k,
-                           ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
+// kv [2, T, Hkv, D]: the new K rows, then the V rows (one operand: XLA computes both in one fusion).
+ffi::Error ReshapeAndCache(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer kv,
+                           ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
                            ffi::Result<ffi::AnyBuffer> v_out) {
   int64_t row_bytes = 0;
   if (ffi::Error err = SlotRowBytes(k_cache, v_cache, &row_bytes); err.failure()) return err;
   const int64_t tokens = slot_mapping.element_count();
-  if (k.element_type() != k_cache.element_type() || v.element_type() != k_cache.element_type() ||
-      k.size_bytes() != static_cast<size_t>(tokens * row_bytes) || v.size_bytes() != k.size_bytes())
-    return ffi::Error::InvalidArgument("k and v must be [T, Hkv, D] in the cache dtype, T = len(slot_mapping)");
+  if (kv.element_type() != k_cache.element_type() || kv.size_bytes() != static_cast<size_t>(2 * tokens * row_bytes))
+    return ffi::Error::InvalidArgument("kv must be [2, T, Hkv, D] in the cache dtype, T = len(slot_mapping)");
   if (tokens == 0) return ffi::Error::Success();
   const auto kd = k_cache.dimensions();
+  const int64_t row_vecs = row_bytes / sizeof(Vec16);
+  const Vec16* k = static_cast<const Vec16*>(kv.untyped_data());
   ReshapeAndCacheKernel<<<dim3(tokens, 2), kCopyThreads, 0, stream>>>(
-      static_cast<Vec16*>(k_out->untyped_data()), static_cast<Vec16*>(v_out->untyped_data()),
-      static_cast<const Vec16*>(k.untyped_data()), static_cast<const Vec16*>(v.untyped_data()),
-      slot_mapping.typed_data(), kd[0] * kd[1], row_bytes / sizeof(Vec16));
+      static_cast<Vec16*>(k_out->untyped_data()), static_cast<Vec16*>(v_out->untyped_data()), k, k + tokens * row_vecs,
+      slot_mapping.typed_data(), kd[0] * kd[1], row_vecs);
   return LaunchStatus("reshape_and_cache launch");
 }
 
@@ -104,7 +105,6 @@ ffi::Error CopyBlocks(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveReshapeAndCache, jaxserve::ReshapeAndCache,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()

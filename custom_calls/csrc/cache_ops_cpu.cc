@@ -27,19 +27,19 @@ ffi::Error SlotRowBytes(const ffi::AnyBuffer& k_cache, const ffi::AnyBuffer& v_c
 
 char* Bytes(ffi::Result<ffi::AnyBuffer>& buffer) { return static_cast<char*>(buffer->untyped_data()); }
 
-// Token t's new K and V rows into slot slot_mapping[t]; slots outside the cache (padding: -1) are skipped.
-ffi::Error ReshapeAndCache(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k, ffi::AnyBuffer v,
+// Token t's new K and V rows (kv [2, T, Hkv, D]: K rows, then V rows) into slot slot_mapping[t]; slots outside
+// the cache (padding: -1) are skipped.
+ffi::Error ReshapeAndCache(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer kv,
                            ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
                            ffi::Result<ffi::AnyBuffer> v_out) {
   int64_t row_bytes = 0;
   if (ffi::Error err = SlotRowBytes(k_cache, v_cache, &row_bytes); err.failure()) return err;
   const int64_t tokens = slot_mapping.element_count();
-  if (k.element_type() != k_cache.element_type() || v.element_type() != k_cache.element_type() ||
-      k.size_bytes() != static_cast<size_t>(tokens * row_bytes) || v.size_bytes() != k.size_bytes()) {
-    return ffi::Error::InvalidArgument("k and v must be [T, Hkv, D] in the cache dtype, T = len(slot_mapping)");
+  if (kv.element_type() != k_cache.element_type() || kv.size_bytes() != static_cast<size_t>(2 * tokens * row_bytes)) {
+    return ffi::Error::InvalidArgument("kv must be [2, T, Hkv, D] in the cache dtype, T = len(slot_mapping)");
   }
   const int64_t num_slots = k_cache.dimensions()[0] * k_cache.dimensions()[1];
-  const char *k_rows = static_cast<const char*>(k.untyped_data()), *v_rows = static_cast<const char*>(v.untyped_data());
+  const char *k_rows = static_cast<const char*>(kv.untyped_data()), *v_rows = k_rows + tokens * row_bytes;
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t slot = slot_mapping.typed_data()[t];
     if (slot < 0 || slot >= num_slots) continue;
@@ -81,7 +81,6 @@ ffi::Error CopyBlocks(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveReshapeAndCacheCpu, jaxserve::ReshapeAndCache,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
