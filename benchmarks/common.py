@@ -120,8 +120,8 @@ def host_events(fn, *args, repeats: int = 10) -> list[tuple[str, int, str]]:
 
 
 def traced_events(fn, *args, repeats: int) -> list:
-    """(plane name, line name, start ns, duration ns, name) of each event of a JAX profiler trace of `repeats` runs of fn(*args) after one warm-up
-    (the runtime's host scopes at their finest level; Python's calls not traced)."""
+    """(plane name, line name, start ns, duration ns, name) of each event of a JAX profiler trace of `repeats` runs
+    of fn(*args) after one warm-up (the runtime's host scopes at their finest level; Python's calls not traced)."""
     import glob
     import tempfile
     from jax.profiler import ProfileData

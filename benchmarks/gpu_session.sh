@@ -36,7 +36,7 @@
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ab  # W8A16 decode
 #     kernel: tests, its GEMMs and a batch-1 step beside the older tree's
 #   [AB=<tree>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ncu  # a W8A16 launch under ncu
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: where the host's step goes
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: the host's step
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host-ab|moe-host-ab  # FP8
 #     8B's or the MoE's batch-1 host phases beside an older tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-launch-cost  # W8A16 launches' fixed cost, fitted over K
@@ -437,7 +437,8 @@ case $1 in
       run 200 python $STEP_B1
       (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 200 python $STEP_B1)
     done
-    if [ "$1" = moe-host-ab ]; then run 200 $MOE_BATCH1; else run 200 python ${STEP_B1% --quantization fp8} --profile 8; fi ;;
+    if [ "$1" = moe-host-ab ]; then run 200 $MOE_BATCH1
+    else run 200 python ${STEP_B1% --quantization fp8} --profile 8; fi ;;
   fp8-launch-cost)   # the W8A16 kernel, XLA's bf16 GEMM and XLA's W8A16 fusion over K at two N: F and R fitted
     build_calls
     run 300 python benchmarks/fp8_gemm.py --decode --over-k --out "$OUT/fp8_decode_gemm_gpu.json" ;;

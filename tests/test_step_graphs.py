@@ -1,5 +1,6 @@
 """The step graphs' keys: the graphs compiled before serving are the key function over every size a step can have,
-so no step the scheduler forms meets a graph that was not compiled (pure functions: no model, no compile)."""
+so no step the scheduler forms meets a graph that was not compiled (pure functions: no model, no compile); and the
+byte buffer a step's inputs travel in."""
 import dataclasses
 
 import jax

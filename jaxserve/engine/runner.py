@@ -65,7 +65,7 @@ class StableBuffers:
         for key in keys:
             if key.kind == "model":
                 if self.graphs.stage_inputs:
-                    self.inputs.setdefault(key.dims, jax.tree.map(self.zeros, self.graphs.model_inputs(key)))
+                    self.inputs.setdefault(key.dims, jax.tree.map(self.zeros, self.graphs.key_inputs(key).model))
                 self.keep_outputs(*self.take_outputs(key))
             elif key.kind == "sampler":
                 ring = self.sampled.setdefault(key.dims, [])

@@ -405,7 +405,7 @@ class StepGraphs:
         """The graph of key, traced and lowered against abstract inputs of its sizes."""
         match key:
             case GraphKey("model", (t, s, _, width, _)):
-                inp = self.model_inputs(key)
+                inp = self.key_inputs(key).model
                 split = self.draft_split(key)
                 model, cache, features = ((self.drafting_model, self.cache_shape, self.features) if split is None
                                           else (self.model, self.cache_shape[:split], None))
@@ -450,12 +450,8 @@ class StepGraphs:
         """The executable of key, compiled now if it was not (counted once serving)."""
         return self.manager.get(key, functools.partial(self.lower, key))
 
-    def model_inputs(self, key: GraphKey) -> ModelInputs:
-        """Host inputs of the sizes of a model (or stage) graph's key."""
-        return self.key_inputs(key).model
-
     def key_inputs(self, key: GraphKey) -> StepInputs:
-        """Host inputs of a step of a model (or stage) graph's key."""
+        """Host inputs of a step of the sizes of a model (or stage) graph's key."""
         t, s, decode_only, width, groups = key.dims
         return self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width,
                                 cascade_groups=groups)
