@@ -325,7 +325,8 @@ def test_cancel_or_deadline_aborts_the_request_and_frees_its_blocks(server, how)
             assert len(got.token_ids) >= 3 and not got.messages[-1].finished
         else:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(c.generate("Count to a thousand:", LONG, timeout=3.0))
+                # 1 s: ~100 steps of the embedded model on a CPU, well short of the half of LONG's 400 checked below
+                await collect(c.generate("Count to a thousand:", LONG, timeout=1.0))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         return before, await wait_idle(c)
 
