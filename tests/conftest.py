@@ -10,6 +10,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # on a GPU: va
 # thread that executes its own computation and meets the others at barriers; dispatched to XLA:CPU's few worker
 # threads (two on a two-core machine) they could all be taken by threads waiting at a barrier, a deadlock
 os.environ.setdefault("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
+# and their parallel loops run on XLA:CPU's intra-op pool, whose threads a callback waiting at a barrier holds as
+# well: sized by the CPU count (NPROC where set), a two-core machine's pool of two hung the interpreted Mosaic GPU
+# prefill in half of its runs; 16 threads leave room for every simulated thread of the interpreted kernels
+os.environ.setdefault("NPROC", "16")
 # XLA's persistent cache, which jaxserve leaves off on a CPU (compilation_cache.py says why), on for the suite and the
 # processes it starts: most tests compile the same small graphs, and each compiles once per machine
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxserve/xla"))
