@@ -11,7 +11,9 @@ Rows: bench "fp8_gemm", impl bf16 | fp8_linear | fp8_gemm_f32 | fp8_gemm_bf16, p
 ms and tflops; results benchmarks/results/fp8_gemm_<backend>.json. With --layers: bench "fp8_layers", impl
 "<weights>/<XLA options>", params {tokens, layers}, ms per layer, gbps of weight bytes, and the step's costliest
 GPU kernels printed. With --decode: bench "fp8_decode_gemm", impl xla | bf16 | kernel/auto |
-kernel/splits=<s>/warps_n=<w>/warp_tiles=<t> | kernel/auto/live=1 (only the first row read), params {tokens, group, in, out: [N of each weight]}, ms of device
+kernel/splits=<s>/warps_n=<w>/warp_tiles=<t> | kernel/auto/live=1 (only the first row read) | for gate/up
+kernel/auto/silu_product, gated/auto, gated/auto/live=1 (silu(gate) * up made in the launch), params {tokens,
+group, in, out: [N of each weight]}, ms of device
 time per launch group (DECODE_GROUPS, timed over enough distinct weights to pass the L2 cache) and gbps of weight
 bytes, rows fp8_decode_gemm_<backend>.json. With --over-k the groups are OVER_K_GROUPS (named n<N>_k<K>), the
 kernel at a few launches, and the fit of each impl's times printed: F, what a launch costs whatever it reads, and R,
@@ -151,7 +153,8 @@ OVER_K_IMPLS = ("xla", "bf16", "kernel/auto", "kernel/auto/live=1", "kernel/spli
 
 def decode_cases(ns: tuple[int, ...]):
     """(impl, fn(x, groups of weights, groups of scales)): XLA's GEMMs (one a weight), bf16's, and the kernel (one
-    launch a group) at its default launch and at every launch it takes."""
+    launch a group) at its default launch and at every launch it takes; for gate and up also the kernel followed
+    by XLA's silu product and the gated launch that makes it."""
     dims = (((1,), (1,)), ((), ()))
     xla = jax.jit(lambda x, gws, gss: [custom_calls.fp8_linear_reference(x, w, s)
                                        for ws, ss in zip(gws, gss) for w, s in zip(ws, ss)],
@@ -168,6 +171,12 @@ def decode_cases(ns: tuple[int, ...]):
             custom_calls.fp8_linear(x, ws, ss, launch=launch) for ws, ss in zip(gws, gss)])))
     cases.append(("kernel/auto/live=1", jax.jit(lambda x, gws, gss: [   # a batch-1 step's one real row
         custom_calls.fp8_linear(x, ws, ss, live=jnp.int32(1)) for ws, ss in zip(gws, gss)])))
+    if len(ns) == 2 and ns[0] == ns[1]:   # gate and up: their product after the launch, or made in it (gated)
+        cases.append(("kernel/auto/silu_product", jax.jit(lambda x, gws, gss: [
+            jax.nn.silu(g) * u for ws, ss in zip(gws, gss) for g, u in [custom_calls.fp8_linear(x, ws, ss)]])))
+        for name, live in (("gated/auto", None), ("gated/auto/live=1", jnp.int32(1))):
+            cases.append((name, jax.jit(lambda x, gws, gss, live=live: [
+                custom_calls.fp8_gated_linear(x, ws[0], ss[0], ws[1], ss[1], live=live) for ws, ss in zip(gws, gss)])))
     return cases
 
 
@@ -193,7 +202,7 @@ def bench_decode(tokens: int = 16, groups=DECODE_GROUPS, impls=None) -> list[dic
             rows.append({"bench": "fp8_decode_gemm", "impl": impl,
                          "params": {"tokens": tokens, "group": name, "in": k, "out": list(ns)},
                          "ms": ms, "gbps": nbytes / ms / 1e6})
-            if not impl.startswith("kernel/splits"):   # auto, live=1, XLA, bf16
+            if not impl.startswith("kernel/splits"):   # auto, live=1, XLA, bf16, gated
                 print(f"T={tokens:3d} {name:8s} {impl:12s} {ms * 1e3:7.2f} us {rows[-1]['gbps']:6.0f} GB/s"
                       f"{f'  (kernel: max err / max |y| {max(map(float, errs)):.1e})' if impl == 'xla' else ''}",
                       flush=True)

@@ -338,6 +338,14 @@ def fp8_linear_reference(x, w, scale, live=None):
     return live_rows((y * scale).astype(x.dtype), live)
 
 
+def fp8_gated_linear_reference(x, w_gate, s_gate, w_up, s_up, live=None):
+    """silu(gate) * up [M, N] in x's dtype of gate and up = (x . w^T) * scale in f32 (fp8_linear_reference's sums
+    before their rounding): the MLP's product, rounded once."""
+    gate, up = (jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                * s for w, s in ((w_gate, s_gate), (w_up, s_up)))
+    return live_rows((jax.nn.silu(gate) * up).astype(x.dtype), live)
+
+
 def bf16_linear_reference(x, w, live=None):
     """y [M, N] = x [M, K] . w [K, N] in x's dtype, products summed in f32; with live the rows past them zeros."""
     return live_rows(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), live)
@@ -381,26 +389,38 @@ def fp8_linear(x, weights, scales, *, launch=None, live=None) -> list:
     return decode_linear(x, weights, scales, launch, live)
 
 
+def fp8_gated_linear(x, w_gate, s_gate, w_up, s_up, *, launch=None, live=None):
+    """fp8_gated_linear_reference through the CUDA kernel in one launch: both e4m3 weights [N, K] read once, the
+    product made where a channel's gate and up sums meet (no product kernel after the launch). As fp8_linear
+    otherwise; gate and up must be of one shape."""
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"fp8_gated_linear: gate and up must be of one shape, got {w_gate.shape} and {w_up.shape}")
+    return decode_linear(x, [w_gate, w_up], [s_gate, s_up], launch, live, gated=True)[0]
+
+
 def bf16_linear(x, weights, *, launch=None, live=None) -> list:
     """[bf16_linear_reference(x, w, live) for w in weights], bf16 weights [K, N] (nnx.Linear's kernels) that read
     x, through the CUDA kernel in one launch, as fp8_linear (launch default: choose_bf16_launch)."""
     return decode_linear(x, weights, None, launch, live)
 
 
-def decode_linear(x, weights, scales, launch, live) -> list:
-    """fp8_linear (scales given) or bf16_linear (None): checked, then the kernel or, without the library, the
-    reference."""
-    name = "bf16_linear" if scales is None else "fp8_linear"
+def decode_linear(x, weights, scales, launch, live, gated: bool = False) -> list:
+    """fp8_linear (scales given), fp8_gated_linear (gated) or bf16_linear (scales None): checked, then the kernel
+    or, without the library, the reference."""
+    name = "bf16_linear" if scales is None else "fp8_gated_linear" if gated else "fp8_linear"
     if why := decode_linear_unsupported(x, weights, scales):
         raise ValueError(f"{name}: {why}")
     ns, k = tuple(w.shape[1] if scales is None else w.shape[0] for w in weights), x.shape[1]
     if launch is not None:
         check_linear_launch(launch, ns, k)
+    if not available() and scales is None:
+        return [bf16_linear_reference(x, w, live) for w in weights]
     if not available():
-        return [bf16_linear_reference(x, w, live) for w in weights] if scales is None else \
+        return [fp8_gated_linear_reference(x, weights[0], scales[0], weights[1], scales[1], live)] if gated else \
             [fp8_linear_reference(x, w, s, live) for w, s in zip(weights, scales)]
     choose = choose_bf16_launch if scales is None else choose_linear_launch
-    return call_decode_linear(x, weights, scales, launch=launch or choose(ns, k, sm_count()), live=live)
+    return call_decode_linear(x, weights, scales, launch=launch or choose(ns, k, sm_count()), live=live,
+                              gated=gated)
 
 
 def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
@@ -415,20 +435,20 @@ def check_linear_launch(launch, ns: tuple[int, ...], k: int) -> None:
                          f"{16 * warp_tiles * warps_n}")
 
 
-def call_decode_linear(x, weights, scales, *, launch: tuple[int, int, int], live=None) -> list:
+def call_decode_linear(x, weights, scales, *, launch: tuple[int, int, int], live=None, gated: bool = False) -> list:
     """The FFI call itself (the library must be registered): e4m3 weights [N, K] with their scales, or (scales
-    None) bf16 weights [K, N]. Splits of K meet in a cluster's shared memory on sm_90, elsewhere as f32 partials in
-    the workspace."""
+    None) bf16 weights [K, N]; gated, one output of e4m3 gate and up. Splits of K meet in a cluster's shared
+    memory on sm_90, elsewhere as f32 partials in the workspace."""
     splits, warps_n, warp_tiles = launch
     kn = scales is None
     ns = [w.shape[1] if kn else w.shape[0] for w in weights]
     workspace = splits * x.shape[0] * sum(ns) if splits > 1 else 1
-    outs = [jax.ShapeDtypeStruct((x.shape[0], n), x.dtype) for n in ns]
+    outs = [jax.ShapeDtypeStruct((x.shape[0], n), x.dtype) for n in ns[:1 if gated else None]]
     operands = weights if kn else [a for w, s in zip(weights, scales) for a in (w, s.astype(jnp.float32))]
     *ys, _ = jax.ffi.ffi_call("jaxserve_decode_linear", (*outs, jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
         x, *operands, *(() if live is None else (live.reshape(1).astype(jnp.int32),)), splits=np.int32(splits),
         warps_n=np.int32(warps_n), warp_tiles=np.int32(warp_tiles), with_live=np.int32(live is not None),
-        weights_kn=np.int32(kn))
+        weights_kn=np.int32(kn), gated=np.int32(gated))
     return ys
 
 

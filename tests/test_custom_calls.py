@@ -330,6 +330,44 @@ def test_fp8_linear_without_the_library_runs_the_reference_per_weight():
         assert_same_bits(out, ref, seed)
 
 
+def gated_bound(x, cases) -> tuple[np.ndarray, np.ndarray]:
+    """(silu(gate) * up in f64, the error allowed in bf16 out) for the (e4m3 w [N, K], scale [N]) of gate and up:
+    the output's rounding (2^-8 of itself) plus each sum's error in f32 (linear_bound's less its rounding, and
+    the scale's product) carried through the product; silu's slope stays below 1.1."""
+    (g, g_bound), (u, u_bound) = (linear_bound(x, w, scale) for w, scale in cases)
+    eg, eu = ((b - 2.0 ** -8 * np.abs(v)) + 2.0 ** -22 * np.abs(v) for v, b in ((g, g_bound), (u, u_bound)))
+    with np.errstate(over="ignore"):   # exp(-g) of a large -g is inf, and silu 0
+        silu = g / (1 + np.exp(-g))
+    ref = silu * u
+    return ref, 2.0 ** -8 * np.abs(ref) + 1.1 * eg * (np.abs(u) + eu) + np.abs(silu) * eu
+
+
+def test_fp8_gated_linear_reference_matches_f64():
+    seed, rng = fresh_rng()
+    x, *gate = fp8_linear_case(rng, 5, 128, 96)
+    up = fp8_linear_case(rng, 5, 128, 96)[1:]
+    ref, bound = gated_bound(x, (gate, up))
+    out = np.asarray(cc.fp8_gated_linear_reference(x, *gate, *up), np.float64)
+    assert out.shape == (5, 96) and np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), f"seed {seed}"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
+def test_fp8_gated_linear_without_the_library_runs_the_reference():
+    seed, rng = fresh_rng()
+    x, *gate = fp8_linear_case(rng, 3, 128, 64)
+    up = fp8_linear_case(rng, 3, 128, 64)[1:]
+    assert_same_bits(cc.fp8_gated_linear(x, *gate, *up, live=jnp.int32(2)),
+                     cc.fp8_gated_linear_reference(x, *gate, *up, jnp.int32(2)), seed)
+
+
+def test_fp8_gated_linear_rejects_gate_and_up_of_two_shapes():
+    x, w, scale = jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64)
+    with pytest.raises(ValueError, match="gate and up must be of one shape"):
+        cc.fp8_gated_linear(x, w, scale, w[:32], scale[:32])
+    with pytest.raises(ValueError, match="fp8_gated_linear: x must be bfloat16"):
+        cc.fp8_gated_linear(x.astype(jnp.float32), w, scale, w, scale)
+
+
 @pytest.mark.parametrize("change,field", [
     (dict(x=jnp.zeros((2, 128), jnp.float32)), "bfloat16"), (dict(w=jnp.zeros((64, 128), jnp.bfloat16)), "e4m3fn"),
     (dict(x=jnp.zeros((17, 128), jnp.bfloat16)), "1 to 16, K"),
@@ -491,7 +529,8 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         unscaled = cc.call_fp8_mm(xq, w)
         linear = cc.call_decode_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2), live=kv_lens[0])
         bf16 = cc.call_decode_linear(x, [kernel, kernel[:, :32]], None, launch=(1, 1, 2))
-        return k_cache, v_cache, out, linear, bf16, route, xq, normed, mm, unscaled
+        gated = cc.call_decode_linear(x, [w, w], [scale, scale], launch=(1, 1, 2), gated=True)
+        return k_cache, v_cache, out, linear, bf16, gated, route, xq, normed, mm, unscaled
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
     args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32),
@@ -507,8 +546,12 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
     assert "tensor<2x8x128xbf16>, tensor<6240xf32>" in text  # out + workspace B*Hq*S*(D+2)
     assert "tensor<3x64xbf16>, tensor<3x32xbf16>, tensor<576xf32>" in text  # the ys + workspace S*M*sum(N)
     for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32", "with_live = 1 : i32",
-                 "weights_kn = 0 : i32", "splits = 1 : i32", "weights_kn = 1 : i32"):
+                 "weights_kn = 0 : i32", "splits = 1 : i32", "weights_kn = 1 : i32", "gated = 0 : i32",
+                 "gated = 1 : i32"):
         assert attr in text, attr
+    # gated: gate and up with their scales, one y of their N and a one-element workspace
+    assert "(tensor<3x128xbf16>, tensor<64x128xf8E4M3FN>, tensor<64xf32>, tensor<64x128xf8E4M3FN>, tensor<64xf32>) " \
+           "-> (tensor<3x64xbf16>, tensor<1xf32>)" in text
     # bf16 weights [K, N], no scales: the ys and a one-element workspace
     assert "(tensor<3x128xbf16>, tensor<128x64xbf16>, tensor<128x32xbf16>) -> (tensor<3x64xbf16>, " \
            "tensor<3x32xbf16>, tensor<1xf32>)" in text
@@ -699,6 +742,42 @@ def test_fp8_linear_reads_no_row_past_the_live_ones(rows, live):
     for out, want in zip(outs, alone):
         assert_same_bits(out, want, seed)
         assert not np.asarray(out[live:], np.float32).any(), f"seed {seed}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 5, 9, 16])
+@pytest.mark.parametrize("k,n", [(576, 1536), (4096, 1024), (1024, 4096)], ids=["smollm", "8b_slice", "k1024"])
+@pytest.mark.parametrize("launch", [None, (1, 1, 2), (3, 1, 4), (9, 2, 2), (2, 2, 4)],
+                         ids=["auto", "one_split", "cluster_splits", "merged_splits", "wide"])
+def test_fp8_gated_linear_matches_f64(rows, k, n, launch):
+    """silu(gate) * up out of one launch over every e4m3 bit pattern in both weights, within gated_bound, its output
+    memory NaN-poisoned first: unsplit, splits meeting in a cluster, and through the workspace."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    gate, up = (fp8_linear_case(rng, rows, k, n)[1:] for _ in range(2))
+    poison_device_memory((rows, n), jnp.bfloat16)
+    out = jax.jit(lambda x, g, u: cc.fp8_gated_linear(x, *g, *u, launch=launch))(x, gate, up)
+    ref, bound = gated_bound(x, (gate, up))
+    out = np.asarray(out, np.float64)
+    assert out.shape == (rows, n) and np.isfinite(out).all(), f"seed {seed}"
+    assert (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, live", [(16, 1), (16, 9), (8, 3), (16, 0)])
+def test_fp8_gated_linear_reads_no_row_past_the_live_ones(rows, live):
+    """As test_fp8_linear_reads_no_row_past_the_live_ones, for the gated launch."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((rows, 4096)), jnp.bfloat16)
+    gate, up = (fp8_linear_case(rng, rows, 4096, 1024)[1:] for _ in range(2))
+    poison_device_memory((rows, 1024), jnp.bfloat16)
+    out = jax.jit(lambda x, g, u, live: cc.fp8_gated_linear(x, *g, *u, live=live))(x.at[live:].set(jnp.nan), gate, up,
+                                                                                  jnp.int32(live))
+    alone = jax.jit(lambda x, g, u: cc.fp8_gated_linear(x, *g, *u))(x.at[live:].set(0), gate, up)
+    assert_same_bits(out, alone, seed)
+    assert not np.asarray(out[live:], np.float32).any(), f"seed {seed}"
 
 
 @needs_gpu

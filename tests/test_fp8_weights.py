@@ -224,27 +224,33 @@ def test_engine_serves_an_fp8_model_as_its_forward_computes_it():
 
 def test_decode_launches_are_told_the_steps_live_rows(monkeypatch):
     """Each W8A16 launch of the engine's steps is given the step's real rows (on a GPU the kernel then reads no
-    padding row's activations and writes zeros there; here the reference does the same): greedy tokens unchanged."""
+    padding row's activations and writes zeros there; here the reference does the same), the MLP's gate and up
+    one gated launch (the product made in it): greedy tokens those of the plain forward through XLA's GEMMs."""
     import custom_calls
     from jaxserve.models import fp8
-    seen = []
+    seen, gated = [], []
 
     def launch(x, ws, scales, live=None):
         seen.append(live)
         return [custom_calls.fp8_linear_reference(x, w, s, live) for w, s in zip(ws, scales)]
-    monkeypatch.setattr(fp8, "w8a16_kernel", lambda x, ws, scales: True)
-    monkeypatch.setattr(custom_calls, "fp8_linear", launch)
+
+    def gated_launch(x, w_gate, s_gate, w_up, s_up, live=None):
+        gated.append(live)
+        return custom_calls.fp8_gated_linear_reference(x, w_gate, s_gate, w_up, s_up, live)
     loaded = random_model(TINY, jnp.float32, quantization="fp8")
     prompts = token_prompts(3, 5, 9)
+    want = [greedy(loaded, p, 5) for p in prompts]   # the plain forward, no kernel: no paged step, every row
+    monkeypatch.setattr(fp8, "w8a16_kernel", lambda x, ws, scales: True)
+    monkeypatch.setattr(custom_calls, "fp8_linear", launch)
+    monkeypatch.setattr(custom_calls, "fp8_gated_linear", gated_launch)
     jax.clear_caches()   # layers traced by another test would not call the patched launch
     try:
         llm = LLM(loaded, **{**KNOBS, "num_blocks": 64, "precompile": False})
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-        engine_launches = list(seen)
-        want = [greedy(loaded, p, 5) for p in prompts]   # the plain forward: no paged step, every row
     finally:
         jax.clear_caches()   # nor may a later test run layers traced with it
-    assert engine_launches and all(live is not None for live in engine_launches)
+    assert seen and all(live is not None for live in seen)
+    assert gated and all(live is not None for live in gated)
     assert [o.outputs[0].token_ids for o in outs] == want
 
 

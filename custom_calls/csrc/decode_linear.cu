@@ -10,10 +10,11 @@
 // below: an e4m3 lane reads along K, a bf16 [K, N] lane reads its channels along N on 16 rows of K). A launch
 // costs a few microseconds of ramp and tail whatever it reads, so the weights of one input share one. A step's
 // live rows (the first ones; the rest pad its bucket) may be given: past them no activation is read and no product
-// made, and those outputs are zeros.
+// made, and those outputs are zeros. Gated, two e4m3 weights of one shape (an MLP's gate and up) give one output,
+// silu(gate) * up, made where the two sums meet: no product kernel after the launch, half the bytes written.
 //
 // Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 16 * warp_tiles * warps_n output channels of one weight
-// and one of `splits` slices of K. Its warps form warps_n columns of 16 * warp_tiles channels by kWarps / warps_n
+// (gated: tile_n / 2 channels of both) and one of `splits` slices of K. Its warps form warps_n columns of 16 * warp_tiles channels by kWarps / warps_n
 // rows that take the slice's kChunkK-wide chunks in turn, each chunk's loads issued before the chunk before it
 // is multiplied. At 16 rows the activations are as many bytes as e4m3 weight tiles they multiply: a warp's
 // warp_tiles m16 tiles share them in registers, the warps of a row share them through L1. The warps' sums meet
@@ -48,6 +49,7 @@ struct LinearParams {
   float* partial;                     // [splits, M, sum N_g] when splits > 1 outside a cluster
   int groups, m, k, chunks_per_split;
   bool cluster;                       // splits meet in the cluster's shared memory
+  bool gated;                         // y[0] = silu(gate) * up of w[0] (gate) and w[1] (up), one N
 };
 
 // a[i] for a small runtime i without indexing the parameter space
@@ -66,6 +68,11 @@ __device__ __forceinline__ int GroupOf(const LinearParams& p, int column) {
 
 __device__ __forceinline__ float Scaled(float v, const float* scale, int channel) {
   return scale ? v * scale[channel] : v;
+}
+
+// A gated launch's output channel from its gate and up sums.
+__device__ __forceinline__ __nv_bfloat16 Gated(const LinearParams& p, float gate, float up, int channel) {
+  return __float2bfloat16(SiluMul(Scaled(gate, p.scale[0], channel), Scaled(up, p.scale[1], channel)));
 }
 
 // Two e4m3 bytes of `word` (picked by a __byte_perm selector that puts each in the low byte of a 16-bit half)
@@ -110,13 +117,18 @@ struct Weights<Format::kE4m3NK, kTiles> {
   };
   const uint8_t* rows[kTiles][2];
 
-  __device__ __forceinline__ Weights(const void* w, int k, int /*n*/, int first_channel, int g, int t) {
+  // The CTA's columns from n0 on, the warp's from `column` on; columns from `half` on (whole tiles) are w2's
+  // channels from n0 on (gated), the others w's.
+  __device__ __forceinline__ Weights(const void* w, const void* w2, int half, int k, int /*n*/, int n0, int column,
+                                     int g, int t) {
 #pragma unroll
     for (int a = 0; a < kTiles; ++a)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        rows[a][h] =
-            static_cast<const uint8_t*>(w) + static_cast<int64_t>(first_channel + Channel(a, g, h)) * k + 16 * t;
+      for (int h = 0; h < 2; ++h) {
+        const bool second = column + 16 * a >= half;
+        const int channel = n0 + column + Channel(a, g, h) - (second ? half : 0);
+        rows[a][h] = static_cast<const uint8_t*>(second ? w2 : w) + static_cast<int64_t>(channel) * k + 16 * t;
+      }
   }
   __device__ __forceinline__ void Load(Regs& r, int c) const {
 #pragma unroll
@@ -145,8 +157,9 @@ struct Weights<Format::kBf16KN, kTiles> {
   const __nv_bfloat16* first;  // row 16t of chunk 0, the lane's first channel
   int n;
 
-  __device__ __forceinline__ Weights(const void* w, int /*k*/, int n_, int first_channel, int g, int t)
-      : first(static_cast<const __nv_bfloat16*>(w) + static_cast<int64_t>(16 * t) * n_ + first_channel +
+  __device__ __forceinline__ Weights(const void* w, const void* /*w2*/, int /*half*/, int /*k*/, int n_, int n0,
+                                     int column, int g, int t)
+      : first(static_cast<const __nv_bfloat16*>(w) + static_cast<int64_t>(16 * t) * n_ + n0 + column +
               2 * kTiles * g),
         n(n_) {}
   __device__ __forceinline__ void Load(Regs& r, int c) const {
@@ -222,13 +235,15 @@ __global__ void __launch_bounds__(kThreads) DecodeLinearKernel(LinearParams p) {
   __shared__ float sums[kWarps][kWarpN][kMaxRows + 1];
   float* tile = &sums[0][0][0];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // the CTA's output channels: kTileN of one weight, or gated the first `half` columns' of gate, the rest's of up
+  const int half = p.gated ? kTileN / 2 : kTileN;
   const int group = GroupOf(p, blockIdx.x), n = Pick(p.n, group);
-  const int wn = warp % kWarpsN, wk = warp / kWarpsN, n0 = (blockIdx.x - Pick(p.tile_begin, group)) * kTileN;
+  const int wn = warp % kWarpsN, wk = warp / kWarpsN, n0 = (blockIdx.x - Pick(p.tile_begin, group)) * half;
   const float* const scale = Pick(p.scale, group);
   __nv_bfloat16* const y = Pick(p.y, group);
   const int begin = blockIdx.y * p.chunks_per_split;
   const int end = min(begin + p.chunks_per_split, p.k / kChunkK);
-  const Tiles tiles(Pick(p.w, group), p.k, n, n0 + kWarpN * wn, g, t);
+  const Tiles tiles(Pick(p.w, group), p.gated ? p.w[1] : p.w[0], half, p.k, n, n0, kWarpN * wn, g, t);
 
   const __nv_bfloat16* x_rows[kRowTiles];
   bool x_live[kRowTiles];  // tokens past the live ones read as zeros
@@ -270,18 +285,26 @@ __global__ void __launch_bounds__(kThreads) DecodeLinearKernel(LinearParams p) {
 #pragma unroll
       for (int k_row = 0; k_row < kWarpsK; ++k_row) out[o] += sums[k_row * kWarpsN + col / kWarpN][col % kWarpN][row];
   }
-  if (gridDim.y > 1 && p.cluster) __syncthreads();  // every sum read before `tile` (over them) is written
+  const bool staged = p.gated ? gridDim.y == 1 || p.cluster : gridDim.y > 1 && p.cluster;  // sums to `tile`
+  if (staged) __syncthreads();  // every sum read before `tile` (over them) is written
 #pragma unroll
   for (int o = 0; o < kPerThread; ++o) {
     const int i = threadIdx.x + o * kThreads, row = i / kTileN, col = i % kTileN;
     if (i >= outputs) break;
-    if (gridDim.y == 1)
-      y[static_cast<int64_t>(row) * n + n0 + col] = __float2bfloat16(Scaled(out[o], scale, n0 + col));
-    else if (p.cluster)
+    if (staged)
       tile[i] = out[o];
-    else
-      p.partial[(static_cast<int64_t>(blockIdx.y) * p.m + row) * p.col_begin[kMaxGroups] + Pick(p.col_begin, group) +
-                n0 + col] = out[o];
+    else if (gridDim.y == 1)
+      y[static_cast<int64_t>(row) * n + n0 + col] = __float2bfloat16(Scaled(out[o], scale, n0 + col));
+    else  // gated: gate's columns, then up's
+      p.partial[(static_cast<int64_t>(blockIdx.y) * p.m + row) * p.col_begin[kMaxGroups] +
+                (col < half ? Pick(p.col_begin, group) + n0 + col : p.col_begin[1] + n0 + col - half)] = out[o];
+  }
+  if (p.gated && gridDim.y == 1) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < half * p.m; i += kThreads) {
+      const int row = i / half, c = i % half, at = row * kTileN + c;
+      y[static_cast<int64_t>(row) * n + n0 + c] = Gated(p, tile[at], tile[at + half], n0 + c);
+    }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (gridDim.y > 1 && p.cluster) {  // CTA r of the cluster finishes outputs r, r + splits, ...
@@ -289,20 +312,38 @@ __global__ void __launch_bounds__(kThreads) DecodeLinearKernel(LinearParams p) {
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
     const int splits = gridDim.y;
-    for (int i = blockIdx.y + splits * threadIdx.x; i < outputs; i += splits * kThreads) {
-      float s = 0.f;
-      for (int r = 0; r < splits; ++r) s += cluster.map_shared_rank(tile, r)[i];
-      const int row = i / kTileN, col = i % kTileN;
-      y[static_cast<int64_t>(row) * n + n0 + col] = __float2bfloat16(Scaled(s, scale, n0 + col));
+    for (int i = blockIdx.y + splits * threadIdx.x; i < half * p.m; i += splits * kThreads) {
+      const int row = i / half, c = i % half, at = row * kTileN + c;
+      float s = 0.f, up = 0.f;
+      for (int r = 0; r < splits; ++r) {
+        const float* rank = cluster.map_shared_rank(tile, r);
+        s += rank[at];
+        if (p.gated) up += rank[at + half];
+      }
+      y[static_cast<int64_t>(row) * n + n0 + c] =
+          p.gated ? Gated(p, s, up, n0 + c) : __float2bfloat16(Scaled(s, scale, n0 + c));
     }
     cluster.sync();  // no CTA leaves while another reads its shared memory
   }
 #endif
 }
 
+// Gated: one thread an output channel, its gate and up partials.
 __global__ void __launch_bounds__(kMergeThreads) MergeSplitsKernel(LinearParams p, int splits) {
   const int width = p.col_begin[kMaxGroups];
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kMergeThreads + threadIdx.x, size = int64_t{p.m} * width;
+  if (p.gated) {
+    const int n = p.n[0];
+    if (i >= int64_t{p.m} * n) return;
+    const int64_t at = i / n * width + i % n;
+    float gate = 0.f, up = 0.f;
+    for (int split = 0; split < splits; ++split) {
+      gate += p.partial[split * size + at];
+      up += p.partial[split * size + at + n];
+    }
+    p.y[0][i] = Gated(p, gate, up, i % n);
+    return;
+  }
   if (i >= size) return;
   float s = 0.f;
   for (int split = 0; split < splits; ++split) s += p.partial[split * size + i];
@@ -359,11 +400,12 @@ cudaError_t Dispatch(const LinearParams& p, int warps_n, int warp_tiles, int spl
                   : DispatchTile<F, 2>(p, warps_n, warp_tiles, splits, stream);
 }
 
-// Weight g of the call into p: e4m3 w [N, K] and its f32 scale [N] (args 2g, 2g + 1), or bf16 w [K, N] (arg g).
+// Weight g of the call into p: e4m3 w [N, K] and its f32 scale [N] (args 2g, 2g + 1), or bf16 w [K, N] (arg g),
+// and its output (ret g; gated: ret 0 for both).
 ffi::Error ReadWeight(LinearParams& p, ffi::RemainingArgs& args, ffi::RemainingRets& rets, int g, bool kn,
                       int tile_n) {
   auto w = args.get<ffi::AnyBuffer>(kn ? g : 2 * g);
-  auto y = rets.get<ffi::AnyBuffer>(g);
+  auto y = rets.get<ffi::AnyBuffer>(p.gated ? 0 : g);
   if (!w.has_value() || !y.has_value() || (*y)->element_type() != ffi::DataType::BF16 || w->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("decode_linear: each weight must be 2-d and each y bf16");
   const auto wd = w->dimensions();
@@ -387,17 +429,20 @@ ffi::Error ReadWeight(LinearParams& p, ffi::RemainingArgs& args, ffi::RemainingR
 }
 
 // args: the weights (weights_kn: bf16 w_g [K, N_g]; else e4m3 (w_g [N_g, K], scale_g [N_g]) pairs), then (with_live)
-// the live rows, int32 [1]; rets: y_g for each, then the workspace.
+// the live rows, int32 [1]; rets: y_g for each (gated: silu(y_0) * y_1 alone), then the workspace.
 ffi::Error DecodeLinear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                        int32_t splits, int32_t warps_n, int32_t warp_tiles, int32_t with_live, int32_t weights_kn) {
+                        int32_t splits, int32_t warps_n, int32_t warp_tiles, int32_t with_live, int32_t weights_kn,
+                        int32_t gated) {
   const auto xd = x.dimensions();
   const int per_weight = weights_kn ? 1 : 2;
   const int groups = (static_cast<int>(args.size()) - (with_live ? 1 : 0)) / per_weight;
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2)
     return ffi::Error::InvalidArgument("decode_linear takes bf16 x [M, K]");
   if (groups < 1 || groups > kMaxGroups || args.size() != per_weight * groups + (with_live ? 1 : 0) ||
-      rets.size() != groups + 1)
-    return ffi::Error::InvalidArgument("decode_linear takes 1 to 3 weights and gives one y each");
+      rets.size() != (gated ? 1 : groups) + 1)
+    return ffi::Error::InvalidArgument("decode_linear takes 1 to 3 weights and gives one y each (gated: one)");
+  if (gated && (groups != 2 || weights_kn))
+    return ffi::Error::InvalidArgument("decode_linear: gated takes two e4m3 weights, gate and up");
   if (warps_n != 1 && warps_n != 2) return ffi::Error::InvalidArgument("warps_n must be 1 or 2");
   if (warp_tiles != 2 && warp_tiles != 4) return ffi::Error::InvalidArgument("warp_tiles must be 2 or 4");
   const int m = xd[0], k = xd[1], tile_n = 16 * warp_tiles * warps_n;
@@ -406,11 +451,16 @@ ffi::Error DecodeLinear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArg
   LinearParams p{static_cast<const __nv_bfloat16*>(x.untyped_data())};
   p.m = m;
   p.k = k;
+  p.gated = gated;
   for (int g = 0; g < groups; ++g)
     if (ffi::Error err = ReadWeight(p, args, rets, g, weights_kn, tile_n); err.failure()) return err;
   for (int g = groups; g < kMaxGroups; ++g) {
     p.tile_begin[g + 1] = p.tile_begin[g];
     p.col_begin[g + 1] = p.col_begin[g];
+  }
+  if (gated) {  // one weight's CTA columns of tile_n / 2 channels each: group 0 owns them all
+    if (p.n[0] != p.n[1]) return ffi::Error::InvalidArgument("decode_linear: gated needs gate and up of one N");
+    for (int g = 1; g <= kMaxGroups; ++g) p.tile_begin[g] = p.n[0] / (tile_n / 2);
   }
   if (with_live) {
     auto live = args.get<ffi::Buffer<ffi::S32>>(per_weight * groups);
@@ -437,7 +487,8 @@ ffi::Error DecodeLinear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArg
     return ffi::Error::Internal(std::string("decode_linear launch: ") + cudaGetErrorString(err));
   }
   if (splits > 1 && !cluster)
-    MergeSplitsKernel<<<CeilDiv(m * p.col_begin[kMaxGroups], kMergeThreads), kMergeThreads, 0, stream>>>(p, splits);
+    MergeSplitsKernel<<<CeilDiv(m * (gated ? p.n[0] : p.col_begin[kMaxGroups]), kMergeThreads), kMergeThreads, 0,
+                        stream>>>(p, splits);
   return LaunchStatus("decode_linear launch");
 }
 
@@ -454,5 +505,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeLinear, jaxserve::DecodeLinear,
                                   .Attr<int32_t>("warps_n")
                                   .Attr<int32_t>("warp_tiles")
                                   .Attr<int32_t>("with_live")
-                                  .Attr<int32_t>("weights_kn"),
+                                  .Attr<int32_t>("weights_kn")
+                                  .Attr<int32_t>("gated"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -30,14 +30,6 @@ constexpr float kFp8Max = 448.0f;
 constexpr int kVecsPerThread = 4;   // 16-byte pieces of a row a thread keeps in registers
 constexpr int kMaxQuantizeThreads = 1024;
 
-// silu(g) * u of bf16 operands in f32, rounded to bf16 once: what the MLP's product is (XLA's bf16 product, rounded
-// along the way, was up to ~1% from it on the H200).
-// The fast exp and division (2 ulp of f32) are far below that rounding; the kernel is bound by its arithmetic with
-// the IEEE ones. A large -g makes exp(-g) infinite and the product 0, as it should be.
-__device__ __forceinline__ float SiluMul(float g, float u) {
-  return __fdividef(g, 1.0f + __expf(-g)) * u;
-}
-
 // Eight bf16 of a 16-byte piece replaced by silu(g) * u of g's and u's.
 __device__ __forceinline__ Vec16 SiluMulPiece(const Vec16& g, const Vec16& u) {
   float gf[8], uf[8];

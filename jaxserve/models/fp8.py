@@ -161,6 +161,21 @@ def scaled_mm(xq, x_scale, w, w_scale):
     return custom_calls.fp8_scaled_mm(xq, x_scale, w, w_scale)
 
 
+def gated_w8a16(gate_proj, up_proj, x, live=None):
+    """silu(gate_proj(x)) * up_proj(x) out of one W8A16 launch (custom_calls.fp8_gated_linear: the product made
+    where the kernel's sums meet, no product kernel) where the kernel takes these rows: decode rows on one NVIDIA
+    GPU, bias-free FP8 gate and up of one shape. None elsewhere."""
+    layers = (gate_proj, up_proj)
+    if isinstance(x, NormedRows) or x.ndim != 2 or x.shape[0] > W8A16_MAX_ROWS or \
+            not all(isinstance(layer, Fp8Linear) and layer.bias is None for layer in layers):
+        return None
+    (w_gate, w_up), (s_gate, s_up) = ([layer.weight[...] for layer in layers],
+                                      [layer.weight_scale[...] for layer in layers])
+    if w_gate.shape != w_up.shape or not w8a16_kernel(x, [w_gate, w_up], [s_gate, s_up]):
+        return None
+    return custom_calls.fp8_gated_linear(x, w_gate, s_gate, w_up, s_up, live=live)
+
+
 def gated_linear(layer, gate, up, live=None):
     """layer(silu(gate) * up), the MLP's down projection: an FP8 layer of W8A8 rows quantizes the product in the
     kernel that makes it."""

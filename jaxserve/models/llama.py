@@ -17,7 +17,7 @@ from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS, f32_matmuls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
-from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, normed_input
+from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, gated_w8a16, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, concatenate_on_devices, on_one_device, per_shard, traced_on
 from pallas_kernels.ragged_paged_attention import gpu_capability
@@ -249,6 +249,8 @@ class MLP(nnx.Module):
     @jax.named_scope("mlp")
     def __call__(self, x, live=None):
         """live: the real tokens (live_tokens), which FP8 decode launches read alone."""
+        if (product := gated_w8a16(self.gate_proj, self.up_proj, x, live)) is not None:
+            return self.down_proj(product, live=live)
         gate, up = linears((self.gate_proj, self.up_proj), x, live)
         return gated_linear(self.down_proj, gate, up, live)
 
