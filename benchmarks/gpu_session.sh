@@ -36,6 +36,7 @@
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ab  # W8A16 decode
 #     kernel: tests, its GEMMs and a batch-1 step beside the older tree's
 #   [AB=<tree>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ncu  # a W8A16 launch under ncu
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-gated  # the gated W8A16 launch: tests, decode GEMMs
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: the host's step
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host-ab|moe-host-ab  # FP8
 #     8B's or the MoE's batch-1 host phases beside an older tree's
@@ -421,6 +422,12 @@ case $1 in
       (cd "$tree" && run 120 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 \
         --steps 64 --profile 16 --quantization fp8)
     done ;;
+  fp8-gated)   # the gated W8A16 launch (silu(gate) * up made in it): the decode linears' and the FP8 model's GPU
+    # tests, then the decode GEMMs (gate/up: the launch with XLA's product after it beside the gated launch)
+    build_calls
+    run 220 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_fp8_weights.py \
+      -k "_linear_ or decode_steps or gemm_matches"
+    run 180 python benchmarks/fp8_gemm.py --decode --out "$OUT/fp8_decode_gemm_gpu.json" ;;
   batch1-host)   # batch 1 (128-token prompt), FP8 weights then bf16: host phases, GPU kernels, the host's trace
     build_calls
     for q in "--quantization fp8" ""; do
