@@ -468,7 +468,7 @@ ffi::Error DecodeLinear(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArg
       return ffi::Error::InvalidArgument("decode_linear: the live rows must be one int32");
     p.live = live->typed_data();
   }
-  auto workspace = rets.get<ffi::Buffer<ffi::F32>>(groups);
+  auto workspace = rets.get<ffi::Buffer<ffi::F32>>(gated ? 1 : groups);
   if (!workspace.has_value()) return ffi::Error::InvalidArgument("decode_linear: the workspace must be f32");
   const int chunks = k / kChunkK;
   const bool cluster = splits > 1 && splits <= kMaxClusterSplits && HasClusters();
