@@ -275,36 +275,38 @@ __global__ void __launch_bounds__(kThreads) DecodeLinearKernel(LinearParams p) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) sums[warp][Tiles::Channel(a, g, r / 2)][8 * b + 2 * t + r % 2] = acc[a][b][r];
   __syncthreads();
+  const auto column_sum = [&](int row, int col) {  // the CTA's sum of one output, over its warp rows
+    float s = 0.f;
+#pragma unroll
+    for (int k_row = 0; k_row < kWarpsK; ++k_row) s += sums[k_row * kWarpsN + col / kWarpN][col % kWarpN][row];
+    return s;
+  };
+  if (p.gated && gridDim.y == 1) {  // a channel's gate and up sums meet in one thread
+    for (int i = threadIdx.x; i < half * p.m; i += kThreads) {
+      const int row = i / half, c = i % half;
+      y[static_cast<int64_t>(row) * n + n0 + c] = Gated(p, column_sum(row, c), column_sum(row, c + half), n0 + c);
+    }
+    return;
+  }
   const int outputs = kTileN * p.m;
   float out[kPerThread];
 #pragma unroll
   for (int o = 0; o < kPerThread; ++o) {
-    const int i = threadIdx.x + o * kThreads, row = i / kTileN, col = i % kTileN;
-    out[o] = 0.f;
-    if (i < outputs)
-#pragma unroll
-      for (int k_row = 0; k_row < kWarpsK; ++k_row) out[o] += sums[k_row * kWarpsN + col / kWarpN][col % kWarpN][row];
+    const int i = threadIdx.x + o * kThreads;
+    out[o] = i < outputs ? column_sum(i / kTileN, i % kTileN) : 0.f;
   }
-  const bool staged = p.gated ? gridDim.y == 1 || p.cluster : gridDim.y > 1 && p.cluster;  // sums to `tile`
-  if (staged) __syncthreads();  // every sum read before `tile` (over them) is written
+  if (gridDim.y > 1 && p.cluster) __syncthreads();  // every sum read before `tile` (over them) is written
 #pragma unroll
   for (int o = 0; o < kPerThread; ++o) {
     const int i = threadIdx.x + o * kThreads, row = i / kTileN, col = i % kTileN;
     if (i >= outputs) break;
-    if (staged)
-      tile[i] = out[o];
-    else if (gridDim.y == 1)
+    if (gridDim.y == 1)
       y[static_cast<int64_t>(row) * n + n0 + col] = __float2bfloat16(Scaled(out[o], scale, n0 + col));
+    else if (p.cluster)
+      tile[i] = out[o];
     else  // gated: gate's columns, then up's
       p.partial[(static_cast<int64_t>(blockIdx.y) * p.m + row) * p.col_begin[kMaxGroups] +
                 (col < half ? Pick(p.col_begin, group) + n0 + col : p.col_begin[1] + n0 + col - half)] = out[o];
-  }
-  if (p.gated && gridDim.y == 1) {
-    __syncthreads();
-    for (int i = threadIdx.x; i < half * p.m; i += kThreads) {
-      const int row = i / half, c = i % half, at = row * kTileN + c;
-      y[static_cast<int64_t>(row) * n + n0 + c] = Gated(p, tile[at], tile[at + half], n0 + c);
-    }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (gridDim.y > 1 && p.cluster) {  // CTA r of the cluster finishes outputs r, r + splits, ...
