@@ -13,6 +13,7 @@ and otherwise the reference, after a one-line notice logged once naming why (a w
 cache write and block copy run on the CPU library under the CPU backend (`custom_calls.cpu`: the same FFI names).
 """
 import ctypes
+import dataclasses
 import functools
 import logging
 import math
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 TARGETS = {
     "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention",
     "jaxserve_reshape_and_cache": "JaxserveReshapeAndCache",
+    "jaxserve_rope_and_cache": "JaxserveRopeAndCache",
     "jaxserve_copy_blocks": "JaxserveCopyBlocks",
     "jaxserve_decode_linear": "JaxserveDecodeLinear",
     "jaxserve_moe_route": "JaxserveMoeRoute",
@@ -280,6 +282,93 @@ def reshape_and_cache(k_cache, v_cache, k, v, slot_mapping):
     if not moves_in_place(k_cache.dtype):
         return reshape_and_cache_reference(k_cache, v_cache, k, v, slot_mapping)
     return call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, jnp.stack([k, v]), slot_mapping)
+
+
+def rope(x, positions, inv_freq):
+    """x [T, H, D] rotated by positions [T] (rotary embeddings, HF's rotate-half layout: element i pairs with
+    i + D / 2) in f32, rounded to x's dtype."""
+    freqs = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
+    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def fp8_cache_rows(x, scale):
+    """x [T, Hkv, D] / scale [Hkv] in e4m3, clipped first: e4m3fn has no infinity, an overflowing conversion is
+    NaN."""
+    return jnp.clip(x.astype(jnp.float32) / scale[None, :, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """What rope_and_cache applies to q's and k's heads: the rotation's inverse frequencies [D / 2] and, for models
+    that norm q and k per head (Qwen3), their RMSNorm weights [D] and epsilon."""
+    inv_freq: jax.Array
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    eps: float = 0.0
+
+
+def rope_and_cache_reference(k_cache, v_cache, qkv, positions, slot_mapping, rotary: Rotary, num_q_heads: int,
+                             k_scale=None, v_scale=None):
+    """A fused q/k/v projection's rows qkv [T, (Hq + 2 Hkv) D] -> (q [T, Hq, D], k_cache, v_cache): q's and k's
+    heads RMS-normed (rms_norm, where rotary has the weights) and rotated (rope); k and v written at slot_mapping
+    (reshape_and_cache_reference). Over an e4m3 cache k and v divided by their scales [Hkv] (fp8_cache_rows) and q
+    multiplied by k_scale, so that attention reads the stored k unscaled."""
+    hkv, d = k_cache.shape[2:]
+    q, k, v = jnp.split(qkv.reshape(qkv.shape[0], -1, d), [num_q_heads, num_q_heads + hkv], axis=1)
+    if rotary.q_norm is not None:
+        q, k = rms_norm(q, rotary.q_norm, rotary.eps), rms_norm(k, rotary.k_norm, rotary.eps)
+    q, k = rope(q, positions, rotary.inv_freq), rope(k, positions, rotary.inv_freq)
+    if k_cache.dtype == jnp.float8_e4m3fn:
+        q = (q * jnp.repeat(k_scale, num_q_heads // hkv)[None, :, None]).astype(q.dtype)
+        k, v = fp8_cache_rows(k, k_scale), fp8_cache_rows(v, v_scale)
+    return q, *reshape_and_cache_reference(k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
+                                           slot_mapping)
+
+
+def rope_and_cache_unsupported(k_cache, v_cache, qkv, num_q_heads: int) -> str | None:
+    """Why the CUDA call cannot take these (None when it can)."""
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        return f"k_cache and v_cache must be one [blocks, block_size, Hkv, D] shape, got {k_cache.shape} and " \
+               f"{v_cache.shape}"
+    hkv, d = k_cache.shape[2:]
+    if qkv.dtype not in (jnp.bfloat16, jnp.float16) or k_cache.dtype not in (qkv.dtype, jnp.float8_e4m3fn):
+        return f"qkv must be bfloat16 or float16 and the caches in its dtype or float8_e4m3fn, got {qkv.dtype} and " \
+               f"{k_cache.dtype}"
+    if d not in HEAD_DIMS or num_q_heads % hkv or qkv.ndim != 2 or qkv.shape[1] != (num_q_heads + 2 * hkv) * d:
+        return f"qkv must be [T, (Hq + 2 Hkv) D] with D in {HEAD_DIMS} and Hkv dividing Hq, got {qkv.shape} " \
+               f"for Hq {num_q_heads}, Hkv {hkv}, D {d}"
+    return None
+
+
+def rope_and_cache(k_cache, v_cache, qkv, positions, slot_mapping, rotary: Rotary, num_q_heads: int,
+                   k_scale=None, v_scale=None):
+    """rope_and_cache_reference in one CUDA call, the (donated) caches written in place: the norms, the rotation,
+    an FP8 cache's scales and the write in one kernel, where XLA runs them as three. Without the library, or for
+    what the call does not take (rope_and_cache_unsupported), the reference."""
+    if not available() or rope_and_cache_unsupported(k_cache, v_cache, qkv, num_q_heads):
+        return rope_and_cache_reference(k_cache, v_cache, qkv, positions, slot_mapping, rotary, num_q_heads,
+                                        k_scale, v_scale)
+    return call_rope_and_cache(k_cache, v_cache, qkv, positions, slot_mapping, rotary, num_q_heads, k_scale, v_scale)
+
+
+def call_rope_and_cache(k_cache, v_cache, qkv, positions, slot_mapping, rotary: Rotary, num_q_heads: int,
+                        k_scale=None, v_scale=None):
+    """The FFI call itself (the library must be registered): (q, k_cache, v_cache), the caches aliased."""
+    hkv, d = k_cache.shape[2:]
+    ones = jnp.ones(hkv, jnp.float32)
+    none = jnp.zeros((0,), qkv.dtype)
+    cache = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    k_out, v_out, q = jax.ffi.ffi_call("jaxserve_rope_and_cache", (
+        cache, cache, jax.ShapeDtypeStruct((qkv.shape[0], num_q_heads, d), qkv.dtype)),
+        input_output_aliases={0: 0, 1: 1})(
+        k_cache, v_cache, qkv, positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
+        jnp.asarray(rotary.inv_freq, jnp.float32), none if rotary.q_norm is None else rotary.q_norm.astype(qkv.dtype),
+        none if rotary.k_norm is None else rotary.k_norm.astype(qkv.dtype),
+        *(ones if scale is None else scale.astype(jnp.float32) for scale in (k_scale, v_scale)),
+        num_q_heads=np.int32(num_q_heads), eps=np.float32(rotary.eps))
+    return q, k_out, v_out
 
 
 def check_copy_args(k_cache, v_cache, src, dst) -> None:

@@ -167,6 +167,89 @@ def test_cache_write_and_copy_match_naive_loops(dtype, write, copy):
     assert_same_bits(v_out, want_v, seed)
 
 
+def rope_case(rng, *, tokens=6, q_heads=4, kv_heads=2, head_dim=64, dtype=jnp.bfloat16, cache_dtype=None,
+              norms=False):
+    """A fused q/k/v projection's rows, positions up to 32K, distinct slots of a NaN-poisoned cache (token 2 a
+    padding token, slot -1), a Rotary (Llama's frequencies; norm weights when asked) and scales per kv head."""
+    cache_dtype = cache_dtype or dtype
+    shape = (8, 4, kv_heads, head_dim)
+    slots = rng.choice(32, size=tokens, replace=False).astype(np.int32)
+    slots[2] = -1
+    k_cache, v_cache = (np.asarray(random_values(rng, shape, cache_dtype)) for _ in range(2))
+    for cache in (k_cache, v_cache):
+        cache.reshape(32, kv_heads, head_dim)[slots[slots >= 0]] = np.nan
+    weights = [jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype) for _ in range(2)] if norms else [None, None]
+    inv_freq = 1.0 / 500000.0 ** (np.arange(0, head_dim, 2) / head_dim)
+    return dict(k_cache=jnp.asarray(k_cache), v_cache=jnp.asarray(v_cache),
+                qkv=jnp.asarray(rng.standard_normal((tokens, (q_heads + 2 * kv_heads) * head_dim)) * 4, dtype),
+                positions=jnp.asarray(rng.integers(0, 32768, tokens), jnp.int32), slot_mapping=jnp.asarray(slots),
+                rotary=cc.Rotary(jnp.asarray(inv_freq, jnp.float32), *weights, eps=1e-6), num_q_heads=q_heads,
+                k_scale=jnp.asarray(rng.uniform(0.01, 0.1, kv_heads), jnp.float32),
+                v_scale=jnp.asarray(rng.uniform(0.01, 0.1, kv_heads), jnp.float32))
+
+
+def rope_f64(case):
+    """rope_and_cache_reference's q, k and v [T, H, D] in f64 from the same operands (no rounding between ops)."""
+    hq, (hkv, d) = case["num_q_heads"], case["k_cache"].shape[2:]
+    x = np.asarray(case["qkv"], np.float64).reshape(len(case["positions"]), -1, d)
+    q, k, v = x[:, :hq], x[:, hq:hq + hkv], x[:, hq + hkv:]
+    rotary = case["rotary"]
+    if rotary.q_norm is not None:
+        q, k = ((a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + rotary.eps)) * np.asarray(w, np.float64)
+                for a, w in ((q, rotary.q_norm), (k, rotary.k_norm)))
+    angle = np.asarray(case["positions"], np.float64)[:, None, None] * np.asarray(rotary.inv_freq, np.float64)
+    cos, sin = np.cos(angle), np.sin(angle)
+    q, k = (np.concatenate([a[..., :d // 2] * cos - a[..., d // 2:] * sin,
+                            a[..., d // 2:] * cos + a[..., :d // 2] * sin], axis=-1) for a in (q, k))
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,norms", [(jnp.bfloat16, None, False), (jnp.float16, None, True),
+                                                     (jnp.bfloat16, FP8, True)], ids=["bf16", "f16-norms", "fp8"])
+def test_rope_and_cache_reference_matches_f64(dtype, cache_dtype, norms):
+    """q within the dtype's rounding of f64's normed, rotated q (times k_scale over an FP8 cache); the slots
+    written hold k and v so (over FP8 divided by their scales and clipped, within e4m3's rounding), every other row
+    keeps its bits (the written slots NaN-poisoned first, a padding token's dropped)."""
+    seed, rng = fresh_rng()
+    case = rope_case(rng, dtype=dtype, cache_dtype=cache_dtype, norms=norms)
+    q, k_cache, v_cache = cc.rope_and_cache_reference(**case)
+    want_q, want_k, want_v = rope_f64(case)
+    fp8 = cache_dtype == FP8
+    k_scale, v_scale = (np.asarray(case[n], np.float64) if fp8 else np.ones(2) for n in ("k_scale", "v_scale"))
+    ulp = 2.0 ** -(8 if dtype == jnp.bfloat16 else 11)
+    want_q = want_q * np.repeat(k_scale, 2)[None, :, None]
+    # the norm's two roundings, the rotation's, and the scale's: a few ulps of the terms' magnitudes
+    assert np.allclose(np.asarray(q, np.float64), want_q, rtol=4 * ulp, atol=4 * ulp * np.abs(want_q).max()), \
+        f"seed {seed}"
+    slots = np.asarray(case["slot_mapping"])
+    for out, cache, want, scale in ((k_cache, case["k_cache"], want_k, k_scale), (v_cache, case["v_cache"], want_v,
+                                                                                   v_scale)):
+        rows, before = np.asarray(out).reshape(32, 2, -1), np.asarray(cache).reshape(32, 2, -1)
+        kept = np.setdiff1d(np.arange(32), slots)
+        assert_same_bits(rows[kept], before[kept], seed)
+        got = rows[slots[slots >= 0]].astype(np.float64)
+        ref = np.clip(want / scale[None, :, None], -cc.FP8_MAX, cc.FP8_MAX)[slots >= 0]
+        tol = 2.0 ** -3 if fp8 else 4 * ulp   # e4m3's 3 mantissa bits
+        assert np.allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max()), f"seed {seed}"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
+def test_rope_and_cache_without_the_library_runs_the_reference():
+    seed, rng = fresh_rng()
+    case = rope_case(rng, norms=True)
+    for out, ref in zip(cc.rope_and_cache(**case), cc.rope_and_cache_reference(**case)):
+        assert_same_bits(out, ref, seed)
+
+
+def test_rope_and_cache_unsupported_names_what():
+    cache = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
+    assert cc.rope_and_cache_unsupported(cache, cache, jnp.zeros((3, 8 * 64), jnp.bfloat16), 4) is None
+    assert "bfloat16 or float16" in cc.rope_and_cache_unsupported(cache, cache, jnp.zeros((3, 512), jnp.float32), 4)
+    assert "(Hq + 2 Hkv) D" in cc.rope_and_cache_unsupported(cache, cache, jnp.zeros((3, 7 * 64), jnp.bfloat16), 3)
+    assert "D in" in cc.rope_and_cache_unsupported(*(jnp.zeros((4, 16, 2, 96), jnp.bfloat16),) * 2,
+                                                   jnp.zeros((3, 8 * 96), jnp.bfloat16), 4)
+
+
 @pytest.mark.parametrize("dtype", list(vmm.DLPACK_DTYPES))
 def test_vmm_dlpack_codes_match_jax_export(dtype):
     """vmm's export names each dtype by the DLPack (code, bits) that jax's own export writes, FP8 included."""
@@ -519,6 +602,9 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         k_cache, v_cache = cc.call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, jnp.stack([new_k, new_v]),
                                             slots)
         k_cache, v_cache = cc.call_in_place("jaxserve_copy_blocks", k_cache, v_cache, slots[:1], slots[1:])
+        rotary = cc.Rotary(jnp.ones(64), q_norm=jnp.ones(128, jnp.bfloat16), k_norm=jnp.ones(128, jnp.bfloat16), eps=1e-6)
+        qkv = jnp.zeros((slots.shape[0], 12 * 128), jnp.bfloat16)
+        rotated, k_cache, v_cache = cc.call_rope_and_cache(k_cache, v_cache, qkv, slots, slots, rotary, 8)
         out = cc.call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=0.5,
                                              sliding_window=64, soft_cap=30.0, num_splits=3)
         route = cc.call_moe_route(x[:, :16], kv_lens[:1], kv_lens[1:], top_k=3, renormalize=True, local_experts=8,
@@ -530,7 +616,7 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         linear = cc.call_decode_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2), live=kv_lens[0])
         bf16 = cc.call_decode_linear(x, [kernel, kernel[:, :32]], None, launch=(1, 1, 2))
         gated = cc.call_decode_linear(x, [w, w], [scale, scale], launch=(1, 1, 2), gated=True)
-        return k_cache, v_cache, out, linear, bf16, gated, route, xq, normed, mm, unscaled
+        return k_cache, v_cache, out, rotated, linear, bf16, gated, route, xq, normed, mm, unscaled
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
     args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32),
@@ -539,11 +625,14 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
     for target in cc.TARGETS:
         assert f"stablehlo.custom_call @{target}(" in text
     assert text.count("output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], "
-                      "operand_index = 0") == 2
+                      "operand_index = 0") == 3
     for attr in ("num_splits = 3 : i32", "sliding_window = 64 : i32", "sm_scale = 5.000000e-01 : f32",
-                 "soft_cap = 3.000000e+01 : f32"):
+                 "soft_cap = 3.000000e+01 : f32", "num_q_heads = 8 : i32", "eps = 9.99999997E-7 : f32"):
         assert attr in text, attr
     assert "tensor<2x8x128xbf16>, tensor<6240xf32>" in text  # out + workspace B*Hq*S*(D+2)
+    # rope_and_cache: inv_freq, the q and k norms' weights, k's and v's scales per kv head; then q [T, Hq, D]
+    assert "tensor<64xf32>, tensor<128xbf16>, tensor<128xbf16>, tensor<2xf32>, tensor<2xf32>) -> (" in text
+    assert re.search(r"-> \(tensor<[\dx]+bf16>, tensor<[\dx]+bf16>, tensor<\d+x8x128xbf16>\)", text)
     assert "tensor<3x64xbf16>, tensor<3x32xbf16>, tensor<576xf32>" in text  # the ys + workspace S*M*sum(N)
     for attr in ("splits = 2 : i32", "warps_n = 1 : i32", "warp_tiles = 2 : i32", "with_live = 1 : i32",
                  "weights_kn = 0 : i32", "splits = 1 : i32", "weights_kn = 1 : i32", "gated = 0 : i32",
@@ -742,6 +831,46 @@ def test_fp8_linear_reads_no_row_past_the_live_ones(rows, live):
     for out, want in zip(outs, alone):
         assert_same_bits(out, want, seed)
         assert not np.asarray(out[live:], np.float32).any(), f"seed {seed}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype,cache_dtype,norms", [(jnp.bfloat16, None, False), (jnp.bfloat16, None, True),
+                                                     (jnp.float16, None, True), (jnp.bfloat16, FP8, True),
+                                                     (jnp.float16, FP8, False)],
+                         ids=["bf16", "bf16-norms", "f16-norms", "fp8-norms", "f16-fp8"])
+def test_rope_and_cache_matches_reference(head_dim, dtype, cache_dtype, norms):
+    """The CUDA call against the reference on the same operands (GQA 4, a padding token), its q output's memory
+    NaN-poisoned first: q and the written rows within two roundings of their dtype (its sin, cos and rsqrt may
+    differ from XLA's in the last f32 bit, which a rounding can carry to the dtype's), every other row of the
+    caches bit for bit."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    case = rope_case(rng, tokens=9, q_heads=8, kv_heads=2, head_dim=head_dim, dtype=dtype, cache_dtype=cache_dtype,
+                     norms=norms)
+    rotary, hq = case.pop("rotary"), case.pop("num_q_heads")
+    want = cc.rope_and_cache_reference(**case, rotary=rotary, num_q_heads=hq)
+    poison_device_memory((9, hq, head_dim), dtype)
+    run = jax.jit(lambda k_cache, v_cache, *rest: cc.rope_and_cache(k_cache, v_cache, *rest[:3], rotary, hq,
+                                                                   *rest[3:]), donate_argnums=(0, 1))
+    args = [jnp.array(case[n], copy=True) if n.endswith("cache") else case[n] for n in
+            ("k_cache", "v_cache", "qkv", "positions", "slot_mapping", "k_scale", "v_scale")]
+    lowered = run.lower(*args)
+    assert "@jaxserve_rope_and_cache(" in lowered.as_text()   # the kernel, not the reference's fallback
+    got = lowered.compile()(*args)
+    slots = np.asarray(case["slot_mapping"])
+    written, kept = slots[slots >= 0], np.setdiff1d(np.arange(32), slots)
+    for name, out, ref in zip(("q", "k_cache", "v_cache"), got, want):
+        out, ref = np.asarray(out), np.asarray(ref)
+        if name != "q":
+            out, ref = out.reshape(32, 2, head_dim), ref.reshape(32, 2, head_dim)
+            assert_same_bits(out[kept], ref[kept], seed)
+            out, ref = out[written], ref[written]
+        tol = 2.0 ** -2 if out.dtype == FP8 else 2.0 ** -(7 if dtype == jnp.bfloat16 else 10)
+        out, ref = out.astype(np.float64), ref.astype(np.float64)
+        assert np.isfinite(out).all(), (name, f"seed {seed}")
+        assert np.allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max()), (name, f"seed {seed}",
+                                                                               np.abs(out - ref).max())
 
 
 @needs_gpu

@@ -28,7 +28,7 @@ def hidden(loaded, ids):
 @pytest.fixture
 def recorded_launches(monkeypatch):
     """The kernel switched on as on one NVIDIA GPU, each launch recorded as (weights' shapes, given live rows) and
-    run by the reference."""
+    run by the reference (as is the rotation written with the cache, custom_calls.rope_and_cache)."""
     launches = []
 
     def launch(x, weights, scales, *, launch, live=None, gated=False):
@@ -40,6 +40,7 @@ def recorded_launches(monkeypatch):
     monkeypatch.setattr(custom_calls, "available", lambda: True)
     monkeypatch.setattr(custom_calls, "sm_count", lambda: 132)
     monkeypatch.setattr(custom_calls, "call_decode_linear", launch)
+    monkeypatch.setattr(custom_calls, "call_rope_and_cache", custom_calls.rope_and_cache_reference)
     return launches
 
 

@@ -15,7 +15,7 @@ import custom_calls
 
 from jaxserve import LLM, RequestOutputKind, SamplingParams
 from jaxserve.models.attention import AttentionKernels, resolve_attention_kernels
-from jaxserve.models.loader import load_model
+from jaxserve.models.loader import load_model, random_model
 
 from helpers import TEXT_PROMPTS, hf_greedy as _hf_greedy, on_gpu, on_hopper, token_prompts
 
@@ -516,6 +516,48 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend
     # a Pallas Triton kernel is its own custom call (XLA's own GEMM fusions may say "triton" too: not Pallas)
     pallas_triton = [key for key, executable in models.items() if "__gpu$xla.gpu.triton" in executable.as_text()]
     assert bool(pallas_triton) == (prefill == "triton")
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk_norm"])
+def test_steps_rotate_q_and_k_where_the_cache_is_written(tiny, monkeypatch, qk_norm):
+    """A bf16 model on one device: each layer's fused q/k/v rows go to custom_calls.rope_and_cache (the norms, the
+    rotation and the cache write in one call), and the greedy tokens are those of the steps that rotate in XLA
+    before the write: the same ops on a CPU (the call's reference there, taken as the GPU takes the kernel), on a
+    GPU up to near-ties (its sin, cos and rsqrt)."""
+    from jaxserve.cache.kv_cache import layer_blocks
+    from jaxserve.models import llama
+    model = load_model(tiny[0].source, dtype="bf16")
+    if qk_norm:   # Qwen3's per-head norms of q and k, weights away from 1
+        model = random_model(dataclasses.replace(model.model.cfg, qk_norm=True), jnp.bfloat16)
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight[...] = jnp.linspace(0.5, 1.5, 64, dtype=jnp.bfloat16)
+            layer.self_attn.k_norm.weight[...] = jnp.linspace(1.5, 0.5, 64, dtype=jnp.bfloat16)
+    calls = []
+
+    def recorded(*args):
+        calls.append(args[2].shape)
+        return rope_and_cache(*args)
+    rope_and_cache = custom_calls.rope_and_cache
+    monkeypatch.setattr(custom_calls, "rope_and_cache", recorded)
+    if not on_gpu():   # the GPU's test, without its library: the call's reference
+        monkeypatch.setattr(llama, "rotates_where_written", lambda qkv, hq, kv_layer, paged: kv_layer is not None and (
+            custom_calls.rope_and_cache_unsupported(*layer_blocks(kv_layer)[:2], qkv, hq) is None))
+    prompts = token_prompts(5, 17, 40)
+    jax.clear_caches()   # layers traced by another test would not take the patched functions
+    try:
+        rotated = LLM(model, **BASE, compile_cache_dir=None).generate(prompts, LOGPROBS)   # traced here
+        assert calls and all(shape[1] == (4 + 2 * 2) * 64 for shape in calls)
+        monkeypatch.setattr(llama, "rotates_where_written", lambda *_: False)
+        jax.clear_caches()
+        calls.clear()
+        plain = LLM(model, **BASE, compile_cache_dir=None).generate(prompts, LOGPROBS)
+        assert not calls
+    finally:
+        jax.clear_caches()
+    if on_gpu():
+        assert_greedy_up_to_near_ties(rotated, plain)
+    else:
+        assert token_ids(rotated) == token_ids(plain)
 
 
 @pytest.mark.skipif(not (on_gpu() and on_hopper()), reason="the Mosaic GPU kernels run on Hopper only; interpreted, "

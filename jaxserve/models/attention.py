@@ -6,7 +6,8 @@ tests) or, given a paged KV layer and a `PagedAttention` (the step's `AttentionB
 flattened batch — its blocks addressed by block tables, or (vattention's contiguous kernels) by each sequence's
 row of the cache. A layer of vattention's cross-layer cache (kv_cache.VAttentionCache) is read as the
 cache's blocks at that layer: the kernels take the same arrays and block ids, num_layers apart. Model code never
-knows which. The engine's kernel choice is resolved here, once.
+knows which. The engine's kernel choice is resolved here, once. `attend_rotated` takes a fused q/k/v projection's
+rows on one NVIDIA GPU and rotates q and k where the cache is written (one CUDA call).
 Under tensor parallelism the paged step runs per device on its heads (`paged_attention` under
 sharding.per_shard).
 """
@@ -23,7 +24,7 @@ import custom_calls
 from jaxserve.cache.kv_cache import (from_layer_blocks, is_quantized_kv, layer_blocks, layer_slot_mapping,
                                      quantize_kv, write_kv)
 from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
-from jaxserve.sharding import HEADS, KV_CACHE, per_shard
+from jaxserve.sharding import HEADS, KV_CACHE, on_one_device, per_shard
 from pallas_kernels.cascade_attention import CascadeGroups, cascade_attention
 from pallas_kernels.ragged_paged_attention import (contiguous_ragged_attention, gpu_capability, ragged_paged_attention,
                                                  resolve_impl)
@@ -163,9 +164,41 @@ def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: Attent
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v,
                                 layer_slot_mapping(batch.slot_mapping, k_cache.shape[1], num_layers, layer),
                                 cross_layer=num_layers > 1)
-    attend_cache = cuda_decode if batch.decode_only and decode_on_cuda(q, k_cache, batch, kernels) else ragged_attention
-    out = attend_cache(q, k_cache, v_cache, batch, kernels, num_layers, layer, sm_scale=sm_scale,
+    out = attend_pages(q, k_cache, v_cache, batch, kernels, num_layers, layer, sm_scale=sm_scale,
                        sliding_window=sliding_window)
+    return out, from_layer_blocks(kv_layer, k_cache, v_cache)
+
+
+def attend_pages(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
+                 **kw):
+    """Attention over the cache, the step's k/v already written."""
+    attend_cache = cuda_decode if batch.decode_only and decode_on_cuda(q, k_cache, batch, kernels) else ragged_attention
+    return attend_cache(q, k_cache, v_cache, batch, kernels, num_layers, layer, **kw)
+
+
+def rotates_where_written(qkv, num_q_heads: int, kv_layer, paged: PagedAttention | None) -> bool:
+    """Whether attend_rotated takes this step's fused q/k/v rows: a paged step on one NVIDIA GPU whose cache
+    (the model's kv heads) and rows the CUDA call takes (custom_calls.rope_and_cache_unsupported)."""
+    if kv_layer is None or paged is None or not on_one_device() or not custom_calls.available():
+        return False
+    k_cache, v_cache = layer_blocks(kv_layer)[:2]
+    return custom_calls.rope_and_cache_unsupported(k_cache, v_cache, qkv, num_q_heads) is None
+
+
+def attend_rotated(qkv, positions, kv_layer, paged: PagedAttention, rotary: custom_calls.Rotary, num_q_heads: int,
+                   *, sm_scale: float, sliding_window: int | None = None,
+                   kv_scales: tuple[jax.Array, jax.Array] | None = None):
+    """attend, for a fused q/k/v projection's rows qkv [T, (Hq + 2 Hkv) D] where rotates_where_written: q's and k's
+    heads normed and rotated, k and v written (an FP8 cache's scales applied as attend applies them) in one CUDA
+    call (custom_calls.rope_and_cache) where XLA would run three kernels, then attention over the pages."""
+    k_cache, v_cache, num_layers, layer = layer_blocks(kv_layer)
+    quantized = is_quantized_kv(k_cache.dtype)
+    slots = layer_slot_mapping(paged.batch.slot_mapping, k_cache.shape[1], num_layers, layer)
+    q, k_cache, v_cache = custom_calls.rope_and_cache(k_cache, v_cache, qkv, positions, slots, rotary, num_q_heads,
+                                                      *(kv_scales if quantized else (None, None)))
+    out = attend_pages(q, k_cache, v_cache, paged.batch, paged.kernels, num_layers, layer, sm_scale=sm_scale,
+                       sliding_window=sliding_window)
+    out = (out * per_q_head(kv_scales[1], num_q_heads)).astype(out.dtype) if quantized else out
     return out, from_layer_blocks(kv_layer, k_cache, v_cache)
 
 

@@ -16,7 +16,8 @@ import custom_calls
 from custom_calls.f32_matmul import MAX_ROWS as F32_KERNEL_MAX_ROWS, f32_matmuls
 from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
-from jaxserve.models.attention import AttentionBatch, AttentionKernels, PagedAttention, attend
+from jaxserve.models.attention import (AttentionBatch, AttentionKernels, PagedAttention, attend, attend_rotated,
+                                       rotates_where_written)
 from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, gated_w8a16, normed_input
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, concatenate_on_devices, on_one_device, per_shard, traced_on
@@ -37,15 +38,6 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     mid = (1 - smooth) * scaled / factor + smooth * scaled
     is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return np.where(is_mid, mid, scaled).astype(np.float32)
-
-
-@jax.named_scope("rope")   # the name a profile's kernels carry (benchmarks/step_timeline.py)
-def apply_rope(x, positions, inv_freq):
-    """x [T, H, D] with HF's rotate-half layout."""
-    freqs = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -185,15 +177,26 @@ class Attention(nnx.Module):
     def project(self, x, positions, live=None):
         """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], as attention sees them (normed, rotated). live: the real
         tokens (live_tokens), which FP8 decode launches read alone."""
-        cfg, t = self.cfg, x.shape[0]
-        ys = linears(self.input_layers(), x, live)
+        return self.rotated(linears(self.input_layers(), x, live), positions)
+
+    @jax.named_scope("qkv")
+    def rotated(self, ys, positions):
+        """q, k and v's projections (three, or the fused layer's one) -> q [T, Hq, D], k and v [T, Hkv, D], q and k
+        normed and rotated."""
+        cfg, t = self.cfg, ys[0].shape[0]
         q, k, v = ys if len(ys) == 3 else jnp.split(ys[0], np.cumsum(self.qkv_widths()[:2]), axis=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k, v = (a.reshape(t, cfg.num_kv_heads, cfg.head_dim) for a in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(cfg)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        with jax.named_scope("rope"):   # the name a profile's kernels carry (benchmarks/step_timeline.py)
+            return custom_calls.rope(q, positions, inv_freq), custom_calls.rope(k, positions, inv_freq), v
+
+    def rotary(self) -> custom_calls.Rotary:
+        """What project applies to q and k after the projection, for custom_calls.rope_and_cache."""
+        norms = (None, None) if self.q_norm is None else (self.q_norm.weight[...], self.k_norm.weight[...])
+        return custom_calls.Rotary(rope_inv_freq(self.cfg), *norms, self.cfg.rms_norm_eps)
 
     def qkv_widths(self) -> tuple[int, int, int]:
         cfg = self.cfg
@@ -218,10 +221,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, kv_layer, paged):
         live = live_tokens(paged)
-        q, k, v = self.project(x, positions, live)
-        out, kv_layer = attend(q, k, v, positions, kv_layer, paged, sm_scale=self.cfg.head_dim ** -0.5,
-                               sliding_window=self.cfg.sliding_window,
-                               kv_scales=(self.k_scale[...], self.v_scale[...]))
+        kw = dict(sm_scale=self.cfg.head_dim ** -0.5, sliding_window=self.cfg.sliding_window,
+                  kv_scales=(self.k_scale[...], self.v_scale[...]))
+        with jax.named_scope("qkv"):
+            ys = linears(self.input_layers(), x, live)
+        if len(ys) == 1 and rotates_where_written(ys[0], self.cfg.num_heads, kv_layer, paged):
+            out, kv_layer = attend_rotated(ys[0], positions, kv_layer, paged, self.rotary(), self.cfg.num_heads, **kw)
+        else:
+            out, kv_layer = attend(*self.rotated(ys, positions), positions, kv_layer, paged, **kw)
         with jax.named_scope("o_proj"):
             return self.o_proj(out.reshape(x.shape[0], -1), live=live), kv_layer
 
