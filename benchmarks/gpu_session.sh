@@ -37,6 +37,8 @@
 #     kernel: tests, its GEMMs and a batch-1 step beside the older tree's
 #   [AB=<tree>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear-ncu  # a W8A16 launch under ncu
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-gated  # the gated W8A16 launch: tests, decode GEMMs
+#   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh rope-cache-ab  # the rotation
+#     written with the cache: tests, batch 1 of the FP8 8B and of the MoE beside an older tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: the host's step
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host-ab|moe-host-ab  # FP8
 #     8B's or the MoE's batch-1 host phases beside an older tree's
@@ -428,6 +430,15 @@ case $1 in
     run 220 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_fp8_weights.py \
       -k "_linear_ or decode_steps or gemm_matches"
     run 180 python benchmarks/fp8_gemm.py --decode --out "$OUT/fp8_decode_gemm_gpu.json" ;;
+  rope-cache-ab)   # q and k rotated where the cache is written: the GPU tests of the call and of the engine's steps
+    # through it, then batch 1 profiled (the FP8 8B, the mixture of experts) in this tree and in $AB's
+    build_calls
+    run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_llm_engine.py \
+      -k "rope or rotate_q_and_k or cache_write"
+    for step in "benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 \
+      --quantization fp8 --profile 12" "${MOE_PROFILE#python } --profile 12"; do
+      for tree in "$PWD" "$AB"; do (cd "$tree" && run 170 python $step); done
+    done ;;
   batch1-host)   # batch 1 (128-token prompt), FP8 weights then bf16: host phases, GPU kernels, the host's trace
     build_calls
     for q in "--quantization fp8" ""; do
