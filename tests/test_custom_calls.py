@@ -602,7 +602,8 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         k_cache, v_cache = cc.call_in_place("jaxserve_reshape_and_cache", k_cache, v_cache, jnp.stack([new_k, new_v]),
                                             slots)
         k_cache, v_cache = cc.call_in_place("jaxserve_copy_blocks", k_cache, v_cache, slots[:1], slots[1:])
-        rotary = cc.Rotary(jnp.ones(64), q_norm=jnp.ones(128, jnp.bfloat16), k_norm=jnp.ones(128, jnp.bfloat16), eps=1e-6)
+        norm = jnp.ones(128, jnp.bfloat16)
+        rotary = cc.Rotary(jnp.ones(64), q_norm=norm, k_norm=norm, eps=1e-6)
         qkv = jnp.zeros((slots.shape[0], 12 * 128), jnp.bfloat16)
         rotated, k_cache, v_cache = cc.call_rope_and_cache(k_cache, v_cache, qkv, slots, slots, rotary, 8)
         out = cc.call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=0.5,

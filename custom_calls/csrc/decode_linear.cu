@@ -14,12 +14,13 @@
 // silu(gate) * up, made where the two sums meet: no product kernel after the launch, half the bytes written.
 //
 // Grid (sum of N_g / tile_n, splits): a CTA owns tile_n = 16 * warp_tiles * warps_n output channels of one weight
-// (gated: tile_n / 2 channels of both) and one of `splits` slices of K. Its warps form warps_n columns of 16 * warp_tiles channels by kWarps / warps_n
-// rows that take the slice's kChunkK-wide chunks in turn, each chunk's loads issued before the chunk before it
-// is multiplied. At 16 rows the activations are as many bytes as e4m3 weight tiles they multiply: a warp's
-// warp_tiles m16 tiles share them in registers, the warps of a row share them through L1. The warps' sums meet
-// in shared memory. Splits of one tile meet in a thread-block cluster's distributed shared memory on sm_90 (no
-// second kernel), elsewhere as f32 partials in the workspace that a second kernel sums.
+// (gated: tile_n / 2 channels of both) and one of `splits` slices of K. Its warps form warps_n columns of
+// 16 * warp_tiles channels by kWarps / warps_n rows that take the slice's kChunkK-wide chunks in turn, each
+// chunk's loads issued before the chunk before it is multiplied. At 16 rows the activations are as many bytes as
+// e4m3 weight tiles they multiply: a warp's warp_tiles m16 tiles share them in registers, the warps of a row share
+// them through L1. The warps' sums meet in shared memory. Splits of one tile meet in a thread-block cluster's
+// distributed shared memory on sm_90 (no second kernel), elsewhere as f32 partials in the workspace that a second
+// kernel sums.
 #include <cooperative_groups.h>
 
 #include "common.h"

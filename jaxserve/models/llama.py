@@ -173,11 +173,12 @@ class Attention(nnx.Module):
         self.v_scale = KVScale(jnp.ones((cfg.num_kv_heads,), jnp.float32))
         self.cfg = cfg
 
-    @jax.named_scope("qkv")
     def project(self, x, positions, live=None):
         """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], as attention sees them (normed, rotated). live: the real
         tokens (live_tokens), which FP8 decode launches read alone."""
-        return self.rotated(linears(self.input_layers(), x, live), positions)
+        with jax.named_scope("qkv"):
+            ys = linears(self.input_layers(), x, live)
+        return self.rotated(ys, positions)
 
     @jax.named_scope("qkv")
     def rotated(self, ys, positions):
@@ -189,12 +190,12 @@ class Attention(nnx.Module):
         k, v = (a.reshape(t, cfg.num_kv_heads, cfg.head_dim) for a in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(cfg)
+        inv_freq = self.rotary().inv_freq
         with jax.named_scope("rope"):   # the name a profile's kernels carry (benchmarks/step_timeline.py)
             return custom_calls.rope(q, positions, inv_freq), custom_calls.rope(k, positions, inv_freq), v
 
     def rotary(self) -> custom_calls.Rotary:
-        """What project applies to q and k after the projection, for custom_calls.rope_and_cache."""
+        """What `rotated` applies to q and k (norms, then the rotation), for custom_calls.rope_and_cache."""
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight[...], self.k_norm.weight[...])
         return custom_calls.Rotary(rope_inv_freq(self.cfg), *norms, self.cfg.rms_norm_eps)
 
@@ -225,7 +226,7 @@ class Attention(nnx.Module):
                   kv_scales=(self.k_scale[...], self.v_scale[...]))
         with jax.named_scope("qkv"):
             ys = linears(self.input_layers(), x, live)
-        if len(ys) == 1 and rotates_where_written(ys[0], self.cfg.num_heads, kv_layer, paged):
+        if len(ys) == 1 and rotates_where_written(ys[0], self.cfg.num_heads, kv_layer, paged):   # one call
             out, kv_layer = attend_rotated(ys[0], positions, kv_layer, paged, self.rotary(), self.cfg.num_heads, **kw)
         else:
             out, kv_layer = attend(*self.rotated(ys, positions), positions, kv_layer, paged, **kw)
