@@ -14,7 +14,6 @@ namespace {
 constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;  // independent 16-byte loads per thread in flight
 constexpr int kRopeWarps = 4;   // heads a CTA of RopeAndCacheKernel
-constexpr float kFp8Max = 448.0f;
 
 // Copies n 16-byte vectors from src to dst with kCopyUnroll loads in flight.
 __device__ __forceinline__ void CopyVectors(Vec16* dst, const Vec16* src, int64_t n) {

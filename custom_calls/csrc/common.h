@@ -98,6 +98,8 @@ __device__ __forceinline__ void LoadFloats(const T* src, float* f) {
 
 __host__ __device__ constexpr int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
+constexpr float kFp8Max = 448.0f;  // e4m3fn's largest finite value
+
 // silu(g) * u in f32, to be rounded to bf16 once: what the MLP's product is (XLA's bf16 product, rounded along the
 // way, was up to ~1% from it on the H200). The fast exp and division (2 ulp of f32) are far below that rounding;
 // the quantize kernel is bound by its arithmetic with the IEEE ones. A large -g makes exp(-g) infinite and the

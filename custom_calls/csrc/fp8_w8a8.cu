@@ -26,7 +26,6 @@
 namespace jaxserve {
 namespace {
 
-constexpr float kFp8Max = 448.0f;
 constexpr int kVecsPerThread = 4;   // 16-byte pieces of a row a thread keeps in registers
 constexpr int kMaxQuantizeThreads = 1024;
 
