@@ -32,6 +32,7 @@ TARGETS = {
     "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention",
     "jaxserve_reshape_and_cache": "JaxserveReshapeAndCache",
     "jaxserve_rope_and_cache": "JaxserveRopeAndCache",
+    "jaxserve_add_rms_norm": "JaxserveAddRmsNorm",
     "jaxserve_copy_blocks": "JaxserveCopyBlocks",
     "jaxserve_decode_linear": "JaxserveDecodeLinear",
     "jaxserve_moe_route": "JaxserveMoeRoute",
@@ -557,6 +558,43 @@ def rms_norm(x, weight, eps: float):
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * y.astype(x.dtype)
+
+
+ADD_RMS_NORM_MAX_WIDTH = 8192   # a row's elements the kernel keeps in registers (256 threads x 4 vectors of 8)
+
+
+def add_rms_norm_unsupported(x, delta, weight) -> str | None:
+    """Why the CUDA call cannot take these (None when it can)."""
+    if x.dtype not in (jnp.bfloat16, jnp.float16) or delta.dtype != x.dtype or weight.dtype != x.dtype:
+        return f"x, delta and weight must share one dtype, bfloat16 or float16, got {x.dtype}, {delta.dtype} and " \
+               f"{weight.dtype}"
+    if x.ndim != 2 or delta.shape != x.shape or weight.shape != x.shape[1:] or x.shape[1] % 8 or \
+            x.shape[1] > ADD_RMS_NORM_MAX_WIDTH:
+        return f"x and delta must be one [T, H] shape and weight [H], H a multiple of 8 up to " \
+               f"{ADD_RMS_NORM_MAX_WIDTH}, got {x.shape}, {delta.shape} and {weight.shape}"
+    return None
+
+
+def add_rms_norm_reference(x, delta, weight, eps: float):
+    """(rms_norm(x + delta), x + delta): a residual stream's add and the norm after it."""
+    total = x + delta
+    return rms_norm(total, weight, eps), total
+
+
+def add_rms_norm(x, delta, weight, eps: float):
+    """add_rms_norm_reference in one CUDA launch, where XLA runs the add and the norm as two (the sum written and
+    read back between them). Without the library, or for what the call does not take
+    (add_rms_norm_unsupported), the reference."""
+    if not available() or add_rms_norm_unsupported(x, delta, weight):
+        return add_rms_norm_reference(x, delta, weight, eps)
+    return call_add_rms_norm(x, delta, weight, eps)
+
+
+def call_add_rms_norm(x, delta, weight, eps: float):
+    """The FFI call itself (the library must be registered): (normed, sum), the sum over x's buffer."""
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ffi.ffi_call("jaxserve_add_rms_norm", (out, out), input_output_aliases={0: 1})(
+        x, delta, weight, eps=np.float32(eps))
 
 
 def fp8_scaled_mm_reference(x, x_scale, w, w_scale, dtype=jnp.bfloat16):

@@ -250,6 +250,52 @@ def test_rope_and_cache_unsupported_names_what():
                                                    jnp.zeros((3, 8 * 96), jnp.bfloat16), 4)
 
 
+def add_norm_case(rng, rows, width, dtype):
+    """A residual stream x and a sublayer's output delta [rows, width], rows' magnitudes spread over 2^-6..2^8 (as
+    hidden states' are), delta from 1% of x's to twice it; a norm weight away from 1."""
+    scale = 2.0 ** rng.uniform(-6, 8, (rows, 1))
+    x = rng.standard_normal((rows, width)) * scale
+    delta = rng.standard_normal((rows, width)) * scale * rng.uniform(0.01, 2, (rows, 1))
+    return jnp.asarray(x, dtype), jnp.asarray(delta, dtype), jnp.asarray(rng.uniform(0.5, 1.5, width), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_add_rms_norm_reference_matches_f64(dtype):
+    """The sum within one rounding of f64's x + delta; the norm within the dtype's roundings (the normalised value,
+    the weight's product) of f64's norm of that sum, scaled by the weight."""
+    seed, rng = fresh_rng()
+    x, delta, weight = add_norm_case(rng, 5, 576, dtype)
+    normed, total = cc.add_rms_norm_reference(x, delta, weight, 1e-5)
+    ulp = 2.0 ** -(8 if dtype == jnp.bfloat16 else 11)
+    want = np.asarray(x, np.float64) + np.asarray(delta, np.float64)
+    got = np.asarray(total, np.float64)
+    # atol: float16's subnormals below 2^-14, where a rounding is absolute
+    assert np.allclose(got, want, rtol=ulp, atol=2.0 ** -24), f"seed {seed}"
+    want_normed = got / np.sqrt(np.mean(got * got, axis=-1, keepdims=True) + 1e-5) * np.asarray(weight, np.float64)
+    assert np.allclose(np.asarray(normed, np.float64), want_normed, rtol=3 * ulp, atol=3 * ulp * 2.0 ** -6), \
+        f"seed {seed}"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the fallback path runs only without an NVIDIA GPU")
+def test_add_rms_norm_without_the_library_runs_the_reference():
+    seed, rng = fresh_rng()
+    x, delta, weight = add_norm_case(rng, 3, 64, jnp.bfloat16)
+    for out, ref in zip(cc.add_rms_norm(x, delta, weight, 1e-6), cc.add_rms_norm_reference(x, delta, weight, 1e-6)):
+        assert_same_bits(out, ref, seed)
+
+
+def test_add_rms_norm_unsupported_names_what():
+    x, w = jnp.zeros((3, 64), jnp.bfloat16), jnp.zeros(64, jnp.bfloat16)
+    assert cc.add_rms_norm_unsupported(x, x, w) is None
+    assert "share one dtype" in cc.add_rms_norm_unsupported(x, x.astype(jnp.float16), w)
+    assert "share one dtype" in cc.add_rms_norm_unsupported(x.astype(jnp.float32), x.astype(jnp.float32),
+                                                            w.astype(jnp.float32))
+    assert "multiple of 8" in cc.add_rms_norm_unsupported(x[:, :60], x[:, :60], w[:60])
+    wide = jnp.zeros((1, cc.ADD_RMS_NORM_MAX_WIDTH + 8), jnp.bfloat16)
+    assert "up to 8192" in cc.add_rms_norm_unsupported(wide, wide, wide[0])
+    assert "[T, H]" in cc.add_rms_norm_unsupported(x, x[:2], w)
+
+
 @pytest.mark.parametrize("dtype", list(vmm.DLPACK_DTYPES))
 def test_vmm_dlpack_codes_match_jax_export(dtype):
     """vmm's export names each dtype by the DLPack (code, bits) that jax's own export writes, FP8 included."""
@@ -617,7 +663,8 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         linear = cc.call_decode_linear(x, [w, w[:32]], [scale, scale[:32]], launch=(2, 1, 2), live=kv_lens[0])
         bf16 = cc.call_decode_linear(x, [kernel, kernel[:, :32]], None, launch=(1, 1, 2))
         gated = cc.call_decode_linear(x, [w, w], [scale, scale], launch=(1, 1, 2), gated=True)
-        return k_cache, v_cache, out, rotated, linear, bf16, gated, route, xq, normed, mm, unscaled
+        added = cc.call_add_rms_norm(x * 2, x, x[0], 1e-5)
+        return k_cache, v_cache, out, rotated, linear, bf16, gated, route, xq, normed, mm, unscaled, added
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
     args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32),
@@ -627,6 +674,9 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         assert f"stablehlo.custom_call @{target}(" in text
     assert text.count("output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], "
                       "operand_index = 0") == 3
+    # add_rms_norm: (normed, sum), the sum over x's buffer
+    assert re.search(r"@jaxserve_add_rms_norm\(.*output_operand_aliases = \[#stablehlo.output_operand_alias<"
+                     r"output_tuple_indices = \[1\], operand_index = 0", text)
     for attr in ("num_splits = 3 : i32", "sliding_window = 64 : i32", "sm_scale = 5.000000e-01 : f32",
                  "soft_cap = 3.000000e+01 : f32", "num_q_heads = 8 : i32", "eps = 9.99999997E-7 : f32"):
         assert attr in text, attr
@@ -872,6 +922,31 @@ def test_rope_and_cache_matches_reference(head_dim, dtype, cache_dtype, norms):
         assert np.isfinite(out).all(), (name, f"seed {seed}")
         assert np.allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max()), (name, f"seed {seed}",
                                                                                np.abs(out - ref).max())
+
+
+@needs_gpu
+@pytest.mark.parametrize("width", [576, 2048, 4096, 8192])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_add_rms_norm_matches_reference(width, dtype):
+    """The CUDA call against the reference as XLA runs it on the GPU, on 1, 16 (a decode bucket) and 300 rows, the
+    normed output's memory NaN-poisoned first: the sum bit for bit (both add in f32 and round once), the norm
+    within two roundings of the dtype (its sum of squares in another order and rsqrt's last bit may move the
+    normalised value by one, the weight's product by one more)."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    reference = jax.jit(cc.add_rms_norm_reference, static_argnums=3)
+    for rows in (1, 16, 300):
+        x, delta, weight = add_norm_case(rng, rows, width, dtype)
+        want_normed, want_total = reference(x, delta, weight, 1e-6)
+        poison_device_memory((rows, width), dtype)
+        lowered = jax.jit(cc.add_rms_norm, static_argnums=3).lower(x, delta, weight, 1e-6)
+        assert "@jaxserve_add_rms_norm(" in lowered.as_text()   # the kernel, not the reference's fallback
+        normed, total = lowered.compile()(x, delta, weight)
+        assert_same_bits(total, want_total, seed)
+        got, want = np.asarray(normed, np.float32), np.asarray(want_normed, np.float32)
+        assert np.isfinite(got).all(), f"seed {seed}"
+        tol = 2.0 ** -(6 if dtype == jnp.bfloat16 else 9)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 2.0 ** -6, err_msg=f"seed {seed}")
 
 
 @needs_gpu

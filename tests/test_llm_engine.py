@@ -560,6 +560,43 @@ def test_steps_rotate_q_and_k_where_the_cache_is_written(tiny, monkeypatch, qk_n
         assert token_ids(rotated) == token_ids(plain)
 
 
+def test_steps_add_the_residual_where_it_is_normed(tiny, monkeypatch):
+    """A bf16 model on one device: every residual add and the RMS norm after it (two a layer, the final norm) go to
+    custom_calls.add_rms_norm, and the greedy tokens are those of XLA's adds and norms: the same ops on a CPU (the
+    call's reference there, taken as the GPU takes the kernel), on a GPU up to near-ties (its f32 sums' order)."""
+    from jaxserve.models import llama
+    model = load_model(tiny[0].source, dtype="bf16")
+    calls = []
+
+    def recorded(x, delta, weight, eps):
+        calls.append(x.shape)
+        return add_rms_norm(x, delta, weight, eps)
+    add_rms_norm = custom_calls.add_rms_norm
+    monkeypatch.setattr(custom_calls, "add_rms_norm", recorded)
+    # on a CPU the GPU's decision without its library (the call's reference runs)
+    takes = llama.adds_where_normed if on_gpu() else (
+        lambda x, delta, weight, layers: custom_calls.add_rms_norm_unsupported(x, delta, weight) is None)
+    decided = []
+    monkeypatch.setattr(llama, "adds_where_normed", lambda *args: decided.append(takes(*args)) or decided[-1])
+    prompts = token_prompts(5, 17, 40)
+    jax.clear_caches()   # layers traced by another test would not take the patched functions
+    try:
+        fused = LLM(model, **BASE, compile_cache_dir=None).generate(prompts, LOGPROBS)   # traced here
+        assert decided and all(decided) and len(calls) == len(decided)   # every add and norm traced took the call
+        assert all(shape[1] == model.model.cfg.hidden_size for shape in calls)
+        monkeypatch.setattr(llama, "adds_where_normed", lambda *_: False)
+        jax.clear_caches()
+        calls.clear()
+        plain = LLM(model, **BASE, compile_cache_dir=None).generate(prompts, LOGPROBS)
+        assert not calls
+    finally:
+        jax.clear_caches()
+    if on_gpu():
+        assert_greedy_up_to_near_ties(fused, plain)
+    else:
+        assert token_ids(fused) == token_ids(plain)
+
+
 @pytest.mark.skipif(not (on_gpu() and on_hopper()), reason="the Mosaic GPU kernels run on Hopper only; interpreted, "
                     "tests/test_cascade_attention.py holds the Mosaic cascade to the reference")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

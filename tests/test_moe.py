@@ -103,3 +103,31 @@ def test_a_paged_steps_live_tokens_come_from_its_batch():
     mesh, num_live = moe_context(types.SimpleNamespace(batch=batch, mesh="mesh"))
     assert mesh == "mesh" and num_live.tolist() == [7]
     assert moe_context(None) == (None, None)
+
+
+def test_moe_layers_keep_xlas_adds_and_norms(monkeypatch):
+    """Where the add-and-norm call is taken (llama.adds_where_normed), a MoE layer keeps XLA's adds and norms (XLA
+    fuses them with the experts' weighted sum and the router's inputs; the call left the H200's batch-1 step as it
+    was), and so does the final norm after one; a dense layer of the same model (mlp_only_layers) takes the call
+    for both its norms."""
+    import jax
+    import jax.numpy as jnp
+
+    import custom_calls
+    from jaxserve.models import llama
+    from jaxserve.models.loader import random_model
+    cfg = model_config_from_hf({**QWEN3_30B_A3B, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 64,
+                                "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "head_dim": 16, "mlp_only_layers": [0]})
+    calls = []
+    monkeypatch.setattr(llama, "adds_where_normed", lambda *_: True)
+    monkeypatch.setattr(custom_calls, "add_rms_norm",
+                        lambda *args: calls.append(args[0].shape) or custom_calls.add_rms_norm_reference(*args))
+    model = random_model(cfg, jnp.float32).model
+    jax.clear_caches()   # layers traced by another test would not take the patched functions
+    try:
+        model(jnp.arange(4, dtype=jnp.int32), jnp.arange(4, dtype=jnp.int32))
+    finally:
+        jax.clear_caches()
+    assert calls == [(4, 64)] * 2   # the dense layer's two norms; none in the MoE layer, none after it

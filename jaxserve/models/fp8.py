@@ -133,9 +133,12 @@ def w8a8_kernels(x, layers) -> bool:
 def normed_input(norm, x, layers):
     """norm(x) for the linear layers that read it; FP8 layers running W8A8 through the kernels take it as
     NormedRows, normalised inside their quantize kernel (one read of x, no normalised copy written)."""
-    if all(isinstance(layer, Fp8Linear) for layer in layers) and w8a8_kernels(x, layers):
-        return NormedRows(x, norm.weight[...], norm.eps)
-    return norm(x)
+    return NormedRows(x, norm.weight[...], norm.eps) if takes_normed_rows(x, layers) else norm(x)
+
+
+def takes_normed_rows(x, layers) -> bool:
+    """Whether these linear layers take x's norm as NormedRows (normed_input)."""
+    return all(isinstance(layer, Fp8Linear) for layer in layers) and w8a8_kernels(x, layers)
 
 
 def linears_w8a8(layers, x, up=None) -> list:

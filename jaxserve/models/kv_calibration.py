@@ -37,7 +37,8 @@ def _layer_kv_amax(graphdef, state, x, positions):
     layer = nnx.merge(graphdef, state)
     _, k, v = layer.self_attn.project(layer.input_layernorm(x), positions)
     amax = lambda t: jnp.max(jnp.abs(t.astype(jnp.float32)), axis=(0, 2))
-    return layer(x, positions, None, None)[0], amax(k), amax(v)
+    x, delta, _ = layer(x, jnp.zeros_like(x), positions, None, None)
+    return x + delta, amax(k), amax(v)
 
 
 def calibrate_kv_scales(model, token_ids: np.ndarray) -> None:

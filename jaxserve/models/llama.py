@@ -18,7 +18,7 @@ from jaxserve.cache.kv_cache import layer_of, with_layer
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import (AttentionBatch, AttentionKernels, PagedAttention, attend, attend_rotated,
                                        rotates_where_written)
-from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, gated_w8a16, normed_input
+from jaxserve.models.fp8 import Fp8Linear, fp8_linears, gated_linear, gated_w8a16, normed_input, takes_normed_rows
 from jaxserve.models.gguf_blocks import GgufBlocks, GgufEmbed, GgufLinear, gguf_linears
 from jaxserve.sharding import TP, concatenate_on_devices, on_one_device, per_shard, traced_on
 from pallas_kernels.ragged_paged_attention import gpu_capability
@@ -396,14 +396,37 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MoE(cfg, dtype, rngs) if cfg.is_moe_layer(layer) else MLP(cfg, dtype, rngs, quantization)
 
-    def __call__(self, x, positions, kv_layer, paged):
-        attn = self.self_attn
-        h, kv_layer = attn(normed_input(self.input_layernorm, x, attn.input_layers()), positions, kv_layer, paged)
-        x = x + h
-        if isinstance(self.mlp, MoE):
-            return x + self.mlp(self.post_attention_layernorm(x), *moe_context(paged)), kv_layer
-        mlp_input = normed_input(self.post_attention_layernorm, x, (self.mlp.gate_proj, self.mlp.up_proj))
-        return x + self.mlp(mlp_input, live_tokens(paged)), kv_layer
+    def __call__(self, x, delta, positions, kv_layer, paged):
+        """The residual stream enters as x + delta and leaves as (x, delta) again, the MLP's output not yet added:
+        each add is made by the norm after it (add_normed). Returns (x, delta, kv_layer)."""
+        attn, moe = self.self_attn, isinstance(self.mlp, MoE)
+        x, h = add_normed(self.input_layernorm, x, delta, attn.input_layers(), fuse=not moe)
+        h, kv_layer = attn(h, positions, kv_layer, paged)
+        if moe:
+            x, h = add_normed(self.post_attention_layernorm, x, h, fuse=False)
+            return x, self.mlp(h, *moe_context(paged)), kv_layer
+        x, h = add_normed(self.post_attention_layernorm, x, h, (self.mlp.gate_proj, self.mlp.up_proj))
+        return x, self.mlp(h, live_tokens(paged)), kv_layer
+
+
+def add_normed(norm: RMSNorm, x, delta, layers=(), fuse: bool = True):
+    """(x + delta, its norm as the linear layers that read it take it (fp8.normed_input; no layers: norm's
+    output)), the add and the norm one CUDA call where adds_where_normed. fuse=False keeps XLA's add and norm (a
+    MoE layer's: XLA fuses them with the experts' weighted sum and the router's inputs, and the call, which needs
+    those written out first, left a batch-1 step's GPU time as it was on the H200)."""
+    weight = norm.weight[...]
+    if fuse and adds_where_normed(x, delta, weight, layers):
+        normed, total = custom_calls.add_rms_norm(x, delta, weight, norm.eps)
+        return total, normed
+    x = x + delta
+    return x, normed_input(norm, x, layers) if layers else norm(x)
+
+
+def adds_where_normed(x, delta, weight, layers) -> bool:
+    """Whether add_normed runs custom_calls.add_rms_norm (XLA writes the sum and reads it back in a second launch):
+    on one NVIDIA GPU, for what the call takes, but not where FP8's W8A8 kernels normalise x themselves."""
+    return on_one_device() and custom_calls.available() and \
+        custom_calls.add_rms_norm_unsupported(x, delta, weight) is None and not (layers and takes_normed_rows(x, layers))
 
 
 def fuse_qkv(model) -> None:
@@ -444,15 +467,18 @@ class LlamaForCausalLM(nnx.Module):
     def forward(self, token_ids, positions, kv_cache=None, paged: PagedAttention | None = None,
                 aux_layers: tuple[int, ...] = ()):
         """__call__, and the hidden states entering each of aux_layers (EAGLE-3's features), [T, H] each."""
-        x, aux = self.embed_tokens(token_ids), []
+        x = self.embed_tokens(token_ids)
+        delta, aux = zeros_of_type(x), []   # the stream as (x, delta) into every layer: one trace for all
         batch, kernels, mesh = (None, None, None) if paged is None else (paged.batch, paged.kernels, paged.mesh)
         for i, layer in enumerate(self.layers):
-            aux += [x] * aux_layers.count(i)
+            if i in aux_layers:
+                aux += [x + delta] * aux_layers.count(i)
             graphdef, state = nnx.split(layer)
-            x, kv_layer = run_layer(graphdef, state, x, positions, None if kv_cache is None else layer_of(kv_cache, i),
-                                    batch, kernels=kernels, mesh=mesh)
+            x, delta, kv_layer = run_layer(graphdef, state, x, delta, positions,
+                                           None if kv_cache is None else layer_of(kv_cache, i), batch,
+                                           kernels=kernels, mesh=mesh)
             kv_cache = None if kv_cache is None else with_layer(kv_cache, i, kv_layer)
-        return self.norm(x), kv_cache, aux
+        return add_normed(self.norm, x, delta, fuse=not isinstance(self.layers[-1].mlp, MoE))[1], kv_cache, aux
 
     def logits(self, hidden):
         """hidden [N, H] -> f32 logits [N, V]."""
@@ -465,15 +491,22 @@ class LlamaForCausalLM(nnx.Module):
         return self.lm_head(hidden).astype(jnp.float32)
 
 
+def zeros_of_type(x):
+    """Zeros of x's type, its mesh included (as a layer's outputs carry it): the first layer's call then matches
+    the others' and is not traced apart."""
+    sharding = jax.typeof(x).sharding
+    return jnp.zeros_like(x) if sharding.mesh.empty else jax.sharding.reshard(jnp.zeros_like(x), sharding)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "mesh"))
-def run_layer(graphdef, state, x, positions, kv_layer, batch: AttentionBatch | None, *,
+def run_layer(graphdef, state, x, delta, positions, kv_layer, batch: AttentionBatch | None, *,
               kernels: AttentionKernels | None, mesh):
     """One decoder layer, a jitted call: the layers share a structure, so it is traced once per step shape rather
     than once per layer (the step graphs' tracing, on the start-up's critical path, shrinks by the layer count);
     XLA inlines the calls, so the compiled step is the same."""
     paged = None if batch is None else PagedAttention(batch, kernels, mesh)
     with traced_on(mesh):
-        return nnx.merge(graphdef, state)(x, positions, kv_layer, paged)
+        return nnx.merge(graphdef, state)(x, delta, positions, kv_layer, paged)
 
 
 def abstract_model(cfg: ModelConfig, dtype, quantization: str | GgufBlocks | None = None) -> LlamaForCausalLM:
