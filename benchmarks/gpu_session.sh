@@ -39,9 +39,14 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-gated  # the gated W8A16 launch: tests, decode GEMMs
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh rope-cache-ab  # the rotation
 #     written with the cache: tests, batch 1 of the FP8 8B and of the MoE beside an older tree's
+#   AB=<tree> AB_COMMIT=<sha> [RUNS=1] [MODELS="8b moe"] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh
+#     add-norm-ab  # the residual add with the norm: tests, batch 1 of the FP8 8B and of the MoE beside an older
+#     tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: the host's step
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host-ab|moe-host-ab  # FP8
 #     8B's or the MoE's batch-1 host phases beside an older tree's
+#   [PARTS="sweep 8b moe"] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh small-decode  # decode kernels at
+#     1-64 rows; batch 1's steps under the default decode kernel and the CUDA call
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-launch-cost  # W8A16 launches' fixed cost, fitted over K
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tc-ncu  # the tensor-core decode under Nsight Compute
 #   RUNS=2 JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-ratio|fp8-batch1-ratio  # FP8 / bf16 runs
@@ -439,6 +444,19 @@ case $1 in
       --quantization fp8 --profile 12" "${MOE_PROFILE#python } --profile 12"; do
       for tree in "$PWD" "$AB"; do (cd "$tree" && run 170 python $step); done
     done ;;
+  add-norm-ab)   # the residual add and the norm in one call: its GPU tests and the engine's steps through it, then
+    # batch 1 profiled (MODELS: the FP8 8B, the mixture of experts) in this tree and in $AB's, alternating, RUNS rounds
+    build_calls
+    run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_llm_engine.py \
+      tests/test_decode_linears.py -k "add_rms_norm or add_the_residual or rotate_q_and_k or through_the_kernel"
+    STEP_8B="benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 --quantization fp8"
+    for i in $(seq "${RUNS:-1}"); do
+      for model in ${MODELS:-8b moe}; do
+        step="$STEP_8B --profile 40"
+        [ "$model" = moe ] && step="${MOE_PROFILE#python } --profile 40"
+        for tree in "$PWD" "$AB"; do (cd "$tree" && run 170 python $step); done
+      done
+    done ;;
   batch1-host)   # batch 1 (128-token prompt), FP8 weights then bf16: host phases, GPU kernels, the host's trace
     build_calls
     for q in "--quantization fp8" ""; do
@@ -457,6 +475,21 @@ case $1 in
     done
     if [ "$1" = moe-host-ab ]; then run 200 $MOE_BATCH1
     else run 200 python ${STEP_B1% --quantization fp8} --profile 8; fi ;;
+  small-decode)   # the decode kernels at 1-64 rows (bf16 and FP8 caches), then batch 1's steps, FP8 8B and the MoE,
+    # profiled under the default decode kernel and under the CUDA call (PARTS: which of the three, default all)
+    build_calls
+    PARTS=" ${PARTS:-sweep 8b moe} "
+    if [[ $PARTS == *" sweep "* ]]; then
+      run 200 python benchmarks/attention.py --mosaic-decode --points 1x192 1x1024 4x640 16x640 64x640 \
+        --out "$OUT/attention_small_decode_gpu.json"
+      run 150 python benchmarks/attention.py --mosaic-decode --kv-dtype fp8 --kv-only --points 1x192 1x1024 16x640 \
+        --out "$OUT/attention_small_decode_gpu.json"
+    fi
+    STEP_8B="benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 --quantization fp8"
+    for decode in auto cuda; do
+      [[ $PARTS == *" 8b "* ]] && run 200 python $STEP_8B --set decode_attention=$decode --profile 40
+      [[ $PARTS == *" moe "* ]] && run 200 ${MOE_PROFILE% --profile 30} decode_attention=$decode --profile 40
+    done ;;
   fp8-launch-cost)   # the W8A16 kernel, XLA's bf16 GEMM and XLA's W8A16 fusion over K at two N: F and R fitted
     build_calls
     run 300 python benchmarks/fp8_gemm.py --decode --over-k --out "$OUT/fp8_decode_gemm_gpu.json" ;;
