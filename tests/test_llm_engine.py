@@ -542,22 +542,8 @@ def test_steps_rotate_q_and_k_where_the_cache_is_written(tiny, monkeypatch, qk_n
     if not on_gpu():   # the GPU's test, without its library: the call's reference
         monkeypatch.setattr(llama, "rotates_where_written", lambda qkv, hq, kv_layer, paged: kv_layer is not None and (
             custom_calls.rope_and_cache_unsupported(*layer_blocks(kv_layer)[:2], qkv, hq) is None))
-    prompts = token_prompts(5, 17, 40)
-    jax.clear_caches()   # layers traced by another test would not take the patched functions
-    try:
-        rotated = LLM(model, **BASE, compile_cache_dir=None).generate(prompts, LOGPROBS)   # traced here
-        assert calls and all(shape[1] == (4 + 2 * 2) * 64 for shape in calls)
-        monkeypatch.setattr(llama, "rotates_where_written", lambda *_: False)
-        jax.clear_caches()
-        calls.clear()
-        plain = LLM(model, **BASE, compile_cache_dir=None).generate(prompts, LOGPROBS)
-        assert not calls
-    finally:
-        jax.clear_caches()
-    if on_gpu():
-        assert_greedy_up_to_near_ties(rotated, plain)
-    else:
-        assert token_ids(rotated) == token_ids(plain)
+    compare_with_the_call_off(model, monkeypatch, "rotates_where_written", calls, lambda: (
+        calls and all(shape[1] == (4 + 2 * 2) * 64 for shape in calls)))
 
 
 def test_steps_add_the_residual_where_it_is_normed(tiny, monkeypatch):
@@ -578,13 +564,23 @@ def test_steps_add_the_residual_where_it_is_normed(tiny, monkeypatch):
         lambda x, delta, weight, layers: custom_calls.add_rms_norm_unsupported(x, delta, weight) is None)
     decided = []
     monkeypatch.setattr(llama, "adds_where_normed", lambda *args: decided.append(takes(*args)) or decided[-1])
+    # every add and norm traced took the call
+    compare_with_the_call_off(model, monkeypatch, "adds_where_normed", calls, lambda: (
+        decided and all(decided) and len(calls) == len(decided)
+        and all(shape[1] == model.model.cfg.hidden_size for shape in calls)))
+
+
+def compare_with_the_call_off(model, monkeypatch, switch: str, calls: list, traced_the_call):
+    """The greedy tokens of the model's engine traced as patched (traced_the_call() then holds) against those of
+    one traced with llama's `switch` off (no call recorded): the same on a CPU (the call's reference runs the same
+    ops), on a GPU up to near-ties."""
+    from jaxserve.models import llama
     prompts = token_prompts(5, 17, 40)
     jax.clear_caches()   # layers traced by another test would not take the patched functions
     try:
-        fused = LLM(model, **BASE, compile_cache_dir=None).generate(prompts, LOGPROBS)   # traced here
-        assert decided and all(decided) and len(calls) == len(decided)   # every add and norm traced took the call
-        assert all(shape[1] == model.model.cfg.hidden_size for shape in calls)
-        monkeypatch.setattr(llama, "adds_where_normed", lambda *_: False)
+        taken = LLM(model, **BASE, compile_cache_dir=None).generate(prompts, LOGPROBS)   # traced here
+        assert traced_the_call()
+        monkeypatch.setattr(llama, switch, lambda *_: False)
         jax.clear_caches()
         calls.clear()
         plain = LLM(model, **BASE, compile_cache_dir=None).generate(prompts, LOGPROBS)
@@ -592,9 +588,9 @@ def test_steps_add_the_residual_where_it_is_normed(tiny, monkeypatch):
     finally:
         jax.clear_caches()
     if on_gpu():
-        assert_greedy_up_to_near_ties(fused, plain)
+        assert_greedy_up_to_near_ties(taken, plain)
     else:
-        assert token_ids(fused) == token_ids(plain)
+        assert token_ids(taken) == token_ids(plain)
 
 
 @pytest.mark.skipif(not (on_gpu() and on_hopper()), reason="the Mosaic GPU kernels run on Hopper only; interpreted, "

@@ -425,8 +425,8 @@ def add_normed(norm: RMSNorm, x, delta, layers=(), fuse: bool = True):
 def adds_where_normed(x, delta, weight, layers) -> bool:
     """Whether add_normed runs custom_calls.add_rms_norm (XLA writes the sum and reads it back in a second launch):
     on one NVIDIA GPU, for what the call takes, but not where FP8's W8A8 kernels normalise x themselves."""
-    return on_one_device() and custom_calls.available() and \
-        custom_calls.add_rms_norm_unsupported(x, delta, weight) is None and not (layers and takes_normed_rows(x, layers))
+    return (on_one_device() and custom_calls.available() and custom_calls.add_rms_norm_unsupported(x, delta, weight)
+            is None and not (layers and takes_normed_rows(x, layers)))
 
 
 def fuse_qkv(model) -> None:
