@@ -39,7 +39,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-gated  # the gated W8A16 launch: tests, decode GEMMs
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh rope-cache-ab  # the rotation
 #     written with the cache: tests, batch 1 of the FP8 8B and of the MoE beside an older tree's
-#   AB=<tree> AB_COMMIT=<sha> [RUNS=1] [MODELS="8b moe"] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh
+#   AB=<tree> AB_COMMIT=<sha> [RUNS=1] [MODELS="8b moe bf16 256"] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh
 #     add-norm-ab  # the residual add with the norm: tests, batch 1 of the FP8 8B and of the MoE beside an older
 #     tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: the host's step
@@ -451,9 +451,13 @@ case $1 in
       tests/test_decode_linears.py -k "add_rms_norm or add_the_residual or rotate_q_and_k or through_the_kernel"
     STEP_8B="benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 --quantization fp8"
     for i in $(seq "${RUNS:-1}"); do
-      for model in ${MODELS:-8b moe}; do
-        step="$STEP_8B --profile 40"
-        [ "$model" = moe ] && step="${MOE_PROFILE#python } --profile 40"
+      for model in ${MODELS:-8b moe}; do   # 8b: FP8 weights; bf16: the default bf16 8B; 256: its 256 x 512 steps
+        case $model in
+          moe) step="${MOE_PROFILE#python } --profile 40" ;;
+          bf16) step="${STEP_8B% --quantization fp8} --profile 40" ;;
+          256) step="benchmarks/step_timeline.py --config $CONFIG --num-prompts 256 --input-len 512 --profile 40" ;;
+          *) step="$STEP_8B --profile 40" ;;
+        esac
         for tree in "$PWD" "$AB"; do (cd "$tree" && run 170 python $step); done
       done
     done ;;
