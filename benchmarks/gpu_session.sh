@@ -74,8 +74,6 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-route     # the routing call's tests, expert blocks, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-profile   # MoE batch 1 profiled, then 256 x 512/128
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh moe-ncu       # the routing kernel under Nsight Compute
-#   [AB=<tree> AB_COMMIT=<sha>] [PARTS="tests bench ab"] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh
-#     moe-mlp  # the experts' MLP in one launch: tests, the expert block in one launch and in two, batch 1 beside $AB
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh bf16-linear   # bf16 decode linears: tests, beside XLA
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh bf16-linear-engine   # batch 1 through them and through XLA
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-check    # its tests, short contexts, batch 1
@@ -446,19 +444,6 @@ case $1 in
       --quantization fp8 --profile 12" "${MOE_PROFILE#python } --profile 12"; do
       for tree in "$PWD" "$AB"; do (cd "$tree" && run 170 python $step); done
     done ;;
-  moe-mlp)   # the experts' whole MLP in one launch (grouped_mlp_mgpu): its tests and the routing call's, the expert
-    # block at 1-16 tokens in one launch and in two, then the MoE's batch 1 profiled here and in $AB's tree
-    build_calls
-    PARTS=" ${PARTS:-tests bench ab} "
-    if [[ $PARTS == *" tests "* ]]; then
-      run 240 python -m pytest -q -p no:cacheprovider tests/test_grouped_matmul_mgpu.py
-      run 120 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py -k moe_route
-    fi
-    [[ $PARTS == *" bench "* ]] && run 200 python benchmarks/moe_gemm.py --tokens 1 4 16 --out $OUT/moe_gemm_gpu.json \
-      --impls expert_block expert_block_mosaic expert_block_mosaic_two_launches
-    if [[ $PARTS == *" ab "* ]]; then
-      for tree in "$PWD" "$AB"; do (cd "$tree" && run 170 $MOE_PROFILE --profile 40); done
-    fi ;;
   add-norm-ab)   # the residual add and the norm in one call: its GPU tests and the engine's steps through it, then
     # batch 1 profiled (MODELS: the FP8 8B, the mixture of experts) in this tree and in $AB's, alternating, RUNS rounds
     build_calls

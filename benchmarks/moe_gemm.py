@@ -11,10 +11,9 @@ layers do not), chained gate -> down. Rows: bench "moe_gemm", impl grouped | den
 params {tokens, experts, top_k, hidden, intermediate, layers}, ms per layer (GPU busy time where the profiler
 has it, else wall), tflops, and gbps of the weights the routed experts hold (all but dense_same_flops).
 On Hopper also impl mosaic_grouped (pallas_kernels/grouped_matmul_mgpu.py, gate -> down as grouped),
-jax_ragged_dot_mgpu (JAX's Pallas library kernel, the same chain), expert_block_mosaic (the block with the CUDA
-routing call on Mosaic GPU, as the engine runs it there: the whole MLP in one launch up to 128 pairs, else
-mosaic_grouped's two; expert_block is XLA's) and expert_block_mosaic_two_launches (the two at every size); a Mosaic
-impl that fails to build or run records a row with its error. Elsewhere they are skipped, with the reason printed.
+jax_ragged_dot_mgpu (JAX's Pallas library kernel, the same chain) and expert_block_mosaic (the block on
+mosaic_grouped with the CUDA routing call, as the engine runs it there; expert_block is XLA's); a Mosaic impl that fails to build or run
+records a row with its error. Elsewhere they are skipped, with the reason printed.
 Results: benchmarks/results/moe_gemm_<backend>.json.
 """
 from __future__ import annotations
@@ -31,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import device_busy_ms, time_ms, write_rows  # noqa: E402
 
-from jaxserve.models.llama import EXPERT_DOT, mosaic_experts, routed_experts  # noqa: E402
+from jaxserve.models.llama import EXPERT_DOT, routed_experts  # noqa: E402
 from pallas_kernels.ragged_paged_attention import gpu_capability  # noqa: E402
 
 LAYERS = 4
@@ -77,19 +76,7 @@ def block_chain(x, logits, num_live, gates, ups, downs, *, top_k, backend):
     return x
 
 
-def two_launch_block_chain(x, logits, num_live, gates, ups, downs, *, top_k):
-    """expert_block_mosaic with the MLP's two launches at every size (the engine takes one launch for decode steps
-    of up to GroupedTuning.fused_max_pairs pairs)."""
-    from pallas_kernels.grouped_matmul_mgpu import GroupedTuning
-    tuning = GroupedTuning(num_ctas=getattr(jax.devices()[0], "core_count", None) or 132, fused_max_pairs=0)
-    base = jnp.zeros((1,), jnp.int32)
-    for gate, up, down in zip(gates, ups, downs):
-        x = mosaic_experts(x, logits, num_live, base, gate, up, down, top_k=top_k, renormalize=True, tuning=tuning,
-                           interpret=False).astype(x.dtype)
-    return x
-
-
-MOSAIC_IMPLS = {"mosaic_grouped", "jax_ragged_dot_mgpu", "expert_block_mosaic", "expert_block_mosaic_two_launches"}
+MOSAIC_IMPLS = {"mosaic_grouped", "jax_ragged_dot_mgpu", "expert_block_mosaic"}
 TUNE_VARIANTS = ({"max_concurrent_steps": 4}, {"block_n": 64})
 
 
@@ -128,9 +115,7 @@ def point(tokens: int, e: int, k: int, h: int, i: int, key, impls, variants) -> 
                for v in ({}, *variants)),
              ("jax_ragged_dot_mgpu", jax.jit(jax_library_chain), grouped_args, 2, 2),
              ("expert_block_mosaic", jax.jit(functools.partial(block_chain, top_k=k, backend="mosaic")), block_args, 3,
-              3),
-             ("expert_block_mosaic_two_launches", jax.jit(functools.partial(two_launch_block_chain, top_k=k)),
-              block_args, 3, 3))
+              3))
     out = []
     for impl, fn, args, projections, read, *variant in cases:
         if impls and impl not in impls:

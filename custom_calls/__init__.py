@@ -704,15 +704,13 @@ class MoeRouting(NamedTuple):
     (pallas_kernels.grouped_matmul_mgpu): weights [T, k] f32; sorted_tokens [margin_rows(T * k)]: the token of each
     sorted row (pairs sorted by local expert; rows past the routed pairs: token 0); the plan's tile_groups,
     tile_rows and num_tiles; pair_rows [T, k]: each pair's row in the padded output, past it for pairs routed to
-    no local expert (padding tokens', another device's); group_starts [local experts + 1]: local expert g's sorted
-    rows are [group_starts[g], group_starts[g + 1])."""
+    no local expert (padding tokens', another device's)."""
     weights: jax.Array
     sorted_tokens: jax.Array
     tile_groups: jax.Array
     tile_rows: jax.Array
     num_tiles: jax.Array
     pair_rows: jax.Array
-    group_starts: jax.Array
 
 
 def select_experts(logits, num_live, top_k: int, renormalize: bool):
@@ -751,9 +749,7 @@ def moe_route_reference(logits, num_live, expert_base, *, top_k: int, renormaliz
     sorted_tokens = jnp.where(routed, order // top_k, 0).astype(jnp.int32)
     sorted_tokens = jnp.pad(sorted_tokens, (0, gmm.margin_rows(order.shape[0], block_m) - order.shape[0]))
     pair_rows = slots[inverse_permutation(order)].reshape(experts.shape)
-    group_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(group_sizes, dtype=jnp.int32)])
-    return MoeRouting(weights, sorted_tokens, plan.tile_groups, plan.tile_rows, plan.num_tiles, pair_rows,
-                      group_starts)
+    return MoeRouting(weights, sorted_tokens, plan.tile_groups, plan.tile_rows, plan.num_tiles, pair_rows)
 
 
 def moe_route_unsupported(logits, top_k: int, local_experts: int, block_m: int) -> str | None:
@@ -789,8 +785,7 @@ def call_moe_route(logits, num_live, expert_base, *, top_k: int, renormalize: bo
     pairs, tiles = logits.shape[0] * top_k, gmm.num_tiles_max(logits.shape[0] * top_k, local_experts, block_m)
     index = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     outs = (jax.ShapeDtypeStruct((logits.shape[0], top_k), jnp.float32), index((gmm.margin_rows(pairs, block_m),)),
-            index((tiles,)), index((tiles,)), index((1,)), index((logits.shape[0], top_k)),
-            index((local_experts + 1,)))
+            index((tiles,)), index((tiles,)), index((1,)), index((logits.shape[0], top_k)))
     return MoeRouting(*jax.ffi.ffi_call("jaxserve_moe_route", outs)(
         logits, num_live.astype(jnp.int32), expert_base.astype(jnp.int32), top_k=np.int32(top_k),
         renormalize=np.int32(renormalize), local_experts=np.int32(local_experts), block_m=np.int32(block_m),

@@ -52,10 +52,6 @@ class GroupedTuning:
     block_k: int = 64  # 64 bf16 = one 128-byte swizzled row
     max_concurrent_steps: int = 6  # TMA ring depth; fewer where a stage's tiles would not fit (`pipeline_depth`)
     num_ctas: int = 132  # persistent grid, one CTA per SM (H100/H200); the caller passes the device's core count
-    # grouped_mlp_mgpu (a decode step's whole expert MLP in one launch): the intermediate channels a unit makes and
-    # splits down's K by, and the most token-expert pairs a step may have to take it (batch 16 at top-8)
-    block_i: int = 64
-    fused_max_pairs: int = 128
 
 
 @jax.tree_util.register_dataclass

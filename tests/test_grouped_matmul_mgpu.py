@@ -1,6 +1,6 @@
-"""The Mosaic GPU grouped matmul and the one-launch expert MLP (grouped_mlp_mgpu) against XLA's ragged dots:
-interpreted on the CPU (Mosaic GPU's warpgroup interpreter, 4 CTAs, each walking several work units), compiled on
-an H100/H200; the row plan; their lowering for CUDA; the experts' MLP through them.
+"""The Mosaic GPU grouped matmul against XLA's ragged dot: interpreted on the CPU (Mosaic GPU's warpgroup
+interpreter, 4 CTAs, each walking several work units), compiled on an H100/H200; its row plan; its lowering for
+CUDA; the experts' MLP through it.
 
 Interpreted, every buffer the kernel allocates starts as NaN (the interpreter's default), on a GPU the allocator is
 handed NaN buffers first: an unwritten tile or a tile read from the wrong rows shows up as NaN, which never passes.
@@ -10,14 +10,13 @@ f32 reference, plus 1e-3 absolute for sums that cancel.
 """
 import functools
 import re
-from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import grouped_matmul_mgpu as gmm, grouped_mlp_mgpu as mlp
+from pallas_kernels import grouped_matmul_mgpu as gmm
 import custom_calls
 from jaxserve.models.llama import EXPERT_DOT, mosaic_experts, ragged_experts, routed_experts
 
@@ -193,89 +192,20 @@ def test_swiglu_lowers_for_cuda():
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]
 
 
-def mlp_operands(rng, num_rows, sizes, h=256, i=128):
-    lhs, gate = operands(rng, num_rows, h, i, sizes.shape[0])
-    up = operands(rng, 1, h, i, sizes.shape[0])[1]
-    down = operands(rng, 1, i, h, sizes.shape[0])[1]
-    return lhs, gate, up, down
-
-
-@pytest.mark.parametrize("sizes, num_rows", [("decode", 8), ([3, 0, 70, 0, 5, 1, 0, 2], 84)],
-                         ids=["decode", "neighbours"])
-def test_grouped_mlp_matches_reference(sizes, num_rows):
-    """The one-launch MLP's partials, summed over its i-blocks, against the f32 ragged-dot MLP (the hidden rounded
-    to bf16, as both launches round it): 8 rows over 128 groups (batch 1's top 8); groups of 1-5 rows that share
-    8-row TMA boxes and tiles with their neighbours and a 70-row group over two tiles (a unit that wrote a
-    neighbour's rows would overwrite its partials: the units run on different CTAs). Rows past the groups are not
-    written."""
-    rng = np.random.default_rng(len(str(sizes)))
-    sizes = jnp.asarray(decode_sizes(rng) if sizes == "decode" else sizes, jnp.int32)
-    lhs, gate, up, down = mlp_operands(rng, num_rows, sizes)
-    expected = np.asarray(mlp.grouped_mlp_reference(*f32(lhs), *f32(gate, up, down), sizes))
-    plan, _ = gmm.plan_rows(sizes, num_rows, TUNING.block_m)
-    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes)])
-    poison((gmm.margin_rows(num_rows, 64), 2 * 256), jnp.float32)
-    run = jax.jit(functools.partial(mlp.grouped_mlp, plan=plan, group_starts=starts, tuning=TUNING,
-                                    interpret=not ON_GPU))
-    partials = run(gmm.with_margin(lhs, TUNING), gate, up, down)
-    assert partials.shape == (gmm.margin_rows(num_rows, 64), 2, 256) and partials.dtype == jnp.float32
-    routed = int(sizes.sum())
-    check_close(partials[:routed].sum(axis=1), expected[:routed], f"sizes {sizes.tolist()}", **MLP_TOLERANCE)
-
-
-def test_partials_combine_into_each_tokens_sum():
-    """combine_partials finds a pair's sorted row from its padded row (its tile's first row plus its place) and
-    weighs its i-blocks' sum; pairs routed nowhere (padded row past the plan) add nothing, their rows never read."""
-    tile_rows, block_m = jnp.asarray([0, 0, 64, 0], jnp.int32), 64
-    partials = jnp.full((80, 2, 3), jnp.nan, jnp.float32)
-    partials = partials.at[5].set(1.0).at[70].set(10.0)   # sorted rows of the two routed pairs
-    pair_rows = jnp.asarray([[64 + 5, 4 * 64], [128 + 6, 4 * 64]], jnp.int32)   # tile 1 row 5; tile 2 row 6 -> 70
-    weights = jnp.asarray([[0.5, 0.0], [0.25, 0.0]], jnp.float32)
-    out = np.asarray(mlp.combine_partials(partials, pair_rows, tile_rows, weights, block_m))
-    np.testing.assert_array_equal(out, [[1.0] * 3, [5.0] * 3])
-
-
-def test_grouped_mlp_lowers_for_cuda():
-    """Qwen3-30B-A3B's experts (hidden 2048, intermediate 768) at batch 16 x top-8: one Mosaic GPU kernel."""
-    plan, _ = gmm.plan_rows(jnp.zeros(128, jnp.int32), 128, 64)
-    fn = functools.partial(mlp.grouped_mlp, plan=plan, group_starts=jnp.zeros(129, jnp.int32))
-    spec = jax.ShapeDtypeStruct
-    gate = spec((128, 768, 2048), jnp.bfloat16)
-    text = jax.jit(fn).trace(spec((gmm.margin_rows(128, 64), 2048), jnp.bfloat16), gate, gate,
-                             spec((128, 2048, 768), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
-    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]
-
-
-def test_grouped_mlp_takes_decode_steps_it_serves():
-    """One launch for up to fused_max_pairs pairs (batch 16 at top-8) of shapes it serves; it names what it cannot
-    serve."""
-    rng = np.random.default_rng(0)
-    lhs, gate, up, down = mlp_operands(rng, 8, jnp.zeros(4, jnp.int32))
-    assert mlp.fused_mlp_takes(lhs, gate, down, 128, TUNING)
-    assert not mlp.fused_mlp_takes(lhs, gate, down, 129, TUNING)
-    odd = operands(rng, 1, 256, 96, 4)[1]
-    assert not mlp.fused_mlp_takes(lhs, odd, down, 8, TUNING)
-    plan, _ = gmm.plan_rows(jnp.asarray([8, 0, 0, 0], jnp.int32), 8, 64)
-    with pytest.raises(ValueError, match="I=96"):
-        mlp.grouped_mlp(lhs, odd, odd, down, plan, jnp.zeros(5, jnp.int32), tuning=TUNING, interpret=True)
-
-
-@pytest.mark.parametrize("tokens, launches", [(16, 1), (32, 2)])
-def test_expert_block_lowers_to_its_launches(monkeypatch, tokens, launches):
+def test_expert_block_lowers_to_three_launches(monkeypatch):
     """The whole expert block as the engine runs it on Hopper, lowered for CUDA: one routing call (the router's
-    logits to the plan), then the Mosaic GPU launches: the whole MLP in one at batch 16 x top-8 (128 pairs), gate
-    and up with the activation then down at 32 tokens; no sort, no while loop (on the GPU each iteration syncs
-    with the host), no pad (the tokens are gathered straight into the sorted rows with their margin; the padded
-    hidden goes to down as it is)."""
+    logits to the plan), then two Mosaic GPU launches (gate and up with the activation, then down); no sort, no
+    while loop (on the GPU each iteration syncs with the host), no pad (the tokens are gathered straight into the
+    sorted rows with their margin; the padded hidden goes to down as it is)."""
     monkeypatch.setattr(custom_calls, "available", lambda: True)   # the CUDA path, as on an H100
-    e, h, i, k = 128, 2048, 768, 8
+    e, h, i, tokens, k = 128, 2048, 768, 16, 8
     spec = jax.ShapeDtypeStruct
     block = functools.partial(routed_experts, top_k=k, renormalize=True, split=False, backend="mosaic")
     text = jax.jit(block).trace(spec((tokens, h), jnp.bfloat16), spec((tokens, e), jnp.bfloat16),
                                 spec((1,), jnp.int32), spec((e, i, h), jnp.bfloat16),
                                 spec((e, i, h), jnp.bfloat16), spec((e, h, i), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert re.findall(r"custom_call @([\w$.]+)", text) == ["jaxserve_moe_route"] + ["mosaic_gpu_v2"] * launches
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["jaxserve_moe_route"] + ["mosaic_gpu_v2"] * 2
     for op in ("stablehlo.while", "stablehlo.sort", "stablehlo.pad"):
         assert op not in text, op
 
@@ -305,20 +235,17 @@ def router_case(rng, tokens, experts, hidden=128, inter=128, local=None):
     return x, logits, gate, up, down
 
 
-@pytest.mark.parametrize("launches", ["one", "two"])
 @pytest.mark.parametrize("num_live, expert_base", [(5, 0), (3, 2)], ids=["all_live", "padding_and_another_device"])
-def test_mosaic_experts_match_ragged_dot(num_live, expert_base, launches):
-    """The routed sum through the routing call and the Mosaic GPU launches (the whole MLP in one, or gate/up and
-    down in two) equals the float32 ragged-dot one: 5 tokens' top 2 of 8 experts, this device holding experts
-    expert_base .. + 5 (pairs routed to the others add nothing) and padding tokens past num_live (zeros, not NaN)."""
+def test_mosaic_experts_match_ragged_dot(num_live, expert_base):
+    """The routed sum through the routing call and the Mosaic GPU launches equals the float32 ragged-dot one:
+    5 tokens' top 2 of 8 experts, this device holding experts expert_base .. + 5 (pairs routed to the others add
+    nothing) and padding tokens past num_live (zeros, not NaN)."""
     rng = np.random.default_rng(4)
     x, logits, gate, up, down = router_case(rng, 5, 8, local=6 if expert_base else None)
     live, base = jnp.asarray([num_live], jnp.int32), jnp.asarray([expert_base], jnp.int32)
     options = {"top_k": 2, "renormalize": True}
-    tuning = TUNING if launches == "one" else replace(TUNING, fused_max_pairs=0)
-    assert mlp.fused_mlp_takes(x, gate, down, 10, tuning) == (launches == "one")
     expected = np.asarray(ragged_experts(*f32(x), logits, live, base, *f32(gate, up, down), **options))
-    out = mosaic_experts(x, logits, live, base, gate, up, down, **options, tuning=tuning, interpret=not ON_GPU)
+    out = mosaic_experts(x, logits, live, base, gate, up, down, **options, tuning=TUNING, interpret=not ON_GPU)
     check_close(out, expected, "experts' MLP", **MLP_TOLERANCE)
     assert not np.asarray(out[num_live:]).any() and np.asarray(out[:num_live]).any()
 

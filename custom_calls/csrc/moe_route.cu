@@ -37,7 +37,6 @@ struct RouteArgs {
   int32_t* tile_rows;          // [max_tiles]
   int32_t* num_tiles;          // [1]
   int32_t* pair_rows;          // [tokens, top_k]: padded row, max_tiles * block_m for pairs in no local group
-  int32_t* group_starts;       // [local_experts + 1]: local group g's sorted rows are [g's, g + 1's)
   int block_m_log2;            // block_m and row_align are powers of two: the plan's one-warp scan shifts and
                                // masks where a division would cost ~20 dependent instructions
 };
@@ -196,7 +195,6 @@ __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pic
   if (threadIdx.x < 32) ScanGroups(a, count, row_start, base, tile_start, totals, lane);
   __syncthreads();
   for (int g = threadIdx.x; g < a.local_experts; g += blockDim.x) {
-    a.group_starts[g] = row_start[g];
     const int tiles = count[g] > 0 ? (row_start[g] + count[g] - base[g] + a.block_m - 1) >> a.block_m_log2 : 0;
     for (int i = 0; i < tiles && tile_start[g] + i < a.max_tiles; ++i) {
       a.tile_groups[tile_start[g] + i] = g;
@@ -205,7 +203,7 @@ __global__ void __launch_bounds__(kPlanThreads) PlanKernel(RouteArgs a, bool pic
   }
   for (int i = totals[1] + threadIdx.x; i < a.max_tiles; i += blockDim.x) a.tile_groups[i] = a.tile_rows[i] = 0;
   for (int r = totals[0] + threadIdx.x; r < a.num_rows; r += blockDim.x) a.sorted_tokens[r] = 0;
-  if (threadIdx.x == 0) *a.num_tiles = totals[1], a.group_starts[a.local_experts] = totals[0];
+  if (threadIdx.x == 0) *a.num_tiles = totals[1];
   __syncthreads();   // the counts become each group's next free rank
   for (int g = threadIdx.x; g < a.local_experts; g += blockDim.x) count[g] = 0;
   __syncthreads();
@@ -246,8 +244,7 @@ ffi::Error MoeRoute(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi:
                     ffi::Buffer<ffi::S32> expert_base, ffi::Result<ffi::Buffer<ffi::F32>> weights,
                     ffi::Result<ffi::Buffer<ffi::S32>> sorted_tokens, ffi::Result<ffi::Buffer<ffi::S32>> tile_groups,
                     ffi::Result<ffi::Buffer<ffi::S32>> tile_rows, ffi::Result<ffi::Buffer<ffi::S32>> num_tiles,
-                    ffi::Result<ffi::Buffer<ffi::S32>> pair_rows, ffi::Result<ffi::Buffer<ffi::S32>> group_starts,
-                    int32_t top_k, int32_t renormalize,
+                    ffi::Result<ffi::Buffer<ffi::S32>> pair_rows, int32_t top_k, int32_t renormalize,
                     int32_t local_experts, int32_t block_m, int32_t row_align) {
   const auto dims = logits.dimensions();
   const auto type = logits.element_type();
@@ -257,8 +254,7 @@ ffi::Error MoeRoute(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi:
               static_cast<int>(dims[0]), static_cast<int>(dims[1]), top_k, local_experts, block_m, row_align,
               static_cast<int>(tile_groups->element_count()), static_cast<int>(sorted_tokens->element_count()),
               renormalize != 0, weights->typed_data(), sorted_tokens->typed_data(), tile_groups->typed_data(),
-              tile_rows->typed_data(), num_tiles->typed_data(), pair_rows->typed_data(),
-              group_starts->typed_data()};
+              tile_rows->typed_data(), num_tiles->typed_data(), pair_rows->typed_data()};
   const size_t pairs = static_cast<size_t>(a.tokens) * top_k;
   if (top_k < 1 || top_k > kMaxTopK || top_k > a.experts || a.experts > kMaxExperts)
     return ffi::Error::InvalidArgument("top_k must be in [1, min(32, experts)], experts at most 512");
@@ -268,11 +264,9 @@ ffi::Error MoeRoute(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi:
   a.block_m_log2 = __builtin_ctz(block_m);
   if (weights->element_count() != pairs || pair_rows->element_count() != pairs ||
       sorted_tokens->element_count() < pairs || tile_rows->element_count() != tile_groups->element_count() ||
-      num_tiles->element_count() != 1 || num_live.element_count() != 1 || expert_base.element_count() != 1 ||
-      group_starts->element_count() != static_cast<size_t>(local_experts) + 1)
+      num_tiles->element_count() != 1 || num_live.element_count() != 1 || expert_base.element_count() != 1)
     return ffi::Error::InvalidArgument("weights and pair_rows must be [tokens, top_k], sorted_tokens at least as "
-                                       "long, tile_groups and tile_rows alike; num_tiles, num_live, expert_base [1]; "
-                                       "group_starts [local_experts + 1]");
+                                       "long, tile_groups and tile_rows alike; num_tiles, num_live, expert_base [1]");
   if (a.tokens == 0) return ffi::Error::Success();
   return type == ffi::DataType::F32 ? LaunchForExperts<float>(stream, a) : LaunchForExperts<__nv_bfloat16>(stream, a);
 }
@@ -287,7 +281,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeRoute, jaxserve::MoeRoute,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()

@@ -358,18 +358,14 @@ def ragged_dot_mlp(rows, group_sizes, gate_proj, up_proj, down_proj):
 def mosaic_experts(x, logits, num_live, expert_base, gate_proj, up_proj, down_proj, *, top_k, renormalize, tuning,
                    interpret):
     """The routed sum by the Mosaic GPU grouped GEMMs, f32 [T, H]: one routing call plans the pairs, the tokens are
-    gathered into the sorted rows; a decode step's few pairs run the whole MLP in one launch (grouped_mlp_mgpu),
-    others gate, up and the activation in one launch into the padded row layout, down in another within it."""
-    from pallas_kernels import grouped_matmul_mgpu as gmm, grouped_mlp_mgpu as mlp
+    gathered into the sorted rows, gate, up and the activation run in one launch into the padded row layout, down
+    in another within it."""
+    from pallas_kernels import grouped_matmul_mgpu as gmm
     route = custom_calls.moe_route(logits, num_live, expert_base, top_k=top_k, renormalize=renormalize,
                                    local_experts=gate_proj.shape[0], block_m=tuning.block_m)
     options = {"plan": gmm.RowPlan(route.tile_groups, route.tile_rows, route.num_tiles), "tuning": tuning,
                "interpret": interpret}
-    rows = x[route.sorted_tokens]
-    if mlp.fused_mlp_takes(rows, gate_proj, down_proj, route.pair_rows.size, tuning):
-        partials = mlp.grouped_mlp(rows, gate_proj, up_proj, down_proj, group_starts=route.group_starts, **options)
-        return mlp.combine_partials(partials, route.pair_rows, route.tile_rows, route.weights, tuning.block_m)
-    hidden = gmm.grouped_swiglu(rows, gate_proj, up_proj, **options)
+    hidden = gmm.grouped_swiglu(x[route.sorted_tokens], gate_proj, up_proj, **options)
     # tiles past the plan's hold garbage: no pair's row is there
     return combine(gmm.grouped_matmul_padded(hidden, down_proj, **options), route.pair_rows, route.weights)
 
