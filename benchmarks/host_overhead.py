@@ -1,6 +1,7 @@
-"""Host overhead of the paged KV cache: per-step decode bookkeeping, prefix lookup, batched copy-on-write.
+"""Host overhead of the paged KV cache: per-step decode bookkeeping, prefix lookup, batched copy-on-write; and of
+streaming detokenization.
 
-    .venv/bin/python benchmarks/host_overhead.py   # (re)writes this device's rows of results/host_overhead.json
+    .venv/bin/python benchmarks/host_overhead.py   # adds this run's rows to results/host_overhead.json
 
 Rows (impl "jaxserve" unless named): decode_step = one decode step of `num_seqs` sequences at `context` tokens:
 allocate 1 token each (every block_size-th step all of them take a new block and cache a full one), apply the block
@@ -9,7 +10,10 @@ positions, cu_q_lens, kv_lens, gathered block-table rows; sampling rows left out
 Baseline "rebuild_table": the same with the block table rebuilt from every sequence's block list each step.
 prefix_lookup = lookup_prefix of a cached `context`-token prompt with its block hashes precomputed (once per
 request); hash_blocks = that one-time hashing. cow_copy = one copy_blocks call for 64 copy-on-write pairs
-(Llama-3-8B KV shape) vs. baseline "per_seq_loop" (one call per pair).
+(Llama-3-8B KV shape) vs. baseline "per_seq_loop" (one call per pair). detokenize = one decode step's text for
+`num_seqs` sequences, a token each, two stop strings (the embedded SmolLM2's tokenizer; `IncrementalDetokenizer`
+through the tokenizers library's DecodeStream) vs. baseline "window_decodes" (the same through two transformers
+decodes of a window a token).
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from jaxserve.cache.block_table import BlockTable  # noqa: E402
 from jaxserve.cache import kv_cache  # noqa: E402
 from jaxserve.cache.kv_cache import allocate_kv_cache, kv_bytes_per_block, pad_block_copies  # noqa: E402
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
+from jaxserve.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.engine.step_inputs import build_step_inputs  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,7 +90,7 @@ def bench_decode_step(incremental: bool) -> np.ndarray:
 
     step()  # first step writes every row
     ms = timed(step, DECODE_STEPS - 2)
-    last = step().attn.slot_mapping
+    last = step().model.attn.slot_mapping
     want = [manager.block_ids(s)[-1] * BLOCK_SIZE + (CONTEXT + DECODE_STEPS - 1) % BLOCK_SIZE for s in range(NUM_SEQS)]
     assert last.tolist() == want, "slot mapping diverged from the manager"
     return ms
@@ -130,6 +136,36 @@ def bench_cow_copy() -> tuple[np.ndarray, np.ndarray, int, int]:
     batched(), per_seq()  # compile
     calls = count_device_calls(batched)
     return timed(batched, 20), timed(per_seq, 5), calls, kv_bytes_per_block(block_size=BLOCK_SIZE, **LLAMA3_8B_KV)
+
+
+class WindowDecodes:
+    """A tokenizer seen through its decode only: IncrementalDetokenizer then decodes windows itself."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+def embedded_tokenizer():
+    from gguf import GGUFReader
+    from jaxserve.models.gguf import gguf_tokenizer
+    from jaxserve.models.loader import DEFAULT_MODEL, embedded_model_path
+    path = embedded_model_path(DEFAULT_MODEL)
+    return gguf_tokenizer(GGUFReader(path), path)
+
+
+def bench_detokenize(tokenizer, ids: list[int], steps: int = 64) -> np.ndarray:
+    """ms a step for NUM_SEQS sequences taking one token each of ids (prose, so some steps end words and some do
+    not)."""
+    params = SamplingParams(stop=["\n\n", "THE END"])
+    seqs = [IncrementalDetokenizer(tokenizer, ids[:16], params) for _ in range(NUM_SEQS)]
+    times = []
+    for step in range(steps):
+        token = [ids[16 + step]]
+        start = time.perf_counter()
+        for seq in seqs:
+            seq.update(token)
+        times.append((time.perf_counter() - start) * 1e3)
+    return np.asarray(times)
 
 
 def count_device_calls(fn) -> int:
@@ -184,10 +220,17 @@ def main():
     rows.append(row("jaxserve", cow, cow_ms, gbps=round(moved / np.median(cow_ms) / 1e6, 2)))
     rows.append(row("per_seq_loop", {**cow, "device_calls": COW_PAIRS}, loop_ms,
                     gbps=round(moved / np.median(loop_ms) / 1e6, 2)))
+    tokenizer = embedded_tokenizer()
+    detok = {"num_seqs": NUM_SEQS, "op": "detokenize", "tokenizer": "SmolLM2-135M (byte-level BPE)"}
+    ids = tokenizer.encode("Once upon a time, a small fox lived by the river; it ate berries, 12 of them a day, "
+                           "and told the herons (who did not listen) about the weather in the hills. " * 8)
+    for impl, tok in (("jaxserve", tokenizer), ("window_decodes", WindowDecodes(tokenizer))):
+        ms = bench_detokenize(tok, ids)
+        rows.append(row(impl, detok, ms, tok_s=round(NUM_SEQS / np.median(ms) * 1e3)))
     out = ROOT / "benchmarks" / "results" / "host_overhead.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    kept = [r for r in json.loads(out.read_text()) if r["device"] != device_name()] if out.exists() else []
-    out.write_text(json.dumps(kept + rows, indent=1) + "\n")  # one set of rows per device
+    kept = json.loads(out.read_text()) if out.exists() else []
+    out.write_text(json.dumps(kept + rows, indent=1) + "\n")
     for r in rows:
         print(f"{r['impl']:>14} {r['params']['op']:>14}: median {r['ms']:.4f} ms, mean {r['ms_mean']:.4f}, "
               f"max {r['ms_max']:.4f}")

@@ -165,3 +165,79 @@ def test_each_step_decodes_a_small_window(gpt2_like):
         detok.update([token])
     assert detok.finish() == text
     assert max(windows) <= 10 and len(windows) <= 2 * len(encode(gpt2_like, text)) + 2
+
+
+class WindowOnly:
+    """The tokenizer behind its decode only: the detokenizer then decodes windows itself (no DecodeStream)."""
+
+    def __init__(self, tok):
+        self.decode, self.encode = tok.decode, tok   # encode: what `stream` calls for the prompt
+
+    def __call__(self, text, **kw):
+        return self.encode(text, **kw)
+
+
+def test_fast_tokenizers_stream_in_rust(gpt2_like, sentencepiece_like):
+    for tok in (gpt2_like, sentencepiece_like):
+        assert IncrementalDetokenizer(tok, [], SamplingParams()).stream is not None
+    assert IncrementalDetokenizer(WindowOnly(gpt2_like), [], SamplingParams()).stream is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(alphabet="ab c,中文日本😀🎉éà\n#", max_size=24), st.text(alphabet="xy 中😀", max_size=6),
+       st.sampled_from([None, "#", "中文", "b c"]))
+def test_stream_shows_what_the_window_decodes_show(gpt2_like, text, prompt, stop):
+    """Token by token, DecodeStream's text (held back for stop strings alike) is the window decodes' text."""
+    streamed, streamed_texts = stream(gpt2_like, prompt, text, stop=stop)
+    windowed, windowed_texts = stream(WindowOnly(gpt2_like), prompt, encode(gpt2_like, text), stop=stop)
+    assert streamed_texts == windowed_texts
+    assert streamed.finish() == windowed.finish() and streamed.stop_reason == windowed.stop_reason
+
+
+def test_a_refused_stream_step_goes_on_by_windows(gpt2_like):
+    """Where the library's stream raises (it refuses a window whose text stops extending its prefix's), the
+    sequence goes on by the window decodes from where the stream left it."""
+    text = "Hello 中文 😀 café, the world is wide"
+    ids = encode(gpt2_like, text)
+    detok = IncrementalDetokenizer(gpt2_like, encode(gpt2_like, "Hi"), SamplingParams())
+
+    class Refusing:
+        def step(self, tokenizer, ids):
+            raise Exception("Invalid prefix encountered")
+
+    for i, token in enumerate(ids):
+        if i == 5:
+            detok.stream = Refusing()
+        detok.update([token])
+    assert detok.stream is None and detok.finish() == text
+
+
+def test_decoders_that_clean_up_spaces_keep_the_window_decodes():
+    """transformers cleans up spaces after a WordPiece tokenizer's decode when told to (not after BPE's): those
+    keep decoding through transformers, whose text is what the user asked for."""
+    from jaxserve.engine.detokenizer import rust_decoder
+    vocab = {"[UNK]": 0, "hello": 1, ",": 2, "world": 3}
+    word_piece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    word_piece.decoder = decoders.WordPiece()
+    for clean_up, expected in ((True, None), (False, word_piece)):
+        tok = PreTrainedTokenizerFast(tokenizer_object=word_piece, clean_up_tokenization_spaces=clean_up)
+        assert (rust_decoder(tok) is None) == (expected is None)
+    bpe = train(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel())
+    bpe.clean_up_tokenization_spaces = True
+    assert rust_decoder(bpe) is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="ab#", max_size=12), st.lists(st.text(alphabet="ab#", min_size=1, max_size=5), min_size=1,
+                                                      max_size=3))
+def test_held_back_is_the_longest_tail_that_starts_a_stop(decoded, stops):
+    detok = IncrementalDetokenizer(CharTokenizer(), [], SamplingParams(stop=stops))
+    detok.decoded = decoded
+    brute = max((n for s in stops for n in range(1, len(s)) if n <= len(decoded) and decoded.endswith(s[:n])),
+                default=0)
+    assert detok.held_back() == brute
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
