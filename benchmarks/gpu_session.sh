@@ -43,6 +43,8 @@
 #     add-norm-ab  # the residual add with the norm: tests, batch 1 of the FP8 8B and of the MoE beside an older
 #     tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: the host's step
+#   AB=<tree> AB_COMMIT=<sha> [RUNS=2] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh detok-ab  # the embedded
+#     model (a real tokenizer) at 256 x 512/128, this tree's detokenizer beside an older tree's
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host-ab|moe-host-ab  # FP8
 #     8B's or the MoE's batch-1 host phases beside an older tree's
 #   [PARTS="sweep 8b moe"] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh small-decode  # decode kernels at
@@ -443,6 +445,16 @@ case $1 in
     for step in "benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 \
       --quantization fp8 --profile 12" "${MOE_PROFILE#python } --profile 12"; do
       for tree in "$PWD" "$AB"; do (cd "$tree" && run 170 python $step); done
+    done ;;
+  detok-ab)   # the embedded SmolLM2 (its tokenizer detokenizes every token) at 256 x 512/128: a small model's steps
+    # leave the host the bottleneck; this tree and $AB's alternating, RUNS pairs
+    build_calls
+    SMALL="benchmarks/offline.py --set max_model_len=2048 max_num_seqs=256 max_num_batched_tokens=4096
+      min_prefill_chunk=256 token_buckets=[16,64,256,512,1024,2048,4096] seq_buckets=[16,64,256]
+      --out $OUT/offline_detok_gpu.json"
+    for i in $(seq "${RUNS:-2}"); do
+      run 150 python $SMALL
+      (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 150 python $SMALL)
     done ;;
   add-norm-ab)   # the residual add and the norm in one call: its GPU tests and the engine's steps through it, then
     # batch 1 profiled (MODELS: the FP8 8B, the mixture of experts) in this tree and in $AB's, alternating, RUNS rounds
