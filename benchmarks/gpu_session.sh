@@ -43,8 +43,8 @@
 #     add-norm-ab  # the residual add with the norm: tests, batch 1 of the FP8 8B and of the MoE beside an older
 #     tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: the host's step
-#   AB=<tree> AB_COMMIT=<sha> [RUNS=2] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh detok-ab  # the embedded
-#     model (a real tokenizer) at 256 x 512/128, this tree's detokenizer beside an older tree's
+#   AB=<tree> AB_COMMIT=<sha> [RUNS=2] [CONFIG_SMALL=<yaml>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh
+#     detok-ab  # the embedded model (a real tokenizer) at 256 x 512/128, this tree's detokenizer beside an older's
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host-ab|moe-host-ab  # FP8
 #     8B's or the MoE's batch-1 host phases beside an older tree's
 #   [PARTS="sweep 8b moe"] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh small-decode  # decode kernels at
@@ -449,9 +449,10 @@ case $1 in
   detok-ab)   # the embedded SmolLM2 (its tokenizer detokenizes every token) at 256 x 512/128: a small model's steps
     # leave the host the bottleneck; this tree and $AB's alternating, RUNS pairs
     build_calls
-    SMALL="benchmarks/offline.py --set max_model_len=2048 max_num_seqs=256 max_num_batched_tokens=4096
-      min_prefill_chunk=256 token_buckets=[16,64,256,512,1024,2048,4096] seq_buckets=[16,64,256]
-      --out $OUT/offline_detok_gpu.json"
+    # (CONFIG_SMALL: another small model with a tokenizer, where the embedded model's package cannot be installed)
+    SMALL="benchmarks/offline.py ${CONFIG_SMALL:+--config $CONFIG_SMALL} --set max_model_len=2048 max_num_seqs=256
+      max_num_batched_tokens=4096 min_prefill_chunk=256 token_buckets=[16,64,256,512,1024,2048,4096]
+      seq_buckets=[16,64,256] --out $OUT/offline_detok_gpu.json"
     for i in $(seq "${RUNS:-2}"); do
       run 150 python $SMALL
       (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 150 python $SMALL)
