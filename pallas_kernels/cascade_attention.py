@@ -20,13 +20,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import init_carry, interpret_params
 from pallas_kernels.ragged_paged_attention import (PagedKV, Scores, Geometry, attend_range, attend_tile,
                                                    check_inputs, check_pallas_inputs, decode_on_mosaic, load_q,
-                                                   locate_block, make_tuning, one_launch_decode, resolve_impl,
-                                                   store_partials)
+                                                   locate_block, make_tuning, one_launch_decode, plgpu,
+                                                   resolve_impl, store_partials, triton_serves)
 from pallas_kernels.ragged_paged_attention_reference import cascade_attention_reference
 
 
@@ -48,7 +47,8 @@ def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, grou
     """`ragged_paged_attention(..., decode_only=True)` (token i is row i's query) over a batch whose rows may share
     leading blocks as `groups` says; the same output. impl: as ragged_paged_attention's but "cpu" (no CPU kernel here:
     "auto" runs the reference on a CPU); "reference" is pure JAX. decode_backend="mosaic": both passes on the Mosaic
-    GPU decode kernel (`cascade_attention_mgpu`); else these Triton launches."""
+    GPU decode kernel (`cascade_attention_mgpu`); else these Triton launches, or the reference under a JAX without
+    Pallas's Triton backend."""
     num_rows = kv_lens.shape[0]
     cu_q_lens = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), jnp.reshape(num_seqs, ()))
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, None, num_seqs, sm_scale, None,
@@ -57,8 +57,13 @@ def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, grou
     scores = Scores(float(sm_scale), None, None if soft_cap is None else float(soft_cap))
     if impl == "cpu":
         raise ValueError("cascade attention has no CPU kernel: impl='auto' or 'reference' runs it on a CPU")
-    if resolve_impl(impl, interpret, k_cache.dtype) == "reference":
-        if tuning:
+    pallas = resolve_impl(impl, interpret, k_cache.dtype) == "pallas"
+    if pallas and not triton_serves() and decode_backend == "auto":   # Mosaic GPU's where it serves
+        on_mosaic = decode_on_mosaic(q, k_cache, num_rows, make_tuning(q.dtype, tuning, k_cache.dtype), "auto",
+                                     interpret)
+        decode_backend = "mosaic" if on_mosaic is not None else decode_backend
+    if not pallas or (decode_backend != "mosaic" and not triton_serves(decode_backend=decode_backend)):
+        if tuning and not pallas:
             raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")
         return cascade_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups,
                                            sm_scale=scores.sm_scale, soft_cap=scores.soft_cap)

@@ -11,7 +11,9 @@ Backends, per role:
   asked for by `decode_backend="mosaic"`, and taken by "auto" for small batches, where it measured faster.
 - prefill: on Hopper (sm_90) with bf16/f16 (q and cache), `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page
   copies, wgmma, warp specialisation), the faster of the two there; elsewhere the Triton prefill kernel below.
-Nothing in the API names the backend (`prefill_backend` and `decode_backend` only override the choice).
+Nothing in the API names the backend (`prefill_backend` and `decode_backend` only override the choice). Under a JAX
+that no longer ships Pallas's Triton backend (`TRITON`), "auto" takes the Mosaic GPU kernels on Hopper wherever they
+serve and the reference for every launch Triton's kernels would have run (`pallas_launches`); "triton" is refused.
 
 Two launches, with no host- or XLA-side metadata preparation (each program reads the raw
 cu_q_lens/kv_lens/block_tables):
@@ -62,7 +64,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from custom_calls import paged_attention_cpu
 from pallas_kernels.common import (FP8_CACHE, as_dot_dtype, exp2_shift, init_carry, interpret_params, log2_logits,
@@ -73,6 +74,13 @@ from pallas_kernels.ragged_paged_attention_reference import FP8_BITS, ragged_pag
 if TYPE_CHECKING:
     from pallas_kernels.paged_decode_attention_mgpu import DecodeTuning
     from pallas_kernels.paged_prefill_attention_mgpu import PrefillTuning
+
+try:   # JAX 0.11 deprecated Pallas's Triton backend: under a JAX without it, Mosaic GPU or the reference serves
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:
+    plgpu = None
+TRITON = plgpu is not None
+NO_TRITON = "this JAX ships no Pallas Triton backend (deprecated since JAX 0.11)"
 
 IMPLS = ("auto", "pallas", "cpu", "reference")
 BACKENDS = ("auto", "triton", "mosaic")  # prefill_backend and decode_backend
@@ -257,32 +265,55 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
                             sm_scale, sliding_window, soft_cap, impl, prefill_backend, block_stride, decode_backend)
     scores = Scores(float(sm_scale), sliding_window, None if soft_cap is None else float(soft_cap))
     impl = resolve_impl(impl, interpret, k_cache.dtype, q.shape[-1])
-    if impl != "pallas":
-        if tuning:
-            raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")
-        tables = blocks if blocks_per_row is None else strided_block_tables(blocks, blocks_per_row, block_stride)
-        run = paged_attention_cpu.ragged_paged_attention_cpu if impl == "cpu" else ragged_paged_attention_reference
-        return run(q, k_cache, v_cache, cu_q_lens, kv_lens, tables, num_seqs, **dataclasses.asdict(scores))
-    check_pallas_inputs(q, k_cache, interpret)
-    tuning = make_tuning(q.dtype, tuning, k_cache.dtype)
+    if impl == "pallas":
+        check_pallas_inputs(q, k_cache, interpret)
+        out = pallas_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, scores=scores,
+                              tuning=make_tuning(q.dtype, tuning, k_cache.dtype), prefill_backend=prefill_backend,
+                              decode_backend=decode_backend, decode_only=decode_only, interpret=interpret,
+                              blocks_per_row=blocks_per_row, block_stride=block_stride)
+        if out is not None:
+            return out
+        impl = "reference"
+    elif tuning:
+        raise ValueError(f"tuning {sorted(tuning)} applies to impl='pallas' only")
+    tables = blocks if blocks_per_row is None else strided_block_tables(blocks, blocks_per_row, block_stride)
+    run = paged_attention_cpu.ragged_paged_attention_cpu if impl == "cpu" else ragged_paged_attention_reference
+    return run(q, k_cache, v_cache, cu_q_lens, kv_lens, tables, num_seqs, **dataclasses.asdict(scores))
+
+
+def pallas_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores, tuning: Tuning,
+                    prefill_backend: str, decode_backend: str, decode_only: bool, interpret: bool,
+                    **addressing) -> jax.Array | None:
+    """The Pallas kernels' output; None where Triton's would serve and this JAX has none (the caller runs the
+    reference), an error where a backend asks for Triton by name then."""
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
-    addressing = dict(blocks_per_row=blocks_per_row, block_stride=block_stride)
+    rows = min(q.shape[0], blocks.shape[0])
     if decode_only:
-        mosaic = decode_on_mosaic(q, k_cache, min(q.shape[0], blocks.shape[0]), tuning, decode_backend, interpret)
+        mosaic = decode_on_mosaic(q, k_cache, rows, tuning, decode_backend, interpret)
         if mosaic is not None:
             return mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, scores=scores, tuning=mosaic,
                                  interpret=interpret, **addressing)
-        return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing)
+        return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing) \
+            if triton_serves(decode_backend=decode_backend) else None
     mosaic = prefill_on_mosaic(q, k_cache, blocks, scores, tuning, prefill_backend, interpret)
-    decode = None if mosaic is None else decode_on_mosaic(q, k_cache, min(q.shape[0], blocks.shape[0]), tuning,
-                                                          decode_backend, interpret)
+    decode = None if mosaic is None else decode_on_mosaic(q, k_cache, rows, tuning, decode_backend, interpret)
     # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
     # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
     if decode is not None:
         run = mosaic_launches if interpret else pallas_mosaic_attention
         return run(*args, scores=scores, prefill=mosaic, decode=decode, interpret=interpret, **addressing)
+    if not triton_serves(prefill_backend=prefill_backend, decode_backend=decode_backend):
+        return None
     run = attention_launches if mosaic is not None and interpret else pallas_attention
     return run(*args, scores=scores, tuning=tuning, interpret=interpret, mosaic=mosaic, **addressing)
+
+
+def triton_serves(**backends: str) -> bool:
+    """Whether Triton's kernels can run the launch the backends leave to them; an error where one names "triton"
+    and this JAX has none."""
+    if not TRITON and (asked := [name for name, backend in backends.items() if backend == "triton"]):
+        raise ValueError(f"{asked[0]}='triton' but {NO_TRITON}: leave it 'auto'")
+    return TRITON
 
 
 def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backend: str,
@@ -301,7 +332,7 @@ def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backen
     # pay the extra launches of the Mosaic path for nothing); over bf16 and fp8 caches alike, where it measured
     # ahead of Triton (8K prompt on H200: 2.2x, 1.27x)
     if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
-                              or q.shape[0] <= blocks.shape[0]):
+                              or (TRITON and q.shape[0] <= blocks.shape[0])):
         return None
     # one CTA per SM; the CPU interpreter (no core count) simulates a few, each taking several work items
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
@@ -313,11 +344,11 @@ def decode_on_mosaic(q, k_cache, rows: int, tuning: Tuning, backend: str, interp
     if backend == "triton":
         return None
     device = jax.devices()[0]
-    # auto: Hopper, and small batches over caches of q's dtype only, where it measured ahead of Triton (a batch of
-    # 8: 1.04-1.20x; batch 1 in the engine's 16-row bucket: even); from 64 rows Triton's is 3-4% faster, and over
-    # fp8 caches 1.5-2x (NOTES_attention.md).
+    # auto: Hopper, and (where Triton's kernel is there) small batches over caches of q's dtype only, where it
+    # measured ahead of Triton (a batch of 8: 1.04-1.20x; batch 1 in the engine's 16-row bucket: even); from 64 rows
+    # Triton's is 3-4% faster, and over fp8 caches 1.5-2x (NOTES_attention.md).
     if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
-                              or rows > tuning.mosaic_decode_max_rows or k_cache.dtype != q.dtype):
+                              or (TRITON and (rows > tuning.mosaic_decode_max_rows or k_cache.dtype != q.dtype))):
         return None
     mgpu_decode = mosaic_decode_kernel()
     # one CTA per SM; the CPU interpreter (no core count) runs a few, each taking several work items
@@ -343,7 +374,8 @@ def mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, *, scores: Sco
 
 
 def resolve_impl(impl: str, interpret: bool, cache_dtype=None, head_dim: int | None = None) -> str:
-    """"auto": pallas where the kernels run (interpreted, or on a GPU that can read `cache_dtype`), else "cpu" where
+    """"auto": pallas where the kernels run (interpreted, or on a GPU that can read `cache_dtype`; without Triton's
+    backend, Hopper's Mosaic GPU kernels only, not interpreted), else "cpu" where
     the CPU kernel serves this cache and head_dim, else reference. An fp8 cache kept as its bits (FP8_BITS) is read
     by the CPU kernel or the reference only."""
     bits = cache_dtype is not None and jnp.dtype(cache_dtype) == FP8_BITS
@@ -355,7 +387,10 @@ def resolve_impl(impl: str, interpret: bool, cache_dtype=None, head_dim: int | N
         raise ValueError(f"impl='cpu' cannot serve this call: {cpu_why_not}; impl='auto' falls back to the reference")
     if impl != "auto":
         return impl
-    if not bits and (interpret or gpu_capability() >= min_capability(cache_dtype)):
+    capability = gpu_capability()
+    # without Triton only Hopper has Pallas kernels (Mosaic GPU's), and the interpreter none under "auto"
+    if not bits and (interpret or capability >= min_capability(cache_dtype)) and (
+            TRITON or (capability == 9.0 and not interpret)):
         return "pallas"
     return "reference" if head_dim is None or cpu_why_not else "cpu"
 

@@ -563,3 +563,14 @@ def check_cache_untouched_whole(compiled, cache_struct) -> None:
     aliased = {int(i) for i in re.findall(r"\(\s*(\d+), \{\}, (?:may|must)-alias\)", header)}
     assert cache_params and set(cache_params) <= aliased, f"cache parameters {cache_params} not aliased: {header}"
     assert not whole_cache_ops(hlo, size), whole_cache_ops(hlo, size)
+
+
+def without_triton(monkeypatch) -> None:
+    """A JAX without Pallas's Triton backend (deprecated since JAX 0.11), as the attention kernels see it: a Triton
+    launch that still ran would fail on the missing module."""
+    import importlib   # the package exports functions of these modules' names
+    kernels, cascade = (importlib.import_module(f"pallas_kernels.{name}")
+                        for name in ("ragged_paged_attention", "cascade_attention"))
+    monkeypatch.setattr(kernels, "TRITON", False)
+    monkeypatch.setattr(kernels, "plgpu", None)
+    monkeypatch.setattr(cascade, "plgpu", None)

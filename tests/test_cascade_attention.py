@@ -21,7 +21,7 @@ from pallas_kernels.cascade_attention import CascadeGroups, cascade_attention
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 from helpers import (KNOBS, TINY, Batch, check_close, interpret_tuning, mixed_requests, naive_attention, on_gpu,
-                     on_hopper, poison_allocator)
+                     on_hopper, poison_allocator, without_triton)
 
 INTERPRET = not on_gpu()
 GEOMETRY = {"q_heads": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16, "max_seqs": 16, "max_blocks": 12,
@@ -196,6 +196,22 @@ def test_cascade_rule_by_mode_and_kernels():
     assert cascade_rule("auto", mosaic, None) == (CASCADE_MOSAIC_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS)
     assert cascade_rule("on", mosaic, None) == (2, 1)
 
+
+
+def test_without_triton_cascades_run_mosaics_kernels_or_the_reference(monkeypatch):
+    """Under a JAX without Triton's backend: the rule's thresholds are the Mosaic kernel's ("auto" runs it on
+    Hopper); interpreted here (no Hopper) a cascade batch runs the reference, as exact as it; "triton" by name is
+    refused."""
+    without_triton(monkeypatch)
+    rule = cascade_rule("auto", AttentionKernels("pallas"), None)
+    assert rule == (CASCADE_MOSAIC_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS)
+    batch, cascade, _ = make_cascade_batch(np.random.default_rng(3), *LAYOUTS["several"], **GEOMETRY)
+    out = np.asarray(run(batch, cascade, impl="pallas", interpret=True))
+    expected = np.asarray(run(batch, cascade, impl="reference"))
+    assert not np.isnan(out[:batch.live_tokens]).any()
+    np.testing.assert_array_equal(out[:batch.live_tokens], expected[:batch.live_tokens])
+    with pytest.raises(ValueError, match="decode_backend='triton' but this JAX ships no Pallas Triton backend"):
+        run(batch, cascade, impl="pallas", interpret=True, decode_backend="triton")
 
 def test_the_rule_keeps_large_groups_that_save_enough():
     rule = cascade_rule("auto", AttentionKernels("pallas"), None)

@@ -17,7 +17,8 @@ from pallas_kernels import paged_decode_attention_mgpu as mgpu_decode
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 
-from helpers import GEOMETRY, cached_as, check_close, make_batch, on_gpu, on_hopper, poison_allocator
+from helpers import (GEOMETRY, MIXES, cached_as, check_close, make_batch, on_gpu, on_hopper, poison_allocator,
+                     without_triton)
 
 ON_GPU = on_gpu()
 FP8 = jnp.float8_e4m3fn
@@ -189,3 +190,63 @@ def test_both_backends_mosaic_launch_no_triton_kernel(decode_only, cache, soft_c
     # the decode rows join the prefill kernel's output by a select: XLA's GPU compiler refuses the
     # dynamic-update-slice fusion that an update of a custom call's output becomes (it failed to compile on the H200)
     assert "scatter" not in text and "dynamic_update_slice" not in text
+
+
+def test_without_triton_auto_takes_mosaic_wherever_it_serves(monkeypatch):
+    """Under a JAX without Triton's backend, "auto" on Hopper takes the Mosaic GPU kernels also where Triton's were
+    chosen for speed (large batches, fp8 caches, decode-like prefill shapes); off Hopper no Pallas kernel runs."""
+    import jax
+    kernels = importlib.import_module("pallas_kernels.ragged_paged_attention")
+    without_triton(monkeypatch)
+    monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
+    tuning, q = kernels.Tuning(), jnp.zeros((256, 8, 64), jnp.bfloat16)
+    for cache in (jnp.bfloat16, FP8):
+        assert kernels.decode_on_mosaic(q, jnp.zeros((4, 16, 2, 64), cache), 256, tuning, "auto", False) is not None
+    scores = kernels.Scores(0.125, None, None)
+    assert kernels.prefill_on_mosaic(q, jnp.zeros((4, 16, 2, 64), jnp.bfloat16), jnp.zeros((256, 8), jnp.int32),
+                                     scores, tuning, "auto", False) is not None
+    assert kernels.resolve_impl("auto", False, head_dim=64) == "pallas"
+
+    class FakeAmpere:
+        platform, compute_capability, core_count = "gpu", "8.0", 108
+    monkeypatch.setattr(jax, "devices", lambda *_: [FakeAmpere()])
+    assert kernels.resolve_impl("auto", False, head_dim=64) != "pallas"
+    from jaxserve.models.attention import resolve_attention_kernels   # the engine's knobs name it too
+    with pytest.raises(ValueError, match="prefill_attention='triton' but this JAX ships no Pallas Triton backend"):
+        resolve_attention_kernels("auto", "triton", 64)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_without_triton_steps_lower_to_mosaic_kernels_only(monkeypatch, decode_only):
+    """Lowered for an NVIDIA GPU under a JAX without Triton's backend, "auto" (impl and both backends) builds Mosaic
+    GPU kernels only, for a 64-row decode batch (Triton's under "auto" with the backend there) and a mixed step."""
+    import functools
+    import re
+
+    import jax
+    without_triton(monkeypatch)
+    monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
+    shapes = [((64, 8, 64), jnp.bfloat16), ((64, 16, 2, 64), jnp.bfloat16), ((64, 16, 2, 64), jnp.bfloat16),
+              ((65,), jnp.int32), ((64,), jnp.int32), ((64, 16), jnp.int32), ((1,), jnp.int32)]
+    attend = functools.partial(ragged_paged_attention, sm_scale=0.125, decode_only=decode_only)
+    text = jax.jit(attend).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}
+
+
+@pytest.mark.parametrize("mix", ["decodes", "mixed"])
+def test_without_triton_the_reference_serves_what_triton_did(monkeypatch, mix):
+    """Interpreted here (no Hopper), "auto" leaves these launches to Triton: under a JAX without its backend the
+    reference serves them (a Triton launch would fail on the missing module); "triton" by name is refused."""
+    without_triton(monkeypatch)
+    batch = make_batch(np.random.default_rng(5), *MIXES[mix], **GEOMETRY)
+    decode_only = mix == "decodes"
+    out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=True, decode_only=decode_only)
+    expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125)
+    live = np.asarray(out[:batch.live_tokens])
+    assert not np.isnan(live).any()
+    np.testing.assert_array_equal(live, np.asarray(expected[:batch.live_tokens]))
+    backend = "decode_backend" if decode_only else "prefill_backend"
+    with pytest.raises(ValueError, match=f"{backend}='triton' but this JAX ships no Pallas Triton backend"):
+        ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=True, decode_only=decode_only,
+                               **{backend: "triton"})

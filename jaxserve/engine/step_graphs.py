@@ -42,7 +42,7 @@ from jaxserve.models import fp8, llama
 from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.loader import LoadedModel
 from jaxserve.sharding import traced_on
-from pallas_kernels.ragged_paged_attention import resolve_impl
+from pallas_kernels.ragged_paged_attention import resolve_impl, triton_serves
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
@@ -576,5 +576,5 @@ def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | Non
         return 2, 1
     if kernels.decode != "pallas":
         return None
-    mosaic = kernels.decode_backend == "mosaic"
+    mosaic = kernels.decode_backend == "mosaic" or not triton_serves()   # without Triton "auto" runs Mosaic's
     return CASCADE_MOSAIC_MIN_MEMBERS if mosaic else CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS

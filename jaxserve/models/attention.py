@@ -27,7 +27,7 @@ from jaxserve.config import DECODE_ATTENTION, PREFILL_ATTENTION
 from jaxserve.sharding import HEADS, KV_CACHE, on_one_device, per_shard
 from pallas_kernels.cascade_attention import CascadeGroups, cascade_attention
 from pallas_kernels.ragged_paged_attention import (contiguous_ragged_attention, gpu_capability, ragged_paged_attention,
-                                                 resolve_impl)
+                                                 resolve_impl, triton_serves)
 from pallas_kernels.block_tables import identity_block_tables
 
 
@@ -91,6 +91,9 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
     if decode_attention == "mosaic" and gpu_capability() != 9.0:
         raise ValueError("decode_attention='mosaic' needs an sm_90 GPU (H100/H200); this device has compute "
                          f"capability {gpu_capability() or 'none'}: set decode_attention to 'auto'")
+    # "triton" is refused where this JAX has no Triton backend; "auto" then takes Mosaic GPU's kernels where they
+    # serve and the reference elsewhere (pallas_kernels)
+    triton_serves(decode_attention=decode_attention, prefill_attention=prefill_attention)
     if decode_attention == "triton" and not pallas:
         raise ValueError("decode_attention='triton' needs an NVIDIA GPU whose Pallas kernels read this cache "
                          f"(sm_80+, sm_89+ for fp8); this device has compute capability {gpu_capability() or 'none'}"
