@@ -250,3 +250,37 @@ def test_without_triton_the_reference_serves_what_triton_did(monkeypatch, mix):
     with pytest.raises(ValueError, match=f"{backend}='triton' but this JAX ships no Pallas Triton backend"):
         ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=True, decode_only=decode_only,
                                **{backend: "triton"})
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU engine's tokens are the reference: on a GPU the subprocess would need "
+                                   "the device this process holds")
+def test_the_engine_imports_and_serves_without_the_triton_module():
+    """A JAX without `jax.experimental.pallas.triton` (the import fails) still imports jaxserve and serves: the tiny
+    model's greedy tokens in a subprocess where the module cannot be imported equal this process's."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.models.loader import random_model
+    from helpers import KNOBS, TINY
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["jax.experimental.pallas.triton"] = None   # `import` of it raises ImportError
+        sys.path.insert(0, "tests")
+        import jax.numpy as jnp
+        from jaxserve import LLM, SamplingParams
+        from jaxserve.models.loader import random_model
+        from pallas_kernels.ragged_paged_attention import TRITON
+        from helpers import KNOBS, TINY
+        llm = LLM(random_model(TINY, jnp.float32), **KNOBS)
+        out = llm.generate([[3, 4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+        print(TRITON, out[0].outputs[0].token_ids)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    llm = LLM(random_model(TINY, jnp.float32), **KNOBS)
+    here = llm.generate([[3, 4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert run.stdout.strip().splitlines()[-1] == f"False {list(here)}"
