@@ -43,6 +43,9 @@
 #     add-norm-ab  # the residual add with the norm: tests, batch 1 of the FP8 8B and of the MoE beside an older
 #     tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host  # batch 1, FP8 and bf16: the host's step
+#   AB=<tree> AB_COMMIT=<sha> [RUNS=1] [PARTS="tests cmdbuf 8b moe"] JAXSERVE_COMMIT=<sha> bash
+#     benchmarks/gpu_session.sh sent-inputs-ab  # a step's inputs read outside the model's CUDA graph: tests, the
+#     graphs recorded again in FP8 batch-1 steps, batch 1 of the FP8 8B and of the MoE beside an older tree's
 #   AB=<tree> AB_COMMIT=<sha> [RUNS=2] [CONFIG_SMALL=<yaml>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh
 #     detok-ab  # the embedded model (a real tokenizer) at 256 x 512/128, this tree's detokenizer beside an older's
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1-host-ab|moe-host-ab  # FP8
@@ -492,6 +495,35 @@ case $1 in
     done
     if [ "$1" = moe-host-ab ]; then run 200 $MOE_BATCH1
     else run 200 python ${STEP_B1% --quantization fp8} --profile 8; fi ;;
+  sent-inputs-ab)   # the model graph splits the step's sent bytes outside its CUDA graph (no stage graph): its
+    # GPU tests; per CUDA graph (by command count) its updates over FP8 batch-1 runs of this tree and $AB's; then
+    # RUNS alternating pairs of the FP8 8B's batch-1 step (8b) and of the MoE's (moe), this tree first
+    build_calls
+    PARTS=" ${PARTS:-tests cmdbuf 8b moe} "
+    [[ $PARTS == *" tests "* ]] && run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py \
+      tests/test_llm_engine.py -k "split_bytes or sent_bytes or batched_greedy_matches_hf or keep_their_buffers"
+    STEP_B1="benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 --quantization fp8"
+    if [[ $PARTS == *" cmdbuf "* ]]; then
+      for tree in . "$AB"; do
+        name=$([ "$tree" = . ] && echo this || echo ab)
+        (cd "$tree" && TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 LOG=$OUT/cmdbuf_$name.log \
+          run 200 python $STEP_B1 > /dev/null)
+        echo "$name tree, CUDA graphs updated (by command count):" | tee -a "$LOG"
+        grep -o "Updated command buffer in [0-9]* μs; num_commands=[0-9]*" "$OUT/cmdbuf_$name.log" \
+          | awk '{n[$NF]++; us[$NF]+=$5} END {for (k in n) printf "%s: %d updates, %.0f us each\n", k, n[k],
+            us[k]/n[k]}' | tee -a "$LOG"
+        grep -E "^(schedule|enqueue:|engine.step)" "$OUT/cmdbuf_$name.log" | tee -a "$LOG"
+        gzip -f "$OUT/cmdbuf_$name.log"
+      done
+    fi
+    for i in $(seq "${RUNS:-1}"); do
+      for model in 8b moe; do
+        [[ $PARTS == *" $model "* ]] || continue
+        step=$([ $model = 8b ] && echo "$STEP_B1" || echo "${MOE_PROFILE#python } --profile 0")
+        run 200 python $step
+        (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 200 python $step)
+      done
+    done ;;
   small-decode)   # the decode kernels at 1-64 rows (bf16 and FP8 caches), then batch 1's steps, FP8 8B and the MoE,
     # profiled under the default decode kernel and under the CUDA call (PARTS: which of the three, default all)
     build_calls

@@ -34,7 +34,7 @@ from jaxserve.engine.llm_engine import Launched  # noqa: E402
 from jaxserve.models.loader import load_run  # noqa: E402
 
 PHASES = ("schedule", "prepare", "enqueue", "wait", "finish", "period")
-ENQUEUE_PARTS = ("stage", "sample")   # the inputs sent and staged, the sampler's call; the model graph's call the rest
+ENQUEUE_PARTS = ("stage", "sample")   # the inputs packed and sent, the sampler's call; the model graph's the rest
 
 
 def timed_steps(engine, steps: int) -> dict[str, list[float]]:

@@ -96,15 +96,14 @@ def test_a_sized_cold_start_compiles_each_graph_once(sized_start):
     assert timings["kinds"]["peak"]["compiled"] == 1 and timings["compile_wall_s"] > 0
     assert all(timings[k] > 0 for k in ("peak_s", "precompile_s", "trace_s", "compile_s"))
     buffers = llm.engine.runner.buffers   # every graph's, allocated at start: none made while serving
-    made = set(buffers.inputs), set(buffers.outputs), {k: len(r) for k, r in buffers.sampled.items()}
-    assert made[0] == ({k.dims for k in graphs.graph_keys() if k.kind == "model"} if graphs.stage_inputs else set())
-    assert made[1] and made[1] == {(i, x.shape) for k in graphs.graph_keys() if k.kind == "model"
+    made = set(buffers.outputs), {k: len(r) for k, r in buffers.sampled.items()}
+    assert made[0] and made[0] == {(i, x.shape) for k in graphs.graph_keys() if k.kind == "model"
                                    for i, x in enumerate(graphs.output_structs(k.dims[0], k.dims[1], k.dims[3]))}
-    assert made[2] == {k.dims: buffers.SAMPLED_RING for k in graphs.graph_keys() if k.kind == "sampler"}
+    assert made[1] == {k.dims: buffers.SAMPLED_RING for k in graphs.graph_keys() if k.kind == "sampler"}
     outs = llm.generate(*mixed_requests(), use_tqdm=False)
     assert all(o.finished for o in outs) and llm.engine.stats()["compiles_after_start"] == 0
     assert len(seen["compiled"]) == len(set(seen["compiled"])) == stats["compiled_graphs"] + 1
-    assert made == (set(buffers.inputs), set(buffers.outputs), {k: len(r) for k, r in buffers.sampled.items()})
+    assert made == (set(buffers.outputs), {k: len(r) for k, r in buffers.sampled.items()})
 
 
 def test_a_sized_lazy_start_compiles_only_the_peak(sized_start):

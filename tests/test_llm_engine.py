@@ -2,6 +2,7 @@
 (CPU, f32)."""
 import dataclasses
 import random
+import re
 import time
 
 import jax
@@ -164,19 +165,6 @@ def test_tiny_model_batched_greedy_matches_hf(tiny, tiny_llm, tiny_expected):
     assert token_ids(tiny_llm.generate(prompts, GREEDY)) == expected
 
 
-def test_staged_inputs_give_what_unstaged_ones_give(tiny, tiny_llm, tiny_expected):
-    """A step's inputs sent as one byte buffer and unpacked by the stage graph (as on GPUs; turned on here) serve
-    every field: greedy tokens as HF's, seeded sampling with penalties and min_tokens as the unstaged engine's."""
-    llm = LLM(tiny[0], **BASE)
-    llm.engine.graphs.stage_inputs = True
-    prompts, expected = tiny_expected
-    assert token_ids(llm.generate(prompts, GREEDY)) == expected
-    params = [sampled(i, presence_penalty=0.5, repetition_penalty=1.2, min_tokens=4, top_k=20 + i)
-              for i in range(len(prompts))]
-    assert token_ids(llm.generate(prompts, params)) == token_ids(tiny_llm.generate(prompts, params))
-    assert any(key.kind == "stage" for key in llm.engine.graphs.manager.executables)
-
-
 @pytest.mark.parametrize("bad, field", [
     (dict(prompt=""), "prompt"),
     (dict(prompt=[1] * 600), "max_model_len"),
@@ -256,11 +244,12 @@ def test_step_donates_the_cache_and_penalty_state(tiny_llm):
 
 
 def test_decode_steps_keep_their_buffers_where_they_were(tiny):
-    """A model graph's inputs and outputs and the sampled tokens stay at their device addresses from step to step,
-    the new values written into them, and the sampler's outputs rotate through the same few buffers: on a GPU a
-    buffer that moves makes XLA re-record the step's CUDA graph. (Inputs are staged on GPUs only: turned on here.)"""
+    """A model graph's outputs and the sampled tokens stay at their device addresses from step to step, the new
+    values written into them, and the sampler's outputs rotate through the same few buffers: on a GPU a buffer that
+    moves makes XLA re-record the step's CUDA graph. A step's inputs come as one new byte buffer, held with the
+    sampler's part of it for two steps (the allocator then finds each step as it left the one before)."""
     engine = LLM(tiny[0], **BASE).engine
-    engine.graphs.stage_inputs, runner = True, engine.runner
+    runner = engine.runner
     for prompt in token_prompts(5, 7, 9):
         engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -268,10 +257,8 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny):
     engine.step()
 
     def snapshot():
-        inputs, outputs = runner.buffers.inputs, runner.buffers.outputs
-        return ({k: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(v)] for k, v in inputs.items()},
-                {k: v.unsafe_buffer_pointer() for k, v in outputs.items()}, runner.last_tokens.unsafe_buffer_pointer(),
-                {k: jnp.copy(v.positions).tolist() for k, v in inputs.items()},   # read from a copy: a CPU array
+        return ({k: v.unsafe_buffer_pointer() for k, v in runner.buffers.outputs.items()},
+                runner.last_tokens.unsafe_buffer_pointer(),
                 {k: {o.tokens.unsafe_buffer_pointer() for o in ring} for k, ring in runner.buffers.sampled.items()})
     # read on the host holds a view of its buffer, and such a buffer cannot be donated
     for _ in range(runner.buffers.SAMPLED_RING):
@@ -279,19 +266,35 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny):
     before = snapshot()
     engine.step()
     after = snapshot()
-    decode = [k for k in before[0] if k in after[0] and before[3][k] != after[3][k]]
-    assert decode, "no model graph ran again with new positions"
-    assert all(before[0][k] == after[0][k] for k in decode)
-    assert before[1] == after[1] and before[2] == after[2]
-    assert before[4] == after[4] and any(len(ring) == runner.buffers.SAMPLED_RING for ring in after[4].values())
-    # each of the last two steps' inputs, the model's and the sampler's, sent as one byte buffer, and the sampler's
-    # as the stage graph unpacked them, still held
+    assert before == after and any(len(ring) == runner.buffers.SAMPLED_RING for ring in after[2].values())
+    # each of the last two steps' inputs, sent as one byte buffer, and the sampler's bytes the model graph handed on
     assert [len(step) for step in runner.buffers.held] == [2, 2]
-    for packed, sampler in runner.buffers.held:
-        assert isinstance(packed, jax.Array) and packed.dtype == jnp.uint8 and packed.ndim == 1
-        assert sampler and all(isinstance(x, jax.Array) for x in sampler)
+    for sent, sampler_bytes in runner.buffers.held:
+        assert all(isinstance(x, jax.Array) and x.dtype == jnp.uint8 and x.ndim == 1 for x in (sent, sampler_bytes))
+        assert 0 < sampler_bytes.size < sent.size
     while engine.has_unfinished_requests():
         engine.step()
+
+
+@pytest.mark.skipif(not on_gpu(), reason="XLA runs graphs as CUDA graphs on an NVIDIA GPU only")
+def test_a_model_graph_reads_the_sent_bytes_outside_its_cuda_graph(tiny_llm):
+    """The byte buffer a step's inputs come in is new at every step: read by a command of the model's CUDA graph,
+    it would have XLA record the graph again at every step. So the split call (no command-buffer trait) is the
+    buffer's one reader, in the entry computation, and the rest runs in command buffers."""
+    assert custom_calls.available(), custom_calls.unavailable_reason()
+    tiny_llm.generate([[1, 2, 3]], GREEDY)
+    graphs = tiny_llm.engine.graphs
+    models = [e for k, e in graphs.manager.executables.items() if k.kind == "model"]
+    assert models
+    for compiled in models:
+        text = compiled.as_text()
+        entry = text[text.index("\nENTRY"):]
+        entry = entry[:entry.index("\n}")]
+        sent = re.search(r"(%[\w.-]+) = u8\[\d+\]\{0\} parameter\(", entry).group(1)
+        readers = [line for line in entry.splitlines()[1:]
+                   if re.search(re.escape(sent) + r"(?![\w.-])", line) and " parameter(" not in line]
+        assert len(readers) == 1 and 'custom_call_target="jaxserve_split_bytes"' in readers[0], readers
+        assert "command_buffer" in text
 
 
 def test_kv_sizing_reserves_the_profiled_activation_peak(tiny, monkeypatch):

@@ -8,7 +8,6 @@ read the whole cache array.
 The CPU stand-in's page size is lowered here (tests only: vattention.CPU_PAGE_SIZE): a 2 MiB page holds 8K of the
 tiny model's 256-byte tokens (both layers: the cache is cross-layer), so no prompt would ever cross a page."""
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.cache import vattention as vattention_module
 from jaxserve.engine import step_graphs
 from jaxserve.engine.llm_engine import NeverFits
+from jaxserve.engine.step_inputs import Layout
 from jaxserve.models.attention import AttentionKernels
 from jaxserve.models.loader import random_model
 
-from helpers import (KNOBS, PAGED, TINY, check_cache_untouched_whole, entry_params, mixed_requests, results,
+from helpers import (KNOBS, PAGED, TINY, check_cache_untouched_whole, mixed_requests, results,
                      token_prompts, tokens)
 
 PAGE_SIZE = 2000   # 7.8 of TINY's 256-byte tokens (2 layers x 2 kv heads x 16 x f32): tokens and blocks straddle pages
@@ -200,17 +200,18 @@ def test_a_long_prompts_fork_copies_compile_nothing(precompiled):
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_contiguous_steps_carry_one_slot_per_row_and_no_block_table(precompiled, kernels):
     """Contiguous kernels: the host keeps one slot per device slot, a step's inputs carry [S] slots, and no model
-    graph takes an int32 [S, W] table; identity mode's do (so the check would see one)."""
+    graph unpacks an int32 [S, W] table from the bytes it is sent; identity mode's do (so the check would see one)."""
     engine, contiguous = precompiled[kernels].engine, kernels == "contiguous"
     graphs = engine.graphs
     attn = graphs.step_inputs(num_tokens=16, num_seqs=4).model.attn
     assert engine.runner.block_table.table.ndim == (1 if contiguous else 2)
     assert attn.block_tables is None if contiguous else attn.block_tables.shape == (4, graphs.max_blocks_per_seq)
     assert attn.kv_rows.shape == (4,) if contiguous else attn.kv_rows is None
-    models = [v for k, v in graphs.manager.executables.items() if k.kind == "model"]
+    models = [k for k in graphs.manager.executables if k.kind == "model"]
     assert len(models) >= 4
-    for compiled in models:
-        assert any(re.match(r"s32\[\d+,\d+\]", p) for p in entry_params(compiled)) != contiguous
+    for key in models:
+        leaves = Layout.of(graphs.key_inputs(key).model).leaves
+        assert any(len(shape) == 2 and dtype == "int32" for shape, dtype in leaves) != contiguous
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -228,8 +229,9 @@ def test_no_compiled_step_reads_the_whole_cache(precompiled, kernels):
 def test_the_cache_guard_catches_a_dropped_donation_and_a_whole_cache_read(precompiled):
     graphs = precompiled["contiguous"].engine.graphs
     struct = graphs.cache_shape.k
-    inp = graphs.step_inputs(num_tokens=16, num_seqs=4).model
-    undonated = jax.jit(graphs.model.__wrapped__).lower(graphs.params, graphs.cache_shape, graphs.last_tokens, inp)
+    inp = graphs.step_inputs(num_tokens=16, num_seqs=4)
+    undonated = jax.jit(graphs.model.__wrapped__, static_argnums=6).lower(
+        graphs.params, graphs.cache_shape, graphs.last_tokens, *step_graphs.sent(inp, None, None))
     with pytest.raises(AssertionError, match="not aliased"):
         check_cache_untouched_whole(undonated.compile(), struct)
     summed = jax.jit(lambda c: (c + 1, c.sum()), donate_argnums=0).lower(struct).compile()

@@ -20,40 +20,42 @@ from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
 from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.engine.step_graphs import GraphKey, PromptLogprobs, StepGraphs, kv_addressing
-from jaxserve.engine.step_inputs import ModelInputs, SamplerInputs, StepInputs, pack, pad
+from jaxserve.engine.step_inputs import StepInputs, pack, pad
 
 
 @dataclass(slots=True)
 class Unsampled:
-    """A constrained step launched up to its sampler: the model's logits, waiting for the token bitmask."""
+    """A constrained step launched up to its sampler: the model's logits and the sampler's inputs (their bytes, its
+    graph's key), waiting for the token bitmask."""
     logits: jax.Array
-    inputs: SamplerInputs
+    sampler_bytes: jax.Array
+    key: GraphKey
     prompt: PromptLogprobs | None
 
     @property
     def num_rows(self) -> int:
-        return len(self.inputs.slot_ids)
+        rows, *_, width = self.key.dims
+        return rows * width
 
 
 class StableBuffers:
-    """The model graphs' inputs and outputs in device buffers that keep their addresses from step to step. On a GPU
-    XLA runs a graph as one CUDA graph and records it again, with the device idle, whenever a buffer it reads or
-    writes has moved: milliseconds at every step if each step's inputs and outputs were new arrays. So a step's
-    fresh inputs are copied into the buffers its graph read last time (a `stage` graph), and its logits and hidden
-    states are written over the last ones of their shapes (run_model's donated outputs). The sampler's outputs
-    rotate through SAMPLED_RING buffers a graph: the host reads a step's samples while the next steps run, and a new
-    array left alive across a step would move the next step's scratch memory (XLA's temp buffer). The step's fresh
-    inputs, the model's and the sampler's, are sent as one byte buffer (a transfer costs the host the same whatever
-    its size; the stage graph unpacks it) before anything else of the step is allocated, and held
-    until the step before it is done (HELD_STEPS): they then take the places of the inputs of two steps before, each
-    step finds the allocator as the last one left it, and the temp buffer stays where it was. (A transfer's buffer
-    dropped at once is freed whenever its copy finishes, in between a step's allocations: the temp buffer moves.)"""
+    """The model graphs' buffers keep their addresses from step to step. On a GPU XLA runs a graph as one CUDA graph
+    and records it again, with the device idle, whenever a buffer it reads or writes has moved: milliseconds at
+    every step if each step's inputs and outputs were new arrays. So a step's inputs, the model's and the sampler's,
+    are sent as one byte buffer (a transfer costs the host the same whatever its size), which the model graph copies
+    into its temp buffer outside its CUDA graph (step_graphs.run_sent_model), and its logits and hidden states are
+    written over the last ones of their shapes (donated outputs). The sampler's outputs rotate through SAMPLED_RING
+    buffers a graph: the host reads a step's samples while the next steps run, and a new array left alive across a
+    step would move the next step's scratch memory (XLA's temp buffer). A step's new arrays (the bytes sent, the
+    sampler's bytes the model graph hands on) are made before anything else of the step is allocated and held until
+    the step before it is done (HELD_STEPS): they then take the places of those of two steps before, each step finds
+    the allocator as the last one left it, and the temp buffer stays where it was. (A transfer's buffer dropped at
+    once is freed whenever its copy finishes, in between a step's allocations: the temp buffer moves.)"""
     SAMPLED_RING = 3
     HELD_STEPS = 2   # the step being launched and the one in flight: older ones are done when the next launches
 
     def __init__(self, graphs: StepGraphs):
         self.graphs = graphs
-        self.inputs: dict[tuple, ModelInputs] = {}   # model graph dims -> the inputs it ran last
         self.outputs: dict[tuple, jax.Array] = {}    # (0: logits | 1: hidden, shape) -> a free output buffer
         self.sampled: dict[tuple, list[SamplerOutput]] = {}   # sampler graph dims -> its outputs, oldest first
         self.held: deque[list] = deque([[]], maxlen=self.HELD_STEPS)   # per recent step, its sent inputs
@@ -64,36 +66,24 @@ class StableBuffers:
         """The buffers of every graph of keys, before serving: a step's first graph of a size would wait for them."""
         for key in keys:
             if key.kind == "model":
-                if self.graphs.stage_inputs:
-                    self.inputs.setdefault(key.dims, jax.tree.map(self.zeros, self.graphs.key_inputs(key).model))
                 self.keep_outputs(*self.take_outputs(key))
             elif key.kind == "sampler":
                 ring = self.sampled.setdefault(key.dims, [])
                 ring += [self.sampled_buffers(key) for _ in range(self.SAMPLED_RING - len(ring))]
 
-    def stage(self, key: GraphKey, inp: StepInputs) -> tuple[ModelInputs, SamplerInputs]:
-        """The step's model inputs in the buffers its graph read last time, and its sampler inputs, on the device."""
+    def stage(self, inp: StepInputs) -> jax.Array | np.ndarray:
+        """The step's inputs as one byte buffer on the device (step_inputs.pack), held for HELD_STEPS steps.
+        (Across processes device_put would check that every process holds the same values, a collective a step:
+        there the graphs take the host's bytes.)"""
         self.held.append([])
-        old = self.inputs.get(key.dims)
-        if not self.graphs.stage_inputs:   # a CPU: no CUDA graph to keep, its arrays are taken as they are
-            return inp.model, inp.sampler
-        if old is inp.model:   # the same inputs run again (benchmarks) are in place
-            return old, self.send(inp.sampler)
-        sampler_leaves, sampler_def = jax.tree.flatten(inp.sampler)
-        packed = self.send(pack(jax.tree.leaves(inp.model) + sampler_leaves))
-        if old is None:
-            old = jax.tree.map(self.zeros, inp.model)
-        self.inputs[key.dims], sampler_leaves = self.graphs.get(GraphKey("stage", key.dims))(old, packed)
-        self.held[-1].append(sampler_leaves)   # new buffers, as the transfer's: freed only once two steps are done
-        return self.inputs[key.dims], sampler_def.unflatten(sampler_leaves)
+        packed = pack((inp.model, inp.sampler))
+        return self.hold(jax.device_put(packed, self.graphs.replicated)) \
+            if self.graphs.replicated.is_fully_addressable else packed
 
-    def send(self, tree):
-        """tree's host arrays on the device, held for HELD_STEPS steps. (Across processes device_put would check
-        that every process holds the same values, a collective a step: there the graphs take them as they are.)"""
-        if not self.graphs.replicated.is_fully_addressable:
-            return tree
-        self.held[-1].append(tree := jax.device_put(tree, self.graphs.replicated))
-        return tree
+    def hold(self, x: jax.Array) -> jax.Array:
+        """x, a new buffer of this step's, freed only once the step after it is done."""
+        self.held[-1].append(x)
+        return x
 
     def take_outputs(self, key: GraphKey) -> tuple[jax.Array, jax.Array]:
         """The (logits, hidden) buffers the model graph of key writes over."""
@@ -102,11 +92,12 @@ class StableBuffers:
         free = [self.outputs.pop((i, x.shape), None) for i, x in enumerate(structs)]
         return tuple(self.zeros(x) if a is None else a for a, x in zip(free, structs))
 
-    def sample(self, sampler: jax.stages.Compiled, key: GraphKey, logits, penalty, inp: SamplerInputs, last_tokens):
+    def sample(self, sampler: jax.stages.Compiled, key: GraphKey, logits, penalty, sampler_bytes, token_bitmask,
+               last_tokens):
         """The sampler graph run over the oldest of its output buffers: (penalty, last tokens, SamplerOutput)."""
         ring = self.sampled.setdefault(key.dims, [])
         outputs = ring.pop(0) if len(ring) == self.SAMPLED_RING else self.sampled_buffers(key)
-        penalty, last_tokens, out = sampler(logits, penalty, inp, last_tokens, outputs)
+        penalty, last_tokens, out = sampler(logits, penalty, sampler_bytes, token_bitmask, last_tokens, outputs)
         ring.append(out)
         return penalty, last_tokens, self.copy_to_host_soon(out)
 
@@ -181,25 +172,26 @@ class ModelRunner:
         model, sampler, *prompt = map(self.graphs.get, keys)
         split = self.graphs.draft_split(keys[0])
         cache, features = (self.kv_cache, self.features) if split is None else (self.kv_cache[:split], None)
-        (staged, sampler_inputs), outputs = self.buffers.stage(keys[0], inp), self.buffers.take_outputs(keys[0])
-        cache, logits, hidden, features = model(self.params, cache, self.last_tokens, staged, features, outputs)
+        packed, outputs = self.buffers.stage(inp), self.buffers.take_outputs(keys[0])
+        cache, logits, hidden, features, sampler_bytes = model(self.params, cache, self.last_tokens, packed, features,
+                                                               outputs)
         self.buffers.keep_outputs(logits, hidden)
+        self.buffers.hold(sampler_bytes)
         self.kv_cache = cache if split is None else cache + self.kv_cache[split:]
         self.features = self.features if features is None else features
         prompt_out = self.buffers.copy_to_host_soon(prompt[0](self.params, hidden, inp.next_prompt_ids)) \
             if prompt else None
         if inp.sampler.constrained:
-            return Unsampled(logits, sampler_inputs, prompt_out)
+            return Unsampled(logits, sampler_bytes, keys[1], prompt_out)
         self.penalty, self.last_tokens, out = self.buffers.sample(sampler, keys[1], logits, self.penalty,
-                                                                  sampler_inputs, self.last_tokens)
+                                                                  sampler_bytes, None, self.last_tokens)
         return out, prompt_out
 
     def sample(self, step: Unsampled, token_bitmask: np.ndarray) -> tuple[SamplerOutput, PromptLogprobs | None]:
         """The sampler of a constrained step, under its token bitmask [S, ceil(V / 32)]."""
-        step.inputs.token_bitmask = token_bitmask
-        key = GraphKey("sampler", step.inputs.key)
-        self.penalty, self.last_tokens, out = self.buffers.sample(self.graphs.get(key), key, step.logits, self.penalty,
-                                                                  step.inputs, self.last_tokens)
+        self.penalty, self.last_tokens, out = self.buffers.sample(
+            self.graphs.get(step.key), step.key, step.logits, self.penalty, step.sampler_bytes, token_bitmask,
+            self.last_tokens)
         return out, step.prompt
 
     def execute(self, out: SchedulerOutput, ready: Callable[[], None] | None = None):

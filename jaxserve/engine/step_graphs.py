@@ -9,6 +9,7 @@ over every size a step can have (`graph_keys`), so a step never meets a graph th
 made from its key alone (`lower`). Graphs that take the cache carry its size in their key."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import custom_calls
 from custom_calls import vmm
 from jaxserve.cache.kv_backend import KVBackend
 from jaxserve.cache.kv_cache import KVCache, copy_blocks, copy_bucket
@@ -35,8 +37,8 @@ from jaxserve.engine.drafter import (DraftInputs, draft_inputs, draft_tokens, ea
 from jaxserve.engine.sampler import (PenaltyState, SamplerOutput, init_penalty_state, reset_slots, sample,
                                      sampler_modes, verify)
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
-from jaxserve.engine.step_inputs import (ModelInputs, SamplerInputs, StepInputs, build_step_inputs, layout_of, pack,
-                                         share_prefixes, unpack)
+from jaxserve.engine.step_inputs import (Layout, ModelInputs, SamplerInputs, StepInputs, build_step_inputs, pack,
+                                         share_prefixes)
 from jaxserve.models.attention import AttentionKernels, PagedAttention, resolve_attention_kernels
 from jaxserve.models import fp8, llama
 from jaxserve.models.fp8 import W8A16_MAX_ROWS
@@ -183,12 +185,19 @@ def overwrite(old, new):
     return jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new)
 
 
-def stage_step(old: ModelInputs, packed: jax.Array, sampler_layout: tuple) -> tuple[ModelInputs, list[jax.Array]]:
-    """A step's inputs from the one byte buffer they came in (step_inputs.pack: the model's leaves, then the
-    sampler's): the model's written over old's (donated) buffers, the sampler's leaves."""
-    leaves, treedef = jax.tree.flatten(old)
-    unpacked = unpack(packed, layout_of(leaves) + sampler_layout)
-    return overwrite(old, treedef.unflatten(unpacked[:len(leaves)])), unpacked[len(leaves):]
+def run_sent_model(params, kv_cache, last_tokens, packed, features=None, outputs=None, layout: Layout = None, **kw):
+    """The model graph of a step whose inputs came as one byte buffer (step_inputs.pack): run_model's outputs over
+    the model's inputs unpacked from the buffer's first layout.num_bytes, then the rest, the sampler's inputs'
+    bytes. On a GPU the split runs outside the graph's CUDA graph (custom_calls.split_bytes): the buffer is new at
+    every step, and the graph recorded over the bytes it reads is launched as it is."""
+    model_bytes, sampler_bytes = custom_calls.split_bytes(packed, layout.num_bytes)
+    return *run_model(params, kv_cache, last_tokens, layout.unpack(model_bytes), features, outputs, **kw), \
+        sampler_bytes
+
+
+def sent(inp: StepInputs, features, outputs) -> tuple:
+    """A model graph's arguments after the cache and the last tokens, for inp's step (run_sent_model's)."""
+    return pack((inp.model, inp.sampler)), features, outputs, Layout.of(inp.model)
 
 
 def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens,
@@ -206,6 +215,16 @@ def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens,
         last = jnp.take_along_axis(out.tokens.reshape(len(inp.draft_ids), -1), out.num_accepted[:, None], axis=1)[:, 0]
     last_tokens = overwrite(last_tokens, jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last))
     return penalty, last_tokens, out if outputs is None else overwrite(outputs, out)
+
+
+def run_sent_sampler(logits, penalty: PenaltyState, sampler_bytes, token_bitmask, last_tokens,
+                     outputs: SamplerOutput | None = None, layout: Layout = None):
+    """run_sampler over the sampler's inputs unpacked from their bytes (run_sent_model's last output); a
+    constrained step's token bitmask, made on the host after its model graph was launched, comes beside them."""
+    inp = layout.unpack(sampler_bytes)
+    if token_bitmask is not None:
+        inp = dataclasses.replace(inp, token_bitmask=token_bitmask)
+    return run_sampler(logits, penalty, inp, last_tokens, outputs)
 
 
 def run_drafts(params, draft_cache, inp: DraftInputs, features=None, *, draft_def: ModelDef, **kw
@@ -261,7 +280,6 @@ class StepGraphs:
         self.eos_token_ids = loaded.eos_token_ids
         cpu = mesh.devices.flat[0].platform == "cpu"
         self.ladders = self.token_buckets, self.seq_buckets = bucket_ladders(cfg, cpu)
-        self.stage_inputs = not cpu   # runner.StableBuffers: a CPU runs no CUDA graph to keep, a stage graph is waste
         # an EAGLE-3 head's features at the logits positions of the last step that ran it, from graph to graph
         self.features = None if self.speculative is None or self.speculative.method != "eagle3" else \
             jax.ShapeDtypeStruct((self.spec_seq_buckets[-1] * self.speculative.width, draft.config.hidden_size),
@@ -302,8 +320,8 @@ class StepGraphs:
         rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
         cache = self.backend.cache_sharding   # every layer's (a prefix of the cache's pytree)
         model = functools.partial(jax.jit, in_shardings=(params, cache, rep, rep, rep, rep),
-                                  out_shardings=(cache, rep, rep, rep), donate_argnums=(1, 4, 5))
-        run = functools.partial(run_model, model_def=model_def, kernels=self.kernels, mesh=self.mesh,
+                                  out_shardings=(cache, rep, rep, rep, rep), static_argnums=6, donate_argnums=(1, 4, 5))
+        run = functools.partial(run_sent_model, model_def=model_def, kernels=self.kernels, mesh=self.mesh,
                                 fence=self.backend.fence, block_size=self.cfg.block_size)
         self.model = self.drafting_model = model(run)
         if self.draft_def is not None:
@@ -312,8 +330,8 @@ class StepGraphs:
                 run_drafts, draft_def=self.draft_def, num_drafts=self.speculative.num_speculative_tokens,
                 block_size=self.cfg.block_size, kernels=self.kernels, mesh=self.mesh),
                 in_shardings=(params, cache, rep, rep), out_shardings=(cache, rep), donate_argnums=1)
-        self.sampler = jax.jit(run_sampler, in_shardings=rep, out_shardings=rep, donate_argnums=(1, 3, 4))
-        self.stage = jax.jit(stage_step, in_shardings=rep, out_shardings=rep, static_argnums=2, donate_argnums=0)
+        self.sampler = jax.jit(run_sent_sampler, in_shardings=rep, out_shardings=rep, static_argnums=6,
+                               donate_argnums=(1, 4, 5))
         self.prompt_logprobs = jax.jit(functools.partial(run_prompt_logprobs, model_def=model_def),
                                        in_shardings=(params, rep, rep), out_shardings=rep)
         self.reset = jax.jit(reset_slots, in_shardings=rep, out_shardings=rep, donate_argnums=0)
@@ -390,14 +408,12 @@ class StepGraphs:
         return sorted(models, key=lambda k: k.dims, reverse=True) + drafts[::-1] + sorted(copies, reverse=True)
 
     def cache_free_keys(self) -> list[GraphKey]:
-        stages = sorted({GraphKey("stage", k.dims) for k in self.cache_bound_keys()
-                         if k.kind == "model" and self.stage_inputs}, reverse=True)
         prompts = [GraphKey("prompt", (t,)) for t in reversed(self.token_buckets)]
         samplers = [GraphKey("sampler", (s, mode, n, constrained, 1)) for s in reversed(self.seq_buckets)
                     for constrained in (False, True) for mode in sampler_modes(constrained) for n in (0, MAX_LOGPROBS)]
         verifiers = [GraphKey("sampler", (s, mode, n, False, self.speculative.width))
                      for s in reversed(self.spec_seq_buckets) for mode in SAMPLER_MODES for n in (0, MAX_LOGPROBS)]
-        return stages + prompts + samplers + verifiers + [self.reset_key(s, w) for s in self.seq_buckets
+        return prompts + samplers + verifiers + [self.reset_key(s, w) for s in self.seq_buckets
                                                           for w in self.reset_widths]
 
     # ---- graphs ------------------------------------------------------------------------------------
@@ -405,32 +421,30 @@ class StepGraphs:
         """The graph of key, traced and lowered against abstract inputs of its sizes."""
         match key:
             case GraphKey("model", (t, s, _, width, _)):
-                inp = self.key_inputs(key).model
+                inp = self.key_inputs(key)
                 split = self.draft_split(key)
                 model, cache, features = ((self.drafting_model, self.cache_shape, self.features) if split is None
                                           else (self.model, self.cache_shape[:split], None))
                 outputs = self.output_structs(t, s, width)
-                return model.lower(self.params, cache, self.last_tokens, inp, features, outputs)
-            case GraphKey("stage"):
-                inp = self.key_inputs(key)
-                sampler = layout_of(jax.tree.leaves(inp.sampler))
-                return self.stage.lower(inp.model, pack(jax.tree.leaves((inp.model, inp.sampler))), sampler)
+                return model.lower(self.params, cache, self.last_tokens, *sent(inp, features, outputs))
             case GraphKey("peak"):   # a stand-in cache: temp memory does not depend on its size (a row: contiguous)
                 stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
                 rows = self.seq_buckets[-1]
-                inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=rows).model
+                inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=rows)
                 features = None if self.features is None else \
                     jax.ShapeDtypeStruct((rows, self.features.shape[1]), self.features.dtype)
-                return self.drafting_model.lower(self.params, stand_in, self.last_tokens, inp, features,
-                                                 self.output_structs(self.token_buckets[-1], rows, 1))
+                return self.drafting_model.lower(self.params, stand_in, self.last_tokens, *sent(
+                    inp, features, self.output_structs(self.token_buckets[-1], rows, 1)))
             case GraphKey("sampler", (s, mode, num_logprobs, constrained, width)):
-                inp = self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
-                                       num_logprobs=num_logprobs, constrained=constrained, spec_width=width).sampler
-                if constrained:
-                    inp.token_bitmask = jax.ShapeDtypeStruct((s, -(-self.model_config.vocab_size // 32)), jnp.int32)
+                layout = Layout.of(self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
+                                                    num_logprobs=num_logprobs, constrained=constrained,
+                                                    spec_width=width).sampler)
+                sampler_bytes = jax.ShapeDtypeStruct((layout.num_bytes,), jnp.uint8)
+                bitmask = jax.ShapeDtypeStruct((s, -(-self.model_config.vocab_size // 32)), jnp.int32) \
+                    if constrained else None
                 logits = jax.ShapeDtypeStruct((s * width, self.model_config.vocab_size), jnp.float32)
-                return self.sampler.lower(logits, self.penalty, inp, self.last_tokens,
-                                          SamplerOutput.structs(s, num_logprobs, width))
+                return self.sampler.lower(logits, self.penalty, sampler_bytes, bitmask, self.last_tokens,
+                                          SamplerOutput.structs(s, num_logprobs, width), layout)
             case GraphKey("prompt", (t,)):
                 hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype)
                 return self.prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32))
@@ -451,7 +465,7 @@ class StepGraphs:
         return self.manager.get(key, functools.partial(self.lower, key))
 
     def key_inputs(self, key: GraphKey) -> StepInputs:
-        """Host inputs of a step of the sizes of a model (or stage) graph's key."""
+        """Host inputs of a step of the sizes of a model graph's key."""
         t, s, decode_only, width, groups = key.dims
         return self.step_inputs(num_tokens=t, num_seqs=s, decode_only=decode_only, spec_width=width,
                                 cascade_groups=groups)

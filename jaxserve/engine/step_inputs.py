@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -129,10 +130,11 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
     return StepInputs(model, sampler, prompt)
 
 
-def pack(leaves: Sequence[np.ndarray]) -> np.ndarray:
-    """Host arrays as one byte buffer, one after another: a step's inputs go to the device as one transfer, where
-    each array of its own would cost a transfer's fixed host time (unpack reads them back in a graph)."""
-    return np.concatenate([np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in leaves])
+def pack(tree) -> np.ndarray:
+    """tree's host arrays as one byte buffer, one after another: a step's inputs, (model, sampler), go to the
+    device as one transfer, where each array of its own would cost a transfer's fixed host time (`Layout` reads
+    them back in a graph)."""
+    return np.concatenate([np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in jax.tree.leaves(tree)])
 
 
 def unpack(packed: jax.Array, layout: Sequence[tuple[tuple[int, ...], str]]) -> list[jax.Array]:
@@ -154,6 +156,26 @@ def unpack(packed: jax.Array, layout: Sequence[tuple[tuple[int, ...], str]]) -> 
 def layout_of(leaves) -> tuple[tuple[tuple[int, ...], str], ...]:
     """(shape, dtype) of each array: unpack's layout, hashable."""
     return tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves)
+
+
+class Layout(NamedTuple):
+    """Where one part of a packed step lies: the part's pytree structure and its leaves' (shape, dtype); hashable,
+    a graph's static argument."""
+    treedef: jax.tree_util.PyTreeDef
+    leaves: tuple
+
+    @staticmethod
+    def of(tree) -> Layout:
+        leaves, treedef = jax.tree.flatten(tree)
+        return Layout(treedef, layout_of(leaves))
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in self.leaves)
+
+    def unpack(self, packed: jax.Array):
+        """The part from its bytes (traced)."""
+        return self.treedef.unflatten(unpack(packed, self.leaves))
 
 
 def share_prefixes(block_tables: np.ndarray, kv_lens: np.ndarray, block_size: int, max_groups: int,
