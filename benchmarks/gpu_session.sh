@@ -501,7 +501,7 @@ case $1 in
     build_calls
     PARTS=" ${PARTS:-tests cmdbuf 8b moe} "
     [[ $PARTS == *" tests "* ]] && run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py \
-      tests/test_llm_engine.py -k "split_bytes or sent_bytes or batched_greedy_matches_hf or keep_their_buffers"
+      tests/test_llm_engine.py -k "copy_outside_graphs or sent_bytes or tiny_model_batched_greedy or keep_their_buffers"
     STEP_B1="benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 --steps 64 --quantization fp8"
     if [[ $PARTS == *" cmdbuf "* ]]; then
       for tree in . "$AB"; do

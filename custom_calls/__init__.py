@@ -1,6 +1,6 @@
 """CUDA custom calls through the XLA FFI: paged decode attention, in-place KV-cache updates, the linear layers of
 decode-sized steps (bf16 and W8A16), the W8A8 quantize and GEMM of larger steps, MoE routing, and the copy of a
-step's input bytes that runs outside XLA's CUDA graphs.
+step's input bytes that XLA runs outside its CUDA graphs.
 
 Cache layout (shared with the Pallas kernels and the engine): per layer K and V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; block 0 is a null block for padding
@@ -35,7 +35,7 @@ TARGETS = {
     "jaxserve_rope_and_cache": "JaxserveRopeAndCache",
     "jaxserve_add_rms_norm": "JaxserveAddRmsNorm",
     "jaxserve_copy_blocks": "JaxserveCopyBlocks",
-    "jaxserve_split_bytes": "JaxserveSplitBytes",
+    "jaxserve_copy_outside_graphs": "JaxserveCopyOutsideGraphs",
     "jaxserve_decode_linear": "JaxserveDecodeLinear",
     "jaxserve_moe_route": "JaxserveMoeRoute",
     "jaxserve_fp8_quantize_rows": "JaxserveFp8QuantizeRows",
@@ -277,23 +277,17 @@ def call_in_place(target: str, k_cache, v_cache, *args):
     return k_out, v_out
 
 
-def split_bytes_reference(x, at: int):
-    """x [N] as (x[:at], x[at:])."""
-    return x[:at], x[at:]
+def copy_outside_graphs(x):
+    """x [N] bytes as they are; on an NVIDIA GPU a copy that XLA runs outside its CUDA graphs (the call has no
+    command-buffer trait): a graph whose only reader of x this is reads a new buffer at every run without being
+    recorded again, the copy landing in its temp buffer, whose address stays."""
+    if x.dtype != jnp.uint8 or x.ndim != 1:
+        raise ValueError(f"copy_outside_graphs takes uint8 [N], got {x.dtype} {x.shape}")
+    return call_copy_outside_graphs(x) if available() else x
 
 
-def split_bytes(x, at: int):
-    """split_bytes_reference; on an NVIDIA GPU as two copies that XLA runs outside its CUDA graphs (the call has
-    no command-buffer trait): a graph whose first op this is reads x, a new buffer at every run, without being
-    recorded again, and x[:at] lands in its temp buffer, whose address stays."""
-    if x.dtype != jnp.uint8 or x.ndim != 1 or not 0 <= at <= x.shape[0]:
-        raise ValueError(f"split_bytes takes uint8 [N] and 0 <= at <= N, got {x.dtype} {x.shape} and {at}")
-    return call_split_bytes(x, at) if available() else split_bytes_reference(x, at)
-
-
-def call_split_bytes(x, at: int):
-    parts = (jax.ShapeDtypeStruct((at,), jnp.uint8), jax.ShapeDtypeStruct((x.shape[0] - at,), jnp.uint8))
-    return tuple(jax.ffi.ffi_call("jaxserve_split_bytes", parts)(x))
+def call_copy_outside_graphs(x):
+    return jax.ffi.ffi_call("jaxserve_copy_outside_graphs", jax.ShapeDtypeStruct(x.shape, jnp.uint8))(x)
 
 
 def reshape_and_cache(k_cache, v_cache, k, v, slot_mapping):

@@ -27,7 +27,7 @@ FP8 = jnp.float8_e4m3fn
 CACHE_DTYPES = [pytest.param(None, id="cache=q"), pytest.param(FP8, id="cache=fp8")]   # None: q's dtype
 SYMBOLS = ("JaxservePagedDecodeAttention", "JaxserveReshapeAndCache", "JaxserveCopyBlocks", "JaxserveDecodeLinear",
            "JaxserveMoeRoute", "JaxserveFp8QuantizeRows", "JaxserveFp8ScaledMm", "JaxserveFp8Mm",
-           "JaxserveSplitBytes", "JaxserveHasCublasLt")
+           "JaxserveCopyOutsideGraphs", "JaxserveHasCublasLt")
 
 
 def fresh_rng():
@@ -664,8 +664,8 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
         bf16 = cc.call_decode_linear(x, [kernel, kernel[:, :32]], None, launch=(1, 1, 2))
         gated = cc.call_decode_linear(x, [w, w], [scale, scale], launch=(1, 1, 2), gated=True)
         added = cc.call_add_rms_norm(x * 2, x, x[0], 1e-5)
-        split = cc.call_split_bytes(sent, 600)
-        return k_cache, v_cache, out, rotated, linear, bf16, gated, route, xq, normed, mm, unscaled, added, split
+        copied = cc.call_copy_outside_graphs(sent)
+        return k_cache, v_cache, out, rotated, linear, bf16, gated, route, xq, normed, mm, unscaled, added, copied
 
     args = [case[k] for k in ("k_cache", "v_cache", "new_k", "new_v", "slots", "q", "kv_lens", "block_tables")]
     args += [jnp.zeros((3, 128), jnp.bfloat16), jnp.zeros((64, 128), FP8), jnp.ones(64, jnp.float32),
@@ -706,7 +706,7 @@ def test_calls_lower_for_cuda_with_aliases_and_attributes(library):
     for attr in ("input = 1 : i32", "input = 2 : i32", "eps = 9.99999974E-6 : f32"):
         assert attr in text, attr
     assert f"-> (tensor<3x64xbf16>, tensor<{cc.FP8_SCALED_MM_WORKSPACE}xui8>)" in text  # y + cuBLASLt's workspace
-    assert "(tensor<1000xui8>) -> (tensor<600xui8>, tensor<400xui8>)" in text   # split_bytes: head, tail
+    assert "(tensor<1000xui8>) -> tensor<1000xui8>" in text   # copy_outside_graphs
 
 
 # ---------------------------------------------------------------- GPU: CUDA ops vs references
@@ -823,25 +823,23 @@ def test_large_fp8_decode_steps_run_the_tensor_core_call():
 
 
 @needs_gpu
-@pytest.mark.parametrize("size, at", [(1237, 611), (1237, 0), (1237, 1237), (1, 1), (300_001, 299_999)])
-def test_split_bytes_gives_the_references_bytes(size, at):
-    """Odd sizes and offsets (no 16-byte alignment anywhere), the empty head and tail; the outputs' memory poisoned
-    first, so a byte the call did not write shows."""
+@pytest.mark.parametrize("size", [1, 1237, 300_001, 0])
+def test_copy_outside_graphs_gives_the_bytes(size):
+    """Odd sizes (no 16-byte multiple), the empty buffer; the output's memory poisoned first, so a byte the call
+    did not write shows."""
     assert cc.available(), cc.unavailable_reason()
     seed, rng = fresh_rng()
     x = jnp.asarray(rng.integers(0, 256, size, dtype=np.uint8))
-    for n in (at, size - at):
-        jnp.full(n, 0xA5, jnp.uint8).block_until_ready()   # poison: freed memory the outputs are likely to reuse
-    out = jax.jit(cc.split_bytes, static_argnums=1)(x, at)
-    for got, want in zip(out, cc.split_bytes_reference(x, at)):
-        assert_same_bits(got, want, seed)
+    jnp.full(size, 0xA5, jnp.uint8).block_until_ready()   # poison: freed memory the output is likely to reuse
+    copy = jax.jit(cc.copy_outside_graphs)
+    assert "jaxserve_copy_outside_graphs" in copy.lower(x).as_text()
+    assert_same_bits(copy(x), x, seed)
 
 
-@pytest.mark.parametrize("x, at", [(np.zeros(8, np.int8), 2), (np.zeros((2, 4), np.uint8), 2),
-                                   (np.zeros(8, np.uint8), 9), (np.zeros(8, np.uint8), -1)])
-def test_split_bytes_refuses_what_is_not_bytes_or_not_inside(x, at):
-    with pytest.raises(ValueError, match="split_bytes takes uint8"):
-        cc.split_bytes(jnp.asarray(x), at)
+@pytest.mark.parametrize("x", [np.zeros(8, np.int8), np.zeros((2, 4), np.uint8)])
+def test_copy_outside_graphs_refuses_what_is_not_bytes(x):
+    with pytest.raises(ValueError, match="copy_outside_graphs takes uint8"):
+        cc.copy_outside_graphs(jnp.asarray(x))
 
 
 @needs_gpu

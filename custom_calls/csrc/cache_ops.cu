@@ -4,7 +4,7 @@
 // dtype-agnostic 16-byte copies (FP8 caches included): a cache slot row
 // (Hkv * D elements) and a cache block are contiguous. RopeAndCache makes the
 // rows it writes: rotary embeddings applied where the cache is written.
-// SplitBytes moves a step's input bytes where XLA's CUDA graphs will read them.
+// CopyOutsideGraphs moves a step's input bytes to where XLA's CUDA graphs read them.
 #include <type_traits>
 
 #include "common.h"
@@ -205,20 +205,15 @@ ffi::Error CopyBlocks(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffe
   return LaunchStatus("copy_blocks launch");
 }
 
-// src's bytes as head and tail (the first head->size_bytes() of them, then the rest) by two copies on the stream.
-// Registered without the command-buffer trait, so XLA runs it as a thunk of its own before the step's CUDA graph:
-// src, a step's inputs just sent, is a new buffer at every step, and a graph command reading it would have XLA
-// record the whole graph again; head, in XLA's temp buffer, stays where the graph's commands read it.
-ffi::Error SplitBytes(cudaStream_t stream, ffi::Buffer<ffi::U8> src, ffi::Result<ffi::Buffer<ffi::U8>> head,
-                      ffi::Result<ffi::Buffer<ffi::U8>> tail) {
-  const size_t head_bytes = head->size_bytes();
-  if (head_bytes + tail->size_bytes() != src.size_bytes())
-    return ffi::Error::InvalidArgument("head and tail must hold src's bytes exactly");
-  const auto* from = static_cast<const char*>(src.untyped_data());
-  if (head_bytes) cudaMemcpyAsync(head->untyped_data(), from, head_bytes, cudaMemcpyDeviceToDevice, stream);
-  if (tail->size_bytes())
-    cudaMemcpyAsync(tail->untyped_data(), from + head_bytes, tail->size_bytes(), cudaMemcpyDeviceToDevice, stream);
-  return LaunchStatus("split_bytes copies");
+// src's bytes into out, a copy on the stream. Registered without the command-buffer trait, so XLA runs it as a
+// thunk of its own before the step's CUDA graph: src, a step's inputs just sent, is a new buffer at every step,
+// and a graph command reading it would have XLA record the whole graph again; out, in XLA's temp buffer, stays
+// where the graph's commands read it.
+ffi::Error CopyOutsideGraphs(cudaStream_t stream, ffi::Buffer<ffi::U8> src, ffi::Result<ffi::Buffer<ffi::U8>> out) {
+  if (out->size_bytes() != src.size_bytes()) return ffi::Error::InvalidArgument("out must be src's size");
+  if (src.size_bytes())
+    cudaMemcpyAsync(out->untyped_data(), src.untyped_data(), src.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  return LaunchStatus("copy_outside_graphs");
 }
 
 template <typename T, typename C>
@@ -336,9 +331,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCopyBlocks, jaxserve::CopyBlocks,
                                   .Ret<xla::ffi::AnyBuffer>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSplitBytes, jaxserve::SplitBytes,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCopyOutsideGraphs, jaxserve::CopyOutsideGraphs,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>());

@@ -41,16 +41,16 @@ class Unsampled:
 class StableBuffers:
     """The model graphs' buffers keep their addresses from step to step. On a GPU XLA runs a graph as one CUDA graph
     and records it again, with the device idle, whenever a buffer it reads or writes has moved: milliseconds at
-    every step if each step's inputs and outputs were new arrays. So a step's inputs, the model's and the sampler's,
-    are sent as one byte buffer (a transfer costs the host the same whatever its size), which the model graph copies
-    into its temp buffer outside its CUDA graph (step_graphs.run_sent_model), and its logits and hidden states are
-    written over the last ones of their shapes (donated outputs). The sampler's outputs rotate through SAMPLED_RING
-    buffers a graph: the host reads a step's samples while the next steps run, and a new array left alive across a
-    step would move the next step's scratch memory (XLA's temp buffer). A step's new arrays (the bytes sent, the
-    sampler's bytes the model graph hands on) are made before anything else of the step is allocated and held until
-    the step before it is done (HELD_STEPS): they then take the places of those of two steps before, each step finds
-    the allocator as the last one left it, and the temp buffer stays where it was. (A transfer's buffer dropped at
-    once is freed whenever its copy finishes, in between a step's allocations: the temp buffer moves.)"""
+    every step if each step's inputs and outputs were new arrays. So a step's model inputs are sent as one byte
+    buffer (a transfer costs the host the same whatever its size), which the model graph copies into its temp buffer
+    outside its CUDA graph (step_graphs.run_sent_model), and its logits and hidden states are written over the last
+    ones of their shapes (donated outputs). The sampler's inputs are sent as bytes too (its small graph is recorded
+    again at every step: its outputs rotate through SAMPLED_RING buffers, since the host reads a step's samples
+    while the next steps run and a new array left alive across a step would move the next step's scratch memory,
+    XLA's temp buffer). A step's sent buffers are made before anything else of the step is allocated and held
+    until the step before it is done (HELD_STEPS): they then take the places of those of two steps before, each step
+    finds the allocator as the last one left it, and the temp buffer stays where it was. (A transfer's buffer
+    dropped at once is freed whenever its copy finishes, in between a step's allocations: the temp buffer moves.)"""
     SAMPLED_RING = 3
     HELD_STEPS = 2   # the step being launched and the one in flight: older ones are done when the next launches
 
@@ -58,7 +58,7 @@ class StableBuffers:
         self.graphs = graphs
         self.outputs: dict[tuple, jax.Array] = {}    # (0: logits | 1: hidden, shape) -> a free output buffer
         self.sampled: dict[tuple, list[SamplerOutput]] = {}   # sampler graph dims -> its outputs, oldest first
-        self.held: deque[list] = deque([[]], maxlen=self.HELD_STEPS)   # per recent step, its sent inputs
+        self.held: deque[list] = deque(maxlen=self.HELD_STEPS)   # per recent step, its sent inputs
         # a CPU's arrays are host memory already: a host view of one would keep its buffer from being donated again
         self.copies_to_host = graphs.mesh.devices.flat[0].platform != "cpu"
 
@@ -71,19 +71,15 @@ class StableBuffers:
                 ring = self.sampled.setdefault(key.dims, [])
                 ring += [self.sampled_buffers(key) for _ in range(self.SAMPLED_RING - len(ring))]
 
-    def stage(self, inp: StepInputs) -> jax.Array | np.ndarray:
-        """The step's inputs as one byte buffer on the device (step_inputs.pack), held for HELD_STEPS steps.
-        (Across processes device_put would check that every process holds the same values, a collective a step:
-        there the graphs take the host's bytes.)"""
-        self.held.append([])
-        packed = pack((inp.model, inp.sampler))
-        return self.hold(jax.device_put(packed, self.graphs.replicated)) \
-            if self.graphs.replicated.is_fully_addressable else packed
-
-    def hold(self, x: jax.Array) -> jax.Array:
-        """x, a new buffer of this step's, freed only once the step after it is done."""
-        self.held[-1].append(x)
-        return x
+    def stage(self, inp: StepInputs) -> list[jax.Array | np.ndarray]:
+        """The step's model and sampler inputs as two byte buffers on the device (step_inputs.pack), held for
+        HELD_STEPS steps. (Across processes device_put would check that every process holds the same values, a
+        collective a step: there the graphs take the host's bytes.)"""
+        packed = [pack(inp.model), pack(inp.sampler)]
+        if not self.graphs.replicated.is_fully_addressable:
+            return packed
+        self.held.append(sent := jax.device_put(packed, self.graphs.replicated))
+        return sent
 
     def take_outputs(self, key: GraphKey) -> tuple[jax.Array, jax.Array]:
         """The (logits, hidden) buffers the model graph of key writes over."""
@@ -172,11 +168,9 @@ class ModelRunner:
         model, sampler, *prompt = map(self.graphs.get, keys)
         split = self.graphs.draft_split(keys[0])
         cache, features = (self.kv_cache, self.features) if split is None else (self.kv_cache[:split], None)
-        packed, outputs = self.buffers.stage(inp), self.buffers.take_outputs(keys[0])
-        cache, logits, hidden, features, sampler_bytes = model(self.params, cache, self.last_tokens, packed, features,
-                                                               outputs)
+        (model_bytes, sampler_bytes), outputs = self.buffers.stage(inp), self.buffers.take_outputs(keys[0])
+        cache, logits, hidden, features = model(self.params, cache, self.last_tokens, model_bytes, features, outputs)
         self.buffers.keep_outputs(logits, hidden)
-        self.buffers.hold(sampler_bytes)
         self.kv_cache = cache if split is None else cache + self.kv_cache[split:]
         self.features = self.features if features is None else features
         prompt_out = self.buffers.copy_to_host_soon(prompt[0](self.params, hidden, inp.next_prompt_ids)) \

@@ -185,19 +185,18 @@ def overwrite(old, new):
     return jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new)
 
 
-def run_sent_model(params, kv_cache, last_tokens, packed, features=None, outputs=None, layout: Layout = None, **kw):
-    """The model graph of a step whose inputs came as one byte buffer (step_inputs.pack): run_model's outputs over
-    the model's inputs unpacked from the buffer's first layout.num_bytes, then the rest, the sampler's inputs'
-    bytes. On a GPU the split runs outside the graph's CUDA graph (custom_calls.split_bytes): the buffer is new at
-    every step, and the graph recorded over the bytes it reads is launched as it is."""
-    model_bytes, sampler_bytes = custom_calls.split_bytes(packed, layout.num_bytes)
-    return *run_model(params, kv_cache, last_tokens, layout.unpack(model_bytes), features, outputs, **kw), \
-        sampler_bytes
+def run_sent_model(params, kv_cache, last_tokens, model_bytes, features=None, outputs=None, layout: Layout = None,
+                   **kw):
+    """run_model over the model's inputs as they were sent, one byte buffer (step_inputs.pack). On a GPU the bytes
+    are copied first, outside the graph's CUDA graph (custom_calls.copy_outside_graphs): the buffer is new at every
+    step, and the graph recorded over the copy it reads is launched as it is."""
+    return run_model(params, kv_cache, last_tokens, layout.unpack(custom_calls.copy_outside_graphs(model_bytes)),
+                     features, outputs, **kw)
 
 
 def sent(inp: StepInputs, features, outputs) -> tuple:
     """A model graph's arguments after the cache and the last tokens, for inp's step (run_sent_model's)."""
-    return pack((inp.model, inp.sampler)), features, outputs, Layout.of(inp.model)
+    return pack(inp.model), features, outputs, Layout.of(inp.model)
 
 
 def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens,
@@ -219,8 +218,8 @@ def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens,
 
 def run_sent_sampler(logits, penalty: PenaltyState, sampler_bytes, token_bitmask, last_tokens,
                      outputs: SamplerOutput | None = None, layout: Layout = None):
-    """run_sampler over the sampler's inputs unpacked from their bytes (run_sent_model's last output); a
-    constrained step's token bitmask, made on the host after its model graph was launched, comes beside them."""
+    """run_sampler over the sampler's inputs unpacked from the bytes they were sent as; a constrained step's token
+    bitmask, made on the host after its model graph was launched, comes beside them."""
     inp = layout.unpack(sampler_bytes)
     if token_bitmask is not None:
         inp = dataclasses.replace(inp, token_bitmask=token_bitmask)
@@ -320,7 +319,7 @@ class StepGraphs:
         rep, params = self.replicated, jax.tree.map(lambda x: x.sharding, self.params)
         cache = self.backend.cache_sharding   # every layer's (a prefix of the cache's pytree)
         model = functools.partial(jax.jit, in_shardings=(params, cache, rep, rep, rep, rep),
-                                  out_shardings=(cache, rep, rep, rep, rep), static_argnums=6, donate_argnums=(1, 4, 5))
+                                  out_shardings=(cache, rep, rep, rep), static_argnums=6, donate_argnums=(1, 4, 5))
         run = functools.partial(run_sent_model, model_def=model_def, kernels=self.kernels, mesh=self.mesh,
                                 fence=self.backend.fence, block_size=self.cfg.block_size)
         self.model = self.drafting_model = model(run)

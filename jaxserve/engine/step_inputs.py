@@ -131,9 +131,9 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
 
 
 def pack(tree) -> np.ndarray:
-    """tree's host arrays as one byte buffer, one after another: a step's inputs, (model, sampler), go to the
-    device as one transfer, where each array of its own would cost a transfer's fixed host time (`Layout` reads
-    them back in a graph)."""
+    """tree's host arrays as one byte buffer, one after another: a step's model inputs go to the device as one
+    transfer and its sampler inputs as another, where each array of its own would cost a transfer's fixed host
+    time (`Layout` reads them back in a graph)."""
     return np.concatenate([np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in jax.tree.leaves(tree)])
 
 
