@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.step_graphs import bucket_ladders, step_shape, step_sizes
-from jaxserve.engine.step_inputs import layout_of, pack, unpack
+from jaxserve.engine.step_inputs import PACK_ALIGN, layout_of, pack, unpack
 
 
 def compiled_shapes(cfg: EngineConfig, has_decode_kernel: bool, cpu: bool = False) -> set:
@@ -98,7 +98,13 @@ def test_unpack_in_a_graph_gives_back_the_bits_pack_joined():
               rng.integers(0, 2**32, (3, 2), dtype=np.uint64).astype(np.uint32),
               np.array([np.nan, -0.0, 1e-45, np.inf, -1.5], np.float32),
               rng.integers(-2**31, 2**31, (2, 7), dtype=np.int32), np.zeros((0,), np.int32), np.array([True])]
-    out = jax.jit(unpack, static_argnums=1)(pack(leaves), layout_of(leaves))
+    packed = pack(leaves)
+    at = 0   # each leaf from a multiple of PACK_ALIGN (a GPU kernel may refuse an unaligned view of the buffer)
+    for leaf in leaves:
+        assert at % PACK_ALIGN == 0 and np.array_equal(packed[at:at + leaf.nbytes], leaf.view(np.uint8).reshape(-1))
+        at += -(-leaf.nbytes // PACK_ALIGN) * PACK_ALIGN
+    assert at == packed.size
+    out = jax.jit(unpack, static_argnums=1)(packed, layout_of(leaves))
     assert layout_of(out) == layout_of(leaves)
     for got, want in zip(out, leaves):
         assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))

@@ -218,9 +218,10 @@ def run_sampler(logits, penalty: PenaltyState, inp: SamplerInputs, last_tokens,
 
 def run_sent_sampler(logits, penalty: PenaltyState, sampler_bytes, token_bitmask, last_tokens,
                      outputs: SamplerOutput | None = None, layout: Layout = None):
-    """run_sampler over the sampler's inputs unpacked from the bytes they were sent as; a constrained step's token
-    bitmask, made on the host after its model graph was launched, comes beside them."""
-    inp = layout.unpack(sampler_bytes)
+    """run_sampler over the sampler's inputs unpacked from the bytes they were sent as (copied first, as the
+    model's are: run_sent_model); a constrained step's token bitmask, made on the host after its model graph was
+    launched, comes beside them."""
+    inp = layout.unpack(custom_calls.copy_outside_graphs(sampler_bytes))
     if token_bitmask is not None:
         inp = dataclasses.replace(inp, token_bitmask=token_bitmask)
     return run_sampler(logits, penalty, inp, last_tokens, outputs)

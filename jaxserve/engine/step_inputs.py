@@ -130,11 +130,25 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
     return StepInputs(model, sampler, prompt)
 
 
+# Each array of a packed buffer starts at a multiple of this many bytes, as XLA's own buffers do on a GPU: the
+# graph's unpacked arrays are views of the buffer, and a GPU kernel may refuse one that is not aligned.
+PACK_ALIGN = 256
+
+
+def aligned(num_bytes: int) -> int:
+    return -(-num_bytes // PACK_ALIGN) * PACK_ALIGN
+
+
 def pack(tree) -> np.ndarray:
-    """tree's host arrays as one byte buffer, one after another: a step's model inputs go to the device as one
-    transfer and its sampler inputs as another, where each array of its own would cost a transfer's fixed host
-    time (`Layout` reads them back in a graph)."""
-    return np.concatenate([np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in jax.tree.leaves(tree)])
+    """tree's host arrays as one byte buffer, one after another (each from a multiple of PACK_ALIGN): a step's
+    model inputs go to the device as one transfer and its sampler inputs as another, where each array of its own
+    would cost a transfer's fixed host time (`Layout` reads them back in a graph)."""
+    leaves = [np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in jax.tree.leaves(tree)]
+    packed, at = np.zeros(sum(aligned(x.size) for x in leaves), np.uint8), 0
+    for x in leaves:
+        packed[at:at + x.size] = x
+        at += aligned(x.size)
+    return packed
 
 
 def unpack(packed: jax.Array, layout: Sequence[tuple[tuple[int, ...], str]]) -> list[jax.Array]:
@@ -144,7 +158,7 @@ def unpack(packed: jax.Array, layout: Sequence[tuple[tuple[int, ...], str]]) -> 
         dtype = np.dtype(dtype)
         size = math.prod(shape) * dtype.itemsize
         raw = packed[at:at + size]
-        at += size
+        at += aligned(size)
         if dtype == np.bool_:
             value = raw != 0
         else:
@@ -171,7 +185,7 @@ class Layout(NamedTuple):
 
     @property
     def num_bytes(self) -> int:
-        return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in self.leaves)
+        return sum(aligned(math.prod(shape) * np.dtype(dtype).itemsize) for shape, dtype in self.leaves)
 
     def unpack(self, packed: jax.Array):
         """The part from its bytes (traced)."""
