@@ -243,7 +243,7 @@ def test_step_donates_the_cache_and_penalty_state(tiny_llm):
         engine.step()
 
 
-def test_decode_steps_keep_their_buffers_where_they_were(tiny):
+def test_decode_steps_keep_their_buffers_where_they_were(tiny, monkeypatch):
     """A model graph's outputs and the sampled tokens stay at their device addresses from step to step, the new
     values written into them, and the sampler's outputs rotate through the same few buffers: on a GPU a buffer that
     moves makes XLA re-record the step's CUDA graph. A step's model and sampler inputs come as two new byte
@@ -271,6 +271,14 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny):
     assert [len(step) for step in runner.buffers.held] == [2, 2]
     assert all(isinstance(x, jax.Array) and x.dtype == jnp.uint8 and x.ndim == 1 and x.size
                for step in runner.buffers.held for x in step)
+    # the oldest step's buffers are let go before a step's are sent, so the new ones can take their places (sent
+    # first, they would cycle through three places, and the model graph's temp buffer with them)
+    held_when_sent, device_put = [], jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **kw: held_when_sent.append(
+        [len(step) for step in runner.buffers.held]) or device_put(x, *a, **kw))
+    engine.step()
+    monkeypatch.undo()
+    assert held_when_sent == [[2, 0]]
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -75,11 +75,12 @@ class StableBuffers:
         """The step's model and sampler inputs as two byte buffers on the device (step_inputs.pack), held for
         HELD_STEPS steps. (Across processes device_put would check that every process holds the same values, a
         collective a step: there the graphs take the host's bytes.)"""
+        self.held.append([])   # the oldest step's buffers are let go first: the new ones take their places
         packed = [pack(inp.model), pack(inp.sampler)]
         if not self.graphs.replicated.is_fully_addressable:
             return packed
-        self.held.append(sent := jax.device_put(packed, self.graphs.replicated))
-        return sent
+        self.held[-1] = jax.device_put(packed, self.graphs.replicated)
+        return self.held[-1]
 
     def take_outputs(self, key: GraphKey) -> tuple[jax.Array, jax.Array]:
         """The (logits, hidden) buffers the model graph of key writes over."""
