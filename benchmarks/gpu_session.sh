@@ -495,7 +495,7 @@ case $1 in
     done
     if [ "$1" = moe-host-ab ]; then run 200 $MOE_BATCH1
     else run 200 python ${STEP_B1% --quantization fp8} --profile 8; fi ;;
-  sent-inputs-ab)   # the model graph splits the step's sent bytes outside its CUDA graph (no stage graph): its
+  sent-inputs-ab)   # the model graph copies the step's sent bytes outside its CUDA graph (no stage graph): its
     # GPU tests; per CUDA graph (by command count) its updates over FP8 batch-1 runs of this tree and $AB's; then
     # RUNS alternating pairs of the FP8 8B's batch-1 step (8b) and of the MoE's (moe), this tree first
     build_calls

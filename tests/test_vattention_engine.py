@@ -231,7 +231,7 @@ def test_the_cache_guard_catches_a_dropped_donation_and_a_whole_cache_read(preco
     struct = graphs.cache_shape.k
     inp = graphs.step_inputs(num_tokens=16, num_seqs=4)
     undonated = jax.jit(graphs.model.__wrapped__, static_argnums=6).lower(
-        graphs.params, graphs.cache_shape, graphs.last_tokens, *step_graphs.sent(inp, None, None))
+        graphs.params, graphs.cache_shape, graphs.last_tokens, *step_graphs.model_args(inp, None, None))
     with pytest.raises(AssertionError, match="not aliased"):
         check_cache_untouched_whole(undonated.compile(), struct)
     summed = jax.jit(lambda c: (c + 1, c.sum()), donate_argnums=0).lower(struct).compile()

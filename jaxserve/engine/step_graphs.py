@@ -194,7 +194,7 @@ def run_sent_model(params, kv_cache, last_tokens, model_bytes, features=None, ou
                      features, outputs, **kw)
 
 
-def sent(inp: StepInputs, features, outputs) -> tuple:
+def model_args(inp: StepInputs, features, outputs) -> tuple:
     """A model graph's arguments after the cache and the last tokens, for inp's step (run_sent_model's)."""
     return pack(inp.model), features, outputs, Layout.of(inp.model)
 
@@ -414,7 +414,7 @@ class StepGraphs:
         verifiers = [GraphKey("sampler", (s, mode, n, False, self.speculative.width))
                      for s in reversed(self.spec_seq_buckets) for mode in SAMPLER_MODES for n in (0, MAX_LOGPROBS)]
         return prompts + samplers + verifiers + [self.reset_key(s, w) for s in self.seq_buckets
-                                                          for w in self.reset_widths]
+                                                 for w in self.reset_widths]
 
     # ---- graphs ------------------------------------------------------------------------------------
     def lower(self, key: GraphKey) -> jax.stages.Lowered:
@@ -426,14 +426,14 @@ class StepGraphs:
                 model, cache, features = ((self.drafting_model, self.cache_shape, self.features) if split is None
                                           else (self.model, self.cache_shape[:split], None))
                 outputs = self.output_structs(t, s, width)
-                return model.lower(self.params, cache, self.last_tokens, *sent(inp, features, outputs))
+                return model.lower(self.params, cache, self.last_tokens, *model_args(inp, features, outputs))
             case GraphKey("peak"):   # a stand-in cache: temp memory does not depend on its size (a row: contiguous)
                 stand_in = self.backend.cache_structs(self.backend.blocks_per_row or 2)
                 rows = self.seq_buckets[-1]
                 inp = self.step_inputs(num_tokens=self.token_buckets[-1], num_seqs=rows)
                 features = None if self.features is None else \
                     jax.ShapeDtypeStruct((rows, self.features.shape[1]), self.features.dtype)
-                return self.drafting_model.lower(self.params, stand_in, self.last_tokens, *sent(
+                return self.drafting_model.lower(self.params, stand_in, self.last_tokens, *model_args(
                     inp, features, self.output_structs(self.token_buckets[-1], rows, 1)))
             case GraphKey("sampler", (s, mode, num_logprobs, constrained, width)):
                 layout = Layout.of(self.step_inputs(num_tokens=self.token_buckets[0], num_seqs=s, sampler_mode=mode,
