@@ -424,12 +424,14 @@ case $1 in
     done
     grep -h "^jaxserve:" "$LOG" ;;
   fp8-linear-ab)   # the W8A16 decode kernel against the tree in $AB (its commit in $AB_COMMIT): its GPU tests, then
-    # each tree's decode GEMMs alone and its batch-1 FP8 step profiled
+    # each tree's decode GEMMs alone (GEMMS=0: not) and its batch-1 FP8 step profiled
     build_calls
     run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py -k "_linear_"
-    run 150 python benchmarks/fp8_gemm.py --decode --out "$OUT/fp8_decode_gemm_gpu.json"
-    (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 150 python benchmarks/fp8_gemm.py --decode \
-      --out "$OUT/fp8_decode_gemm_gpu_ab.json")
+    if [ "${GEMMS:-1}" = 1 ]; then
+      run 150 python benchmarks/fp8_gemm.py --decode --out "$OUT/fp8_decode_gemm_gpu.json"
+      (cd "$AB" && JAXSERVE_COMMIT=$AB_COMMIT run 150 python benchmarks/fp8_gemm.py --decode \
+        --out "$OUT/fp8_decode_gemm_gpu_ab.json")
+    fi
     for tree in "$PWD" "$AB"; do
       (cd "$tree" && run 120 python benchmarks/step_timeline.py --config $CONFIG --num-prompts 1 --input-len 128 \
         --steps 64 --profile 16 --quantization fp8)
