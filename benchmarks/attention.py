@@ -1,4 +1,4 @@
-"""Paged attention on one GPU: jaxserve's Pallas kernel against its peers, and the copy ceiling, in one run.
+"""Paged attention on one GPU: jaxserve's Pallas kernel against its peers, and the memory ceiling, in one run.
 
 Llama-3-8B heads (32 q / 8 kv / 128), bf16, block size 16, pages in random order. `--kv-dtype fp8` adds our rows
 over the same caches in float8 e4m3 (q and the output stay bf16) beside the bf16 ones; rows say which in
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import commit, device_busy_ms, write_rows  # noqa: E402
+from benchmarks.common import commit, device_busy_ms, memory_bandwidth_gbps, write_rows  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference  # noqa: E402
 
@@ -161,7 +161,7 @@ class Recorder:
     file's other rows stay) so a cut-off run keeps what it measured."""
 
     def __init__(self, path: str):
-        self.path, self.rows, self.copy_gbps = path, [], None
+        self.path, self.rows, self.memory_gbps = path, [], None
         self.common = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": commit(),
                        "command": " ".join(["python"] + sys.argv)}
 
@@ -172,7 +172,7 @@ class Recorder:
         elif batch is not None:
             gbps = batch.kv_bytes / ms / 1e6
             row.update(ms=ms, gbps=gbps, tflops=batch.flops / ms / 1e9,
-                       pct_copy=100 * gbps / self.copy_gbps if self.copy_gbps else None)
+                       pct_memory=100 * gbps / self.memory_gbps if self.memory_gbps else None)
         else:
             row["ms"] = ms
         row.update(extra)
@@ -204,13 +204,10 @@ def timers(gpu_ms, wall_ms) -> dict:
     return {"timer": "gpu-busy" if gpu_ms else "wall", "wall_ms": wall_ms}
 
 
-def measure_copy(rec: Recorder):
-    """XLA elementwise copy of 2 GiB (read + write bytes): the bandwidth ceiling for this run."""
-    x = jax.random.normal(jax.random.key(0), (1 << 30,), DTYPE)
-    gpu_ms, wall_ms, _ = time_calls(lambda a: a * 2, [(x,), (x,)])
-    rec.copy_gbps = 2 * x.nbytes / (gpu_ms or wall_ms) / 1e6
-    rec.add("copy", "xla-copy", {"bytes": 2 * x.nbytes}, gpu_ms or wall_ms, gbps=rec.copy_gbps,
-            **timers(gpu_ms, wall_ms))
+def measure_memory(rec: Recorder, nbytes: int = 2 << 30):
+    """The memory ceiling for this run (`memory_bandwidth_gbps`); its row's ms: nbytes at that rate."""
+    rec.memory_gbps = memory_bandwidth_gbps(nbytes)
+    rec.add("memory", "xla-read-or-copy", {"bytes": nbytes}, nbytes / rec.memory_gbps / 1e6, gbps=rec.memory_gbps)
 
 
 TUNING = {}  # overrides for every jaxserve-pallas row (--tuning)
@@ -405,7 +402,7 @@ def fits(batch_size, context, free_bytes):
 
 
 def run_full(rec: Recorder, free_bytes):
-    measure_copy(rec)
+    measure_memory(rec)
     for batch_size, context in DECODE_SWEEP:
         if fits(batch_size, context, free_bytes):
             bench_decode(rec, batch_size, context)
@@ -417,7 +414,7 @@ def run_full(rec: Recorder, free_bytes):
 
 def run_prefill(rec: Recorder):
     """Prefill backends against the peers, the Mosaic kernel's pipeline variants, and the mixed batch."""
-    measure_copy(rec)
+    measure_memory(rec)
     bench_prefill(rec, 8192, tunings=(None, {"prefill_backend": "triton"}, {"prefill_backend": "mosaic"},
                                       {"mosaic_block_kv": 64}))
     bench_mosaic_variants(rec, 8192, variants=({}, {"alternate_rounds": False}))
@@ -441,7 +438,7 @@ def run_plans(rec: Recorder):
     """Decode paths side by side (the decode-only launch with and without its split, the mixed-batch path, the
     CUDA call's splits), cuDNN, and the launch floor (one tiny XLA kernel per call with the same arguments);
     then the prefill peers and the Mosaic kernel's work-item order."""
-    measure_copy(rec)
+    measure_memory(rec)
     for batch_size, context in PLAN_POINTS:
         bf16 = make_batch(jax.random.key(batch_size * context), [1] * batch_size, [context] * batch_size)
         for kv_dtype, batch, expected in kv_variants(bf16):
@@ -471,7 +468,7 @@ def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP, variants=N
     and the CUDA custom call (at each of `cuda_splits`, None its own choice), at each point; the Mosaic kernel's
     tuning `variants` at every point, or (None) its MOSAIC_DECODE_VARIANTS at the tuning points; the Triton
     launch's `triton_variants` at every point."""
-    measure_copy(rec)
+    measure_memory(rec)
     for batch_size, context in sorted(points, key=lambda p: -p[0]):  # large batches first
         if not fits(batch_size, context, free_bytes):
             continue
@@ -495,7 +492,7 @@ def run_mosaic_decode(rec: Recorder, free_bytes, points=DECODE_SWEEP, variants=N
 
 
 def run_tune(rec: Recorder):
-    measure_copy(rec)
+    measure_memory(rec)
     for batch_size, context in TUNE_POINTS:
         bench_decode(rec, batch_size, context, tunings=TUNE_VARIANTS["decode"])
     bench_prefill(rec, 8192, tunings=TUNE_VARIANTS["prefill"])
@@ -550,9 +547,9 @@ def plot(rows, path):
         best = {p: max((r["gbps"] for r in decode if series(r) == impl
                         and (r["params"]["batch"], r["params"]["context"]) == p), default=0) for p in points}
         ax.bar(np.arange(len(points)) + j * width, [best[p] for p in points], width, label=impl)
-    copy = [r["gbps"] for r in rows if r["bench"] == "copy"]
-    if copy:
-        ax.axhline(copy[0], color="k", ls="--", lw=1, label="XLA copy")
+    ceiling = [r["gbps"] for r in rows if r["bench"] == "memory"]
+    if ceiling:
+        ax.axhline(ceiling[0], color="k", ls="--", lw=1, label="memory ceiling")
     ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, [f"B={b}\nctx={c}" for b, c in points])
     ax.set_ylabel("KV read GB/s")
     ax.set_title(f"Paged decode, Llama-3-8B heads, bf16 q, block 16 ({rows[0]['device']})")
@@ -562,14 +559,14 @@ def plot(rows, path):
 
 
 def print_table(rows):
-    print(f"\n{'bench':8} {'impl':17} {'kv':4} {'B':>4} {'ctx':>6} {'ms':>9} {'GB/s':>7} {'TF/s':>6} {'%copy':>6} "
+    print(f"\n{'bench':8} {'impl':17} {'kv':4} {'B':>4} {'ctx':>6} {'ms':>9} {'GB/s':>7} {'TF/s':>6} {'%mem':>6} "
           "tuning / error")
     for r in rows:
         p = r["params"]
         print(f"{r['bench']:8} {r['impl']:17} {p.get('kv_dtype', ''):4} {p.get('batch', ''):>4} "
               f"{p.get('context', ''):>6} "
               f"{r.get('ms') or float('nan'):9.4f} {r.get('gbps') or 0:7.0f} {r.get('tflops') or 0:6.1f} "
-              f"{r.get('pct_copy') or 0:6.1f} {r.get('error', '')[:70] or p.get('tuning', '')}")
+              f"{r.get('pct_memory') or 0:6.1f} {r.get('error', '')[:70] or p.get('tuning', '')}")
 
 
 def main():

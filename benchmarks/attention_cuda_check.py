@@ -1,12 +1,11 @@
 """GPU check of custom_calls.paged_decode_attention: correctness against the pure-JAX reference at
 every timed shape, then timings at B in {8, 64, 256} x ctx in {512, 4096, 16384} (bf16, Llama-3-8B
-heads 32 q / 8 kv / 128, block 16) against the copy bandwidth measured in the same run, plus a
+heads 32 q / 8 kv / 128, block 16) against the memory ceiling measured in the same run, plus a
 num_splits sweep. Rows go to $OUT/attention_cuda.json (or --out).
 
     python3 benchmarks/attention_cuda_check.py [--quick]
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -18,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import custom_calls as cc  # noqa: E402
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import memory_bandwidth_gbps, write_rows  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 BATCHES, CONTEXTS = (8, 64, 256), (512, 4096, 16384)
@@ -30,7 +29,6 @@ TARGET_LOOP_SECONDS = 0.02
 MAX_CALLS = 100          # calls unrolled into one jitted function (no loop overhead between them)
 REPEATS = 7
 TOLERANCE = 2e-2         # bf16, relative L2 error against the f32 reference
-COPY_ELEMS = 1 << 30     # 2 GiB of bf16 for the copy ceiling
 
 
 def median_seconds(fn, *args) -> float:
@@ -41,12 +39,6 @@ def median_seconds(fn, *args) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return float(np.median(times))
-
-
-def copy_gbps() -> float:
-    x = jax.random.normal(jax.random.key(0), (COPY_ELEMS,), jnp.bfloat16)
-    seconds = median_seconds(jax.jit(lambda a: a * 2), x)
-    return 2 * x.nbytes / seconds / 1e9
 
 
 def make_case(batch: int, ctx: int, seed: int):
@@ -87,13 +79,11 @@ def time_decode(q, k_cache, v_cache, kv_lens, tables, num_splits, calls: int) ->
     return median_seconds(jax.jit(run), q, k_cache, v_cache, kv_lens, tables) / calls
 
 
-def row(params: dict, seconds: float, gbps: float, impl: str = "jaxserve-cuda") -> dict:
-    return {"bench": "attention_cuda", "impl": impl, "params": params, "ms": seconds * 1e3, "gbps": gbps,
-            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": commit(),
-            "command": "python3 benchmarks/attention_cuda_check.py"}
+def row(params: dict, seconds: float, gbps: float) -> dict:
+    return {"bench": "attention_cuda", "impl": "jaxserve-cuda", "params": params, "ms": seconds * 1e3, "gbps": gbps}
 
 
-def bench_shape(batch: int, ctx: int, copy: float, rows: list, failures: list) -> None:
+def bench_shape(batch: int, ctx: int, memory: float, rows: list, failures: list) -> None:
     q, k_cache, v_cache, kv_lens, tables, kv_bytes = make_case(batch, ctx, seed=batch * 100003 + ctx)
     default = cc.choose_num_splits(batch, KV_HEADS, Q_HEADS // KV_HEADS, ctx, cc.sm_count())
     for splits in sorted({default, *SPLIT_SWEEP.get((batch, ctx), ())}):
@@ -101,15 +91,15 @@ def bench_shape(batch: int, ctx: int, copy: float, rows: list, failures: list) -
         if not err <= TOLERANCE:
             failures.append(f"B={batch} ctx={ctx} splits={splits}: rel err {err}")
             continue
-        calls = int(np.clip(TARGET_LOOP_SECONDS / (kv_bytes / (copy * 1e9)), 4, MAX_CALLS))
+        calls = int(np.clip(TARGET_LOOP_SECONDS / (kv_bytes / (memory * 1e9)), 4, MAX_CALLS))
         seconds = time_decode(q, k_cache, v_cache, kv_lens, tables, splits, calls)
         params = dict(batch=batch, ctx=ctx, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
                       dtype="bfloat16", num_splits=splits, default_splits=splits == default, rel_err=err,
-                      copy_gbps=copy)
+                      memory_gbps=memory)
         rows.append(row(params, seconds, kv_bytes / seconds / 1e9))
         gbps = rows[-1]["gbps"]
         print(f"B={batch:4d} ctx={ctx:6d} splits={splits:3d}{'*' if splits == default else ' '} "
-              f"{seconds * 1e3:8.3f} ms {gbps:7.0f} GB/s {gbps / copy:6.1%} of copy  err {err:.1e}", flush=True)
+              f"{seconds * 1e3:8.3f} ms {gbps:7.0f} GB/s {gbps / memory:6.1%} of memory  err {err:.1e}", flush=True)
     del q, k_cache, v_cache, tables
 
 
@@ -120,16 +110,14 @@ def main() -> None:
     args = parser.parse_args()
     if not cc.available():
         sys.exit(f"custom_calls unavailable: {cc.unavailable_reason()}")
-    copy = copy_gbps()
-    print(f"{jax.devices()[0].device_kind}: copy {copy:.0f} GB/s (read + write), {cc.sm_count()} SMs", flush=True)
-    rows = [row(dict(elements=COPY_ELEMS, dtype="bfloat16"), 2 * COPY_ELEMS * 2 / copy / 1e9, copy, impl="xla-copy")]
+    memory = memory_bandwidth_gbps()
+    print(f"{jax.devices()[0].device_kind}: memory ceiling {memory:.0f} GB/s, {cc.sm_count()} SMs", flush=True)
+    rows = []
     failures = []
     shapes = [(64, 4096)] if args.quick else [(b, c) for b in BATCHES for c in CONTEXTS]
     for batch, ctx in shapes:
-        bench_shape(batch, ctx, copy, rows, failures)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(f"wrote {len(rows)} rows to {args.out}")
+        bench_shape(batch, ctx, memory, rows, failures)
+    write_rows(args.out, rows, "python3 benchmarks/attention_cuda_check.py" + (" --quick" if args.quick else ""))
     if failures:
         sys.exit("FAILED:\n" + "\n".join(failures))
 

@@ -2,14 +2,16 @@
 sampled (--temperature / --top-p / --top-k); `--shared-prefix-len` puts one common random prefix before every
 prompt, `--n` samples each prompt n times.
 
-Reports output tok/s, TTFT and TPOT, and the roofline for the workload from numbers measured in the same
-run: (weights + KV) bytes of every decode step over the copy bandwidth, plus the prefill FLOPs over the
-bf16 matmul rate; TPOT beside one mid-run decode step's bytes over that bandwidth (`tpot_roofline_frac`: at
-batch 1, the weight-read roofline); under tensor parallelism both bounds divide by the tp devices, each
-reading and multiplying its shard. Prefix-once: the shared prefix and each prompt's input are read once a step
-for all the sequences over them (prefilled once: the prefix cache); every-row (`roofline_every_row_s`): each
-sequence reads its whole context itself, as plain attention does. `--set knob=value` overrides the config's
-engine knobs.
+Reports output tok/s, TTFT and TPOT, and the roofline for the workload from ceilings measured in the same run
+(the memory bandwidth and the matmul rate, by the GPU's busy time): the prefill's FLOPs at the matmul rate,
+then the decode steps in waves of as many sequences as run at once (max_num_seqs, or fewer where their whole
+contexts do not fit the KV cache), each step its (weights + KV) bytes at the bandwidth or its FLOPs at the
+matmul rate, whichever takes longer; TPOT beside one mid-run decode step's bound (`tpot_roofline_frac`: at
+batch 1, the weight-read roofline); under tensor parallelism the bounds divide by the tp devices, each reading
+and multiplying its shard. Prefix-once: the shared prefix and each prompt's input are read once a step for all
+the sequences over them (prefilled once: the prefix cache); every-row (`roofline_every_row_s`): each sequence
+reads its whole context itself, as plain attention does. `--set knob=value` overrides the config's engine
+knobs.
 `--peer transformers-cb` also runs HF transformers continuous batching on the same shapes. `--quantization fp8`
 and `--set kv_cache_dtype=fp8` count FP8's bytes and matmul rate in the roofline.
 
@@ -31,14 +33,14 @@ import os
 import pathlib
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import Bytes, copy_bandwidth_gbps, linear_path_params, matmul_tflops, write_rows  # noqa: E402
+from benchmarks.common import Bytes, linear_path_params, matmul_tflops, memory_bandwidth_gbps, write_rows  # noqa: E402
 
 from jaxserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from jaxserve.config import QUANTIZATIONS, load_run_config, model_config_from_hf  # noqa: E402
@@ -83,14 +85,44 @@ def decode_step_bytes(cfg, kv_tokens, b: Bytes, rows: int = 1):
     return weight_read_bytes(cfg, b, rows) + kv_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * b.kv
 
 
-def roofline_s(cfg, w: Workload, gbps, tflops, b: Bytes, prefix_once: bool = True):
-    """tflops: the matmul rate of the linear layers' dtype (FP8 doubles bf16's)."""
-    rows = w.num_prompts * w.n
-    decode_bytes = sum(decode_step_bytes(cfg, w.kv_tokens(j, prefix_once), b, rows) for j in range(1, w.output_len))
-    per_token = cfg.num_params - sum(cfg.mlp_params(i) - cfg.mlp_params(i, cfg.num_experts_per_tok)
-                                     for i in range(cfg.num_layers))   # a token's own weights: its k experts
-    prefill_flops = 2 * per_token * w.prefill_tokens
-    return decode_bytes / (gbps * 1e9) + prefill_flops / (tflops * 1e12)
+def matmul_params(cfg) -> float:
+    """The weights a token is multiplied by: the linear layers (of a mixture of experts, the k it is routed to) and
+    the LM head; the embedding is a lookup."""
+    unread = sum(cfg.mlp_params(i) - cfg.mlp_params(i, cfg.num_experts_per_tok) for i in range(cfg.num_layers))
+    return cfg.num_params - unread - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    gbps: float     # memory bandwidth
+    tflops: float   # the matmul rate of the linear layers' dtype (FP8 doubles bf16's)
+
+    def step_s(self, nbytes: float, flops: float) -> float:
+        return max(nbytes / (self.gbps * 1e9), flops / (self.tflops * 1e12))
+
+
+def wave_prompts(w: Workload, max_seqs: int, kv_capacity: int) -> int:
+    """The prompts decoding at once: max_seqs sequences, or fewer where their whole contexts (a prompt's input
+    once for its n samples, the shared prefix once) would not fit kv_capacity tokens."""
+    fit = (kv_capacity - w.shared_prefix_len) // (w.input_len + w.n * w.output_len)
+    return max(1, min(w.num_prompts, max_seqs // w.n, fit))
+
+
+def decode_step_s(cfg, wave: Workload, j: int, c: Ceilings, b: Bytes, prefix_once: bool = True) -> float:
+    """Decode step j of a wave: its bytes at the bandwidth or its FLOPs at the matmul rate, whichever is longer
+    (on an H200, 256 rows of a bf16 8B over a shared prefix are FLOP-bound)."""
+    rows = wave.num_prompts * wave.n
+    return c.step_s(decode_step_bytes(cfg, wave.kv_tokens(j, prefix_once), b, rows), 2 * matmul_params(cfg) * rows)
+
+
+def roofline_s(cfg, w: Workload, c: Ceilings, b: Bytes, prompts: int, prefix_once: bool = True):
+    """The prefill's FLOPs (the LM head only at each prompt's last token), then waves of `prompts` prompts
+    decoding; a last partial wave counts as its share of a full one, which keeps the sum a lower bound."""
+    wave = replace(w, num_prompts=prompts)
+    decode = sum(decode_step_s(cfg, wave, j, c, b, prefix_once) for j in range(1, w.output_len))
+    head = cfg.vocab_size * cfg.hidden_size
+    prefill_flops = 2 * (matmul_params(cfg) - head) * w.prefill_tokens + 2 * head * w.num_prompts
+    return decode * w.num_prompts / prompts + prefill_flops / (c.tflops * 1e12)
 
 
 def override(engine_cfg, assignments):
@@ -204,16 +236,18 @@ def main(argv=None):
     engine_cfg = override(engine_cfg, args.set)
     cfg = loaded.config
     prompts = make_prompts(cfg, args)
-    gbps, tflops = copy_bandwidth_gbps(), matmul_tflops(jnp.float8_e4m3fn if args.quantization else jnp.bfloat16)
+    ceilings = Ceilings(memory_bandwidth_gbps(),
+                        matmul_tflops(jnp.float8_e4m3fn if args.quantization else jnp.bfloat16))
     dtype_bytes = Bytes.of(loaded, engine_cfg)
     tp = engine_cfg.tensor_parallel_size   # tp devices read and multiply in parallel: the bounds scale by tp
     work = Workload(args.num_prompts, args.input_len, args.output_len, args.shared_prefix_len, args.n)
-    roof = roofline_s(cfg, work, gbps, tflops, dtype_bytes) / tp
-    roof_every_row = roofline_s(cfg, work, gbps, tflops, dtype_bytes, prefix_once=False) / tp
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     wall, ntok, ttft, tpot, stats = run_jaxserve(loaded, engine_cfg, prompts, args.output_len, sampling, args.n)
-    mid_step = decode_step_bytes(cfg, work.kv_tokens(args.output_len // 2), dtype_bytes, args.num_prompts * args.n)
-    tpot_roof_ms = mid_step / (gbps * 1e9) * 1e3 / tp
+    prompts_at_once = wave_prompts(work, engine_cfg.max_num_seqs, stats["kv_blocks_total"] * engine_cfg.block_size)
+    roof = roofline_s(cfg, work, ceilings, dtype_bytes, prompts_at_once) / tp
+    roof_every_row = roofline_s(cfg, work, ceilings, dtype_bytes, prompts_at_once, prefix_once=False) / tp
+    wave = replace(work, num_prompts=prompts_at_once)
+    tpot_roof_ms = decode_step_s(cfg, wave, args.output_len // 2, ceilings, dtype_bytes) * 1e3 / tp
     params = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "shared_prefix_len": args.shared_prefix_len, "n": args.n, **sampling,
               "seq_buckets": list(engine_cfg.seq_buckets or []),
@@ -227,7 +261,8 @@ def main(argv=None):
     rows = [{"bench": "offline", "impl": "jaxserve", "params": params, "ms": wall * 1e3, "tok_s": ntok / wall,
              "wall_s": wall, "roofline_s": roof, "roofline_frac": roof / wall,
              "roofline_every_row_s": roof_every_row, "roofline_every_row_frac": roof_every_row / wall,
-             "copy_gbps": gbps, "matmul_tflops": tflops, "ttft_p50_s": float(np.median(ttft)),
+             "memory_gbps": ceilings.gbps, "matmul_tflops": ceilings.tflops, "seqs_at_once": prompts_at_once * args.n,
+             "ttft_p50_s": float(np.median(ttft)),
              "ttft_p99_s": float(np.quantile(ttft, .99)),
              "tpot_p50_ms": float(np.median(tpot) * 1e3), "tpot_p99_ms": float(np.quantile(tpot, .99) * 1e3),
              "tpot_roofline_ms": tpot_roof_ms, "tpot_roofline_frac": tpot_roof_ms / (np.median(tpot) * 1e3),
@@ -235,7 +270,9 @@ def main(argv=None):
     print(f"jaxserve: {wall:.2f} s, {ntok / wall:.0f} output tok/s, roofline {roof:.2f} s ({roof / wall:.0%}; "
           f"every-row {roof_every_row:.2f} s: {roof_every_row / wall:.0%}), "
           f"TTFT p50 {rows[0]['ttft_p50_s']:.2f} s, TPOT p50 {rows[0]['tpot_p50_ms']:.1f} ms "
-          f"(decode-step roofline {tpot_roof_ms:.1f} ms: {rows[0]['tpot_roofline_frac']:.0%})", flush=True)
+          f"(decode-step roofline {tpot_roof_ms:.1f} ms: {rows[0]['tpot_roofline_frac']:.0%}; "
+          f"{prompts_at_once * args.n} sequences at once, ceilings {ceilings.gbps:.0f} GB/s, "
+          f"{ceilings.tflops:.0f} TFLOP/s)", flush=True)
     out = args.out or f"benchmarks/results/offline_{jax.default_backend()}.json"
     write_rows(out, rows, command)
     if peer_result:

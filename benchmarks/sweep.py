@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.common import (Bytes, copy_bandwidth_gbps, linear_path_params, kernel_profile,  # noqa: E402
-                               matmul_tflops, time_ms, write_rows)
+from benchmarks.common import (Bytes, kernel_profile, linear_path_params, matmul_tflops,  # noqa: E402
+                               memory_bandwidth_gbps, time_ms, write_rows)
 from jaxserve.cache.kv_cache import (kv_bytes_per_block, kv_cache_dtype, kv_dtype_name,  # noqa: E402
                                      num_blocks_for_memory)
 from jaxserve.cache.kv_cache_manager import KVCacheManager  # noqa: E402
@@ -193,7 +193,7 @@ def run_sweep(loaded, cfg: EngineConfig, *, token_buckets=None, seq_buckets=None
     check_sweep_args(cfg, token_buckets, seq_buckets, contexts, kinds, repeats)
     rng = np.random.default_rng(seed)
     weights = jnp.float8_e4m3fn if loaded.quantization == "fp8" else jnp.bfloat16
-    ceilings = copy_bandwidth_gbps(), matmul_tflops(weights)   # before the cache takes the free memory
+    ceilings = memory_bandwidth_gbps(), matmul_tflops(weights)   # before the cache takes the free memory
     # a decode step pads its tokens only to its seq bucket (step_graphs.step_shape): the engine runs no other
     cases = [SweepCase(s if k == "decode" else t, s, c, k) for t in token_buckets for s in seq_buckets
              for c in contexts for k in kinds if k != "decode" or t == token_buckets[0]]
@@ -225,7 +225,7 @@ def sweep_row(runner: ModelRunner, case: SweepCase, ms: float, compile_stats, ce
     row = {"bench": "sweep", "impl": "jaxserve", "params": params, "compile_s": compile_s, "ms": ms,
            "tok_s": counts.sum() / ms * 1e3, "bytes": nbytes, "flops": flops, "roofline_ms": roofline_ms,
            "roofline_frac": roofline_ms / ms, "real_tokens": int(counts.sum()), "real_seqs": len(counts),
-           "temp_bytes": temp_bytes, "code_bytes": code_bytes, "copy_gbps": gbps, "matmul_tflops": tflops}
+           "temp_bytes": temp_bytes, "code_bytes": code_bytes, "memory_gbps": gbps, "matmul_tflops": tflops}
     print(f"sweep {case.kind:6s} T={case.num_tokens:5d} S={case.num_seqs:4d} ctx={case.context:5d}: "
           f"compile {compile_s:6.1f} s, {ms:8.2f} ms, {row['tok_s']:9.0f} tok/s, roofline {row['roofline_frac']:.0%}",
           file=sys.stderr, flush=True)
