@@ -237,7 +237,7 @@ def main(argv=None):
     cfg = loaded.config
     prompts = make_prompts(cfg, args)
     ceilings = Ceilings(memory_bandwidth_gbps(),
-                        matmul_tflops(jnp.float8_e4m3fn if args.quantization else jnp.bfloat16))
+                        matmul_tflops(jnp.float8_e4m3fn if loaded.quantization == "fp8" else jnp.bfloat16))
     dtype_bytes = Bytes.of(loaded, engine_cfg)
     tp = engine_cfg.tensor_parallel_size   # tp devices read and multiply in parallel: the bounds scale by tp
     work = Workload(args.num_prompts, args.input_len, args.output_len, args.shared_prefix_len, args.n)
