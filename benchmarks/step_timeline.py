@@ -97,7 +97,9 @@ def main(argv=None):
     prefix = rng.integers(0, loaded.config.vocab_size, args.shared_prefix_len).tolist()
     prompts = [prefix + rng.integers(0, loaded.config.vocab_size, args.input_len).tolist()
                for _ in range(args.num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4, ignore_eos=True,
+    # as many tokens as the model length leaves: rows that decode while the later prompts prefill must not finish
+    # before the timed steps
+    params = SamplingParams(temperature=0.0, max_tokens=llm.engine.cfg.max_model_len - len(prompts[0]), ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)   # as offline.py and LLM.generate
     engine = llm.engine
     for p in prompts:
