@@ -12,8 +12,9 @@ and multiplying its shard. Prefix-once: the shared prefix and each prompt's inpu
 the sequences over them (prefilled once: the prefix cache); every-row (`roofline_every_row_s`): each sequence
 reads its whole context itself, as plain attention does. `--set knob=value` overrides the config's engine
 knobs.
-`--peer transformers-cb` also runs HF transformers continuous batching on the same shapes. `--quantization fp8`
-and `--set kv_cache_dtype=fp8` count FP8's bytes and matmul rate in the roofline.
+`--peer transformers-cb` also runs HF transformers continuous batching on the same shapes. FP8 weights
+(`--quantization fp8` or the config's) and an FP8 cache (`--set kv_cache_dtype=fp8`) count FP8's bytes and matmul
+rate in the roofline.
 
   python benchmarks/offline.py --config configs/llama3-8b-random.yaml            # GPU
   python benchmarks/offline.py --config configs/llama3-8b-random.yaml --temperature 0.8 --top-p 0.95 --top-k 50
