@@ -94,9 +94,8 @@ def bench_shape(batch: int, ctx: int, memory: float, rows: list, failures: list)
         calls = int(np.clip(TARGET_LOOP_SECONDS / (kv_bytes / (memory * 1e9)), 4, MAX_CALLS))
         seconds = time_decode(q, k_cache, v_cache, kv_lens, tables, splits, calls)
         params = dict(batch=batch, ctx=ctx, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
-                      dtype="bfloat16", num_splits=splits, default_splits=splits == default, rel_err=err,
-                      memory_gbps=memory)
-        rows.append(row(params, seconds, kv_bytes / seconds / 1e9))
+                      dtype="bfloat16", num_splits=splits, default_splits=splits == default)
+        rows.append({**row(params, seconds, kv_bytes / seconds / 1e9), "rel_err": err, "memory_gbps": memory})
         gbps = rows[-1]["gbps"]
         print(f"B={batch:4d} ctx={ctx:6d} splits={splits:3d}{'*' if splits == default else ' '} "
               f"{seconds * 1e3:8.3f} ms {gbps:7.0f} GB/s {gbps / memory:6.1%} of memory  err {err:.1e}", flush=True)
