@@ -37,8 +37,9 @@ PHASES = ("schedule", "prepare", "enqueue", "wait", "finish", "period")
 ENQUEUE_PARTS = ("stage", "sample")   # the inputs packed and sent, the sampler's call; the model graph's the rest
 
 
-def timed_steps(engine, steps: int) -> dict[str, list[float]]:
-    """ms of each phase of `steps` async engine steps."""
+def timed_steps(engine, steps: int, idle_launch: bool = False) -> dict[str, list[float]]:
+    """ms of each phase of `steps` async engine steps; idle_launch: each step launched once the device has finished
+    the one before (its enqueue is then the host's own cost, with no wait on the device in it)."""
     times = {p: [] for p in PHASES + ENQUEUE_PARTS}
     runner, inflight, engine._inflight = engine.runner, engine._inflight, None
     prepare, run = runner.prepare_inputs, runner.run
@@ -56,6 +57,8 @@ def timed_steps(engine, steps: int) -> dict[str, list[float]]:
     runner.buffers.stage, runner.buffers.sample = timed("stage", stage), timed("sample", sample)
     try:
         for _ in range(steps):
+            if idle_launch and inflight is not None:
+                jax.block_until_ready((inflight.out, engine.runner.kv_cache))
             t0 = time.perf_counter()
             output = engine.scheduler.schedule()
             t1 = time.perf_counter()
@@ -90,6 +93,8 @@ def main(argv=None):
                     help="also profile 16 engine steps on the GPU: busy against idle, the N costliest kernels")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also trace 16 engine steps on the host: the N costliest host events a step, by thread")
+    ap.add_argument("--idle-launch", action="store_true",
+                    help="also time steps launched on an idle device: the graph calls' host cost alone")
     args = ap.parse_args(argv)
     loaded, cfg = load_run(None, args.config, quantization=args.quantization)
     llm = LLM(loaded, config=override(cfg, args.set))
@@ -109,6 +114,10 @@ def main(argv=None):
     times = timed_steps(engine, args.steps)
     print(" ".join(f"{p} {np.median(times[p]):.2f} ms" for p in PHASES), flush=True)
     print("enqueue: " + " ".join(f"{p} {np.median(times[p]):.2f} ms" for p in ENQUEUE_PARTS), flush=True)
+    if args.idle_launch:
+        idle = timed_steps(engine, args.steps, idle_launch=True)
+        print("launched on an idle device: " + " ".join(f"{p} {np.median(idle[p]):.2f} ms"
+                                                        for p in ("enqueue",) + ENQUEUE_PARTS), flush=True)
     periods = []
     for _ in range(args.steps):   # the engine's own loop, for comparison with the period above
         start = time.perf_counter()

@@ -14,6 +14,7 @@ import transformers
 
 import custom_calls
 
+import jaxserve.engine.runner as runner_module
 from jaxserve import LLM, RequestOutputKind, SamplingParams
 from jaxserve.models.attention import AttentionKernels, resolve_attention_kernels
 from jaxserve.models.loader import load_model, random_model
@@ -273,12 +274,12 @@ def test_decode_steps_keep_their_buffers_where_they_were(tiny, monkeypatch):
                for step in runner.buffers.held for x in step)
     # the oldest step's buffers are let go before a step's are sent, so the new ones can take their places (sent
     # first, they would cycle through three places, and the model graph's temp buffer with them)
-    held_when_sent, device_put = [], jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda x, *a, **kw: held_when_sent.append(
-        [len(step) for step in runner.buffers.held]) or device_put(x, *a, **kw))
+    held_when_sent, put = [], runner_module.put_replicated
+    monkeypatch.setattr(runner_module, "put_replicated", lambda x, sharding: held_when_sent.append(
+        [len(step) for step in runner.buffers.held]) or put(x, sharding))
     engine.step()
     monkeypatch.undo()
-    assert held_when_sent == [[2, 0]]
+    assert held_when_sent == [[2, 0], [2, 0]]   # the model's bytes, the sampler's
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -90,7 +90,7 @@ class KVCacheManager:
         blocks = seq.blocks
         cow = num_new_tokens > 0 and start % bs != 0 and blocks[start // bs].ref_cnt > 1
         num_grow = max(0, -(-(end + num_lookahead) // bs) - len(blocks))
-        if num_grow + cow > self.num_free_blocks:
+        if (num_grow or cow) and num_grow + cow > self.num_free_blocks:
             return False, 0
         if cow:
             self._copy_on_write(seq_id, blocks, start // bs)
@@ -98,7 +98,8 @@ class KVCacheManager:
             self.updates[seq_id] = min(self.updates.get(seq_id, len(blocks)), len(blocks))
             blocks += self.pool.take(num_grow)
         seq.num_computed = end
-        self._register(seq, token_ids)
+        if end // bs > seq.num_hashed:   # a block filled (the check inline: this runs for every decode, every step)
+            self._register(seq, token_ids)
         return True, 0
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:

@@ -395,16 +395,18 @@ class LLMEngine:
         grammars_go_on = self._advance_grammars(launched.rows, out.tokens[::width])
         self._fill_mask(self._inflight)   # async: the next step's, now that this step's tokens are in the matchers
         touched: dict[str, Request] = {}
-        now, flat = time.monotonic(), 0
+        now, flat, tokens = time.monotonic(), 0, out.tokens.tolist()   # a list: its items read as ints at once
         for i, row in enumerate(launched.rows):
             seq, flat = row.seq, flat + row.count
             if prompt_lp is not None and seq.prompt_logprobs is not None and row.start < seq.num_prompt_tokens:
                 self._record_prompt_logprobs(seq, prompt_lp, flat - row.count, row.start, row.count)
             if not row.samples or seq.finished:
                 continue
-            seq.first_token_time = seq.first_token_time or now
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             accepted = 0 if out.num_accepted is None else int(out.num_accepted[i])
-            self._emitted += self._emit(seq, row.start + row.num_known, out, range(i * width, i * width + accepted + 1))
+            self._emitted += self._emit(seq, row.start + row.num_known, tokens, out,
+                                        range(i * width, i * width + accepted + 1))
             if row.draft_ids:
                 self._commit_drafts(seq, len(row.draft_ids), accepted)
             if not grammars_go_on.get(i, True) and not seq.finished:
@@ -414,11 +416,12 @@ class LLMEngine:
         return [self._request_output(r) for r in touched.values()
                 if r.params.output_kind is RequestOutputKind.CUMULATIVE or r.finished]
 
-    def _emit(self, seq: Sequence, pos: int, out, positions: range) -> int:
-        """A row's sampled tokens (one, or a speculative row's accepted drafts and the token after them) into its
-        sequence, the first at pos (its PENDING place), each checked for a stop before the next; how many it took."""
+    def _emit(self, seq: Sequence, pos: int, tokens: list[int], out, positions: range) -> int:
+        """A row's sampled tokens (one, or a speculative row's accepted drafts and the token after them: tokens[k]
+        for k in positions; their logprobs in out) into its sequence, the first at pos (its PENDING place), each
+        checked for a stop before the next; how many it took."""
         for j, k in enumerate(positions):
-            token = int(out.tokens[k])
+            token = tokens[k]
             if j == 0:
                 seq.token_ids[pos] = token
             else:

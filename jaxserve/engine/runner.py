@@ -11,12 +11,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core
+from jax._src.lib import xla_client as xc
 
 from jaxserve.cache.block_table import BlockTable, KVRowTable
 from jaxserve.cache.kv_cache import KVCache, copy_bucket, pad_block_copies
 from jaxserve.engine.drafter import DraftInputs, draft_inputs
 from jaxserve.engine.sampler import SamplerOutput, init_penalty_state, mode_for
-from jaxserve.engine.sampling_params import MAX_LOGPROBS
+from jaxserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
 from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.engine.step_graphs import GraphKey, PromptLogprobs, StepGraphs, kv_addressing
@@ -79,7 +81,7 @@ class StableBuffers:
         packed = [pack(inp.model), pack(inp.sampler)]
         if not self.graphs.replicated.is_fully_addressable:
             return packed
-        self.held[-1] = jax.device_put(packed, self.graphs.replicated)
+        self.held[-1] = [put_replicated(x, self.graphs.replicated) for x in packed]
         return self.held[-1]
 
     def take_outputs(self, key: GraphKey) -> tuple[jax.Array, jax.Array]:
@@ -112,11 +114,18 @@ class StableBuffers:
 
     def zeros(self, like) -> jax.Array:
         """A new buffer of like's shape and dtype, from the host: no graph to compile while serving."""
-        return jax.device_put(np.zeros(like.shape, like.dtype), self.graphs.replicated)
+        return put_replicated(np.zeros(like.shape, like.dtype), self.graphs.replicated)
 
     def keep_outputs(self, *arrays: jax.Array) -> None:
         for i, a in enumerate(arrays):
             self.outputs[(i, a.shape)] = a
+
+
+def put_replicated(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """x copied to every device of a fully addressable sharding: the runtime call jax.device_put ends in, without
+    its Python dispatch (0.1-0.3 ms for a step's two buffers, at every step)."""
+    devices = sharding._addressable_device_assignment
+    return xc.batched_device_put(core.ShapedArray(x.shape, x.dtype), sharding, [x] * len(devices), devices)
 
 
 @dataclass(slots=True)
@@ -291,34 +300,42 @@ class ModelRunner:
         self.penalty = self.graphs.get(self.graphs.reset_key(*prompt.shape))(self.penalty, slots, prompt, output)
 
     def prepare_inputs(self, rows: list[StepRow]) -> StepInputs:
-        counts = [r.count for r in rows]
-        token_ids = np.array([t for r in rows for t in (*r.seq.token_ids[r.start:r.start + r.num_known], *r.draft_ids)],
-                             np.int32)
-        slots = np.array([self.slot_of[r.seq.seq_id] for r in rows], np.int32)
-        prompt = any(r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
+        seqs, counts, starts = [r.seq for r in rows], [r.count for r in rows], [r.start for r in rows]
+        params = [s.params for s in seqs]
+        drafted = any(r.draft_ids for r in rows)
+        one_each = counts.count(1) == len(counts)
+        if one_each and not drafted:   # one token a row: the last known one
+            token_ids = np.array([s.token_ids[start] for s, start in zip(seqs, starts)], np.int32)
+        else:
+            token_ids = np.array([t for r in rows for t in (*r.seq.token_ids[r.start:r.start + r.num_known],
+                                                            *r.draft_ids)], np.int32)
+        slots = np.array([self.slot_of[s.seq_id] for s in seqs], np.int32)
+        # the features below are per request: asked of each distinct SamplingParams first (rows mostly share a few)
+        sampling = distinct([p for r, p in zip(rows, params) if r.samples])
+        prompt = any(p.prompt_logprobs is not None for p in distinct(params)) and any(
+            r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
         # prompt logprobs' graphs exist for token buckets only: their steps never pad tokens to a seq bucket
-        decode_only = all(c == 1 for c in counts) and not prompt
-        constrained = any(r.samples and r.seq.params.structured_outputs is not None for r in rows)
-        width = self.cfg.speculative_config.width if any(r.draft_ids for r in rows) else 1
+        decode_only = one_each and not prompt
+        constrained = any(p.structured_outputs is not None for p in sampling)
+        width = self.cfg.speculative_config.width if drafted else 1
         addressing = self.kv_addressing(slots)
-        shared = self.graphs.share_prefixes(addressing.get("block_tables"), [r.start for r in rows]) \
+        shared = self.graphs.share_prefixes(addressing.get("block_tables"), starts) \
             if decode_only and width == 1 else []
         self.cascade_steps += bool(shared)
-        tokens, seqs, decode_only, _, groups = self.graphs.model_key(len(token_ids), len(rows), decode_only, width,
-                                                                     cascade=bool(shared)).dims
+        tokens, rows_bucket, decode_only, _, groups = self.graphs.model_key(
+            len(token_ids), len(rows), decode_only, width, cascade=bool(shared)).dims
         return self.graphs.step_inputs(
-            num_tokens=tokens, num_seqs=seqs, decode_only=decode_only, **addressing, cascade_groups=groups,
+            num_tokens=tokens, num_seqs=rows_bucket, decode_only=decode_only, **addressing, cascade_groups=groups,
             shared=shared,
-            starts=[r.start for r in rows], counts=counts, token_ids=np.where(token_ids == PENDING, 0, token_ids),
-            slots=slots, sample_mask=[r.samples for r in rows], params=[r.seq.params for r in rows],
-            seeds=[r.seq.seed for r in rows], num_generated=[r.num_generated for r in rows],
+            starts=starts, counts=counts, token_ids=np.where(token_ids == PENDING, 0, token_ids),
+            slots=slots, sample_mask=[r.samples for r in rows], params=params,
+            seeds=[s.seed for s in seqs], num_generated=[r.num_generated for r in rows],
             logits_from=[r.logits_from for r in rows], prev_index=self._prev_index(rows, counts, token_ids),
             feature_index=None if self.features is None else
             [self.feature_index(r.seq.seq_id, r.start - 1) for r in rows],
             next_prompt_ids=next_prompt_ids(rows, len(token_ids)) if prompt else None,
-            num_logprobs=MAX_LOGPROBS if any(r.seq.params.logprobs for r in rows) else 0,
-            sampler_mode=mode_for([r.seq.params for r in rows if r.samples], self.graphs.model_config.vocab_size,
-                                  constrained), constrained=constrained,
+            num_logprobs=MAX_LOGPROBS if any(p.logprobs for p in distinct(params)) else 0,
+            sampler_mode=mode_for(sampling, self.graphs.model_config.vocab_size, constrained), constrained=constrained,
             draft_ids=[r.draft_ids for r in rows] if width > 1 else None, spec_width=width)
 
     def _prev_index(self, rows: list[StepRow], counts: list[int], token_ids: np.ndarray) -> np.ndarray:
@@ -328,6 +345,12 @@ class ModelRunner:
         owners = np.searchsorted(np.cumsum(counts), pending, side="right")
         prev_index[pending] = [self.prev_rows[rows[i].seq.seq_id] for i in owners]
         return prev_index
+
+
+def distinct(params: list[SamplingParams]) -> list[SamplingParams]:
+    """Each SamplingParams object of params once. (object.__hash__: the address, rotated, for an object that
+    defines no hash; not id(), which an audit hook, filelock's, makes run Python code at every call.)"""
+    return list({object.__hash__(p): p for p in params}.values())
 
 
 def next_prompt_ids(rows: list[StepRow], num_tokens: int) -> np.ndarray:

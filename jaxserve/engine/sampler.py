@@ -334,34 +334,52 @@ def raw_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> Sam
 def make_sampling_tensors(params: Sequence[SamplingParams], seeds: Sequence[int], gen_indices: Sequence[int],
                           *, num_rows: int, eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
     """Host-side (numpy) tensors for the first len(params) rows; the rest up to num_rows are greedy padding.
-    seeds: each request's seed (its params.seed, or one the engine drew for it). While a request has
-    generated fewer than min_tokens, its stop_token_ids and (unless ignore_eos) the EOS ids are suppressed."""
+    seeds: each request's seed (its params.seed, or one the engine drew for it; int64). While a request has
+    generated fewer than min_tokens, its stop_token_ids and (unless ignore_eos) the EOS ids are suppressed.
+    Each distinct SamplingParams is read once (a batch's rows mostly share a few): rows index its columns."""
     if not len(params) == len(seeds) == len(gen_indices) <= num_rows:
         raise ValueError(f"params, seeds and gen_indices need one entry per row, at most num_rows={num_rows}")
-    column = partial(pad_column, params, num_rows=num_rows)
-    seed64 = np.array([s % 2**64 for s in seeds] + [0] * (num_rows - len(seeds)), np.uint64)
+    # object.__hash__: the object's address, rotated (unique while it lives). Not id(): an audit hook (filelock's,
+    # which jax imports) makes each id() call run Python code
+    _, first, which = np.unique(np.fromiter(map(object.__hash__, params), np.int64, len(params)),
+                                return_index=True, return_inverse=True)
+    distinct = [params[i] for i in first]
+    column = partial(distinct_column, distinct, which, num_rows=num_rows)
+    seed64, gen_index = np.zeros(num_rows, "<u8"), np.zeros(num_rows, np.int32)
+    seed64[:len(seeds)], gen_index[:len(gen_indices)] = np.array(seeds, np.int64).view(np.uint64), gen_indices
     return SamplingTensors(
         temperature=column("temperature", 0.0, np.float32), top_k=column("top_k", 0, np.int32),
         top_p=column("top_p", 1.0, np.float32), min_p=column("min_p", 0.0, np.float32),
         presence_penalty=column("presence_penalty", 0.0, np.float32),
         frequency_penalty=column("frequency_penalty", 0.0, np.float32),
         repetition_penalty=column("repetition_penalty", 1.0, np.float32),
-        seed=np.stack([seed64 >> np.uint64(32), seed64 & np.uint64(2**32 - 1)], axis=1).astype(np.uint32),
-        gen_index=np.array(list(gen_indices) + [0] * (num_rows - len(gen_indices)), np.int32),
-        suppress_ids=pad_suppressed([suppressed_ids(p, g, eos_token_ids) for p, g in zip(params, gen_indices)],
-                                    num_rows))
+        seed=np.ascontiguousarray(seed64.view("<u4").reshape(num_rows, 2)[:, ::-1]),   # [high, low] words
+        gen_index=gen_index,
+        suppress_ids=suppressed_rows(distinct, which, gen_index[:len(params)], eos_token_ids, num_rows))
 
 
-def pad_column(params: Sequence[SamplingParams], name: str, fill, dtype, *, num_rows: int) -> np.ndarray:
-    return np.array([getattr(p, name) for p in params] + [fill] * (num_rows - len(params)), dtype)
+def distinct_column(distinct: list[SamplingParams], which: np.ndarray, name: str, fill, dtype, *,
+                    num_rows: int) -> np.ndarray:
+    """One field per row (`which`: each row's index in distinct), `fill` below the rows."""
+    out = np.full(num_rows, fill, dtype)
+    out[:len(which)] = np.array([getattr(p, name) for p in distinct], dtype)[which]
+    return out
 
 
-def pad_suppressed(suppressed: list[list[int]], num_rows: int) -> np.ndarray:
-    if (longest := max(map(len, suppressed), default=0)) > SUPPRESS_WIDTH:
-        raise ValueError(f"{longest} EOS and stop ids to suppress; at most {SUPPRESS_WIDTH}")
+def suppressed_rows(distinct: list[SamplingParams], which: np.ndarray, gen_index: np.ndarray,
+                    eos_token_ids: Sequence[int], num_rows: int) -> np.ndarray:
+    """[num_rows, SUPPRESS_WIDTH] each row's ids to suppress (suppressed_ids), -1 padded."""
     ids = np.full((num_rows, SUPPRESS_WIDTH), -1, np.int32)
-    for row, row_ids in enumerate(suppressed):
-        ids[row, : len(row_ids)] = row_ids
+    if not any(p.min_tokens for p in distinct):
+        return ids
+    under = gen_index < np.array([p.min_tokens for p in distinct], np.int32)[which]
+    table = np.full((len(distinct), SUPPRESS_WIDTH), -1, np.int32)
+    for i in np.unique(which[under]):
+        row_ids = suppressed_ids(distinct[i], 0, eos_token_ids)
+        if len(row_ids) > SUPPRESS_WIDTH:
+            raise ValueError(f"{len(row_ids)} EOS and stop ids to suppress; at most {SUPPRESS_WIDTH}")
+        table[i, :len(row_ids)] = row_ids
+    ids[:len(which)][under] = table[which[under]]
     return ids
 
 

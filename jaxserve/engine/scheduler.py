@@ -86,14 +86,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.cfg.max_num_batched_tokens
         decodes = [s for s in self.running if self._decodes(s)]
-        drafts_of = {seq.seq_id: tuple(seq.draft_ids) for seq in decodes}
+        drafts_of = {seq.seq_id: tuple(seq.draft_ids) for seq in decodes if seq.draft_ids}
         for seq in self.running:
-            seq.draft_ids = []
+            if seq.draft_ids:
+                seq.draft_ids = []
         spare = budget - len(decodes) - self.cfg.min_prefill_chunk   # tokens drafts may take
         for seq in decodes:
             if seq.status is not SequenceStatus.RUNNING:   # preempted by an older one
                 continue
-            drafts = drafts_of[seq.seq_id][:max(spare, 0)]
+            drafts = drafts_of[seq.seq_id][:max(spare, 0)] if drafts_of and seq.seq_id in drafts_of else ()
             if drafts and not self.kv.allocate(seq.seq_id, seq.token_ids, 1, num_lookahead=len(drafts))[0]:
                 drafts = ()   # drafts are a bet: short of blocks, the decode goes on without them
             if drafts or self._grow(seq, 1, out):
@@ -177,9 +178,9 @@ class Scheduler:
 
     def _add_row(self, out: SchedulerOutput, seq: Sequence, n: int, logits_from: int = -1,
                  drafts: tuple[int, ...] = ()) -> None:
-        start = seq.num_computed_tokens
-        out.rows.append(StepRow(seq, start, n + len(drafts), start + n >= seq.num_tokens, seq.num_output_tokens,
-                                logits_from, drafts))
+        start, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
+        out.rows.append(StepRow(seq, start, n + len(drafts), start + n >= num_tokens,
+                                num_tokens - seq.num_prompt_tokens, logits_from, drafts))
 
     def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of a running seq, preempting the newest others while short."""

@@ -77,13 +77,13 @@ class Sequence:
 
     def done_once_pending_lands(self, max_model_len: int) -> bool:
         """Its pending token reaches max_tokens or max_model_len: never schedule it again."""
-        p = self.params
-        return (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) or \
-            self.num_tokens >= max_model_len
+        p, num_tokens = self.params, len(self.token_ids)
+        return (p.max_tokens is not None and num_tokens - self.num_prompt_tokens >= p.max_tokens) or \
+            num_tokens >= max_model_len
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
+        return self.num_computed_tokens < len(self.token_ids) - 1
 
     @property
     def finished(self) -> bool:
