@@ -343,6 +343,34 @@ def test_make_sampling_tensors_pads_and_splits_seeds():
         make_sampling_tensors(params, [1, 2], [0, 0], num_rows=1)
 
 
+def test_sampling_tensors_follow_each_rows_own_params_when_rows_share_objects():
+    """Rows mostly share a few SamplingParams objects (the tensors read each object once): every column still
+    follows each row's own params, equal-valued distinct objects and shared ones alike, and min_tokens suppresses
+    per row by that row's generated count."""
+    rng = np.random.default_rng(0)
+    pool = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, presence_penalty=0.5,
+                           frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=3, stop_token_ids=[7, 9]),
+            SamplingParams(), SamplingParams(), SamplingParams(temperature=0.2, min_tokens=5, ignore_eos=True,
+                                                               stop_token_ids=[11])]
+    params = [pool[i] for i in rng.integers(0, len(pool), 40)]
+    seeds = rng.integers(-2**63, 2**63 - 1, 40, dtype=np.int64).tolist()
+    gen = rng.integers(0, 8, 40).tolist()
+    t = make_sampling_tensors(params, seeds, gen, num_rows=48, eos_token_ids=[2, 3])
+    fields = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty")
+    for name in fields:
+        expected = [getattr(p, name) for p in params] + [0.0 if name != "top_p" and name != "repetition_penalty"
+                                                         else 1.0] * 8
+        np.testing.assert_array_equal(getattr(t, name), np.array(expected, getattr(t, name).dtype), err_msg=name)
+    words = [[(s % 2**64) >> 32, s % 2**32] for s in seeds] + [[0, 0]] * 8
+    assert t.seed.tolist() == words and t.gen_index.tolist() == gen + [0] * 8
+    for row, (p, g) in enumerate(zip(params, gen)):
+        suppressed = ([] if p.ignore_eos else [2, 3]) + p.stop_token_ids if g < p.min_tokens else []
+        assert t.suppress_ids[row, :len(suppressed)].tolist() == suppressed, row
+        assert (t.suppress_ids[row, len(suppressed):] == -1).all(), row
+    assert (t.suppress_ids[40:] == -1).all()
+
+
 @pytest.mark.parametrize("params, mode", [
     ([SamplingParams(temperature=0.0)] * 3, "greedy"),
     ([SamplingParams(temperature=0.0, top_k=5, top_p=0.5)] * 3, "greedy"),  # filters cannot move an argmax

@@ -17,8 +17,8 @@ from jax._src.lib import xla_client as xc
 from jaxserve.cache.block_table import BlockTable, KVRowTable
 from jaxserve.cache.kv_cache import KVCache, copy_bucket, pad_block_copies
 from jaxserve.engine.drafter import DraftInputs, draft_inputs
-from jaxserve.engine.sampler import SamplerOutput, init_penalty_state, mode_for
-from jaxserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.engine.sampler import SamplerOutput, distinct_params, init_penalty_state, mode_for
+from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.scheduler import SchedulerOutput, StepRow
 from jaxserve.engine.sequence import PENDING, Sequence
 from jaxserve.engine.step_graphs import GraphKey, PromptLogprobs, StepGraphs, kv_addressing
@@ -311,8 +311,9 @@ class ModelRunner:
                                                             *r.draft_ids)], np.int32)
         slots = np.array([self.slot_of[s.seq_id] for s in seqs], np.int32)
         # the features below are per request: asked of each distinct SamplingParams first (rows mostly share a few)
-        sampling = distinct([p for r, p in zip(rows, params) if r.samples])
-        prompt = any(p.prompt_logprobs is not None for p in distinct(params)) and any(
+        requests = distinct_params(params)[0]
+        sampling = distinct_params([p for r, p in zip(rows, params) if r.samples])[0]
+        prompt = any(p.prompt_logprobs is not None for p in requests) and any(
             r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
         # prompt logprobs' graphs exist for token buckets only: their steps never pad tokens to a seq bucket
         decode_only = one_each and not prompt
@@ -334,7 +335,7 @@ class ModelRunner:
             feature_index=None if self.features is None else
             [self.feature_index(r.seq.seq_id, r.start - 1) for r in rows],
             next_prompt_ids=next_prompt_ids(rows, len(token_ids)) if prompt else None,
-            num_logprobs=MAX_LOGPROBS if any(p.logprobs for p in distinct(params)) else 0,
+            num_logprobs=MAX_LOGPROBS if any(p.logprobs for p in requests) else 0,
             sampler_mode=mode_for(sampling, self.graphs.model_config.vocab_size, constrained), constrained=constrained,
             draft_ids=[r.draft_ids for r in rows] if width > 1 else None, spec_width=width)
 
@@ -345,12 +346,6 @@ class ModelRunner:
         owners = np.searchsorted(np.cumsum(counts), pending, side="right")
         prev_index[pending] = [self.prev_rows[rows[i].seq.seq_id] for i in owners]
         return prev_index
-
-
-def distinct(params: list[SamplingParams]) -> list[SamplingParams]:
-    """Each SamplingParams object of params once. (object.__hash__: the address, rotated, for an object that
-    defines no hash; not id(), which an audit hook, filelock's, makes run Python code at every call.)"""
-    return list({object.__hash__(p): p for p in params}.values())
 
 
 def next_prompt_ids(rows: list[StepRow], num_tokens: int) -> np.ndarray:

@@ -339,11 +339,7 @@ def make_sampling_tensors(params: Sequence[SamplingParams], seeds: Sequence[int]
     Each distinct SamplingParams is read once (a batch's rows mostly share a few): rows index its columns."""
     if not len(params) == len(seeds) == len(gen_indices) <= num_rows:
         raise ValueError(f"params, seeds and gen_indices need one entry per row, at most num_rows={num_rows}")
-    # object.__hash__: the object's address, rotated (unique while it lives). Not id(): an audit hook (filelock's,
-    # which jax imports) makes each id() call run Python code
-    _, first, which = np.unique(np.fromiter(map(object.__hash__, params), np.int64, len(params)),
-                                return_index=True, return_inverse=True)
-    distinct = [params[i] for i in first]
+    distinct, which = distinct_params(params)
     column = partial(distinct_column, distinct, which, num_rows=num_rows)
     seed64, gen_index = np.zeros(num_rows, "<u8"), np.zeros(num_rows, np.int32)
     seed64[:len(seeds)], gen_index[:len(gen_indices)] = np.array(seeds, np.int64).view(np.uint64), gen_indices
@@ -356,6 +352,15 @@ def make_sampling_tensors(params: Sequence[SamplingParams], seeds: Sequence[int]
         seed=np.ascontiguousarray(seed64.view("<u4").reshape(num_rows, 2)[:, ::-1]),   # [high, low] words
         gen_index=gen_index,
         suppress_ids=suppressed_rows(distinct, which, gen_index[:len(params)], eos_token_ids, num_rows))
+
+
+def distinct_params(params: Sequence[SamplingParams]) -> tuple[list[SamplingParams], np.ndarray]:
+    """Each SamplingParams object of params once, and per row the index of its own among them. (By object.__hash__,
+    the object's address rotated, unique while it lives; not id(), which an audit hook, filelock's, makes run Python
+    code at every call.)"""
+    _, first, which = np.unique(np.fromiter(map(object.__hash__, params), np.int64, len(params)),
+                                return_index=True, return_inverse=True)
+    return [params[i] for i in first], which
 
 
 def distinct_column(distinct: list[SamplingParams], which: np.ndarray, name: str, fill, dtype, *,
