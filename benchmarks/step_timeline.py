@@ -11,7 +11,8 @@ Prints the median per step of: schedule (scheduler), prepare (runner: block tabl
 blocked on the previous step's samples: the device is the bottleneck when it is large) and finish (samples ->
 sequences, outputs). The period is what TPOT sees.
 With --profile, each costly kernel XLA made is followed by the op it came from (the compiled model graphs' HLO
-metadata: the model's named scopes and the JAX primitive).
+metadata: the model's named scopes and the JAX primitive). With --idle-launch, steps launched once the device has
+finished the one before are timed too: an enqueue as long there is the host's own work, not a wait on the device.
 """
 from __future__ import annotations
 
