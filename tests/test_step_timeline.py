@@ -1,7 +1,9 @@
 """benchmarks/step_timeline.py times the engine's own async loop: the phases it reports are taken from steps that
-produce what the engine produces untimed (CPU, tiny random model, no timing assertions)."""
+produce what the engine produces untimed, launched on a busy or (idle_launch) an idle device (CPU, tiny random
+model, no timing assertions)."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks.step_timeline import ENQUEUE_PARTS, PHASES, timed_steps
 from jaxserve import LLM, SamplingParams
@@ -14,7 +16,8 @@ CFG = EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
                    seq_buckets=(4,), num_blocks=64, precompile=False)
 
 
-def test_timed_steps_are_the_engines_steps():
+@pytest.mark.parametrize("idle_launch", [False, True])
+def test_timed_steps_are_the_engines_steps(idle_launch):
     prompts = [list(range(3, 3 + n)) for n in (5, 9, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     llm = LLM(random_model(TINY, jnp.float32), config=CFG)
@@ -23,7 +26,7 @@ def test_timed_steps_are_the_engines_steps():
     ids = [engine.add_request(p, params) for p in prompts]
     engine.step()
     engine.step()
-    times = timed_steps(engine, 5)
+    times = timed_steps(engine, 5, idle_launch=idle_launch)
     assert set(times) == set(PHASES + ENQUEUE_PARTS) and all(len(v) == 5 for v in times.values())
     assert all(t >= 0 for v in times.values() for t in v)
     assert all(p >= w for p, w in zip(times["period"], times["wait"]))
