@@ -373,14 +373,14 @@ def distinct_column(distinct: list[SamplingParams], which: np.ndarray, name: str
 
 def suppressed_rows(distinct: list[SamplingParams], which: np.ndarray, gen_index: np.ndarray,
                     eos_token_ids: Sequence[int], num_rows: int) -> np.ndarray:
-    """[num_rows, SUPPRESS_WIDTH] each row's ids to suppress (suppressed_ids), -1 padded."""
+    """[num_rows, SUPPRESS_WIDTH] each row's ids to suppress (suppressed_ids while under its min_tokens), -1 padded."""
     ids = np.full((num_rows, SUPPRESS_WIDTH), -1, np.int32)
     if not any(p.min_tokens for p in distinct):
         return ids
     under = gen_index < np.array([p.min_tokens for p in distinct], np.int32)[which]
     table = np.full((len(distinct), SUPPRESS_WIDTH), -1, np.int32)
     for i in np.unique(which[under]):
-        row_ids = suppressed_ids(distinct[i], 0, eos_token_ids)
+        row_ids = suppressed_ids(distinct[i], eos_token_ids)
         if len(row_ids) > SUPPRESS_WIDTH:
             raise ValueError(f"{len(row_ids)} EOS and stop ids to suppress; at most {SUPPRESS_WIDTH}")
         table[i, :len(row_ids)] = row_ids
@@ -388,8 +388,7 @@ def suppressed_rows(distinct: list[SamplingParams], which: np.ndarray, gen_index
     return ids
 
 
-def suppressed_ids(p: SamplingParams, gen_index: int, eos_token_ids: Sequence[int]) -> list[int]:
-    if gen_index >= p.min_tokens:
-        return []
+def suppressed_ids(p: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
+    """The ids a request's rows suppress while it has generated fewer than min_tokens."""
     eos = [] if p.ignore_eos else list(eos_token_ids)
     return list(dict.fromkeys(eos + p.stop_token_ids))
