@@ -18,7 +18,7 @@ from jaxserve.cache.kv_cache import kv_cache_dtype
 from jaxserve.models import fp8, llama
 
 # fp8's own value, read at this module's first import: a wrapper that changes it imports this module first
-UNSCALED_GEMM_MAX_ROWS = fp8.UNSCALED_GEMM_MAX_ROWS
+UNSCALED_GEMM_MAX_TILES = fp8.UNSCALED_GEMM_MAX_TILES
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +45,9 @@ def linear_path_params() -> dict:
     """The linear layers' paths where a benchmark switched them from the default, so that a row's params tell the
     runs apart: {"w8a8": "xla"} while FP8's W8A8 layers run through XLA's GEMM instead of the CUDA kernels
     (fp8.W8A8_KERNELS off), {"bf16_decode": "kernel"} while bf16 decode rows run through the CUDA kernel
-    (llama.BF16_DECODE_KERNEL on), {"unscaled_gemm_max_rows": n} while fp8.UNSCALED_GEMM_MAX_ROWS is not its own."""
-    unscaled = {} if fp8.UNSCALED_GEMM_MAX_ROWS == UNSCALED_GEMM_MAX_ROWS else \
-        {"unscaled_gemm_max_rows": fp8.UNSCALED_GEMM_MAX_ROWS}
+    (llama.BF16_DECODE_KERNEL on), {"unscaled_gemm_max_tiles": n} while fp8.UNSCALED_GEMM_MAX_TILES is not its own."""
+    unscaled = {} if fp8.UNSCALED_GEMM_MAX_TILES == UNSCALED_GEMM_MAX_TILES else \
+        {"unscaled_gemm_max_tiles": fp8.UNSCALED_GEMM_MAX_TILES}
     return ({} if fp8.W8A8_KERNELS else {"w8a8": "xla"}) | ({"bf16_decode": "kernel"} if llama.BF16_DECODE_KERNEL
                                                             else {}) | unscaled
 

@@ -28,8 +28,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-decode-sass  # its launch per SASS line; the CUDA call
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-cuda-decode  # the CUDA decode over FP8: tests, sweep
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-cuda-decode-engine  # auto's FP8 decode: tests, engine
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down  # fp8_mm: tests, GEMMs, a step with/without
-#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-down-engine  # decode-heavy with/without, bf16
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled  # fp8_mm: tests, GEMMs, a step with/without
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-unscaled-engine  # decode-heavy with/without, bf16
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cuda-decode-16bit  # tensor-core decode, bf16 caches
 #   AB=<tree> AB_COMMIT=<sha> JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-batch1-timeline  # batch 1:
 #     FP8 and bf16 steps, host against GPU; FP8 runs beside the older tree's
@@ -118,10 +118,10 @@ MOE_PROFILE="python benchmarks/step_timeline.py --config $MOE --num-prompts 1 --
 # "${WITHOUT_W8A8_KERNELS[@]}" SCRIPT ARGS...: the script with FP8's W8A8 layers through XLA's GEMM
 WITHOUT_W8A8_KERNELS=(python -c "import runpy, sys; import jaxserve.models.fp8 as fp8; fp8.W8A8_KERNELS = False
 sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-# "${UNSCALED_ROWS[@]}" N SCRIPT ARGS...: the script with fp8.UNSCALED_GEMM_MAX_ROWS at N (0: every W8A8 GEMM scaled
-# in cuBLASLt's epilogue)
-UNSCALED_ROWS=(python -c "import runpy, sys; import benchmarks.common; import jaxserve.models.fp8 as fp8
-fp8.UNSCALED_GEMM_MAX_ROWS = int(sys.argv[1]); sys.argv = sys.argv[2:]
+# "${UNSCALED_TILES[@]}" N SCRIPT ARGS...: the script with fp8.UNSCALED_GEMM_MAX_TILES at N (0: every W8A8 GEMM
+# scaled in cuBLASLt's epilogue)
+UNSCALED_TILES=(python -c "import runpy, sys; import benchmarks.common; import jaxserve.models.fp8 as fp8
+fp8.UNSCALED_GEMM_MAX_TILES = int(sys.argv[1]); sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name='__main__')")
 # "${WITH_BF16_DECODE_KERNEL[@]}" SCRIPT ARGS...: the script with bf16 decode rows through the CUDA linear kernel
 WITH_BF16_DECODE_KERNEL=(python -c "import runpy, sys; import jaxserve.models.llama as llama
@@ -586,19 +586,19 @@ for _ in range(4): jax.block_until_ready(step(x))"
         "--quantization fp8 --set kv_cache_dtype=fp8 decode_attention=triton"; do
       run 130 python benchmarks/offline.py --config $CONFIG $args --out "$OUT/fp8_decode_gpu.json"
     done ;;
-  fp8-unscaled-down)   # the down projection of <= 256-row W8A8 steps through fp8_mm: its GPU tests, the GEMMs beside
+  fp8-unscaled)   # W8A8 GEMMs of few output tiles through fp8_mm: its GPU tests, the GEMMs beside
     # the scaled call and XLA's, then a 256-row FP8 decode step's span and kernels without and with it, alternating
     run 200 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_fp8_weights.py \
       -k "fp8_mm or fp8_scaled_mm or llama3_8b" || exit 1
     run 120 python benchmarks/fp8_w8a8_gemms.py 256 64 --out "$OUT/fp8_w8a8_gemm_gpu.json"
     STEP="benchmarks/sweep.py --config $CONFIG --quantization fp8 --kv-cache-dtype fp8 --token-buckets 256
       --seq-buckets 256 --contexts 640 --kinds decode --warmup 2 --repeats 5 --profile 12 --out $OUT/fp8_sweep_gpu.json"
-    for rows in 0 256 0 256; do run 100 "${UNSCALED_ROWS[@]}" $rows $STEP; done ;;
-  fp8-unscaled-down-engine)   # decode-heavy 256 x 128/1024 with FP8 weights + KV with fp8_mm, without, again with,
+    for tiles in 0 64 0 64; do run 100 "${UNSCALED_TILES[@]}" $tiles $STEP; done ;;
+  fp8-unscaled-engine)   # decode-heavy 256 x 128/1024 with FP8 weights + KV with fp8_mm, without, again with,
     # and bf16, in one call
     DH="--input-len 128 --output-len 1024"
-    for rows in 256 0 256; do
-      run 130 "${UNSCALED_ROWS[@]}" $rows benchmarks/offline.py --config $CONFIG $DH --quantization fp8 \
+    for tiles in 64 0 64; do
+      run 130 "${UNSCALED_TILES[@]}" $tiles benchmarks/offline.py --config $CONFIG $DH --quantization fp8 \
         --set kv_cache_dtype=fp8 --out "$OUT/fp8_decode_gpu.json"
     done
     run 130 python benchmarks/offline.py --config $CONFIG $DH --out "$OUT/fp8_decode_gpu.json" ;;

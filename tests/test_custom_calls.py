@@ -1096,16 +1096,18 @@ def test_fp8_mm_matches_f64(rows, k, m):
     assert np.isfinite(out).all() and (np.abs(out - ref) <= bound).all(), (f"seed {seed}", np.abs(out - ref).max())
 
 
-def test_deep_weights_of_few_rows_lower_to_the_unscaled_gemm_for_cuda(monkeypatch):
-    """Lowered for CUDA with the library there, a W8A8 GEMM of a weight at least twice as deep as it is wide runs
-    fp8_mm (the scales after it) up to fp8.UNSCALED_GEMM_MAX_ROWS rows and fp8_scaled_mm past them; wider weights
-    run fp8_scaled_mm at any rows. Both give the reference's values on the CPU."""
+def test_gemms_of_few_tiles_lower_to_the_unscaled_gemm_for_cuda(monkeypatch):
+    """Lowered for CUDA with the library there, a W8A8 GEMM whose output is at most fp8.UNSCALED_GEMM_MAX_TILES
+    tiles of 128 x 128 runs fp8_mm (the scales after it), one of more tiles fp8_scaled_mm, by rows and width alike.
+    Both give the reference's values on the CPU."""
     from jaxserve.models import fp8
 
     rng = np.random.default_rng(0)
-    cases = [(fp8.UNSCALED_GEMM_MAX_ROWS, 512, 256, "jaxserve_fp8_mm"),
-             (fp8.UNSCALED_GEMM_MAX_ROWS + 16, 512, 256, "jaxserve_fp8_scaled_mm"),
-             (fp8.UNSCALED_GEMM_MAX_ROWS, 256, 256, "jaxserve_fp8_scaled_mm")]
+    wide = fp8.UNSCALED_GEMM_MAX_TILES // 2 * 128   # two row tiles of this width: the most tiles unscaled
+    cases = [(256, 256, wide, "jaxserve_fp8_mm"),
+             (64, 512, 2 * wide, "jaxserve_fp8_mm"),
+             (256 + 16, 256, wide, "jaxserve_fp8_scaled_mm"),
+             (256, 256, wide + 128, "jaxserve_fp8_scaled_mm")]
     for rows, k, m, target in cases:
         xq, w = random_values(rng, (rows, k), FP8), random_values(rng, (m, k), FP8)
         x_scale = rng.uniform(0.5, 2.0, (rows, 1)).astype(np.float32)

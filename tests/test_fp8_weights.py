@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.fp8 import (FP8, UNSCALED_GEMM_MAX_ROWS, W8A16_MAX_ROWS, Fp8Linear, NormedRows, fp8_linears,
+from jaxserve.models.fp8 import (FP8, UNSCALED_GEMM_MAX_TILES, W8A16_MAX_ROWS, Fp8Linear, NormedRows, fp8_linears,
                                  gated_linear, quantize_rows, quantize_weight)
 from jaxserve.models.llama import RMSNorm, fuse_qkv
 from jaxserve.models.loader import load_model, load_run, random_model, save_converted
@@ -540,8 +540,8 @@ def fp8_gemm_inputs(hlo: str) -> tuple[set[str], set[str]]:
 def test_llama3_8b_layers_compile_to_fp8_gemms_on_the_weights_as_stored(fp8_gpu, tokens):
     """Every linear's e4m3 weight feeds a cuBLASLt FP8 GEMM, and nothing (no fusion either) makes a float copy of
     a weight: an f8 -> bf16 convert feeding a dot would. On one GPU they are the W8A8 kernels': a quantize for
-    each input (q/k/v's one, the SiLU product's inside it), a GEMM for each weight, the down projection's without
-    scales up to fp8.UNSCALED_GEMM_MAX_ROWS rows."""
+    each input (q/k/v's one, the SiLU product's inside it), a GEMM for each weight, without scales where its output
+    is at most fp8.UNSCALED_GEMM_MAX_TILES tiles of 128 x 128 (at 256 rows o's and down's)."""
     cfg = LLAMA3_8B_LAYERS
     loaded = random_model(cfg, jnp.bfloat16, quantization="fp8")
     one_device = jax.device_count() == 1
@@ -555,7 +555,9 @@ def test_llama3_8b_layers_compile_to_fp8_gemms_on_the_weights_as_stored(fp8_gpu,
     float_arrays = {(int(a), int(b)) for a, b in re.findall(r"\b(?:bf16|f16|f32)\[(\d+),(\d+)\]", hlo)}
     assert not float_arrays & weight_shapes(cfg), float_arrays & weight_shapes(cfg)
     if one_device:
-        unscaled = tokens <= UNSCALED_GEMM_MAX_ROWS
+        widths = (cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads), cfg.hidden_size, cfg.intermediate_size,
+                  cfg.intermediate_size, cfg.hidden_size)   # q/k/v, o, gate, up, down
+        unscaled = sum(-(-tokens // 128) * (width // 128) <= UNSCALED_GEMM_MAX_TILES for width in widths)
         assert hlo.count('custom_call_target="jaxserve_fp8_scaled_mm"') == (gemms - unscaled) * cfg.num_layers
         assert hlo.count('custom_call_target="jaxserve_fp8_mm"') == unscaled * cfg.num_layers
         assert hlo.count('custom_call_target="jaxserve_fp8_quantize_rows"') == 4 * cfg.num_layers

@@ -2,7 +2,7 @@
 activations quantized per token at run time, one FP8 GEMM on the tensor cores (half the weight bytes of bf16 and
 twice its rate): on one NVIDIA GPU through CUDA calls (custom_calls.fp8_quantize_rows, which makes the RMS norm or
 the SiLU product it quantizes, and fp8_scaled_mm, cuBLASLt's FP8 GEMM with both scales in its epilogue, or fp8_mm
-for the down projection of decode-sized steps: UNSCALED_GEMM_MAX_ROWS), elsewhere through XLA (on sm_89+ GPUs its
+for a GEMM of few output tiles: UNSCALED_GEMM_MAX_TILES), elsewhere through XLA (on sm_89+ GPUs its
 `__cublas$lt$matmul$f8` with an f32 result, scaled by a fusion after it). Decode steps run W8A16 (W8A16_MAX_ROWS):
 on one NVIDIA GPU through the CUDA kernel custom_calls.fp8_linear, elsewhere through XLA (its reference)."""
 from __future__ import annotations
@@ -24,17 +24,21 @@ W8A16_MAX_ROWS = custom_calls.DECODE_LINEAR_MAX_ROWS
 # W8A16 and W8A8 through the CUDA kernels where they run (benchmarks turn them off to time XLA's GEMMs beside them)
 W8A16_KERNEL = True
 W8A8_KERNELS = True
-# W8A8 steps of up to this many rows run a weight at least twice as deep as it is wide (K >= 2N: the MLP's down
-# projection) through custom_calls.fp8_mm, the scales in a fusion after it, not fp8_scaled_mm: cuBLASLt has one
-# algorithm for outer-vector scales, a tile and no split of K, 64 CTAs at Llama-3-8B's down projection (H200, the
-# GEMM and its scales: 37.6 us at 256 rows and 36.7 at 64 through fp8_scaled_mm, 30.1 and 23.4 through fp8_mm)
-UNSCALED_GEMM_MAX_ROWS = 256
+# W8A8 GEMMs whose output is at most this many 128 x 128 tiles (GEMM_TILE) run through custom_calls.fp8_mm, the
+# scales in a fusion after it, not fp8_scaled_mm: cuBLASLt has one algorithm for outer-vector scales, 128 x 128 tiles
+# and no split of K, so each of a few tiles runs the whole K while most SMs idle; the bare product's algorithms split
+# K. Llama-3-8B on an H200 (benchmarks/fp8_w8a8_gemms.py, the scales included; results/fp8_cublaslt_algos_s62.log):
+# at 64 rows o 13.3 -> 9.3 us (32 tiles), q/k/v 13.8 -> 11.0 (48), down 36.9 -> 23.4 (32); at 256 rows o 13.8 ->
+# 12.1 and down 37.9 -> 28.3 (64 each), while q/k/v (96 tiles) 14.6 against 15.5 and gate at 64 rows (112) 20.9
+# against 21.5 keep the scales in the epilogue.
+UNSCALED_GEMM_MAX_TILES = 64
+GEMM_TILE = 128
 
 
 def switches() -> tuple:
     """The switches above, as they stand: they change what a traced step holds (an executable cache's fingerprint
     carries them)."""
-    return W8A16_MAX_ROWS, W8A16_KERNEL, W8A8_KERNELS, UNSCALED_GEMM_MAX_ROWS
+    return W8A16_MAX_ROWS, W8A16_KERNEL, W8A8_KERNELS, UNSCALED_GEMM_MAX_TILES
 
 
 # x [N, K] -> (e4m3 [N, K], f32 scale [N, 1]), a scale per row; an all-zero row (padding tokens, a pruned channel)
@@ -157,11 +161,16 @@ def linears_w8a8(layers, x, up=None) -> list:
 
 
 def scaled_mm(xq, x_scale, w, w_scale):
-    """custom_calls.fp8_scaled_mm, or fp8_mm and the scales after it for a deep weight under few rows
-    (UNSCALED_GEMM_MAX_ROWS)."""
-    if xq.shape[0] <= UNSCALED_GEMM_MAX_ROWS and w.shape[1] >= 2 * w.shape[0]:
+    """custom_calls.fp8_scaled_mm, or fp8_mm and the scales after it for a GEMM of few output tiles
+    (UNSCALED_GEMM_MAX_TILES)."""
+    if gemm_tiles(xq.shape[0], w.shape[0]) <= UNSCALED_GEMM_MAX_TILES:
         return (custom_calls.fp8_mm(xq, w) * x_scale * w_scale).astype(jnp.bfloat16)
     return custom_calls.fp8_scaled_mm(xq, x_scale, w, w_scale)
+
+
+def gemm_tiles(rows: int, out_features: int) -> int:
+    """GEMM_TILE x GEMM_TILE tiles of a [rows, out_features] product."""
+    return -(-rows // GEMM_TILE) * -(-out_features // GEMM_TILE)
 
 
 def gated_w8a16(gate_proj, up_proj, x, live=None):
