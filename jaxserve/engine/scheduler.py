@@ -94,7 +94,7 @@ class Scheduler:
         for seq in decodes:
             if seq.status is not SequenceStatus.RUNNING:   # preempted by an older one
                 continue
-            drafts = drafts_of[seq.seq_id][:max(spare, 0)] if drafts_of and seq.seq_id in drafts_of else ()
+            drafts = drafts_of.get(seq.seq_id, ())[:max(spare, 0)]
             if drafts and not self.kv.allocate(seq.seq_id, seq.token_ids, 1, num_lookahead=len(drafts))[0]:
                 drafts = ()   # drafts are a bet: short of blocks, the decode goes on without them
             if drafts or self._grow(seq, 1, out):

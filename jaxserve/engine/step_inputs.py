@@ -118,13 +118,14 @@ def build_step_inputs(*, num_tokens: int, num_seqs: int, block_size: int, scratc
                         pad(own_last[from_row][:, None] + after, num_seqs).reshape(-1),
                         pad(prev_index if prev_index is not None else [], num_tokens, fill=-1),
                         None if feature_index is None else pad(feature_index, num_seqs, fill=-1))
-    per_position = (lambda values: values) if spec_width == 1 else \
-        (lambda values: [v for v in values for _ in range(spec_width)])
-    gen_indices = num_generated if spec_width == 1 else [g + j for g in num_generated for j in range(spec_width)]
+    if spec_width == 1:   # a position a row: the rows' own values
+        per_position, gen_indices, in_row = (lambda values: values), num_generated, sample_mask
+    else:
+        per_position = lambda values: [v for v in values for _ in range(spec_width)]   # noqa: E731
+        gen_indices = [g + j for g in num_generated for j in range(spec_width)]
+        in_row = [m and j <= k for m, k in zip(sample_mask, num_drafts) for j in range(spec_width)]
     sampling = make_sampling_tensors(per_position(params), per_position(seeds), gen_indices,
                                      num_rows=num_seqs * spec_width, eos_token_ids=eos_token_ids)
-    in_row = sample_mask if spec_width == 1 else \
-        [m and j <= k for m, k in zip(sample_mask, num_drafts) for j in range(spec_width)]
     sampler = SamplerInputs(sampling, pad(per_position(slots), num_seqs * spec_width, fill=scratch_slot),
                             pad(in_row, num_seqs * spec_width, dtype=bool), num_logprobs, sampler_mode, constrained,
                             draft_ids=None if spec_width == 1 else padded_drafts(draft_ids or [], num_seqs, spec_width))
