@@ -27,10 +27,10 @@ W8A8_KERNELS = True
 # W8A8 GEMMs whose output is at most this many 128 x 128 tiles (GEMM_TILE) run through custom_calls.fp8_mm, the
 # scales in a fusion after it, not fp8_scaled_mm: cuBLASLt has one algorithm for outer-vector scales, 128 x 128 tiles
 # and no split of K, so each of a few tiles runs the whole K while most SMs idle; the bare product's algorithms split
-# K. Llama-3-8B on an H200 (benchmarks/fp8_w8a8_gemms.py, the scales included; results/fp8_cublaslt_algos_s62.log):
-# at 64 rows o 13.3 -> 9.3 us (32 tiles), q/k/v 13.8 -> 11.0 (48), down 36.9 -> 23.4 (32); at 256 rows o 13.8 ->
-# 12.1 and down 37.9 -> 28.3 (64 each), while q/k/v (96 tiles) 14.6 against 15.5 and gate at 64 rows (112) 20.9
-# against 21.5 keep the scales in the epilogue.
+# K. Llama-3-8B on an H200 (benchmarks/fp8_w8a8_gemms.py, the scales included; fp8_w8a8_gemm_gpu.json, s62-call7):
+# at 64 rows o 13.3 -> 9.4 us (32 tiles), q/k/v 13.8 -> 11.0 (48), down 36.7 -> 23.3 (32); at 256 rows o 13.7 ->
+# 12.6 and down 37.6 -> 28.3 (64 each), while q/k/v (96 tiles) 14.6 against 15.5 and gate at 64 rows (112) 20.9
+# against 21.6 keep the scales in the epilogue.
 UNSCALED_GEMM_MAX_TILES = 64
 GEMM_TILE = 128
 
