@@ -311,8 +311,9 @@ class ModelRunner:
                                                             *r.draft_ids)], np.int32)
         slots = np.array([self.slot_of[s.seq_id] for s in seqs], np.int32)
         # the features below are per request: asked of each distinct SamplingParams first (rows mostly share a few)
-        requests = distinct_params(params)[0]
-        sampling = distinct_params([p for r, p in zip(rows, params) if r.samples])[0]
+        requests, which = distinct_params(params)
+        samples = np.fromiter((r.samples for r in rows), bool, len(rows))
+        sampling = [requests[i] for i in np.unique(which[samples])]
         prompt = any(p.prompt_logprobs is not None for p in requests) and any(
             r.seq.params.prompt_logprobs is not None and r.start < r.seq.num_prompt_tokens for r in rows)
         # prompt logprobs' graphs exist for token buckets only: their steps never pad tokens to a seq bucket
@@ -329,7 +330,7 @@ class ModelRunner:
             num_tokens=tokens, num_seqs=rows_bucket, decode_only=decode_only, **addressing, cascade_groups=groups,
             shared=shared,
             starts=starts, counts=counts, token_ids=np.where(token_ids == PENDING, 0, token_ids),
-            slots=slots, sample_mask=[r.samples for r in rows], params=params,
+            slots=slots, sample_mask=samples, params=params,
             seeds=[s.seed for s in seqs], num_generated=[r.num_generated for r in rows],
             logits_from=[r.logits_from for r in rows], prev_index=self._prev_index(rows, counts, token_ids),
             feature_index=None if self.features is None else
