@@ -25,7 +25,7 @@ from pallas_kernels.common import init_carry, interpret_params
 from pallas_kernels.ragged_paged_attention import (PagedKV, Scores, Geometry, attend_range, attend_tile,
                                                    check_inputs, check_pallas_inputs, decode_on_mosaic, load_q,
                                                    locate_block, make_tuning, one_launch_decode, plgpu,
-                                                   resolve_impl, store_partials, triton_serves)
+                                                   resolve_impl, store_partials, triton_in_auto, triton_serves)
 from pallas_kernels.ragged_paged_attention_reference import cascade_attention_reference
 
 
@@ -46,9 +46,9 @@ def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, grou
                       interpret: bool = False, **tuning) -> jax.Array:
     """`ragged_paged_attention(..., decode_only=True)` (token i is row i's query) over a batch whose rows may share
     leading blocks as `groups` says; the same output. impl: as ragged_paged_attention's but "cpu" (no CPU kernel here:
-    "auto" runs the reference on a CPU); "reference" is pure JAX. decode_backend="mosaic": both passes on the Mosaic
-    GPU decode kernel (`cascade_attention_mgpu`); else these Triton launches, or the reference under a JAX without
-    Pallas's Triton backend."""
+    "auto" runs the reference on a CPU); "reference" is pure JAX. decode_backend="mosaic" (and "auto" where it
+    takes the Mosaic GPU decode: on Hopper): both passes on that kernel (`cascade_attention_mgpu`); else these Triton
+    launches, or the reference under a JAX without Pallas's Triton backend."""
     num_rows = kv_lens.shape[0]
     cu_q_lens = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), jnp.reshape(num_seqs, ()))
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, None, num_seqs, sm_scale, None,
@@ -58,9 +58,8 @@ def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, grou
     if impl == "cpu":
         raise ValueError("cascade attention has no CPU kernel: impl='auto' or 'reference' runs it on a CPU")
     pallas = resolve_impl(impl, interpret, k_cache.dtype) == "pallas"
-    if pallas and not triton_serves() and decode_backend == "auto":   # Mosaic GPU's where it serves
-        on_mosaic = decode_on_mosaic(q, k_cache, num_rows, make_tuning(q.dtype, tuning, k_cache.dtype), "auto",
-                                     interpret)
+    if pallas and not triton_in_auto(interpret) and decode_backend == "auto":   # Mosaic GPU's where it serves
+        on_mosaic = decode_on_mosaic(q, k_cache, make_tuning(q.dtype, tuning, k_cache.dtype), "auto", interpret)
         decode_backend = "mosaic" if on_mosaic is not None else decode_backend
     if not pallas or (decode_backend != "mosaic" and not triton_serves(decode_backend=decode_backend)):
         if tuning and not pallas:
@@ -78,7 +77,7 @@ def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, grou
 def mosaic_cascade(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups: CascadeGroups, *, scores: Scores,
                    tuning, interpret: bool):
     from pallas_kernels.cascade_attention_mgpu import cascade_decode_attention   # Mosaic GPU's import: where it runs
-    decode = decode_on_mosaic(q, k_cache, min(q.shape[0], block_tables.shape[0]), tuning, "mosaic", interpret)
+    decode = decode_on_mosaic(q, k_cache, tuning, "mosaic", interpret)
     # not jitted here: the Mosaic GPU interpreter deadlocks under a jit on the CPU client (the engine's step and the
     # benchmarks jit the whole)
     return cascade_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, jnp.reshape(num_seqs, ()), groups,

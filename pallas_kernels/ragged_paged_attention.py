@@ -3,17 +3,20 @@
 Cache layout per layer: K and V each `[num_blocks, block_size, num_kv_heads, head_dim]`; block 0 is the
 null block that padding writes land in.
 
-Backends, per role:
-- decode: Pallas' Triton lowering (JAX 0.11 deprecates it): decode has 1-8 query rows per KV head (Triton's mma
-  pads them to 16 rows, Mosaic's wgmma to 64), each KV tile is gathered from pages at random addresses as one
-  pointer-tensor load, and it runs on sm_80+ with exact float32 dots and over fp8 caches. On Hopper a decode-only
-  call may take `paged_decode_attention_mgpu` instead (Mosaic GPU: TMA page copies, wgmma, a persistent grid):
-  asked for by `decode_backend="mosaic"`, and taken by "auto" for small batches, where it measured faster.
-- prefill: on Hopper (sm_90) with bf16/f16 (q and cache), `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page
-  copies, wgmma, warp specialisation), the faster of the two there; elsewhere the Triton prefill kernel below.
+Backends, per role. On Hopper (sm_90) "auto" runs the Mosaic GPU kernels wherever they serve the call, since
+JAX 0.11 deprecated Pallas's Triton backend; Triton's kernels run there only when named (`prefill_backend` /
+`decode_backend` "triton") or for calls Mosaic GPU's cannot serve (float32, head_dim 256). Off Hopper they are the
+Pallas kernels.
+- decode: `paged_decode_attention_mgpu` (Mosaic GPU: TMA page copies, wgmma, a persistent grid), or the Triton
+  kernels below: decode has 1-8 query rows per KV head (Triton's mma pads them to 16 rows, Mosaic's wgmma to 64),
+  each KV tile is gathered from pages at random addresses as one pointer-tensor load, and they run on sm_80+ with
+  exact float32 dots and over fp8 caches.
+- prefill: `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page copies, wgmma, warp specialisation; bf16/f16 q),
+  or the Triton prefill kernel below. A mixed call's leading decodes may be left to the caller's own kernel
+  (`decode_rows`: the engine's CUDA call over an fp8 cache), the Mosaic prefill writing the other rows.
 Nothing in the API names the backend (`prefill_backend` and `decode_backend` only override the choice). Under a JAX
-that no longer ships Pallas's Triton backend (`TRITON`), "auto" takes the Mosaic GPU kernels on Hopper wherever they
-serve and the reference for every launch Triton's kernels would have run (`pallas_launches`); "triton" is refused.
+that no longer ships Pallas's Triton backend (`TRITON`), the reference runs every launch Triton's kernels would have
+run (`pallas_launches`), and "triton" is refused.
 
 Two launches, with no host- or XLA-side metadata preparation (each program reads the raw
 cu_q_lens/kv_lens/block_tables):
@@ -109,7 +112,6 @@ class Tuning:
     mosaic_decode_steps: int = 4  # its pipeline steps in flight
     mosaic_decode_warpgroups: int = 1  # its compute warpgroups (2: alternate steps of an item; see FP8_TUNING)
     mosaic_decode_programs: int = 132  # work items its launch aims for (small batches split their contexts)
-    mosaic_decode_max_rows: int = 16  # "auto" takes it up to this many decode rows (see decode_on_mosaic)
 
 
 # float32 tiles are twice the bytes: halve them to stay inside shared memory. Chosen by the dots' dtype: an fp8
@@ -208,7 +210,8 @@ class PagedKV:
 def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            impl: str = "auto", prefill_backend: str = "auto", decode_backend: str = "auto",
-                           decode_only: bool = False, interpret: bool = False, **tuning) -> jax.Array:
+                           decode_only: bool = False, interpret: bool = False, decode_rows=None,
+                           **tuning) -> jax.Array:
     """Causal GQA attention of each sequence's new tokens over its paged KV (new tokens already cached).
 
     q [num_tokens, num_q_heads, head_dim]; cu_q_lens [max_seqs + 1]; kv_lens [max_seqs] (context including
@@ -222,13 +225,15 @@ def ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
     bf16/f16), "triton", or "auto" (mosaic on sm_90 when it supports the call, else triton). decode_only: the
     caller guarantees every sequence has one query (token i is sequence i's; anything else is undefined), so the
     pallas impl runs one launch; decode_backend picks its kernel as prefill_backend does ("mosaic": the Hopper
-    wgmma/TMA kernel, q in bf16/f16; "auto" takes it on sm_90 for up to `mosaic_decode_max_rows` decodes over a cache
-    of q's dtype). `tuning`: fields of `Tuning`.
+    wgmma/TMA kernel, q in bf16/f16; "auto" takes it on sm_90 wherever it serves). decode_rows: where the Mosaic
+    prefill serves a mixed call, a function (q's first rows [min(num_tokens, max_seqs), ...], the count of leading
+    decodes int32 []) -> their outputs, zeros past that count, in place of this module's decode kernels.
+    `tuning`: fields of `Tuning`.
     """
     return ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, None,
                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
                             prefill_backend=prefill_backend, decode_backend=decode_backend, decode_only=decode_only,
-                            interpret=interpret, **tuning)
+                            interpret=interpret, decode_rows=decode_rows, **tuning)
 
 
 def contiguous_ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, kv_rows, num_seqs, *, blocks_per_row: int,
@@ -258,7 +263,7 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
                      sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                      impl: str = "auto", prefill_backend: str = "auto", decode_backend: str = "auto",
                      decode_only: bool = False, interpret: bool = False, block_stride: int = 1,
-                     **tuning) -> jax.Array:
+                     decode_rows=None, **tuning) -> jax.Array:
     """Both public entry points: `blocks` is the block table (blocks_per_row None) or each sequence's first block
     (contiguous, its row's blocks block_stride apart)."""
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, blocks_per_row, num_seqs,
@@ -270,7 +275,7 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
         out = pallas_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, scores=scores,
                               tuning=make_tuning(q.dtype, tuning, k_cache.dtype), prefill_backend=prefill_backend,
                               decode_backend=decode_backend, decode_only=decode_only, interpret=interpret,
-                              blocks_per_row=blocks_per_row, block_stride=block_stride)
+                              decode_rows=decode_rows, blocks_per_row=blocks_per_row, block_stride=block_stride)
         if out is not None:
             return out
         impl = "reference"
@@ -283,20 +288,24 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, 
 
 def pallas_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *, scores: Scores, tuning: Tuning,
                     prefill_backend: str, decode_backend: str, decode_only: bool, interpret: bool,
-                    **addressing) -> jax.Array | None:
+                    decode_rows=None, **addressing) -> jax.Array | None:
     """The Pallas kernels' output; None where Triton's would serve and this JAX has none (the caller runs the
     reference), an error where a backend asks for Triton by name then."""
     args = (q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs)
     rows = min(q.shape[0], blocks.shape[0])
     if decode_only:
-        mosaic = decode_on_mosaic(q, k_cache, rows, tuning, decode_backend, interpret)
+        mosaic = decode_on_mosaic(q, k_cache, tuning, decode_backend, interpret)
         if mosaic is not None:
             return mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, scores=scores, tuning=mosaic,
                                  interpret=interpret, **addressing)
         return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing) \
             if triton_serves(decode_backend=decode_backend) else None
-    mosaic = prefill_on_mosaic(q, k_cache, blocks, scores, tuning, prefill_backend, interpret)
-    decode = None if mosaic is None else decode_on_mosaic(q, k_cache, rows, tuning, decode_backend, interpret)
+    mosaic = prefill_on_mosaic(q, k_cache, scores, tuning, prefill_backend, interpret)
+    if mosaic is not None and decode_rows is not None:
+        out = mosaic_prefill_rows(*args, scores=scores, tuning=mosaic, interpret=interpret, **addressing)
+        num_decodes = leading_decodes(cu_q_lens, num_seqs)
+        return over_leading_rows(out, decode_rows(q[:rows], num_decodes), num_decodes)
+    decode = None if mosaic is None else decode_on_mosaic(q, k_cache, tuning, decode_backend, interpret)
     # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
     # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
     if decode is not None:
@@ -308,6 +317,12 @@ def pallas_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *
     return run(*args, scores=scores, tuning=tuning, interpret=interpret, mosaic=mosaic, **addressing)
 
 
+def triton_in_auto(interpret: bool) -> bool:
+    """Whether "auto" takes Triton's kernels where Mosaic GPU's could serve: not on Hopper (see the module), and only
+    where this JAX ships the backend."""
+    return TRITON and (interpret or gpu_capability() != 9.0)
+
+
 def triton_serves(**backends: str) -> bool:
     """Whether Triton's kernels can run the launch the backends leave to them; an error where one names "triton"
     and this JAX has none."""
@@ -316,7 +331,7 @@ def triton_serves(**backends: str) -> bool:
     return TRITON
 
 
-def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backend: str,
+def prefill_on_mosaic(q, k_cache, scores: Scores, tuning: Tuning, backend: str,
                       interpret: bool) -> PrefillTuning | None:
     """The Mosaic GPU prefill tuning when that kernel serves the prefill rows, else None (Triton does)."""
     mgpu_prefill = mosaic_prefill()
@@ -328,27 +343,19 @@ def prefill_on_mosaic(q, k_cache, blocks, scores: Scores, tuning: Tuning, backen
     if backend == "triton" or why_not:
         return None
     device = jax.devices()[0]
-    # auto: only Hopper, and only shapes with room for more tokens than sequences (a decode-only shape would
-    # pay the extra launches of the Mosaic path for nothing); over bf16 and fp8 caches alike, where it measured
-    # ahead of Triton (8K prompt on H200: 2.2x, 1.27x)
-    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
-                              or (TRITON and q.shape[0] <= blocks.shape[0])):
+    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"):   # see the module
         return None
     # one CTA per SM; the CPU interpreter (no core count) simulates a few, each taking several work items
     return dataclasses.replace(prefill_tuning, num_ctas=getattr(device, "core_count", None) or 4)
 
 
-def decode_on_mosaic(q, k_cache, rows: int, tuning: Tuning, backend: str, interpret: bool) -> DecodeTuning | None:
-    """The Mosaic GPU decode tuning when that kernel serves a decode-only call of `rows` decodes (at most), else
+def decode_on_mosaic(q, k_cache, tuning: Tuning, backend: str, interpret: bool) -> DecodeTuning | None:
+    """The Mosaic GPU decode tuning when that kernel serves a call's decodes, else
     None (Triton does)."""
     if backend == "triton":
         return None
     device = jax.devices()[0]
-    # auto: Hopper, and (where Triton's kernel is there) small batches over caches of q's dtype only, where it
-    # measured ahead of Triton (a batch of 8: 1.04-1.20x; batch 1 in the engine's 16-row bucket: even); from 64 rows
-    # Triton's is 3-4% faster, and over fp8 caches 1.5-2x (NOTES_attention.md).
-    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"
-                              or (TRITON and (rows > tuning.mosaic_decode_max_rows or k_cache.dtype != q.dtype))):
+    if backend == "auto" and (interpret or getattr(device, "compute_capability", None) != "9.0"):   # see the module
         return None
     mgpu_decode = mosaic_decode_kernel()
     # one CTA per SM; the CPU interpreter (no core count) runs a few, each taking several work items
@@ -540,10 +547,15 @@ def mosaic_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *
     num_decodes = leading_decodes(cu_q_lens, num_seqs)
     decoded = mosaic_decode(q[:rows], k_cache, v_cache, kv_lens, blocks, num_decodes, scores=scores, tuning=decode,
                             **addressing)
-    # one select over every row, not an update of the first rows: XLA's GPU compiler refuses a dynamic-update-slice
-    # fusion whose target is a custom call's output ("DUS target must be a fusion parameter")
-    decoded = jnp.pad(decoded, ((0, q.shape[0] - rows), (0, 0), (0, 0)))
-    return jnp.where((jnp.arange(q.shape[0]) < num_decodes)[:, None, None], decoded, out)
+    return over_leading_rows(out, decoded, num_decodes)
+
+
+def over_leading_rows(out, decoded, num_decodes):
+    """out with its first num_decodes rows taken from decoded [rows <= out's rows, ...]: one select over every row,
+    not an update of the first rows, which XLA's GPU compiler refuses where the target is a custom call's output
+    ("DUS target must be a fusion parameter")."""
+    decoded = jnp.pad(decoded, ((0, out.shape[0] - decoded.shape[0]), (0, 0), (0, 0)))
+    return jnp.where((jnp.arange(out.shape[0]) < num_decodes)[:, None, None], decoded, out)
 
 
 pallas_mosaic_attention = jax.jit(mosaic_launches, static_argnames=("scores", "prefill", "decode", "interpret",

@@ -7,6 +7,8 @@ except the row the group names (`table_rows`), so a shared pass reading the wron
 its shared keys again, comes out NaN. Rows are in random order (groups are not contiguous), groups end mid-tile,
 rows outside every group and padding rows sit between them.
 """
+import importlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -181,9 +183,9 @@ def test_share_prefixes_groups_rows_by_their_common_leading_blocks():
     assert share_prefixes(tables[3:5], np.array([16, 30]), 16, max_groups=8) == []
 
 
-def test_cascade_rule_by_mode_and_kernels():
+def test_cascade_rule_by_mode_and_kernels(monkeypatch):
     pallas, reference = AttentionKernels("pallas"), AttentionKernels("reference")
-    assert cascade_rule("auto", pallas, None) == (CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS)
+    assert cascade_rule("auto", pallas, None) == (CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS)   # off Hopper: Triton's
     assert cascade_rule("auto", reference, None) is None   # the CPU: nothing to save by default
     assert cascade_rule("on", reference, None) == (2, 1)
     assert cascade_rule("off", pallas, None) is None
@@ -195,6 +197,11 @@ def test_cascade_rule_by_mode_and_kernels():
     mosaic = AttentionKernels("pallas", decode_backend="mosaic")
     assert cascade_rule("auto", mosaic, None) == (CASCADE_MOSAIC_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS)
     assert cascade_rule("on", mosaic, None) == (2, 1)
+    kernels = importlib.import_module("pallas_kernels.ragged_paged_attention")
+    monkeypatch.setattr(kernels, "gpu_capability", lambda: 9.0)   # on Hopper "auto" cascades on Mosaic GPU's kernel
+    assert cascade_rule("auto", pallas, None) == (CASCADE_MOSAIC_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS)
+    triton = AttentionKernels("pallas", decode_backend="triton")
+    assert cascade_rule("auto", triton, None) == (CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS)
 
 
 

@@ -769,12 +769,11 @@ def test_decode_window_and_soft_cap_match_reference(cache_dtype, dtype, window, 
         assert rel_err(out, ref) <= TOLERANCE[dtype], f"seed {seed} splits {splits}"
 
 
-def large_fp8_decode_step(rng, kernels, max_len=300):
-    """A decode-only step of CUDA_FP8_DECODE_MIN_ROWS rows (the last one padding) over an FP8 cache, jitted through
-    the model's paged attention with `kernels`: (case, step, its args)."""
+def large_fp8_decode_step(rng, kernels, max_len=300, rows=256):
+    """A decode-only step of `rows` rows (the last one padding) over an FP8 cache, jitted through the model's paged
+    attention with `kernels`: (case, step, its args)."""
     from jaxserve.models import attention
 
-    rows = attention.CUDA_FP8_DECODE_MIN_ROWS
     lens = np.concatenate([rng.integers(1, max_len, rows - 1), [0]])
     case = make_paged_case(rng, lens=lens, q_heads=32, kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
                            cache_dtype=FP8)
@@ -786,12 +785,12 @@ def large_fp8_decode_step(rng, kernels, max_len=300):
 
 def test_large_fp8_decode_steps_lower_to_the_call_for_cuda(monkeypatch):
     """Lowered for CUDA, a large decode-only step over an FP8 cache runs the CUDA call under the kernels "auto"
-    resolves on sm_90 (fp8_decode_call), and the Pallas path's kernel otherwise."""
+    resolves on sm_90 (cuda_decodes), and the Pallas path's kernel otherwise."""
     from jaxserve.models.attention import AttentionKernels
 
     monkeypatch.setattr(cc, "available", lambda: True)
     monkeypatch.setattr(cc, "sm_count", lambda: 132)
-    for kernels, call in ((AttentionKernels("pallas", "auto", fp8_decode_call=True), True),
+    for kernels, call in ((AttentionKernels("pallas", "auto", cuda_decodes=True), True),
                           (AttentionKernels("pallas", "auto"), False)):
         _, step, args = large_fp8_decode_step(np.random.default_rng(0), kernels, max_len=20)
         text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -808,7 +807,7 @@ def test_large_fp8_decode_steps_run_the_tensor_core_call():
     if gpu_capability() < FP8_MIN_CAPABILITY:
         pytest.skip("the Pallas launch it is held beside reads FP8 caches on sm_89+ only")
     seed, rng = fresh_rng()
-    for kernels, call in ((AttentionKernels("pallas", "auto", fp8_decode_call=True), True),
+    for kernels, call in ((AttentionKernels("pallas", "auto", cuda_decodes=True), True),
                           (AttentionKernels("pallas", "auto"), False)):
         case, step, args = large_fp8_decode_step(rng, kernels)
         k, v = cc.reshape_and_cache_reference(case["k_cache"], case["v_cache"], case["new_k"], case["new_v"],
@@ -820,6 +819,66 @@ def test_large_fp8_decode_steps_run_the_tensor_core_call():
         out, _ = step(*args)
         assert rel_err(out, ref) <= TOLERANCE[jnp.bfloat16], f"seed {seed} call {call}"
         assert not np.asarray(out[-1], np.float32).any(), "padding row must be zeros"
+
+
+class FakeHopper:
+    platform, compute_capability, core_count = "gpu", "9.0", 132
+
+
+# mixed steps over each cache: (cache dtype, sequence slots, tokens), and whether the CUDA call takes the decodes
+MIXED_STEPS = [pytest.param(FP8, 8, 96, True, id="fp8"),   # over an FP8 cache at any batch
+               pytest.param(None, 256, 320, True, id="bf16-256"),   # over q's dtype from CUDA_DECODE_MIN_ROWS
+               pytest.param(None, 8, 96, False, id="bf16-8")]   # else the Mosaic GPU decode
+
+
+def mixed_step(rng, cache, slots, tokens):
+    """A mixed step (three decodes, a chunk over cached context, a prompt, padding tokens) over a bf16 or FP8 cache,
+    jitted through the model's attention over the written pages with the kernels "auto" resolves on sm_90
+    (cuda_decodes): (batch, step, its args)."""
+    from helpers import GEOMETRY, cached_as, make_batch
+    from jaxserve.models import attention
+
+    shape = {**GEOMETRY, "q_heads": 16, "kv_heads": 4, "num_tokens": tokens, "max_seqs": slots, "max_blocks": 16,
+             "num_blocks": 64}
+    batch = cached_as(make_batch(rng, [1, 1, 1, 30, 41], [33, 5, 80, 71, 41], **shape, dtype=jnp.bfloat16), cache)
+    meta = attention.AttentionBatch(jnp.zeros(shape["num_tokens"], jnp.int32), batch.cu_q_lens, batch.kv_lens,
+                                    batch.block_tables, batch.num_seqs)
+    kernels = attention.AttentionKernels("pallas", "auto", cuda_decodes=True)
+    step = jax.jit(functools.partial(attention.attend_pages, kernels=kernels, num_layers=1, layer=0, sm_scale=0.125,
+                                     sliding_window=None))
+    return batch, step, (batch.q, batch.k_cache, batch.v_cache, meta)
+
+
+@pytest.mark.parametrize("cache, slots, tokens, call", MIXED_STEPS)
+def test_mixed_steps_lower_to_the_call_and_mosaic_only_for_cuda(monkeypatch, cache, slots, tokens, call):
+    """Lowered for CUDA on Hopper, a mixed step under "auto" runs its decodes through the CUDA call where decode_on_cuda
+    says, else through the Mosaic GPU decode, and its other rows through the Mosaic GPU prefill: no Triton kernel,
+    no other custom call."""
+    monkeypatch.setattr(cc, "available", lambda: True)
+    monkeypatch.setattr(cc, "sm_count", lambda: 132)
+    monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
+    _, step, args = mixed_step(np.random.default_rng(0), cache, slots, tokens)
+    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    expected = {"jaxserve_paged_decode_attention", "mosaic_gpu_v2"} if call else {"mosaic_gpu_v2"}
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == expected
+
+
+@needs_gpu
+@pytest.mark.parametrize("cache, slots, tokens, call", MIXED_STEPS)
+def test_mixed_steps_run_their_decodes_through_the_call(cache, slots, tokens, call):
+    """On Hopper, the same steps compiled hold the call where said and give the reference's output (the decodes' rows
+    from the call, the others from the Mosaic prefill), their padding rows zeros."""
+    from helpers import check_close, on_hopper, poison_allocator
+    from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
+
+    if not on_hopper():
+        pytest.skip("the Mosaic GPU prefill it runs beside needs sm_90")
+    seed, rng = fresh_rng()
+    batch, step, args = mixed_step(rng, cache, slots, tokens)
+    assert ("jaxserve_paged_decode_attention" in step.lower(*args).as_text()) == call
+    expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125)
+    poison_allocator(batch)
+    check_close(step(*args), expected, batch, jnp.bfloat16, f"seed {seed}")
 
 
 @needs_gpu

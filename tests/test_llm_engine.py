@@ -437,11 +437,12 @@ def test_attention_kernels_are_what_runs_here():
             resolve_attention_kernels(backend, "triton", head_dim=64)
 
 
-def test_large_fp8_decode_steps_take_the_cuda_tensor_core_kernel(monkeypatch):
-    """Under "auto" on sm_90 with the CUDA library, an FP8 cache's engine marks large decode-only steps for the
-    CUDA call (fp8_decode_call), and those of CUDA_FP8_DECODE_MIN_ROWS rows or more whose shapes its tensor-core
-    kernel takes run it; smaller steps, other caches and shapes, and cascade steps keep the Pallas launch; a
-    named backend keeps it everywhere, and "cuda" takes the call for every decode-only step."""
+def test_decodes_take_the_cuda_tensor_core_kernel_where_it_is_faster(monkeypatch):
+    """Under "auto" on sm_90 with the CUDA library, the engine marks its decodes for the CUDA call (cuda_decodes):
+    those of decode-only and mixed steps whose shapes its tensor-core kernel takes run it, over an FP8 cache at any
+    batch, over a cache of q's dtype from CUDA_DECODE_MIN_ROWS sequence slots; other shapes and cascade steps keep
+    the Pallas launch; a named backend keeps it everywhere, and "cuda" takes the call for every decode-only step
+    (mixed steps' decodes stay with the Pallas launch)."""
     from types import SimpleNamespace
 
     import jaxserve.models.attention as attention
@@ -450,25 +451,32 @@ def test_large_fp8_decode_steps_take_the_cuda_tensor_core_kernel(monkeypatch):
     monkeypatch.setattr(attention, "gpu_capability", lambda: 9.0)
     monkeypatch.setattr(custom_calls, "available", lambda: True)
     fp8, bf16 = jnp.float8_e4m3fn, jnp.bfloat16
-    assert resolve_attention_kernels("auto", "auto", 128, cache_dtype=fp8).fp8_decode_call
-    assert not resolve_attention_kernels("auto", "auto", 128, cache_dtype=bf16).fp8_decode_call
-    assert not resolve_attention_kernels("triton", "auto", 128, cache_dtype=fp8).fp8_decode_call
+    assert all(resolve_attention_kernels("auto", "auto", 128, cache_dtype=dtype).cuda_decodes for dtype in (fp8, bf16))
+    assert not resolve_attention_kernels("triton", "auto", 128, cache_dtype=fp8).cuda_decodes
+    monkeypatch.setattr(custom_calls, "available", lambda: False)
+    assert not resolve_attention_kernels("auto", "auto", 128, cache_dtype=fp8).cuda_decodes
+    monkeypatch.setattr(custom_calls, "available", lambda: True)
     monkeypatch.setattr(attention, "gpu_capability", lambda: 8.0)
-    assert not resolve_attention_kernels("auto", "auto", 128, cache_dtype=fp8).fp8_decode_call
+    assert not resolve_attention_kernels("auto", "auto", 128, cache_dtype=fp8).cuda_decodes
 
-    rows = attention.CUDA_FP8_DECODE_MIN_ROWS
-    marked, plain = AttentionKernels("pallas", "auto", fp8_decode_call=True), AttentionKernels("pallas", "auto")
-    step, cascade = SimpleNamespace(cascade=None), SimpleNamespace(cascade=object())
+    marked, plain = AttentionKernels("pallas", "auto", cuda_decodes=True), AttentionKernels("pallas", "auto")
+    rows = attention.CUDA_DECODE_MIN_ROWS
 
-    def on_cuda(tokens=rows, q_heads=32, head_dim=128, cache=fp8, q=bf16, block=16, batch=step, kernels=marked):
+    def on_cuda(tokens=rows, slots=rows, q_heads=32, head_dim=128, cache=fp8, q=bf16, block=16, decode_only=True,
+                cascade=None, kernels=marked):
+        batch = SimpleNamespace(cascade=cascade, decode_only=decode_only,
+                                kv_lens=jax.ShapeDtypeStruct((slots,), jnp.int32))
         return attention.decode_on_cuda(jax.ShapeDtypeStruct((tokens, q_heads, head_dim), q),
                                         jax.ShapeDtypeStruct((100, block, 8, head_dim), cache), batch, kernels)
 
-    assert on_cuda() and on_cuda(tokens=2 * rows, head_dim=64, q=jnp.float16, q_heads=128, block=32)
-    assert not any([on_cuda(tokens=rows - 1), on_cuda(cache=bf16, q=bf16), on_cuda(q=jnp.float32),
-                    on_cuda(head_dim=256), on_cuda(q_heads=136), on_cuda(block=24), on_cuda(batch=cascade),
-                    on_cuda(kernels=plain)])
-    assert on_cuda(tokens=1, cache=bf16, kernels=AttentionKernels("cuda", "auto"))
+    assert all([on_cuda(), on_cuda(tokens=1, slots=1), on_cuda(tokens=4096, slots=16, decode_only=False),
+                on_cuda(cache=bf16), on_cuda(tokens=4096, cache=bf16, decode_only=False),
+                on_cuda(tokens=2 * rows, slots=2 * rows, head_dim=64, q=jnp.float16, q_heads=128, block=32)])
+    assert not any([on_cuda(tokens=rows - 1, cache=bf16), on_cuda(tokens=4096, slots=rows - 1, cache=bf16),
+                    on_cuda(q=jnp.float32), on_cuda(head_dim=256), on_cuda(q_heads=136), on_cuda(block=24),
+                    on_cuda(cascade=object()), on_cuda(kernels=plain)])
+    forced = AttentionKernels("cuda", "auto")
+    assert on_cuda(tokens=1, cache=bf16, kernels=forced) and not on_cuda(decode_only=False, kernels=forced)
 
 
 HOPPER = pytest.mark.skipif(on_gpu() and not on_hopper(), reason="needs sm_90")
@@ -491,13 +499,13 @@ def assert_greedy_up_to_near_ties(outputs, reference, nats=0.05):
     ("cuda", "auto", "triton"), ("pallas", "triton", "triton"),
     pytest.param("pallas", "mosaic", "triton", marks=HOPPER),
     pytest.param("pallas", "mosaic", "mosaic", marks=HOPPER),  # every attention kernel on Mosaic GPU
-    pytest.param("pallas", "auto", "auto", marks=HOPPER),      # the default: Mosaic's prefill on Hopper
+    pytest.param("pallas", "auto", "auto", marks=HOPPER),      # the default: Mosaic GPU's kernels on Hopper
 ])
 def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend, prefill, monkeypatch):
     """Decode-only steps run the decode kernel's graph (mixed steps the ragged kernel's) and HF's tokens come
     out. On the GPU these are the Pallas decode-only launch on each backend (its small buckets split contexts)
-    and the CUDA call, and with both backends Mosaic no graph holds a Triton kernel, under "auto" the mixed steps'
-    graphs hold the Mosaic prefill (those whose shapes it serves); on CPU all fall back to the reference, which
+    and the CUDA call, and with both backends Mosaic, or both "auto" (the default on Hopper), every graph holds
+    Mosaic GPU's kernels and none Triton's; on CPU all fall back to the reference, which
     checks the plumbing only. Mosaic GPU's kernels read bf16/f16: on the GPU they serve a bf16 copy of the model,
     held to its own engine with pure-JAX attention."""
     import jaxserve.engine.step_graphs as step_graphs
@@ -520,12 +528,11 @@ def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend
         return
     assert_greedy_up_to_near_ties(outputs, engine(AttentionKernels("reference", "triton"), model).generate(
         prompts, LOGPROBS))
-    if prefill == "auto":
-        assert any("mosaic_gpu" in executable.as_text() for key, executable in models.items() if not key.dims[2])
-        return
     # a Pallas Triton kernel is its own custom call (XLA's own GEMM fusions may say "triton" too: not Pallas)
     pallas_triton = [key for key, executable in models.items() if "__gpu$xla.gpu.triton" in executable.as_text()]
     assert bool(pallas_triton) == (prefill == "triton")
+    if backend != "triton" and prefill != "triton":
+        assert all("mosaic_gpu" in executable.as_text() for executable in models.values())
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk_norm"])

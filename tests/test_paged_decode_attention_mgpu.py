@@ -105,45 +105,72 @@ class FakeHopper:
     platform, compute_capability, core_count = "gpu", "9.0", 132
 
 
-@pytest.mark.parametrize("rows, backend, cache, picked", [
-    (16, "auto", None, True),  # a small batch on Hopper: Mosaic, one CTA per SM
-    (64, "auto", None, False),  # above mosaic_decode_max_rows: Triton, measured faster there
-    (16, "auto", FP8, False),  # fp8: Triton's path, the measured one
-    (16, "mosaic", FP8, True),
-    (16, "triton", None, False),
-    (256, "mosaic", None, True),  # asked for by name: any batch
+class FakeAmpere:
+    platform, compute_capability, core_count = "gpu", "8.0", 108
+
+
+@pytest.mark.parametrize("device, rows, backend, cache, picked", [
+    (FakeHopper, 16, "auto", None, True),  # on Hopper "auto" is Mosaic GPU's, one CTA per SM
+    (FakeHopper, 256, "auto", None, True),  # at any batch
+    (FakeHopper, 16, "auto", FP8, True),  # over fp8 too (the engine's CUDA call takes an fp8 cache's decodes first)
+    (FakeHopper, 16, "triton", None, False),  # Triton's only by name
+    (FakeAmpere, 16, "auto", None, False),  # off Hopper: Triton's
+    (FakeAmpere, 256, "mosaic", None, True),  # asked for by name: not refused here (the kernel's lowering is)
 ])
-def test_which_decode_kernel_serves(monkeypatch, rows, backend, cache, picked):
+def test_which_decode_kernel_serves(monkeypatch, device, rows, backend, cache, picked):
     import jax
     kernels = importlib.import_module("pallas_kernels.ragged_paged_attention")  # the package exports its function
-    monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
+    monkeypatch.setattr(jax, "devices", lambda *_: [device()])
     q = jnp.zeros((rows, 8, 64), jnp.bfloat16)
     k_cache = jnp.zeros((4, 16, 2, 64), cache or jnp.bfloat16)
-    tuning = kernels.decode_on_mosaic(q, k_cache, rows, kernels.Tuning(), backend, interpret=False)
+    tuning = kernels.decode_on_mosaic(q, k_cache, kernels.Tuning(), backend, interpret=False)
     assert (tuning is not None) == picked
     if picked:
-        assert tuning.num_ctas == FakeHopper.core_count
+        assert tuning.num_ctas == device.core_count
 
 
-@pytest.mark.parametrize("tokens, backend, cache, picked", [
-    (64, "auto", None, True),  # more tokens than sequences on Hopper: Mosaic
-    (64, "auto", FP8, True),  # fp8 too: measured faster than Triton's prefill over e4m3
-    (4, "auto", None, False),  # a decode-only shape: the Mosaic path's extra launches would buy nothing
-    (64, "triton", FP8, False),
-    (4, "mosaic", None, True),  # asked for by name: any shape
+@pytest.mark.parametrize("device, tokens, backend, cache, picked", [
+    (FakeHopper, 64, "auto", None, True),  # on Hopper "auto" is Mosaic GPU's
+    (FakeHopper, 64, "auto", FP8, True),  # over fp8 too
+    (FakeHopper, 4, "auto", None, True),  # decode-like shapes too
+    (FakeHopper, 64, "triton", FP8, False),  # Triton's only by name
+    (FakeAmpere, 64, "auto", None, False),  # off Hopper: Triton's
+    (FakeHopper, 4, "mosaic", None, True),
 ])
-def test_which_prefill_kernel_serves(monkeypatch, tokens, backend, cache, picked):
+def test_which_prefill_kernel_serves(monkeypatch, device, tokens, backend, cache, picked):
     import jax
     kernels = importlib.import_module("pallas_kernels.ragged_paged_attention")
-    monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
+    monkeypatch.setattr(jax, "devices", lambda *_: [device()])
     q = jnp.zeros((tokens, 8, 64), jnp.bfloat16)
     k_cache = jnp.zeros((4, 16, 2, 64), cache or jnp.bfloat16)
-    blocks = jnp.zeros((4, 4), jnp.int32)   # room for 4 sequences
     scores = kernels.Scores(sm_scale=0.125, sliding_window=None, soft_cap=None)
-    tuning = kernels.prefill_on_mosaic(q, k_cache, blocks, scores, kernels.Tuning(), backend, interpret=False)
+    tuning = kernels.prefill_on_mosaic(q, k_cache, scores, kernels.Tuning(), backend, interpret=False)
     assert (tuning is not None) == picked
     if picked:
-        assert tuning.num_ctas == FakeHopper.core_count
+        assert tuning.num_ctas == device.core_count
+
+
+def test_mixed_call_leaves_its_leading_decodes_to_decode_rows():
+    """decode_rows serves a mixed call's leading decodes (three here) where the Mosaic prefill serves the rest: their
+    rows are its output (a marker here, so a row the prefill kernel wrote instead shows), the others the prefill
+    kernel's against the reference, padding tokens zero."""
+    shape = {**GEOMETRY, "num_tokens": 96, "max_blocks": 16, "num_blocks": 64}
+    batch = make_batch(np.random.default_rng(9), [1, 1, 1, 30, 41], [33, 5, 80, 71, 41], **shape, dtype=jnp.bfloat16)
+    calls = []
+
+    def decode_rows(q_rows, num_decodes):
+        calls.append(q_rows.shape)
+        live = jnp.arange(q_rows.shape[0]) < num_decodes
+        return jnp.where(live[:, None, None], jnp.full_like(q_rows, 7.0), 0.0)
+
+    expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125)
+    poison_allocator(batch)
+    out = ragged_paged_attention(*batch.args(), sm_scale=0.125, impl="pallas", interpret=not ON_GPU,
+                                 prefill_backend="mosaic", mosaic_block_kv=64, decode_rows=decode_rows)
+    assert calls == [(GEOMETRY["max_seqs"], *batch.q.shape[1:])]
+    np.testing.assert_array_equal(np.asarray(out[:3], np.float32), 7.0)
+    check_close(out[3:], expected[3:], dataclasses.replace(batch, live_tokens=batch.live_tokens - 3), jnp.bfloat16,
+                "prefill rows")
 
 
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 37}])
@@ -192,23 +219,20 @@ def test_both_backends_mosaic_launch_no_triton_kernel(decode_only, cache, soft_c
     assert "scatter" not in text and "dynamic_update_slice" not in text
 
 
-def test_without_triton_auto_takes_mosaic_wherever_it_serves(monkeypatch):
-    """Under a JAX without Triton's backend, "auto" on Hopper takes the Mosaic GPU kernels also where Triton's were
-    chosen for speed (large batches, fp8 caches, decode-like prefill shapes); off Hopper no Pallas kernel runs."""
+def test_without_triton_auto_takes_mosaic_on_hopper_and_no_pallas_kernel_elsewhere(monkeypatch):
+    """Under a JAX without Triton's backend, "auto" on Hopper takes the Mosaic GPU kernels as with it; off Hopper no
+    Pallas kernel runs; "triton" named in the engine's knobs is refused."""
     import jax
     kernels = importlib.import_module("pallas_kernels.ragged_paged_attention")
     without_triton(monkeypatch)
     monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
     tuning, q = kernels.Tuning(), jnp.zeros((256, 8, 64), jnp.bfloat16)
     for cache in (jnp.bfloat16, FP8):
-        assert kernels.decode_on_mosaic(q, jnp.zeros((4, 16, 2, 64), cache), 256, tuning, "auto", False) is not None
+        assert kernels.decode_on_mosaic(q, jnp.zeros((4, 16, 2, 64), cache), tuning, "auto", False) is not None
     scores = kernels.Scores(0.125, None, None)
-    assert kernels.prefill_on_mosaic(q, jnp.zeros((4, 16, 2, 64), jnp.bfloat16), jnp.zeros((256, 8), jnp.int32),
-                                     scores, tuning, "auto", False) is not None
+    assert kernels.prefill_on_mosaic(q, jnp.zeros((4, 16, 2, 64), jnp.bfloat16), scores, tuning, "auto",
+                                     False) is not None
     assert kernels.resolve_impl("auto", False, head_dim=64) == "pallas"
-
-    class FakeAmpere:
-        platform, compute_capability, core_count = "gpu", "8.0", 108
     monkeypatch.setattr(jax, "devices", lambda *_: [FakeAmpere()])
     assert kernels.resolve_impl("auto", False, head_dim=64) != "pallas"
     from jaxserve.models.attention import resolve_attention_kernels   # the engine's knobs name it too
@@ -216,17 +240,21 @@ def test_without_triton_auto_takes_mosaic_wherever_it_serves(monkeypatch):
         resolve_attention_kernels("auto", "triton", 64)
 
 
+@pytest.mark.parametrize("triton", [True, False])
+@pytest.mark.parametrize("cache", [jnp.bfloat16, FP8])
 @pytest.mark.parametrize("decode_only", [True, False])
-def test_without_triton_steps_lower_to_mosaic_kernels_only(monkeypatch, decode_only):
-    """Lowered for an NVIDIA GPU under a JAX without Triton's backend, "auto" (impl and both backends) builds Mosaic
-    GPU kernels only, for a 64-row decode batch (Triton's under "auto" with the backend there) and a mixed step."""
+def test_auto_steps_on_hopper_lower_to_mosaic_kernels_only(monkeypatch, decode_only, cache, triton):
+    """Lowered for an NVIDIA GPU on Hopper, "auto" (impl and both backends) builds Mosaic GPU kernels only, with
+    Triton's backend in this JAX or without it: a 64-row decode batch and a decode-like mixed step (as many tokens
+    as sequences), over bf16 and fp8 caches."""
     import functools
     import re
 
     import jax
-    without_triton(monkeypatch)
+    if not triton:
+        without_triton(monkeypatch)
     monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
-    shapes = [((64, 8, 64), jnp.bfloat16), ((64, 16, 2, 64), jnp.bfloat16), ((64, 16, 2, 64), jnp.bfloat16),
+    shapes = [((64, 8, 64), jnp.bfloat16), ((64, 16, 2, 64), cache), ((64, 16, 2, 64), cache),
               ((65,), jnp.int32), ((64,), jnp.int32), ((64, 16), jnp.int32), ((1,), jnp.int32)]
     attend = functools.partial(ragged_paged_attention, sm_scale=0.125, decode_only=decode_only)
     text = jax.jit(attend).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(

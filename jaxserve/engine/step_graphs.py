@@ -44,7 +44,7 @@ from jaxserve.models import fp8, llama
 from jaxserve.models.fp8 import W8A16_MAX_ROWS
 from jaxserve.models.loader import LoadedModel
 from jaxserve.sharding import traced_on
-from pallas_kernels.ragged_paged_attention import resolve_impl, triton_serves
+from pallas_kernels.ragged_paged_attention import resolve_impl, triton_in_auto
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
@@ -578,7 +578,7 @@ def apply_cascade_rule(groups: list[tuple[np.ndarray, int]], rule: tuple[int, in
 def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | None) -> tuple[int, int] | None:
     """(members a group needs, key reads saved) from which a decode-only step attends by cascade
     (config.cascade_attention); None: never. It needs paged blocks (shared by the prefix cache), no sliding window
-    and the Pallas (Triton or, under decode_attention='mosaic', Mosaic GPU) or reference decode."""
+    and the Pallas (Mosaic GPU's on Hopper, else or when named Triton's) or reference decode."""
     why_not = ("a sliding window" if sliding_window is not None else
                "vattention's contiguous kernels" if kernels.blocks_per_row is not None else
                "decode_attention='cuda'" if kernels.decode == "cuda" else None)
@@ -590,5 +590,5 @@ def cascade_rule(mode: str, kernels: AttentionKernels, sliding_window: int | Non
         return 2, 1
     if kernels.decode != "pallas":
         return None
-    mosaic = kernels.decode_backend == "mosaic" or not triton_serves()   # without Triton "auto" runs Mosaic's
+    mosaic = kernels.decode_backend == "mosaic" or (kernels.decode_backend == "auto" and not triton_in_auto(False))
     return CASCADE_MOSAIC_MIN_MEMBERS if mosaic else CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS

@@ -14,7 +14,7 @@ sharding.per_shard).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +56,12 @@ class AttentionKernels:
     prefill: the GPU kernel of prefill rows — "triton" or "mosaic" (pallas_kernels' prefill_backend).
     blocks_per_row: None (blocks addressed by the batch's block tables) or, for vattention's contiguous kernels,
     the blocks of a cache row: block i of a sequence is kv_slot * blocks_per_row + i.
-    fp8_decode_call: large decode-only steps over an FP8 cache take the CUDA call's tensor-core kernel (see
-    decode_on_cuda)."""
+    cuda_decodes: the decodes the CUDA call's tensor-core kernel serves faster take it (see decode_on_cuda)."""
     decode: str = "reference"
     prefill: str = "triton"
     blocks_per_row: int | None = None
     decode_backend: str = "auto"
-    fp8_decode_call: bool = False
+    cuda_decodes: bool = False
 
     @property
     def has_decode_kernel(self) -> bool:
@@ -72,9 +71,9 @@ class AttentionKernels:
 
 def resolve_attention_kernels(decode_attention: str, prefill_attention: str, head_dim: int,
                               blocks_per_row: int | None = None, cache_dtype=None) -> AttentionKernels:
-    """decode_attention "auto" takes the Pallas launch where it runs over a cache of cache_dtype (faster than the
-    CUDA call across batch sizes and context lengths), on the backend pallas_kernels picks, but for large
-    decode-only steps over an FP8 cache on sm_90, the CUDA call's tensor-core kernel; "triton" and "mosaic"
+    """decode_attention "auto" takes the Pallas launch where it runs over a cache of cache_dtype, on the backend
+    pallas_kernels picks, but on sm_90 for the decodes the CUDA call's tensor-core kernel serves faster (see
+    decode_on_cuda); "triton" and "mosaic"
     name the backend, "cuda" forces the call; each an error naming why when it cannot run. A bad name is an error
     naming the knob. blocks_per_row: see AttentionKernels."""
     if decode_attention not in DECODE_ATTENTION:
@@ -99,9 +98,9 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
                          f"(sm_80+, sm_89+ for fp8); this device has compute capability {gpu_capability() or 'none'}"
                          ": set decode_attention to 'auto'")
     backend = decode_attention if decode_attention in ("triton", "mosaic") else "auto"
-    fp8_call = (decode_attention == "auto" and pallas and is_quantized_kv(cache_dtype) and gpu_capability() == 9.0
-                and custom_calls.available())
-    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_row, backend, fp8_call)
+    cuda_decodes = decode_attention == "auto" and pallas and gpu_capability() == 9.0 and custom_calls.available()
+    return AttentionKernels("pallas" if pallas else "reference", prefill_attention, blocks_per_row, backend,
+                            cuda_decodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,9 +173,13 @@ def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: Attent
 
 def attend_pages(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
                  **kw):
-    """Attention over the cache, the step's k/v already written."""
-    attend_cache = cuda_decode if batch.decode_only and decode_on_cuda(q, k_cache, batch, kernels) else ragged_attention
-    return attend_cache(q, k_cache, v_cache, batch, kernels, num_layers, layer, **kw)
+    """Attention over the cache, the step's k/v already written. A mixed step's leading decodes take the CUDA call
+    where a decode-only step would (pallas_kernels' decode_rows: where the Mosaic GPU prefill serves the rest)."""
+    on_cuda = decode_on_cuda(q, k_cache, batch, kernels)
+    if batch.decode_only and on_cuda:
+        return cuda_decode(q, k_cache, v_cache, batch, kernels, num_layers, layer, **kw)
+    decode_rows = cuda_decode_rows(k_cache, v_cache, batch, kernels, num_layers, layer, **kw) if on_cuda else None
+    return ragged_attention(q, k_cache, v_cache, batch, kernels, num_layers, layer, decode_rows=decode_rows, **kw)
 
 
 def rotates_where_written(qkv, num_q_heads: int, kv_layer, paged: PagedAttention | None) -> bool:
@@ -205,32 +208,37 @@ def attend_rotated(qkv, positions, kv_layer, paged: PagedAttention, rotary: cust
     return out, from_layer_blocks(kv_layer, k_cache, v_cache)
 
 
-# Decode rows from which the tensor-core kernel serves FP8 caches under "auto": on the H200 it takes 0.71-0.82x the
-# Triton launch's time at 256 rows (256-1,152 keys), 1.02x at 64 x 512 and 8 x 4,096
-CUDA_FP8_DECODE_MIN_ROWS = 256
+# Rows from which the CUDA call's tensor-core kernel serves a cache of q's dtype (kernels.cuda_decodes): on the H200
+# it takes 0.92-0.99x the Triton decode's time at 256 rows (256-1,152 keys), where the Mosaic GPU decode takes
+# 1.02-1.07x; at 64 x 512 1.12x, Mosaic GPU's 1.06x (NOTES_cuda.md, NOTES_attention.md). Over an FP8 cache it is the
+# fastest at every row count (0.71-0.82x Triton's time at 256 rows, 0.74x at 8 x 512, 1.02x at 64 x 512 and
+# 8 x 4,096; Mosaic GPU's 1.5-2x).
+CUDA_DECODE_MIN_ROWS = 256
 
 
 def decode_on_cuda(q, k_cache, batch: AttentionBatch, kernels: AttentionKernels) -> bool:
-    """Whether a decode-only step runs the CUDA call: when asked for, or (kernels.fp8_decode_call) for steps of
-    CUDA_FP8_DECODE_MIN_ROWS rows or more over an FP8 cache whose shapes its tensor-core kernel takes, cascade
-    steps aside."""
+    """Whether a step's decodes run the CUDA call: a decode-only step's when asked for, or (kernels.cuda_decodes) any
+    step's whose cache and shapes the tensor-core kernel takes, over a cache of q's dtype from CUDA_DECODE_MIN_ROWS
+    rows (the batch's sequence slots), cascade steps aside."""
     if kernels.decode == "cuda":
-        return True
-    return (kernels.fp8_decode_call and batch.cascade is None and q.shape[0] >= CUDA_FP8_DECODE_MIN_ROWS
-            and k_cache.dtype == jnp.float8_e4m3fn
+        return batch.decode_only
+    rows = min(q.shape[0], batch.kv_lens.shape[0])
+    return (kernels.cuda_decodes and batch.cascade is None
+            and (is_quantized_kv(k_cache.dtype) or rows >= CUDA_DECODE_MIN_ROWS)
             and custom_calls.tensor_core_decode_takes(q.dtype, k_cache.dtype, q.shape[2],
                                                       q.shape[1] // k_cache.shape[2], k_cache.shape[1]))
 
 
 def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
-                     **kw):
+                     decode_rows=None, **kw):
     """The Pallas launches (the CPU kernel or pure JAX off the GPU) over the batch's block tables or, under
     contiguous kernels, its cache rows; the cache's blocks at `layer` of num_layers (see the module)."""
     if batch.cascade is not None:   # paged, no window (step_graphs.cascade_rule)
         return cascade_attention(q, k_cache, v_cache, batch.kv_lens,
                                  layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs, batch.cascade,
                                  sm_scale=kw["sm_scale"], decode_backend=kernels.decode_backend)
-    kw.update(prefill_backend=kernels.prefill, decode_backend=kernels.decode_backend, decode_only=batch.decode_only)
+    kw.update(prefill_backend=kernels.prefill, decode_backend=kernels.decode_backend, decode_only=batch.decode_only,
+              decode_rows=decode_rows)
     lens = (q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens)
     if kernels.blocks_per_row is None:
         return ragged_paged_attention(*lens, layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs,
@@ -250,6 +258,17 @@ def cuda_decode(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKe
               else identity_block_tables(batch.kv_rows, kernels.blocks_per_row, num_layers, layer))
     out = custom_calls.paged_decode_attention(q_rows, k_cache, v_cache, batch.kv_lens, tables, **kw)
     return out[:num_tokens] if num_rows >= num_tokens else jnp.pad(out, ((0, num_tokens - num_rows), (0, 0), (0, 0)))
+
+
+def cuda_decode_rows(k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
+                     **kw):
+    """A mixed step's leading decodes through the CUDA call (pallas_kernels' decode_rows): the rows past them get
+    kv_len 0, so the call reads nothing for them and writes zeros."""
+    def decode_rows(q_rows, num_decodes):
+        live = jnp.arange(batch.kv_lens.shape[0]) < num_decodes
+        decodes = replace(batch, kv_lens=jnp.where(live, batch.kv_lens, 0), decode_only=True)
+        return cuda_decode(q_rows, k_cache, v_cache, decodes, kernels, num_layers, layer, **kw)
+    return decode_rows
 
 
 def layer_block_ids(block_tables, num_layers: int, layer):
