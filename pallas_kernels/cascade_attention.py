@@ -67,9 +67,10 @@ def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, grou
         return cascade_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups,
                                            sm_scale=scores.sm_scale, soft_cap=scores.soft_cap)
     check_pallas_inputs(q, k_cache, interpret)
-    if decode_backend == "mosaic":
-        return mosaic_cascade(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups, scores=scores,
-                              tuning=make_tuning(q.dtype, tuning, k_cache.dtype), interpret=interpret)
+    if decode_backend == "mosaic":   # jitted as pallas_kernels' Mosaic GPU launches are, and why
+        run = mosaic_cascade if interpret else pallas_mosaic_cascade
+        return run(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups, scores=scores,
+                   tuning=make_tuning(q.dtype, tuning, k_cache.dtype), interpret=interpret)
     return pallas_cascade(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, groups, scores=scores,
                           tuning=make_tuning(q.dtype, tuning, k_cache.dtype), interpret=interpret)
 
@@ -78,11 +79,12 @@ def mosaic_cascade(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups:
                    tuning, interpret: bool):
     from pallas_kernels.cascade_attention_mgpu import cascade_decode_attention   # Mosaic GPU's import: where it runs
     decode = decode_on_mosaic(q, k_cache, tuning, "mosaic", interpret)
-    # not jitted here: the Mosaic GPU interpreter deadlocks under a jit on the CPU client (the engine's step and the
-    # benchmarks jit the whole)
     return cascade_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, jnp.reshape(num_seqs, ()), groups,
                                     sm_scale=scores.sm_scale, soft_cap=scores.soft_cap, tuning=decode,
                                     interpret=interpret)
+
+
+pallas_mosaic_cascade = jax.jit(mosaic_cascade, static_argnames=("scores", "tuning", "interpret"))
 
 
 def check_groups(groups: CascadeGroups, num_rows: int) -> None:

@@ -296,18 +296,21 @@ def pallas_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *
     if decode_only:
         mosaic = decode_on_mosaic(q, k_cache, tuning, decode_backend, interpret)
         if mosaic is not None:
-            return mosaic_decode(q, k_cache, v_cache, kv_lens, blocks, num_seqs, scores=scores, tuning=mosaic,
-                                 interpret=interpret, **addressing)
+            run = mosaic_decode if interpret else pallas_mosaic_decode
+            return run(q, k_cache, v_cache, kv_lens, blocks, num_seqs, scores=scores, tuning=mosaic,
+                       interpret=interpret, **addressing)
         return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing) \
             if triton_serves(decode_backend=decode_backend) else None
     mosaic = prefill_on_mosaic(q, k_cache, scores, tuning, prefill_backend, interpret)
+    # Mosaic GPU's launches run jitted, so that a step's identical calls (one a layer) lower once: its Python lowering
+    # takes ~0.5 s a kernel. The interpreter runs its warpgroups as threads that call back into XLA: under an outer
+    # jit they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
     if mosaic is not None and decode_rows is not None:
-        out = mosaic_prefill_rows(*args, scores=scores, tuning=mosaic, interpret=interpret, **addressing)
+        run = mosaic_prefill_rows if interpret else pallas_mosaic_prefill_rows
+        out = run(*args, scores=scores, tuning=mosaic, interpret=interpret, **addressing)
         num_decodes = leading_decodes(cu_q_lens, num_seqs)
         return over_leading_rows(out, decode_rows(q[:rows], num_decodes), num_decodes)
     decode = None if mosaic is None else decode_on_mosaic(q, k_cache, tuning, decode_backend, interpret)
-    # The Mosaic GPU interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
-    # they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
     if decode is not None:
         run = mosaic_launches if interpret else pallas_mosaic_attention
         return run(*args, scores=scores, prefill=mosaic, decode=decode, interpret=interpret, **addressing)
@@ -560,6 +563,10 @@ def over_leading_rows(out, decoded, num_decodes):
 
 pallas_mosaic_attention = jax.jit(mosaic_launches, static_argnames=("scores", "prefill", "decode", "interpret",
                                                                     "blocks_per_row", "block_stride"))
+pallas_mosaic_decode = jax.jit(mosaic_decode, static_argnames=("scores", "tuning", "interpret", "blocks_per_row",
+                                                               "block_stride"))
+pallas_mosaic_prefill_rows = jax.jit(mosaic_prefill_rows, static_argnames=("scores", "tuning", "interpret",
+                                                                           "blocks_per_row", "block_stride"))
 
 
 def leading_decodes(cu_q_lens, num_seqs):

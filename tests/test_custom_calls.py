@@ -834,7 +834,7 @@ MIXED_STEPS = [pytest.param(FP8, 8, 96, True, id="fp8"),   # over an FP8 cache a
 def mixed_step(rng, cache, slots, tokens):
     """A mixed step (three decodes, a chunk over cached context, a prompt, padding tokens) over a bf16 or FP8 cache,
     jitted through the model's attention over the written pages with the kernels "auto" resolves on sm_90
-    (cuda_decodes): (batch, step, its args)."""
+    (cuda_decodes): (batch, the step unjitted, its args)."""
     from helpers import GEOMETRY, cached_as, make_batch
     from jaxserve.models import attention
 
@@ -844,8 +844,8 @@ def mixed_step(rng, cache, slots, tokens):
     meta = attention.AttentionBatch(jnp.zeros(shape["num_tokens"], jnp.int32), batch.cu_q_lens, batch.kv_lens,
                                     batch.block_tables, batch.num_seqs)
     kernels = attention.AttentionKernels("pallas", "auto", cuda_decodes=True)
-    step = jax.jit(functools.partial(attention.attend_pages, kernels=kernels, num_layers=1, layer=0, sm_scale=0.125,
-                                     sliding_window=None))
+    step = functools.partial(attention.attend_pages, kernels=kernels, num_layers=1, layer=0, sm_scale=0.125,
+                             sliding_window=None)
     return batch, step, (batch.q, batch.k_cache, batch.v_cache, meta)
 
 
@@ -853,14 +853,17 @@ def mixed_step(rng, cache, slots, tokens):
 def test_mixed_steps_lower_to_the_call_and_mosaic_only_for_cuda(monkeypatch, cache, slots, tokens, call):
     """Lowered for CUDA on Hopper, a mixed step under "auto" runs its decodes through the CUDA call where decode_on_cuda
     says, else through the Mosaic GPU decode, and its other rows through the Mosaic GPU prefill: no Triton kernel,
-    no other custom call."""
+    no other custom call. Three layers' calls in one step lower each Mosaic GPU kernel once (its Python lowering
+    takes ~0.5 s a kernel: ~16 s more a graph at 32 layers)."""
     monkeypatch.setattr(cc, "available", lambda: True)
     monkeypatch.setattr(cc, "sm_count", lambda: 132)
     monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
     _, step, args = mixed_step(np.random.default_rng(0), cache, slots, tokens)
-    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    layers = jax.jit(lambda q, *rest: sum(step(q * (i + 1), *rest) for i in range(3)))
+    text = layers.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     expected = {"jaxserve_paged_decode_attention", "mosaic_gpu_v2"} if call else {"mosaic_gpu_v2"}
     assert set(re.findall(r"custom_call @([\w$.]+)", text)) == expected
+    assert text.count("custom_call @mosaic_gpu_v2") == (1 if call else 2)   # the prefill, and the decode if Mosaic's
 
 
 @needs_gpu
@@ -875,6 +878,7 @@ def test_mixed_steps_run_their_decodes_through_the_call(cache, slots, tokens, ca
         pytest.skip("the Mosaic GPU prefill it runs beside needs sm_90")
     seed, rng = fresh_rng()
     batch, step, args = mixed_step(rng, cache, slots, tokens)
+    step = jax.jit(step)
     assert ("jaxserve_paged_decode_attention" in step.lower(*args).as_text()) == call
     expected = ragged_paged_attention_reference(*batch.args(), sm_scale=0.125)
     poison_allocator(batch)
