@@ -320,9 +320,9 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = knob(None, group="compilation", check=BUCKETS)
     seq_buckets: tuple[int, ...] | None = knob(None, group="compilation", check=BUCKETS)
     # models/attention.py resolves both once per engine (AttentionKernels).
-    # decode-only steps: "auto" (the Pallas decode-only launch: on sm_90 Mosaic GPU for buckets of up to 16 rows
-    # over a cache of q's dtype, else Triton; on sm_90 buckets of 256+ rows over an FP8 cache take the custom call's
-    # tensor-core kernel), "triton", "mosaic" (the Hopper kernel), "cuda" (the custom call)
+    # decode-only steps: "auto" (on sm_90 no Triton kernel: the Mosaic GPU decode, and the custom call's tensor-core
+    # kernel for FP8 caches and for 256+ sequence slots, mixed steps' decodes too; elsewhere the Pallas (Triton)
+    # decode-only launch), "triton", "mosaic" (the Hopper kernel), "cuda" (the custom call)
     decode_attention: str = knob("auto", group="compilation", check=one_of(DECODE_ATTENTION))
     # prefill rows on GPU: "auto" (on sm_90 the Mosaic GPU kernel for the shapes and dtypes it serves: 2.2x Triton's
     # on a long prompt, 1.27x over an FP8 cache; a cold start traces its kernels ~22 s longer; else Triton),
