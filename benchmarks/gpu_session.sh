@@ -87,8 +87,8 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-prefill  # its soft cap and FP8 cache: tests, sweep
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-only     # no Triton kernel: tests, engine beside default
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh mosaic-engine   # the engine's decode on Mosaic GPU and Triton
-#   AB=<tree> AB_COMMIT=<sha> [RUNS=1] [PARTS="tests bf16 fp8 batch1 shared n8 anchor"] JAXSERVE_COMMIT=<sha> bash
-#     benchmarks/gpu_session.sh triton-free-ab  # "auto" with no Triton kernel on Hopper: tests, the engine beside
+#   AB=<tree> AB_COMMIT=<sha> [RUNS=1] [PARTS="tests bf16 fp8 batch1 shared shared-off n8 anchor"] JAXSERVE_COMMIT=<sha>
+#     bash benchmarks/gpu_session.sh triton-free-ab  # "auto" with no Triton kernel on Hopper: tests, the engine beside
 #     an older tree's
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf      # which CUDA graphs XLA records again, per step
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cmdbuf-moe  # the same in the MoE's batch-1 steps
@@ -220,14 +220,15 @@ case $1 in
   triton-free-ab)   # "auto" on Hopper with no Triton kernel: the GPU tests of its choices and of mixed steps'
     # decodes through the CUDA call, then the engine beside $AB's tree (Triton's kernels where they measured faster),
     # alternating, this tree first: bf16 and FP8 W+KV 256 x 512/128, bf16 batch 1, the shared prefix and n = 8
-    # (cascade auto), TensorRT-LLM's FP8 workload (PARTS: which, default all but anchor)
+    # (cascade auto; shared-off: cascade off), TensorRT-LLM's FP8 workload (PARTS: which, default all but shared-off
+    # and anchor)
     build_calls
     PARTS=" ${PARTS:-tests bf16 fp8 batch1 shared n8} "
     tests_k="mixed_steps or large_fp8 or few_tiles or leaves_its_leading or mixed_batch_on_mosaic"
     tests_k+=" or (decode_steps_run_the_decode_kernel and auto-auto)"
     [[ $PARTS == *" tests "* ]] && run 300 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py \
       tests/test_paged_decode_attention_mgpu.py tests/test_llm_engine.py -k "$tests_k"
-    for part in bf16 fp8 batch1 shared n8 anchor; do
+    for part in bf16 fp8 batch1 shared shared-off n8 anchor; do
       [[ $PARTS == *" $part "* ]] || continue
       out=offline_triton_free_gpu.json
       case $part in
@@ -235,6 +236,8 @@ case $1 in
         fp8) args="--config $CONFIG --quantization fp8 --set kv_cache_dtype=fp8" ;;
         batch1) args="--config $CONFIG --num-prompts 1 --input-len 128 --output-len 512" ;;
         shared) args="--config $CONFIG --shared-prefix-len 1024 --input-len 64"; out=offline_cascade_gpu.json ;;
+        shared-off) args="--config $CONFIG --shared-prefix-len 1024 --input-len 64 --set cascade_attention=off"
+          out=offline_cascade_gpu.json ;;
         n8) args="--config $CONFIG --num-prompts 32 --input-len 1024 --n 8 $SAMPLED"; out=offline_cascade_gpu.json ;;
         anchor) args="--config configs/llama3-8b-fp8.yaml --num-prompts 1000 --input-len 1000 --output-len 1000"
           out=fp8_anchor_gpu.json ;;

@@ -13,7 +13,7 @@ Pallas kernels.
   exact float32 dots and over fp8 caches.
 - prefill: `paged_prefill_attention_mgpu` (Mosaic GPU: TMA page copies, wgmma, warp specialisation; bf16/f16 q),
   or the Triton prefill kernel below. A mixed call's leading decodes may be left to the caller's own kernel
-  (`decode_rows`: the engine's CUDA call over an fp8 cache), the Mosaic prefill writing the other rows.
+  (`decode_rows`: the engine's CUDA call), the Mosaic prefill writing the other rows.
 Nothing in the API names the backend (`prefill_backend` and `decode_backend` only override the choice). Under a JAX
 that no longer ships Pallas's Triton backend (`TRITON`), the reference runs every launch Triton's kernels would have
 run (`pallas_launches`), and "triton" is refused.
@@ -302,9 +302,6 @@ def pallas_launches(q, k_cache, v_cache, cu_q_lens, kv_lens, blocks, num_seqs, *
         return one_launch_decode(*args, scores=scores, tuning=tuning, interpret=interpret, **addressing) \
             if triton_serves(decode_backend=decode_backend) else None
     mosaic = prefill_on_mosaic(q, k_cache, scores, tuning, prefill_backend, interpret)
-    # Mosaic GPU's launches run jitted, so that a step's identical calls (one a layer) lower once: its Python lowering
-    # takes ~0.5 s a kernel. The interpreter runs its warpgroups as threads that call back into XLA: under an outer
-    # jit they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
     if mosaic is not None and decode_rows is not None:
         run = mosaic_prefill_rows if interpret else pallas_mosaic_prefill_rows
         out = run(*args, scores=scores, tuning=mosaic, interpret=interpret, **addressing)
@@ -561,6 +558,9 @@ def over_leading_rows(out, decoded, num_decodes):
     return jnp.where((jnp.arange(out.shape[0]) < num_decodes)[:, None, None], decoded, out)
 
 
+# Mosaic GPU's launches run jitted, so that a step's identical calls (one a layer) lower once: its Python lowering
+# takes ~0.5 s a kernel. The interpreter runs its warpgroups as threads that call back into XLA: under an outer jit
+# they deadlock on the CPU client, so interpreted Mosaic calls run op by op.
 pallas_mosaic_attention = jax.jit(mosaic_launches, static_argnames=("scores", "prefill", "decode", "interpret",
                                                                     "blocks_per_row", "block_stride"))
 pallas_mosaic_decode = jax.jit(mosaic_decode, static_argnames=("scores", "tuning", "interpret", "blocks_per_row",

@@ -73,9 +73,8 @@ def resolve_attention_kernels(decode_attention: str, prefill_attention: str, hea
                               blocks_per_row: int | None = None, cache_dtype=None) -> AttentionKernels:
     """decode_attention "auto" takes the Pallas launch where it runs over a cache of cache_dtype, on the backend
     pallas_kernels picks, but on sm_90 for the decodes the CUDA call's tensor-core kernel serves faster (see
-    decode_on_cuda); "triton" and "mosaic"
-    name the backend, "cuda" forces the call; each an error naming why when it cannot run. A bad name is an error
-    naming the knob. blocks_per_row: see AttentionKernels."""
+    decode_on_cuda); "triton" and "mosaic" name the backend, "cuda" forces the call; each an error naming why when
+    it cannot run. A bad name is an error naming the knob. blocks_per_row: see AttentionKernels."""
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
     if prefill_attention not in PREFILL_ATTENTION:
