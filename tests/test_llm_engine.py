@@ -504,10 +504,10 @@ def assert_greedy_up_to_near_ties(outputs, reference, nats=0.05):
 def test_decode_steps_run_the_decode_kernel(tiny, tiny_expected, kernel, backend, prefill, monkeypatch):
     """Decode-only steps run the decode kernel's graph (mixed steps the ragged kernel's) and HF's tokens come
     out. On the GPU these are the Pallas decode-only launch on each backend (its small buckets split contexts)
-    and the CUDA call, and with both backends Mosaic, or both "auto" (the default on Hopper), every graph holds
-    Mosaic GPU's kernels and none Triton's; on CPU all fall back to the reference, which
-    checks the plumbing only. Mosaic GPU's kernels read bf16/f16: on the GPU they serve a bf16 copy of the model,
-    held to its own engine with pure-JAX attention."""
+    and the CUDA call, and with both backends Mosaic, or both "auto" (Hopper's default where the CUDA call does
+    not take the decodes), every graph holds Mosaic GPU's kernels and none Triton's; on CPU all fall back to the
+    reference, which checks the plumbing only. Mosaic GPU's kernels read bf16/f16: on the GPU they serve a bf16
+    copy of the model, held to its own engine with pure-JAX attention."""
     import jaxserve.engine.step_graphs as step_graphs
 
     def engine(kernels, model):

@@ -257,7 +257,7 @@ def test_auto_steps_on_hopper_lower_to_mosaic_kernels_only(monkeypatch, decode_o
     shapes = [((64, 8, 64), jnp.bfloat16), ((64, 16, 2, 64), cache), ((64, 16, 2, 64), cache),
               ((65,), jnp.int32), ((64,), jnp.int32), ((64, 16), jnp.int32), ((1,), jnp.int32)]
     attend = functools.partial(ragged_paged_attention, sm_scale=0.125, decode_only=decode_only)
-    layers = jax.jit(lambda q, *rest: attend(q, *rest) + attend(2 * q, *rest))   # a step's layers: each kernel lowered once
+    layers = jax.jit(lambda q, *rest: attend(q, *rest) + attend(2 * q, *rest))   # a step's layers
     text = layers.trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(lowering_platforms=("cuda",)).as_text()
     assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}
     assert text.count("custom_call @mosaic_gpu_v2") == (1 if decode_only else 2)
