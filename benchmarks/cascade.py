@@ -9,7 +9,9 @@ read needs (shared once per group, own per row), the same bytes for both impls, 
 step_graphs.CASCADE_MIN_MEMBERS and CASCADE_MIN_SAVED_KEYS. `--programs N ...` adds a cascade row per value of
 Tuning.cascade_programs (the shared pass's program budget, which sets its splits of the shared keys). `--mosaic`
 adds both on the Mosaic GPU decode kernel (Hopper; decode_backend="mosaic"): plain_mosaic and cascade_mosaic,
-once per `--mosaic-variants` Tuning override (default: the defaults alone).
+once per `--mosaic-variants` Tuning override (default: the defaults alone); where the CUDA library loads, also
+plain_cuda (the CUDA call's decode) and cascade_mosaic_cuda (the rows' own keys through the CUDA call, as the engine
+runs a cascade step on Hopper from CUDA_DECODE_MIN_ROWS rows).
 
   python benchmarks/cascade.py                 # the engine's shapes: 256 x 1024 shared, n = 8 over 32 prompts
   python benchmarks/cascade.py --threshold     # where cascade starts to pay
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import custom_calls  # noqa: E402
 from benchmarks.common import device_busy_ms, kernel_profile, time_ms, write_rows  # noqa: E402
 from jaxserve.engine.step_inputs import cascade_inputs, share_prefixes  # noqa: E402
 from pallas_kernels.cascade_attention import cascade_attention  # noqa: E402
@@ -106,12 +109,18 @@ def run_point(rng, point, interpret: bool, programs: list[int | None], profile: 
         if profile:   # where a cascade's GPU time goes: the shared pass beside the decode launch
             for name, kernel_ms, count in kernel_profile(cascaded, *args, cascade, top=4):
                 print(f"    {kernel_ms * 1e3:8.1f} us x{count} {name[:90]}", flush=True)
+    cuda = [("plain_cuda", lambda q, k, v, kv_lens, tables, _: custom_calls.paged_decode_attention(
+                q, k, v, kv_lens, tables, sm_scale=opts["sm_scale"]), args),
+            ("cascade_mosaic_cuda", functools.partial(cascade_attention, **opts, decode_backend="mosaic",
+                                                      own_partials=custom_calls.paged_decode_partials),
+             (*args, cascade))] if mosaic_variants and custom_calls.available() else []
     for variant in mosaic_variants:
         on_mosaic = {**opts, **variant, "decode_backend": "mosaic"}
         for impl, fn, fn_args in (
                 ("plain_mosaic", functools.partial(ragged_paged_attention, decode_only=True, **on_mosaic),
                  (q, k, v, cu, *args[3:])),
-                ("cascade_mosaic", functools.partial(cascade_attention, **on_mosaic), (*args, cascade))):
+                ("cascade_mosaic", functools.partial(cascade_attention, **on_mosaic), (*args, cascade)),
+                *(cuda if variant == mosaic_variants[0] else [])):
             fn = jax.jit(fn)
             error = float(jnp.max(jnp.abs(fn(*fn_args).astype(jnp.float32) - expected.astype(jnp.float32))))
             ms, wall = measure(fn, *fn_args)
@@ -119,6 +128,9 @@ def run_point(rng, point, interpret: bool, programs: list[int | None], profile: 
                          "wall_ms": wall, "gbps": nbytes / ms / 1e6, "max_abs_err_vs_plain": error})
             print(f"    {impl}{variant or ''} {ms * 1e3:.1f} us ({rows[0]['ms'] / ms:.2f}x plain), "
                   f"max |diff| {error:.2g}", flush=True)
+            if profile and impl.startswith("cascade"):
+                for name, kernel_ms, count in kernel_profile(fn, *fn_args, top=6):
+                    print(f"        {kernel_ms * 1e3:8.1f} us x{count} {name[:90]}", flush=True)
     return rows
 
 

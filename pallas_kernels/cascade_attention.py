@@ -43,12 +43,13 @@ class CascadeGroups:
 
 def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups: CascadeGroups, *,
                       sm_scale: float, soft_cap: float | None = None, impl: str = "auto", decode_backend: str = "auto",
-                      interpret: bool = False, **tuning) -> jax.Array:
+                      interpret: bool = False, own_partials=None, **tuning) -> jax.Array:
     """`ragged_paged_attention(..., decode_only=True)` (token i is row i's query) over a batch whose rows may share
     leading blocks as `groups` says; the same output. impl: as ragged_paged_attention's but "cpu" (no CPU kernel here:
     "auto" runs the reference on a CPU); "reference" is pure JAX. decode_backend="mosaic" (and "auto" where it
-    takes the Mosaic GPU decode: on Hopper): both passes on that kernel (`cascade_attention_mgpu`); else these Triton
-    launches, or the reference under a JAX without Pallas's Triton backend."""
+    takes the Mosaic GPU decode: on Hopper): both passes on that kernel (`cascade_attention_mgpu`), the rows' own
+    keys through `own_partials` where given (its seam: the engine's CUDA call); else these Triton launches, or the
+    reference under a JAX without Pallas's Triton backend."""
     num_rows = kv_lens.shape[0]
     cu_q_lens = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), jnp.reshape(num_seqs, ()))
     num_seqs = check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, None, num_seqs, sm_scale, None,
@@ -70,21 +71,21 @@ def cascade_attention(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, grou
     if decode_backend == "mosaic":   # jitted as pallas_kernels' Mosaic GPU launches are, and why
         run = mosaic_cascade if interpret else pallas_mosaic_cascade
         return run(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups, scores=scores,
-                   tuning=make_tuning(q.dtype, tuning, k_cache.dtype), interpret=interpret)
+                   tuning=make_tuning(q.dtype, tuning, k_cache.dtype), interpret=interpret, own_partials=own_partials)
     return pallas_cascade(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, num_seqs, groups, scores=scores,
                           tuning=make_tuning(q.dtype, tuning, k_cache.dtype), interpret=interpret)
 
 
 def mosaic_cascade(q, k_cache, v_cache, kv_lens, block_tables, num_seqs, groups: CascadeGroups, *, scores: Scores,
-                   tuning, interpret: bool):
+                   tuning, interpret: bool, own_partials=None):
     from pallas_kernels.cascade_attention_mgpu import cascade_decode_attention   # Mosaic GPU's import: where it runs
     decode = decode_on_mosaic(q, k_cache, tuning, "mosaic", interpret)
     return cascade_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, jnp.reshape(num_seqs, ()), groups,
                                     sm_scale=scores.sm_scale, soft_cap=scores.soft_cap, tuning=decode,
-                                    interpret=interpret)
+                                    interpret=interpret, own_partials=own_partials)
 
 
-pallas_mosaic_cascade = jax.jit(mosaic_cascade, static_argnames=("scores", "tuning", "interpret"))
+pallas_mosaic_cascade = jax.jit(mosaic_cascade, static_argnames=("scores", "tuning", "interpret", "own_partials"))
 
 
 def check_groups(groups: CascadeGroups, num_rows: int) -> None:

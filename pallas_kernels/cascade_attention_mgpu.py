@@ -6,7 +6,8 @@
   names): the prefix is read once per tile of members, not once per member.
 - Own pass: each row's keys past its group's shared ones, through its block table shifted by the shared blocks
   (shared lengths are whole blocks, and decode attention does not depend on where a key sits); rows outside every
-  group attend their whole context.
+  group attend their whole context. Its partials come from the Mosaic GPU decode or from `own_partials` (the
+  engine's CUDA call, faster at large batches and over FP8 caches).
 - Merge: each row's shared partial joins its own pass's splits in one weighed sum.
 No sliding window (as `cascade_attention`). Reference: `cascade_attention_reference`.
 """
@@ -31,9 +32,11 @@ class MemberTiles:
 
 def cascade_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, num_decodes, groups: CascadeGroups, *,
                              sm_scale: float, soft_cap: float | None = None, tuning: DecodeTuning = DecodeTuning(),
-                             interpret: bool = False):
+                             interpret: bool = False, own_partials=None):
     """`paged_decode_attention` (token i is decode i's query) over a batch whose rows share leading blocks as
-    `groups` says; the same output, each shared prefix read once per tile of its members."""
+    `groups` says; the same output, each shared prefix read once per tile of its members. own_partials: None (the
+    Mosaic GPU decode) or a function (q, k_cache, v_cache, kv_lens, block_tables, *, sm_scale, soft_cap) ->
+    decode_partials' pair over those rows (rows past the decodes get kv_len 0)."""
     num_tokens, num_q_heads, _ = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     members = TILE_ROWS // (num_q_heads // kv_heads)
@@ -45,7 +48,14 @@ def cascade_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, num_dec
                                  tiles.count, **options)
     shared, shared_lse = unpacked(*merge_partials(parts, lse), tiles.slot_of_row, kv_heads, members)
     own_tables = shifted_tables(block_tables, groups.kv_starts // block_size)
-    parts, lse = decode_partials(q, k_cache, v_cache, kv_lens - groups.kv_starts, own_tables, num_decodes, **options)
+    own_lens = kv_lens - groups.kv_starts
+    if own_partials is None:
+        parts, lse = decode_partials(q, k_cache, v_cache, own_lens, own_tables, num_decodes, **options)
+    else:
+        rows = min(q.shape[0], own_lens.shape[0])
+        own_lens = jnp.where(jnp.arange(rows) < num_decodes, own_lens[:rows], 0)
+        parts, lse = own_partials(q[:rows], k_cache, v_cache, own_lens, own_tables[:rows], sm_scale=sm_scale,
+                                  soft_cap=soft_cap)
     rows = parts.shape[0]
     out, _ = merge_partials(jnp.concatenate([parts, shared[:rows, None]], axis=1),
                             jnp.concatenate([lse, shared_lse[:rows, None]], axis=1))

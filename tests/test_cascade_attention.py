@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import custom_calls
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.step_graphs import (CASCADE_MIN_MEMBERS, CASCADE_MIN_SAVED_KEYS, CASCADE_MOSAIC_MIN_MEMBERS,
                                         apply_cascade_rule, cascade_rule)
@@ -123,17 +124,22 @@ def test_kernel_matches_float64(dtype, tuning, options):
 
 @pytest.mark.skipif(on_gpu() and not on_hopper(), reason="the Mosaic GPU decode kernel needs sm_90")
 @pytest.mark.parametrize("cache_dtype, options", [(jnp.bfloat16, {}), (jnp.float8_e4m3fn, {"soft_cap": 5.0})])
-def test_mosaic_kernel_matches_float64(cache_dtype, options):
+@pytest.mark.parametrize("own_partials", [None, custom_calls.paged_decode_partials], ids=["own-mosaic", "own-call"])
+def test_mosaic_kernel_matches_float64(cache_dtype, options, own_partials):
     """Both passes on the Mosaic GPU decode kernel (decode_backend="mosaic"), bf16 q: a group's members packed 16 to
-    a shared tile (4 q heads a kv head), the own passes through shifted tables. An e4m3 cache is held to attention
-    over its own values (exact in the kernel's float16), so bf16's tolerance holds."""
+    a shared tile (4 q heads a kv head), the own passes through shifted tables; or the own passes through the CUDA
+    call's unmerged splits (the engine's own_partials on Hopper; its reference without the library). An e4m3 cache
+    is held to attention over its own values (exact in the kernels' float16), so bf16's tolerance holds. Padding
+    rows (garbage lengths and tables) come out as zeros."""
     rng = np.random.default_rng(3)
     for layout, (groups, loners) in LAYOUTS.items():
         batch, cascade, expected = make_cascade_batch(rng, groups, loners, **GEOMETRY, dtype=jnp.bfloat16,
                                                       cache_dtype=cache_dtype, **options)
         poison_allocator(batch)
-        out = run(batch, cascade, impl="pallas", decode_backend="mosaic", interpret=INTERPRET, **options)
+        out = run(batch, cascade, impl="pallas", decode_backend="mosaic", interpret=INTERPRET,
+                  own_partials=own_partials, **options)
         check_close(out, expected, batch, jnp.bfloat16, layout)
+        assert not np.asarray(out[batch.live_tokens:], np.float32).any(), layout
 
 
 def test_mosaic_cascade_lowers_for_cuda():

@@ -87,10 +87,11 @@ def make_paged_case(rng, *, lens, q_heads, kv_heads, head_dim, block_size=16, ma
 
 
 def naive_decode(q, k_cache, v_cache, kv_lens, block_tables, sm_scale, window, cap):
-    """Per-sequence, per-head float64 loop: the oracle for the JAX reference."""
+    """Per-sequence, per-head float64 loop: the oracle for the JAX reference. (out, log2 of each softmax's
+    denominator: -inf for a row with no keys)."""
     q, k_cache, v_cache = (np.asarray(a, np.float64) for a in (q, k_cache, v_cache))
     q_heads, (block_size, kv_heads) = q.shape[1], k_cache.shape[1:3]
-    out = np.zeros_like(q)
+    out, lse = np.zeros_like(q), np.full(q.shape[:2], -np.inf)
     for b, n in enumerate(np.asarray(kv_lens)):
         pos = np.arange(n)
         pos = pos[pos > n - 1 - window] if window else pos
@@ -105,7 +106,8 @@ def naive_decode(q, k_cache, v_cache, kv_lens, block_tables, sm_scale, window, c
             s = cap * np.tanh(s / cap) if cap else s
             p = np.exp(s - s.max())
             out[b, h] = p @ values[:, kvh] / p.sum()
-    return out
+            lse[b, h] = (s.max() + np.log(p.sum())) / np.log(2)
+    return out, lse
 
 
 def decode_kwargs(head_dim, window, cap):
@@ -129,10 +131,52 @@ def test_decode_reference_matches_naive_loop(dtype, cache_dtype, tolerance, q_he
     kw = decode_kwargs(head_dim, window, cap)
     out = cc.paged_decode_attention_reference(case["q"], k_cache, v_cache, case["kv_lens"], case["block_tables"], **kw)
     assert out.dtype == dtype
-    ref = naive_decode(case["q"], k_cache.astype(jnp.float32), v_cache.astype(jnp.float32), case["kv_lens"],
-                       np.asarray(case["block_tables"]), kw["sm_scale"], window, cap)
+    ref, _ = naive_decode(case["q"], k_cache.astype(jnp.float32), v_cache.astype(jnp.float32), case["kv_lens"],
+                          np.asarray(case["block_tables"]), kw["sm_scale"], window, cap)
     assert rel_err(out, ref) <= tolerance, f"seed {seed}"
     assert not np.asarray(out[1]).any(), "padding row (kv_len 0) must be zeros"
+
+
+@pytest.mark.parametrize("cache_dtype", [None, FP8])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,window,cap", [(8, 2, 128, None, 30.0), (16, 2, 64, 7, None)])
+def test_decode_partials_reference_gives_each_row_its_attention_and_log2_sum_exp(cache_dtype, q_heads, kv_heads,
+                                                                                  head_dim, window, cap):
+    """One split a row, in float32: the attention and log2 of its softmax's denominator (the scores in natural
+    units), against the float64 loop; a row with no keys gets zeros and -inf."""
+    seed, rng = fresh_rng()
+    case = make_paged_case(rng, lens=[37, 0, 16, 61, 1], q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                           max_blocks=5, cache_dtype=cache_dtype)
+    k_cache, v_cache = cc.reshape_and_cache_reference(case["k_cache"], case["v_cache"], case["new_k"],
+                                                      case["new_v"], case["slots"])
+    kw = decode_kwargs(head_dim, window, cap)
+    out, lse = cc.paged_decode_partials(case["q"], k_cache, v_cache, case["kv_lens"], case["block_tables"], **kw)
+    assert out.shape == (5, 1, q_heads, head_dim) and lse.shape == (5, 1, q_heads) and out.dtype == jnp.float32
+    ref, ref_lse = naive_decode(case["q"], k_cache.astype(jnp.float32), v_cache.astype(jnp.float32),
+                                case["kv_lens"], np.asarray(case["block_tables"]), kw["sm_scale"], window, cap)
+    assert rel_err(out[:, 0], ref) <= 1e-5, f"seed {seed}"
+    live = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(np.asarray(lse[:, 0])), live) and not np.asarray(out[1]).any(), f"seed {seed}"
+    np.testing.assert_allclose(np.asarray(lse[:, 0])[live], ref_lse[live], rtol=1e-6, atol=1e-5,
+                               err_msg=f"seed {seed}")   # float32 sums of up to 61 terms
+
+
+def test_unpacked_partials_normalise_each_split_by_its_sum():
+    """The call's workspace (each split's unnormalised sums, then its (max, sum), log2 domain) read back as
+    paged_decode_partials gives them; a split with no keys (sum 0) gives zeros and -inf."""
+    seed, rng = fresh_rng()
+    batch, heads, splits, head_dim = 3, 4, 2, 8
+    acc = rng.standard_normal((batch, heads, splits, head_dim)).astype(np.float32)
+    top = rng.standard_normal((batch, heads, splits)).astype(np.float32)
+    total = rng.uniform(0.5, 3.0, (batch, heads, splits)).astype(np.float32)
+    total[1, 2, 0] = 0.0
+    workspace = jnp.asarray(np.concatenate([acc.ravel(), np.stack([top, total], -1).ravel()]))
+    out, lse = cc.unpack_partials(workspace, batch, heads, splits, head_dim)
+    assert out.shape == (batch, splits, heads, head_dim) and lse.shape == (batch, splits, heads)
+    live = total > 0
+    expected = np.where(live[..., None], acc / np.where(live, total, 1)[..., None], 0).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(out, expected, rtol=1e-6, err_msg=f"seed {seed}")
+    expected_lse = np.where(live, top + np.log2(np.where(live, total, 1)), -np.inf).transpose(0, 2, 1)
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-6, atol=1e-6, err_msg=f"seed {seed}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, FP8])
@@ -769,6 +813,38 @@ def test_decode_window_and_soft_cap_match_reference(cache_dtype, dtype, window, 
         assert rel_err(out, ref) <= TOLERANCE[dtype], f"seed {seed} splits {splits}"
 
 
+@needs_gpu
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("window,cap", [(None, None), (100, 30.0)])
+def test_decode_partials_merge_to_the_reference(cache_dtype, dtype, window, cap):
+    """The call's splits unmerged (the workspace poisoned first): one split gives the reference's attention and
+    log2-sum-exp; 1, 3 and 16 splits merged by their log2-sum-exps give its attention, and their log2-sum-exps its
+    own; a row with no keys gets zeros and -inf in every split."""
+    assert cc.available(), cc.unavailable_reason()
+    seed, rng = fresh_rng()
+    case = make_paged_case(rng, lens=[513, 5, 0, 260, 99], q_heads=32, kv_heads=8, head_dim=128, dtype=dtype,
+                           cache_dtype=cache_dtype)
+    k_cache, v_cache = cc.reshape_and_cache_reference(case["k_cache"], case["v_cache"], case["new_k"],
+                                                      case["new_v"], case["slots"])
+    args = (case["q"], k_cache, v_cache, case["kv_lens"], case["block_tables"])
+    kw = decode_kwargs(128, window, cap)
+    ref, ref_lse = cc.paged_decode_partials_reference(*args, **kw)
+    for splits in (1, 3, 16):
+        poison_device_memory((5 * 32 * splits * 130,), jnp.float32)
+        out, lse = jax.jit(functools.partial(cc.paged_decode_partials, **kw, num_splits=splits))(*args)
+        assert out.shape == (5, splits, 32, 128) and lse.shape == (5, splits, 32)
+        assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any(), f"seed {seed}"
+        total = jax.nn.logsumexp(lse * math.log(2), axis=1) / math.log(2)
+        merged = jnp.sum(out * jnp.exp2(lse - jnp.where(jnp.isfinite(total), total, 0)[:, None])[..., None], axis=1)
+        assert rel_err(merged, ref[:, 0]) <= TOLERANCE[dtype], f"seed {seed} splits {splits}"   # P's rounding
+        live = np.isfinite(np.asarray(ref_lse[:, 0]))
+        assert np.array_equal(np.isfinite(np.asarray(total)), live), f"seed {seed} splits {splits}"
+        np.testing.assert_allclose(np.asarray(total)[live], np.asarray(ref_lse[:, 0])[live], rtol=1e-5, atol=1e-4,
+                                   err_msg=f"seed {seed} splits {splits}")   # float32 sums over up to 513 keys
+        assert not np.asarray(out[2]).any(), "a row with no keys must be zeros"
+
+
 def large_fp8_decode_step(rng, kernels, max_len=300, rows=256):
     """A decode-only step of `rows` rows (the last one padding) over an FP8 cache, jitted through the model's paged
     attention with `kernels`: (case, step, its args)."""
@@ -864,6 +940,38 @@ def test_mixed_steps_lower_to_the_call_and_mosaic_only_for_cuda(monkeypatch, cac
     expected = {"jaxserve_paged_decode_attention", "mosaic_gpu_v2"} if call else {"mosaic_gpu_v2"}
     assert set(re.findall(r"custom_call @([\w$.]+)", text)) == expected
     assert text.count("custom_call @mosaic_gpu_v2") == (1 if call else 2)   # the prefill, and the decode if Mosaic's
+
+
+@pytest.mark.parametrize("cache, rows, call", [pytest.param(*p.values[:2], p.values[3], id=p.id)
+                                               for p in MIXED_STEPS])
+def test_cascade_steps_read_their_own_keys_through_the_call_for_cuda(monkeypatch, cache, rows, call):
+    """Lowered for CUDA on Hopper, a cascade step under "auto" reads its groups' shared prefixes through the Mosaic
+    GPU cascade and its rows' own keys through the CUDA call where decode_on_cuda says, else through the Mosaic GPU
+    decode: no Triton kernel, no other custom call, each Mosaic GPU kernel lowered once for three layers."""
+    from jaxserve.models import attention
+    from pallas_kernels.cascade_attention import CascadeGroups
+
+    monkeypatch.setattr(cc, "available", lambda: True)
+    monkeypatch.setattr(cc, "sm_count", lambda: 132)
+    monkeypatch.setattr(jax, "devices", lambda *_: [FakeHopper()])
+    groups = 4
+    cache_shape = jax.ShapeDtypeStruct((512, 16, 8, 128), cache or jnp.bfloat16)
+    ints = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((rows,), (rows, 32), (1,), (rows,), (rows,),
+                                                                 (groups + 1,), (groups,), (groups,), (1,))]
+    kernels = attention.AttentionKernels("pallas", "auto", cuda_decodes=True)
+
+    def layers(q, k_cache, v_cache, kv_lens, tables, num_seqs, *cascade):
+        batch = attention.AttentionBatch(jnp.zeros(rows, jnp.int32), jnp.arange(rows + 1, dtype=jnp.int32), kv_lens,
+                                         tables, num_seqs, decode_only=True, cascade=CascadeGroups(*cascade))
+        return sum(attention.attend_pages(q * (i + 1), k_cache, v_cache, batch, kernels, 1, 0, sm_scale=0.125,
+                                          sliding_window=None) for i in range(3))
+
+    q = jax.ShapeDtypeStruct((rows, 32, 128), jnp.bfloat16)
+    text = jax.jit(layers).trace(q, cache_shape, cache_shape, *ints).lower(lowering_platforms=("cuda",)).as_text()
+    expected = {"jaxserve_paged_decode_attention", "mosaic_gpu_v2"} if call else {"mosaic_gpu_v2"}
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == expected
+    assert text.count("custom_call @mosaic_gpu_v2") == (1 if call else 2)   # the shared pass, and the own if Mosaic's
+    assert text.count("custom_call @jaxserve_paged_decode_attention") == call   # in the jitted cascade, once
 
 
 @needs_gpu

@@ -439,10 +439,10 @@ def test_attention_kernels_are_what_runs_here():
 
 def test_decodes_take_the_cuda_tensor_core_kernel_where_it_is_faster(monkeypatch):
     """Under "auto" on sm_90 with the CUDA library, the engine marks its decodes for the CUDA call (cuda_decodes):
-    those of decode-only and mixed steps whose shapes its tensor-core kernel takes run it, over an FP8 cache at any
-    batch, over a cache of q's dtype from CUDA_DECODE_MIN_ROWS sequence slots; other shapes and cascade steps keep
-    the Pallas launch; a named backend keeps it everywhere, and "cuda" takes the call for every decode-only step
-    (mixed steps' decodes stay with the Pallas launch)."""
+    those of decode-only, mixed and cascade steps (a cascade's own keys) whose shapes its tensor-core kernel takes
+    run it, over an FP8 cache at any batch, over a cache of q's dtype from CUDA_DECODE_MIN_ROWS sequence slots;
+    other shapes keep the Pallas launch; a named backend keeps it everywhere, and "cuda" takes the call for every
+    decode-only step (mixed steps' decodes stay with the Pallas launch)."""
     from types import SimpleNamespace
 
     import jaxserve.models.attention as attention
@@ -471,10 +471,11 @@ def test_decodes_take_the_cuda_tensor_core_kernel_where_it_is_faster(monkeypatch
 
     assert all([on_cuda(), on_cuda(tokens=1, slots=1), on_cuda(tokens=4096, slots=16, decode_only=False),
                 on_cuda(cache=bf16), on_cuda(tokens=4096, cache=bf16, decode_only=False),
-                on_cuda(tokens=2 * rows, slots=2 * rows, head_dim=64, q=jnp.float16, q_heads=128, block=32)])
+                on_cuda(tokens=2 * rows, slots=2 * rows, head_dim=64, q=jnp.float16, q_heads=128, block=32),
+                on_cuda(cascade=object()), on_cuda(cascade=object(), cache=bf16)])
     assert not any([on_cuda(tokens=rows - 1, cache=bf16), on_cuda(tokens=4096, slots=rows - 1, cache=bf16),
                     on_cuda(q=jnp.float32), on_cuda(head_dim=256), on_cuda(q_heads=136), on_cuda(block=24),
-                    on_cuda(cascade=object()), on_cuda(kernels=plain)])
+                    on_cuda(cascade=object(), cache=bf16, slots=rows - 1), on_cuda(kernels=plain)])
     forced = AttentionKernels("cuda", "auto")
     assert on_cuda(tokens=1, cache=bf16, kernels=forced) and not on_cuda(decode_only=False, kernels=forced)
 

@@ -10,7 +10,9 @@
 // token row is read by kLanes lanes with one load each (16 bytes; 8 for FP8),
 // coalesced, and each lane issues kRowLoadsInFlight independent loads before
 // first use. num_splits > 1 writes unnormalised partials (acc, max, sum) to
-// the workspace and a second kernel merges them.
+// the workspace and a second kernel merges them; `partials` writes them for
+// any num_splits and merges none (the caller merges them with its own:
+// cascade attention's shared prefix).
 //
 // Templates: Q is q's and the output's type, C the cache's: Q itself, or FP8
 // e4m3 under any Q. An FP8 cache is read as stored, each element widened to
@@ -48,6 +50,8 @@ struct DecodeParams {
   float cap_log2e;      // soft_cap * log2(e); 0 when there is no cap
   int window;           // 0: no sliding window
   int num_splits;
+  bool partials;        // write partials to the workspace, not the output
+  bool merge;           // a second kernel merges the splits' partials into the output
 };
 
 __device__ __forceinline__ float WarpMax(float x) {
@@ -241,7 +245,7 @@ __device__ void WriteResult(const DecodeParams& p, const SharedState<C, D, G>& s
 #pragma unroll
     for (int r = 0; r < Layout<C, D>::kGroups; ++r) sum += sh.acc[r][g][d];
     const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + g;
-    if (p.num_splits == 1) {
+    if (!p.partials) {
       const float denom = sh.run_sum[g];
       static_cast<Q*>(p.out)[bh * D + d] = Elem<Q>::Store(denom > 0.f ? sum / denom : 0.f);
     } else {
@@ -331,7 +335,7 @@ template <typename Q, typename C, int D, int G>
 void Launch(const DecodeParams& p, int batch, int kv_heads, cudaStream_t stream) {
   const dim3 grid(kv_heads * p.head_tiles, p.num_splits, batch);
   PagedDecodeKernel<Q, C, D, G><<<grid, kThreads, 0, stream>>>(p);
-  if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, kThreads, 0, stream>>>(p);
+  if (p.merge) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, kThreads, 0, stream>>>(p);
 }
 
 // Tensor-core decode over an FP8 cache under a bf16 or f16 q, or a cache in q's bf16 or f16 (a group of up to 16
@@ -655,7 +659,7 @@ __device__ void MergeWarps(const DecodeParams& p, const Shared<D, NT>& sh, int b
       denom = fmaf(weight, sh.l[w][g], denom);
     }
     const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + g;
-    if (p.num_splits == 1) {
+    if (!p.partials) {
       static_cast<Q*>(p.out)[bh * D + d] = Elem<Q>::Store(denom > 0.f ? sum / denom : 0.f);
     } else {
       const int64_t part = bh * p.num_splits + split;
@@ -735,7 +739,7 @@ void Launch(const DecodeParams& p, int batch, int kv_heads, int bs_shift, cudaSt
   }
   const dim3 grid(kv_heads, p.num_splits, batch);
   DecodeKernel<Q, C, D, NT><<<grid, kThreads, kBytes, stream>>>(p, bs_shift);
-  if (p.num_splits > 1) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, jaxserve::kThreads, 0, stream>>>(p);
+  if (p.merge) MergeSplitsKernel<Q, D><<<batch * p.num_q_heads, jaxserve::kThreads, 0, stream>>>(p);
 }
 
 template <typename Q, typename C>
@@ -803,7 +807,7 @@ ffi::Error PagedDecodeAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                 ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                                 ffi::Buffer<ffi::S32> block_tables, ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::F32>> workspace, float sm_scale,
-                                int32_t sliding_window, float soft_cap, int32_t num_splits) {
+                                int32_t sliding_window, float soft_cap, int32_t num_splits, int32_t partials) {
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("expected q [B,Hq,D], cache [N,bs,Hkv,D], block_tables [B,M]");
@@ -816,17 +820,20 @@ ffi::Error PagedDecodeAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
   if (v_cache.element_type() != cache || (cache != q.element_type() && cache != ffi::DataType::F8E4M3FN))
     return ffi::Error::InvalidArgument("k_cache and v_cache must be in q's dtype or both float8_e4m3fn");
   const int group = q_heads / kv_heads, group_tile = GroupTile(group);
-  const int64_t partials = int64_t{batch} * q_heads * num_splits;
-  if (num_splits > 1 && static_cast<int64_t>(workspace->element_count()) < partials * (head_dim + 2))
+  const int64_t parts = int64_t{batch} * q_heads * num_splits;
+  const bool spilled = num_splits > 1 || partials;
+  if (spilled && static_cast<int64_t>(workspace->element_count()) < parts * (head_dim + 2))
     return ffi::Error::InvalidArgument("workspace too small for num_splits");
+  if (!partials && static_cast<int64_t>(out->element_count()) < int64_t{batch} * q_heads * head_dim)
+    return ffi::Error::InvalidArgument("out must hold [B,Hq,D]");
   if (batch == 0) return ffi::Error::Success();
   float* ws = workspace->typed_data();
   const DecodeParams p{
       q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(), kv_lens.typed_data(),
-      block_tables.typed_data(), out->untyped_data(), ws, ws + partials * head_dim, q_heads, group,
+      block_tables.typed_data(), out->untyped_data(), ws, ws + parts * head_dim, q_heads, group,
       CeilDiv(group, group_tile), static_cast<int>(td[1]), static_cast<int>(kd[1]), static_cast<int>(kd[0]),
       int64_t{kv_heads} * head_dim, soft_cap > 0.f ? sm_scale / soft_cap : sm_scale * kLog2e,
-      soft_cap > 0.f ? soft_cap * kLog2e : 0.f, sliding_window, num_splits};
+      soft_cap > 0.f ? soft_cap * kLog2e : 0.f, sliding_window, num_splits, spilled, num_splits > 1 && !partials};
   if (tc::Takes(q.element_type(), cache, head_dim, group, p.block_size)) {
     const int bs_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
     const bool fp8 = cache == ffi::DataType::F8E4M3FN;
@@ -860,5 +867,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecodeAttention, jaxserve::PagedDecod
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("num_splits"),
+                                  .Attr<int32_t>("num_splits")
+                                  .Attr<int32_t>("partials"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

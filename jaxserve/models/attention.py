@@ -172,9 +172,15 @@ def paged_attention(q, k, v, kv_layer, batch: AttentionBatch, *, kernels: Attent
 
 def attend_pages(q, k_cache, v_cache, batch: AttentionBatch, kernels: AttentionKernels, num_layers: int, layer,
                  **kw):
-    """Attention over the cache, the step's k/v already written. A mixed step's leading decodes take the CUDA call
-    where a decode-only step would (pallas_kernels' decode_rows: where the Mosaic GPU prefill serves the rest)."""
+    """Attention over the cache, the step's k/v already written. A mixed step's leading decodes, and a cascade
+    step's own keys, take the CUDA call where a decode-only step would (pallas_kernels' decode_rows and
+    own_partials: where Mosaic GPU's kernels serve the rest)."""
     on_cuda = decode_on_cuda(q, k_cache, batch, kernels)
+    if batch.cascade is not None:   # paged, no window (step_graphs.cascade_rule)
+        return cascade_attention(q, k_cache, v_cache, batch.kv_lens,
+                                 layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs, batch.cascade,
+                                 sm_scale=kw["sm_scale"], decode_backend=kernels.decode_backend,
+                                 own_partials=custom_calls.paged_decode_partials if on_cuda else None)
     if batch.decode_only and on_cuda:
         return cuda_decode(q, k_cache, v_cache, batch, kernels, num_layers, layer, **kw)
     decode_rows = cuda_decode_rows(k_cache, v_cache, batch, kernels, num_layers, layer, **kw) if on_cuda else None
@@ -218,12 +224,11 @@ CUDA_DECODE_MIN_ROWS = 256
 def decode_on_cuda(q, k_cache, batch: AttentionBatch, kernels: AttentionKernels) -> bool:
     """Whether a step's decodes run the CUDA call: a decode-only step's when asked for, or (kernels.cuda_decodes) any
     step's whose cache and shapes the tensor-core kernel takes, over a cache of q's dtype from CUDA_DECODE_MIN_ROWS
-    rows (the batch's sequence slots), cascade steps aside."""
+    rows (the batch's sequence slots); a cascade step's, its rows' own keys."""
     if kernels.decode == "cuda":
         return batch.decode_only
     rows = min(q.shape[0], batch.kv_lens.shape[0])
-    return (kernels.cuda_decodes and batch.cascade is None
-            and (is_quantized_kv(k_cache.dtype) or rows >= CUDA_DECODE_MIN_ROWS)
+    return (kernels.cuda_decodes and (is_quantized_kv(k_cache.dtype) or rows >= CUDA_DECODE_MIN_ROWS)
             and custom_calls.tensor_core_decode_takes(q.dtype, k_cache.dtype, q.shape[2],
                                                       q.shape[1] // k_cache.shape[2], k_cache.shape[1]))
 
@@ -232,10 +237,6 @@ def ragged_attention(q, k_cache, v_cache, batch: AttentionBatch, kernels: Attent
                      decode_rows=None, **kw):
     """The Pallas launches (the CPU kernel or pure JAX off the GPU) over the batch's block tables or, under
     contiguous kernels, its cache rows; the cache's blocks at `layer` of num_layers (see the module)."""
-    if batch.cascade is not None:   # paged, no window (step_graphs.cascade_rule)
-        return cascade_attention(q, k_cache, v_cache, batch.kv_lens,
-                                 layer_block_ids(batch.block_tables, num_layers, layer), batch.num_seqs, batch.cascade,
-                                 sm_scale=kw["sm_scale"], decode_backend=kernels.decode_backend)
     kw.update(prefill_backend=kernels.prefill, decode_backend=kernels.decode_backend, decode_only=batch.decode_only,
               decode_rows=decode_rows)
     lens = (q, k_cache, v_cache, batch.cu_q_lens, batch.kv_lens)
