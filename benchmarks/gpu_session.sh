@@ -3,8 +3,8 @@
 # to at most 540 s per part). Results and a log land under $OUT; copy them to benchmarks/results/.
 # The image lacks some of what the serving and benchmark parts import: carry wheels (pip download --no-deps) of grain
 # and its array-record, etils, cloudpickle, portpicker, and of grpcio 1.85.1 with grpcio-health-checking and
-# grpcio-reflection (the image's grpcio 1.84 is older than jaxserve_pb2_grpc.py asks), protobuf and llguidance, then
-# pip install --no-deps --target /tmp/site and put /tmp/site first on PYTHONPATH.
+# grpcio-reflection (the image's grpcio 1.84 is older than jaxserve_pb2_grpc.py asks), protobuf, llguidance and gguf
+# (the embedded model's reader), then pip install --no-deps --target /tmp/site and put /tmp/site first on PYTHONPATH.
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh engine      # offline + HF peer
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh offline     # default vs tuned config, greedy vs sampled
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh batch1      # batch-1 decode, mosaic prefill, start-up
