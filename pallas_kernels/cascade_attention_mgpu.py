@@ -8,7 +8,7 @@
   (shared lengths are whole blocks, and decode attention does not depend on where a key sits); rows outside every
   group attend their whole context. Its partials come from the Mosaic GPU decode or from `own_partials` (the
   engine's CUDA call, faster at large batches and over FP8 caches).
-- Merge: each row's shared partial joins its own pass's splits in one weighed sum.
+- Merge: each row's shared splits, gathered from the packed tiles, join its own pass's in one weighed sum.
 No sliding window (as `cascade_attention`). Reference: `cascade_attention_reference`.
 """
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ def cascade_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, num_dec
     parts, lse = decode_partials(packed_queries(q, tiles.rows, kv_heads), k_cache, v_cache,
                                  groups.shared_lens[tiles.group], block_tables[groups.table_rows[tiles.group]],
                                  tiles.count, **options)
-    shared, shared_lse = unpacked(*merge_partials(parts, lse), tiles.slot_of_row, kv_heads, members)
+    shared, shared_lse = unpacked(parts, lse, tiles.slot_of_row, kv_heads, members)
     own_tables = shifted_tables(block_tables, groups.kv_starts // block_size)
     own_lens = kv_lens - groups.kv_starts
     if own_partials is None:
@@ -57,8 +57,8 @@ def cascade_decode_attention(q, k_cache, v_cache, kv_lens, block_tables, num_dec
         parts, lse = own_partials(q[:rows], k_cache, v_cache, own_lens, own_tables[:rows], sm_scale=sm_scale,
                                   soft_cap=soft_cap)
     rows = parts.shape[0]
-    out, _ = merge_partials(jnp.concatenate([parts, shared[:rows, None]], axis=1),
-                            jnp.concatenate([lse, shared_lse[:rows, None]], axis=1))
+    out, _ = merge_partials(jnp.concatenate([parts, shared[:rows]], axis=1),
+                            jnp.concatenate([lse, shared_lse[:rows]], axis=1))
     return jnp.pad(out, ((0, num_tokens - rows), (0, 0), (0, 0))).astype(q.dtype)
 
 
@@ -95,17 +95,19 @@ def packed_queries(q, tile_rows, kv_heads: int):
     return packed.transpose(0, 2, 1, 3, 4).reshape(num_tiles, -1, head_dim)
 
 
-def unpacked(shared, shared_lse, slot_of_row, kv_heads: int, members: int):
-    """The shared pass's merged partials [T, packed heads, head_dim] and log2-sum-exps [T, packed heads] back to
-    each row's [S, q heads, head_dim] and [S, q heads]; rows in no group get no keys (zeros, -inf)."""
-    num_tiles, packed_heads, head_dim = shared.shape
+def unpacked(parts, lse, slot_of_row, kv_heads: int, members: int):
+    """The shared pass's partials [T, splits, packed heads, head_dim] and log2-sum-exps [T, splits, packed heads] as
+    each row's [S, splits, q heads, head_dim] and [S, splits, q heads], gathered unmerged: only the rows' data moves
+    (T counts a tile for every group the step could hold), merged once with the own pass's; rows in no group get no
+    keys (zeros, -inf)."""
+    num_tiles, splits, packed_heads, head_dim = parts.shape
     group = packed_heads // (kv_heads * members)
-    out = shared.reshape(num_tiles, kv_heads, members, group, head_dim).transpose(0, 2, 1, 3, 4)
-    lse = shared_lse.reshape(num_tiles, kv_heads, members, group).transpose(0, 2, 1, 3)
-    out = jnp.take(out.reshape(num_tiles * members, kv_heads * group, head_dim), slot_of_row, axis=0, mode="fill",
-                   fill_value=0)
-    return out, jnp.take(lse.reshape(num_tiles * members, kv_heads * group), slot_of_row, axis=0, mode="fill",
-                         fill_value=-jnp.inf)
+    tile, member = slot_of_row // members, slot_of_row % members   # no group: tile T, out of range
+    out = parts.reshape(num_tiles, splits, kv_heads, members, group, head_dim).at[tile, :, :, member].get(
+        mode="fill", fill_value=0)
+    lse = lse.reshape(num_tiles, splits, kv_heads, members, group).at[tile, :, :, member].get(
+        mode="fill", fill_value=-jnp.inf)
+    return out.reshape(-1, splits, kv_heads * group, head_dim), lse.reshape(-1, splits, kv_heads * group)
 
 
 def shifted_tables(block_tables, first_blocks):
