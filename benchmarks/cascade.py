@@ -6,7 +6,9 @@ kernel reading every row's whole context; `cascade` is the shared pass plus the 
 keys. `ms` is GPU time (benchmarks/common.device_busy_ms, median of 10); `gbps` counts the KV bytes a prefix-once
 read needs (shared once per group, own per row), the same bytes for both impls, so it compares them directly.
 `--threshold` sweeps one group of M members over shared lengths: where cascade starts to pay sets
-step_graphs.CASCADE_MIN_MEMBERS and CASCADE_MIN_SAVED_KEYS. `--programs N ...` adds a cascade row per value of
+step_graphs.CASCADE_MIN_MEMBERS and CASCADE_MIN_SAVED_KEYS. `--own-sweep` sweeps 256 members' own keys against
+their shared ones: where the CUDA call reads the own keys its plain decode also takes the shared pages from L2, so
+the own keys decide where cascade pays. `--programs N ...` adds a cascade row per value of
 Tuning.cascade_programs (the shared pass's program budget, which sets its splits of the shared keys). `--mosaic`
 adds both on the Mosaic GPU decode kernel (Hopper; decode_backend="mosaic"): plain_mosaic and cascade_mosaic,
 once per `--mosaic-variants` Tuning override (default: the defaults alone); where the CUDA library loads, also
@@ -15,6 +17,7 @@ runs a cascade step on Hopper from CUDA_DECODE_MIN_ROWS rows).
 
   python benchmarks/cascade.py                 # the engine's shapes: 256 x 1024 shared, n = 8 over 32 prompts
   python benchmarks/cascade.py --threshold     # where cascade starts to pay
+  python benchmarks/cascade.py --mosaic --own-sweep   # the same against the own keys (Hopper, the CUDA call)
   python benchmarks/cascade.py --programs 128 264 528 1056   # tune the shared pass's splits
   python benchmarks/cascade.py --mosaic        # the Mosaic GPU kernels' rows beside Triton's, same run (Hopper)
   python benchmarks/cascade.py --mosaic --mosaic-variants '[{}, {"mosaic_decode_warpgroups": 2}]'
@@ -46,6 +49,7 @@ ENGINE_POINTS = [(1, 256, 1024, 64, "adjacent"), (1, 256, 1024, 192, "adjacent")
                  (1, 256, 512, 512, "adjacent")]
 # largest groups first: they set the rule, and a sweep cut short by its time limit still has them
 THRESHOLD_POINTS = [(1, m, s, 64, "adjacent") for m in (256, 128, 64, 32, 8) for s in (256, 512, 1024, 2048)]
+OWN_SWEEP_POINTS = [(1, 256, s, o, "adjacent") for s in (1024, 512) for o in (128, 256, 384, 512, 1024)]
 
 
 def make_batch(rng, groups: int, members: int, shared: int, own: int, rows_order: str):
@@ -137,6 +141,7 @@ def run_point(rng, point, interpret: bool, programs: list[int | None], profile: 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threshold", action="store_true", help="one group of M members over shared lengths")
+    parser.add_argument("--own-sweep", action="store_true", help="256 members over own against shared lengths")
     parser.add_argument("--programs", type=int, nargs="+", default=[None],
                         help="Tuning.cascade_programs values, a cascade row each (default: the tuned default)")
     parser.add_argument("--profile", action="store_true", help="print each cascade's kernels by GPU time")
@@ -150,7 +155,7 @@ def main(argv=None):
     if args.mosaic and interpret:   # interpreted under jit, Mosaic GPU kernels deadlock on the CPU client
         parser.error("--mosaic needs a Hopper GPU (the Mosaic GPU kernels are tested interpreted: tests/)")
     rng = np.random.default_rng(0)
-    points = THRESHOLD_POINTS if args.threshold else ENGINE_POINTS
+    points = THRESHOLD_POINTS if args.threshold else OWN_SWEEP_POINTS if args.own_sweep else ENGINE_POINTS
     variants = json.loads(args.mosaic_variants) if args.mosaic else []
     rows = [r for i, point in enumerate(points) if args.points is None or i in args.points
             for r in run_point(rng, point, interpret, args.programs, args.profile, variants)]

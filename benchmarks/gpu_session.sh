@@ -70,6 +70,7 @@
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh speculative-offline  # 256 x 512/128, speculation on/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade     # cascade attention: GPU tests, kernel points
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-own-call  # cascade's own keys through the CUDA call
+#   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-call-rule  # where cascade pays with the call
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-mosaic  # cascade on the Mosaic decode kernel
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-mosaic-engine  # no Triton kernel: cascade auto/off
 #   JAXSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh cascade-engine  # shared prefixes, n = 8, cascade on/off
@@ -269,6 +270,14 @@ case $1 in
     run 240 python -m pytest -q -p no:cacheprovider tests/test_custom_calls.py tests/test_cascade_attention.py \
       tests/test_llm_engine.py -k "partials or cascade_steps or mosaic_kernel or decode_window or large_fp8_decode"
     run 300 python benchmarks/cascade.py --mosaic --profile --points 0 2 4 5 6 --out "$OUT/cascade_gpu.json" ;;
+  cascade-call-rule)   # where cascade with the CUDA call's own pass pays: 256 members over own against shared keys
+    # (kernel level), then the engine at 256 x (512 shared + 512)/128, cascade auto beside off
+    build_calls
+    run 300 python benchmarks/cascade.py --mosaic --own-sweep --out "$OUT/cascade_gpu.json"
+    for set in cascade_attention=auto cascade_attention=off; do
+      run 120 python benchmarks/offline.py --config $CONFIG --shared-prefix-len 512 --input-len 512 --set $set \
+        --out "$OUT/offline_cascade_gpu.json"
+    done ;;
   cascade-mosaic)   # cascade on the Mosaic GPU decode kernel: its tests compiled, then its kernel points beside Triton's
     run 200 python -m pytest -q -x -p no:cacheprovider tests/test_cascade_attention.py -k "mosaic" \
       tests/test_llm_engine.py::test_cascade_steps_on_mosaic
